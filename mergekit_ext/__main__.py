@@ -1,0 +1,4 @@
+from mergekit_ext.cli import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""The ``calibration:`` section of a merge YAML (top-level defaults and per-model entries)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class CalibrationSpec(BaseModel):
+    """Where one model's calibration data comes from and how it is sampled.
+
+    Exactly one of ``path`` (a local file or folder), ``dataset`` (a Hub dataset name, only
+    online) or ``source`` (a custom source registered by name) names the data.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: Optional[str] = None
+    dataset: Optional[str] = None
+    source: Optional[str] = None
+    split: Optional[str] = None
+    field: Optional[str] = None  # text column, or image column for vision models
+    samples: int = Field(default=128, ge=1)
+    max_length: int = Field(default=256, ge=1)
+    batch_size: int = Field(default=8, ge=1)
+    seed: int = 0
+    pack: bool = False
+    chat_template: bool = False
+    # vision preprocessing overrides (default: the model's own image processor config)
+    image_size: Optional[int] = None
+    image_mean: Optional[list[float]] = None
+    image_std: Optional[list[float]] = None
+    # free-form options for custom sources
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    def merged_with(self, defaults: Optional[CalibrationSpec]) -> CalibrationSpec:
+        """This entry with unset fields taken from the top-level defaults."""
+        if defaults is None:
+            return self
+        values = defaults.model_dump(exclude_unset=True)
+        values.update(self.model_dump(exclude_unset=True))
+        return CalibrationSpec.model_validate(values)
+
+    @property
+    def has_data(self) -> bool:
+        return bool(self.path or self.dataset or self.source)
+
+    def describe(self) -> str:
+        return self.path or self.dataset or f"source:{self.source}"

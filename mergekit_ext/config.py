@@ -1,0 +1,150 @@
+"""mergekit's ``MergeConfiguration`` plus mergekit-ext's additions.
+
+A mergekit-ext YAML is a mergekit YAML with two optional additions:
+
+- ``calibration:`` at the top level (defaults for every model) and inside a model entry
+  (that model's data), see :class:`~mergekit_ext.calibration.config.CalibrationSpec`;
+- ``name:`` inside a model entry (the task's name; default: the folder name).
+
+mergekit ignores unknown keys, so we parse them here and hand the rest to mergekit.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import yaml
+from mergekit.config import MergeConfiguration
+from pydantic import ValidationError
+
+from mergekit_ext.calibration.config import CalibrationSpec
+from mergekit_ext.errors import ConfigError
+
+_MODEL_EXTRA_KEYS = ("calibration", "name")
+
+
+@dataclass
+class ExtModelEntry:
+    """One entry of ``models:`` with the mergekit-ext additions."""
+
+    model: str  # as written in the YAML (path, hub id, or base+lora)
+    name: str
+    calibration: Optional[CalibrationSpec]
+
+
+@dataclass
+class ExtMergeConfig:
+    merge: MergeConfiguration
+    source_text: str
+    raw: dict[str, Any]
+    models: list[ExtModelEntry]
+    calibration_defaults: Optional[CalibrationSpec]
+    base_dir: str  # folder of the YAML file; relative paths resolve against the CWD like mergekit
+
+    @property
+    def method(self) -> str:
+        return self.merge.merge_method
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.source_text.encode("utf-8")).hexdigest()
+
+    @property
+    def parameters(self) -> dict[str, Any]:
+        return dict(self.raw.get("parameters") or {})
+
+    def calibration_for(self, entry: ExtModelEntry) -> Optional[CalibrationSpec]:
+        if entry.calibration is not None:
+            return entry.calibration.merged_with(self.calibration_defaults)
+        if self.calibration_defaults is not None and self.calibration_defaults.has_data:
+            return self.calibration_defaults
+        return None
+
+
+def _task_name(model: str) -> str:
+    path = model.split("+")[-1].rstrip("/")
+    return os.path.basename(path) or path
+
+
+def parse_config(source_text: str, config_path: str = "<string>") -> ExtMergeConfig:
+    """Parse and validate a YAML text; errors name the field and say what to do."""
+    try:
+        raw = yaml.safe_load(source_text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{config_path}: invalid YAML: {e}".replace("\n", " ")) from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{config_path}: expected a YAML mapping with merge_method and models")
+    if "merge_method" not in raw:
+        raise ConfigError(f"{config_path}: missing required field 'merge_method'")
+
+    defaults = None
+    if raw.get("calibration") is not None:
+        defaults = _parse_calibration(raw["calibration"], f"{config_path}: calibration")
+
+    entries: list[ExtModelEntry] = []
+    mk_raw = {k: v for k, v in raw.items() if k != "calibration"}
+    if isinstance(raw.get("models"), list):
+        clean_models = []
+        for i, m in enumerate(raw["models"]):
+            if not isinstance(m, dict) or "model" not in m:
+                raise ConfigError(f"{config_path}: models[{i}] needs a 'model' field")
+            model = str(m["model"])
+            cal = None
+            if m.get("calibration") is not None:
+                cal = _parse_calibration(
+                    m["calibration"], f"{config_path}: models[{i}] ({model}).calibration"
+                )
+            entries.append(
+                ExtModelEntry(model=model, name=str(m.get("name") or _task_name(model)), calibration=cal)
+            )
+            clean_models.append({k: v for k, v in m.items() if k not in _MODEL_EXTRA_KEYS})
+        mk_raw["models"] = clean_models
+        names = [e.name for e in entries]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ConfigError(
+                f"{config_path}: duplicate task name(s) {dupes}; give each model entry a unique 'name:'"
+            )
+    try:
+        merge = MergeConfiguration.model_validate(mk_raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(x) for x in first["loc"])
+        raise ConfigError(f"{config_path}: field '{loc}': {first['msg']}") from e
+    except Exception as e:  # mergekit's own validators raise RuntimeError
+        raise ConfigError(f"{config_path}: {e}") from e
+    return ExtMergeConfig(
+        merge=merge,
+        source_text=source_text,
+        raw=raw,
+        models=entries,
+        calibration_defaults=defaults,
+        base_dir=os.path.dirname(os.path.abspath(config_path)) if config_path != "<string>" else os.getcwd(),
+    )
+
+
+def load_config(config_path: str) -> ExtMergeConfig:
+    if not os.path.isfile(config_path):
+        raise ConfigError(f"config file not found: {config_path}")
+    with open(config_path, encoding="utf-8") as fp:
+        return parse_config(fp.read(), config_path)
+
+
+def _parse_calibration(value: Any, where: str) -> CalibrationSpec:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: expected a mapping such as {{path: data.jsonl, field: text}}")
+    try:
+        return CalibrationSpec.model_validate(value)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(x) for x in first["loc"])
+        if first["type"] == "extra_forbidden":
+            allowed = sorted(CalibrationSpec.model_fields)
+            close = difflib.get_close_matches(loc, allowed, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else f"; allowed: {', '.join(allowed)}"
+            raise ConfigError(f"{where}: unknown field '{loc}'{hint}") from e
+        raise ConfigError(f"{where}: field '{loc}': {first['msg']}") from e

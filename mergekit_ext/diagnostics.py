@@ -1,0 +1,155 @@
+"""The diagnostics written next to every merge as ``mergekit_ext_diagnostics.json``.
+
+Schema (``schema_version`` 1), stable and read by the model card::
+
+    {
+      "schema_version": 1,
+      "mergekit_ext_version": "0.1.0",
+      "method": "ace",                      # the merge_method of the config
+      "parameters": {...},                   # the config's global parameters
+      "seed": 0 | null,
+      "config_sha256": "...",                # hash of the YAML text
+      "calibration": {                       # data-aware methods only
+        "<model>": {"source": ..., "samples": N, "tokens": T, "sha256": "..."}
+      },
+      "sections": {
+        "ace": {"tensors": {"<tensor name>": {"gamma": float, "normalized": bool,
+                                               "condition_number": float,
+                                               "top5_energy_share": float}}},
+        "chain_of_merges": {"layers": [{"layer": "...", "tasks": {...}, ...}]},
+        "regmean": {"layers": [...]},
+        "qp_projection": {"layers": [...]},
+        "symerge": {"loss": [...], "agreement": {...}, "lambda": [[...]], ...}
+      }
+    }
+
+A method records into its own section through :func:`record`; the CLI opens a
+:class:`DiagnosticsRecorder` around a merge with :func:`recording` and writes it with
+:meth:`DiagnosticsRecorder.write`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any, Optional
+
+SCHEMA_VERSION = 1
+FILENAME = "mergekit_ext_diagnostics.json"
+
+
+def _jsonable(value: Any) -> Any:
+    """Convert tensors, numpy values and non-finite floats into plain JSON values."""
+    if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):
+        value = value.tolist()
+    if isinstance(value, float):
+        if math.isnan(value):
+            return None
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return value
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+class DiagnosticsRecorder:
+    """Collects diagnostics of one merge; thread-safe."""
+
+    def __init__(self, method: str, **header: Any) -> None:
+        self._lock = threading.Lock()
+        self.data: dict[str, Any] = {
+            "schema_version": SCHEMA_VERSION,
+            "mergekit_ext_version": _version(),
+            "method": method,
+            **header,
+            "sections": {},
+        }
+
+    def section(self, name: str) -> dict[str, Any]:
+        with self._lock:
+            return self.data["sections"].setdefault(name, {})
+
+    def record(self, section: str, key: str, value: Any) -> None:
+        """Set ``sections[section][key] = value``."""
+        with self._lock:
+            self.data["sections"].setdefault(section, {})[key] = _jsonable(value)
+
+    def record_item(self, section: str, collection: str, key: str, value: Any) -> None:
+        """Set ``sections[section][collection][key] = value`` (for per-tensor records)."""
+        with self._lock:
+            sec = self.data["sections"].setdefault(section, {})
+            sec.setdefault(collection, {})[key] = _jsonable(value)
+
+    def append(self, section: str, collection: str, value: Any) -> None:
+        """Append to ``sections[section][collection]`` (for per-layer records)."""
+        with self._lock:
+            sec = self.data["sections"].setdefault(section, {})
+            sec.setdefault(collection, []).append(_jsonable(value))
+
+    def set_header(self, key: str, value: Any) -> None:
+        with self._lock:
+            self.data[key] = _jsonable(value)
+
+    def write(self, out_dir: str) -> str:
+        path = os.path.join(out_dir, FILENAME)
+        with self._lock:
+            text = json.dumps(self.data, indent=2, sort_keys=True, allow_nan=False)
+        with open(path, "w", encoding="utf-8") as fp:
+            fp.write(text + "\n")
+        return path
+
+
+_ACTIVE: Optional[DiagnosticsRecorder] = None
+
+
+def active() -> Optional[DiagnosticsRecorder]:
+    """The recorder of the merge in progress, or None outside :func:`recording`."""
+    return _ACTIVE
+
+
+@contextlib.contextmanager
+def recording(recorder: DiagnosticsRecorder) -> Iterator[DiagnosticsRecorder]:
+    global _ACTIVE
+    previous, _ACTIVE = _ACTIVE, recorder
+    try:
+        yield recorder
+    finally:
+        _ACTIVE = previous
+
+
+def record_item(section: str, collection: str, key: str, value: Any) -> None:
+    """Record into the active recorder; a no-op when none is active (library use)."""
+    if _ACTIVE is not None:
+        _ACTIVE.record_item(section, collection, key, value)
+
+
+def append(section: str, collection: str, value: Any) -> None:
+    if _ACTIVE is not None:
+        _ACTIVE.append(section, collection, value)
+
+
+def record(section: str, key: str, value: Any) -> None:
+    if _ACTIVE is not None:
+        _ACTIVE.record(section, key, value)
+
+
+def load(out_dir: str) -> dict[str, Any]:
+    """Read the diagnostics of a finished merge (empty dict when absent)."""
+    path = os.path.join(out_dir, FILENAME)
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as fp:
+        return json.load(fp)
+
+
+def _version() -> str:
+    from mergekit_ext import __version__
+
+    return __version__

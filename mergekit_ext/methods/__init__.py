@@ -1,0 +1,22 @@
+"""mergekit-ext's merge methods. Importing a module registers its method (one line each)."""
+
+from mergekit_ext.methods import ace as ace  # noqa: F401
+from mergekit_ext.methods.registry import (
+    MethodInfo,
+    ParameterDoc,
+    all_method_names,
+    describe_method,
+    ext_method_info,
+    ext_methods,
+    register_method,
+)
+
+__all__ = [
+    "MethodInfo",
+    "ParameterDoc",
+    "all_method_names",
+    "describe_method",
+    "ext_method_info",
+    "ext_methods",
+    "register_method",
+]

@@ -1,0 +1,119 @@
+"""The narrow interface between the sequential executor and a data-aware method.
+
+The executor (``mergekit_ext.executor``) walks the network block by block. Inside a block
+it visits *linear groups* in forward order: the linears that read the same input (for a
+Llama block ``[q,k,v] -> o -> [gate,up] -> down``). For each group it hands the method a
+:class:`LinearGroup` (the group's weights per model, float32, PyTorch ``out x in``) and
+the per-task :class:`TaskStatistics` of the group's input; the method returns the merged
+weights. Every other tensor (biases, norms, embeddings, heads) goes through
+:meth:`LayerwiseMethod.merge_other`.
+
+A method never loads files, runs models or writes output.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+
+@dataclass
+class TaskStatistics:
+    """Statistics of the inputs a linear group sees on one task's calibration data.
+
+    All are means over the task's (non-padding) tokens or patches, accumulated in float64:
+
+    - ``gram``: ``(1/N) sum_x x x^T`` (in x in)
+    - ``gram_normalized``: the same over ``x / ||x||`` (CoM's ``normalize``); None when
+      not requested
+    - ``mean``: ``(1/N) sum_x x`` (in,)
+    - ``count``: N, the number of tokens
+    """
+
+    gram: torch.Tensor
+    mean: torch.Tensor
+    count: int
+    gram_normalized: Optional[torch.Tensor] = None
+
+    @property
+    def covariance(self) -> torch.Tensor:
+        return self.gram - torch.outer(self.mean, self.mean)
+
+
+@dataclass
+class LinearGroup:
+    """One group of linear layers that share an input, with everything a method may use.
+
+    - ``name``: a readable id, e.g. ``model.layers.3.self_attn.qkv``
+    - ``weights``: tensor names of the group's linear weights (full checkpoint names)
+    - ``base``: ``{weight name: W_0}``; ``experts``: one ``{weight name: W_k}`` per task
+    - ``task_names``: one per expert, in the config's order
+    - ``expert_stats``: per task, the statistics of this group's input in the expert's OWN
+      unmerged forward pass (RegMean's statistics)
+    - ``merged_stats``: per task, the statistics of this group's input when the task's data
+      runs through the already merged layers before it (CoM/QP ``propagate``); None when
+      the method did not ask for propagation
+    All weights are float32 ``out x in`` (HF Conv1D weights are transposed by the executor).
+    """
+
+    name: str
+    weights: Sequence[str]
+    base: Mapping[str, torch.Tensor]
+    experts: Sequence[Mapping[str, torch.Tensor]]
+    task_names: Sequence[str]
+    expert_stats: Sequence[TaskStatistics]
+    merged_stats: Optional[Sequence[TaskStatistics]] = None
+
+
+@dataclass(frozen=True)
+class StatisticsRequest:
+    """What a method asks the executor to compute for each group."""
+
+    propagate: bool  # statistics along the merged path (merged_stats)
+    expert_path: bool = True  # statistics along each expert's own path (expert_stats)
+    normalized_gram: bool = False  # also accumulate the Gram of unit-norm inputs
+
+
+class LayerwiseMethod(ABC):
+    """A data-aware merge method run by the sequential executor."""
+
+    name: str
+
+    @abstractmethod
+    def statistics_request(self, parameters: Mapping[str, Any]) -> StatisticsRequest: ...
+
+    @abstractmethod
+    def merge_linear_group(
+        self, group: LinearGroup, parameters: Mapping[str, Any]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Return ``({weight name: merged weight}, diagnostics for this group)``."""
+
+    def merge_other(
+        self,
+        name: str,
+        base: Optional[torch.Tensor],
+        experts: Sequence[torch.Tensor],
+        parameters: Mapping[str, Any],
+    ) -> torch.Tensor:
+        """Merge a tensor that is not an input-hooked linear weight (the fallback merge)."""
+        return fallback_merge(name, base, experts, parameters.get("fallback", "mean"))
+
+
+def fallback_merge(
+    name: str, base: Optional[torch.Tensor], experts: Sequence[torch.Tensor], how: str
+) -> torch.Tensor:
+    """``mean`` of experts (default), ``base`` (keep W_0) or ``task_arithmetic`` (W_0 + sum Δ)."""
+    stacked = torch.stack([e.to(torch.float32) for e in experts])
+    if how == "mean":
+        return stacked.mean(0)
+    if base is None:
+        raise ValueError(f"fallback {how!r} for tensor {name} needs a base model")
+    if how == "base":
+        return base.to(torch.float32).clone()
+    if how == "task_arithmetic":
+        return base.to(torch.float32) + (stacked - base.to(torch.float32)).sum(0)
+    raise ValueError(f"unknown fallback {how!r} for tensor {name}: use mean, base or task_arithmetic")
