@@ -126,3 +126,60 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     return repr(value)
+
+
+def executor_only_method(info: MethodInfo, parameter_types: dict[str, Any]) -> MergeMethod:
+    """The mergekit-side face of a layerwise/adaptation method.
+
+    mergekit's registry needs a ``MergeMethod`` so that ``mergekit-ext methods`` and YAML
+    validation see the method and its parameters. Such a method cannot run one tensor at a
+    time, so mergekit's own executor (``mergekit-yaml``) gets a clear error telling the user
+    to run it with ``mergekit-ext run`` and a ``calibration:`` section.
+
+    ``parameter_types`` maps each parameter to its Python type (``float``, ``bool``,
+    ``Literal[...]``, ``Optional[list[float]]`` ...); defaults come from ``info.parameters``.
+    """
+    from mergekit.merge_methods.base import (
+        BasePolicy,
+        GroupMergeMethod,
+        InputContract,
+        MergeMethodSpec,
+        ParameterScope,
+        ParameterSpec,
+        TensorGroup,
+    )
+
+    from mergekit_ext.errors import MergekitExtError
+
+    defaults = {p.name: p.default for p in info.parameters}
+    missing = set(parameter_types) ^ set(defaults)
+    if missing:
+        raise ValueError(f"{info.name}: parameter types and docs disagree on {sorted(missing)}")
+    spec = MergeMethodSpec(
+        name=info.name,
+        pretty_name=info.pretty_name,
+        reference_url=info.paper_url,
+        contract=InputContract(base=BasePolicy.REQUIRED, min_inputs=2),
+        parameters=tuple(
+            ParameterSpec(
+                name=name,
+                value_type=ty,
+                scope=ParameterScope.SHARED,
+                default=defaults[name],
+            )
+            for name, ty in parameter_types.items()
+        ),
+    )
+
+    class _ExecutorOnly(GroupMergeMethod):
+        def __init__(self) -> None:
+            self.spec = spec
+
+        def merge_group(self, group: TensorGroup, /, **parameters: Any):  # type: ignore[override]
+            raise MergekitExtError(
+                f"merge method {info.name!r} needs calibration data and runs on mergekit-ext's "
+                "sequential executor, not one tensor at a time: run it with `mergekit-ext run` "
+                "and a `calibration:` section in the YAML"
+            )
+
+    return _ExecutorOnly()
