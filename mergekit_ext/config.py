@@ -99,7 +99,9 @@ def parse_config(source_text: str, config_path: str = "<string>") -> ExtMergeCon
                     m["calibration"], f"{config_path}: models[{i}] ({model}).calibration"
                 )
             entries.append(
-                ExtModelEntry(model=model, name=str(m.get("name") or _task_name(model)), calibration=cal)
+                ExtModelEntry(
+                    model=model, name=str(m.get("name") or _task_name(model)), calibration=cal
+                )
             )
             clean_models.append({k: v for k, v in m.items() if k not in _MODEL_EXTRA_KEYS})
         mk_raw["models"] = clean_models
@@ -123,7 +125,9 @@ def parse_config(source_text: str, config_path: str = "<string>") -> ExtMergeCon
         raw=raw,
         models=entries,
         calibration_defaults=defaults,
-        base_dir=os.path.dirname(os.path.abspath(config_path)) if config_path != "<string>" else os.getcwd(),
+        base_dir=os.path.dirname(os.path.abspath(config_path))
+        if config_path != "<string>"
+        else os.getcwd(),
     )
 
 

@@ -6,6 +6,8 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
+_DATA_FIELDS = ("path", "dataset", "source")
+
 
 class CalibrationSpec(BaseModel):
     """Where one model's calibration data comes from and how it is sampled.
@@ -19,6 +21,9 @@ class CalibrationSpec(BaseModel):
     path: Optional[str] = None
     dataset: Optional[str] = None
     source: Optional[str] = None
+    subset: Optional[str] = (
+        None  # Hub dataset configuration name (``load_dataset(dataset, subset)``)
+    )
     split: Optional[str] = None
     field: Optional[str] = None  # text column, or image column for vision models
     samples: int = Field(default=128, ge=1)
@@ -35,11 +40,20 @@ class CalibrationSpec(BaseModel):
     options: dict[str, Any] = Field(default_factory=dict)
 
     def merged_with(self, defaults: Optional[CalibrationSpec]) -> CalibrationSpec:
-        """This entry with unset fields taken from the top-level defaults."""
+        """This entry with unset fields taken from the top-level defaults.
+
+        When the entry names its own data (``path``, ``dataset`` or ``source``), none of the
+        defaults' data-naming fields (nor their ``subset``) is inherited, so that the result
+        names exactly one.
+        """
         if defaults is None:
             return self
         values = defaults.model_dump(exclude_unset=True)
-        values.update(self.model_dump(exclude_unset=True))
+        own = self.model_dump(exclude_unset=True)
+        if any(own.get(key) for key in _DATA_FIELDS):
+            for key in (*_DATA_FIELDS, "subset"):
+                values.pop(key, None)
+        values.update(own)
         return CalibrationSpec.model_validate(values)
 
     @property

@@ -1,6 +1,8 @@
 """mergekit-ext's merge methods. Importing a module registers its method (one line each)."""
 
 from mergekit_ext.methods import ace as ace  # noqa: F401
+from mergekit_ext.methods import chain_of_merges as chain_of_merges  # noqa: F401
+from mergekit_ext.methods import regmean as regmean  # noqa: F401
 from mergekit_ext.methods.registry import (
     MethodInfo,
     ParameterDoc,

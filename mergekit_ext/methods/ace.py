@@ -146,7 +146,11 @@ def ace_merge_tensor(
 
 
 def ace_merge_simple(
-    base: torch.Tensor, experts: Sequence[torch.Tensor], *, scale: float = 1.0, name: str = "<tensor>"
+    base: torch.Tensor,
+    experts: Sequence[torch.Tensor],
+    *,
+    scale: float = 1.0,
+    name: str = "<tensor>",
 ) -> torch.Tensor:
     """Step 6 for 1-D tensors and embedding tables: ``W_0 + scale · mean_k Δ_k``."""
     _check_inputs(base, experts, name)
@@ -173,7 +177,9 @@ def _check_inputs(base: torch.Tensor, experts: Sequence[torch.Tensor], name: str
 _EMBEDDING_MARKERS = ("embed", "wte", "wpe", "lm_head", "word_embeddings", "position_embedding")
 
 
-def is_linear_weight(name: Optional[str], tensor: torch.Tensor, vocabulary_axis: Optional[int]) -> bool:
+def is_linear_weight(
+    name: Optional[str], tensor: torch.Tensor, vocabulary_axis: Optional[int]
+) -> bool:
     """A 2-D weight that is a linear map (not an embedding table or a vocabulary head)."""
     if tensor.ndim != 2 or vocabulary_axis is not None:
         return False
@@ -226,8 +232,12 @@ INFO = MethodInfo(
     paper_url="https://arxiv.org/abs/2603.02945",
     parameters=(
         ParameterDoc("eps", 1e-2, "ridge ε added to each task covariance"),
-        ParameterDoc("k_frac", 0.3, "fraction of singular directions boosted by the spectral refinement"),
-        ParameterDoc("gamma_threshold", 0.3, "normalize covariances when heterogeneity γ exceeds this"),
+        ParameterDoc(
+            "k_frac", 0.3, "fraction of singular directions boosted by the spectral refinement"
+        ),
+        ParameterDoc(
+            "gamma_threshold", 0.3, "normalize covariances when heterogeneity γ exceeds this"
+        ),
         ParameterDoc("normalize", "auto", "auto | always | never: override the γ test"),
         ParameterDoc("scale", 1.0, "merged W = W_0 + scale · M"),
     ),

@@ -116,4 +116,6 @@ def fallback_merge(
         return base.to(torch.float32).clone()
     if how == "task_arithmetic":
         return base.to(torch.float32) + (stacked - base.to(torch.float32)).sum(0)
-    raise ValueError(f"unknown fallback {how!r} for tensor {name}: use mean, base or task_arithmetic")
+    raise ValueError(
+        f"unknown fallback {how!r} for tensor {name}: use mean, base or task_arithmetic"
+    )

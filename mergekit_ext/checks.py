@@ -1,0 +1,210 @@
+"""Input validation done before any weight is loaded.
+
+Each check raises a :class:`~mergekit_ext.errors.MergekitExtError` subclass whose message
+names the model, tensor or field at fault and says what to do.
+"""
+
+from __future__ import annotations
+
+import difflib
+import glob
+import json
+import logging
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from mergekit_ext.config import ExtMergeConfig
+from mergekit_ext.errors import ConfigError, ModelInputError
+from mergekit_ext.methods.registry import all_method_names, ext_method_info
+
+LOG = logging.getLogger(__name__)
+
+_PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+
+
+def check_method(name: str) -> None:
+    names = all_method_names()
+    if name not in names:
+        close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ConfigError(
+            f"unknown merge_method {name!r}{hint} (`mergekit-ext methods` lists all {len(names)})"
+        )
+
+
+def looks_like_hub_id(path: str) -> bool:
+    """``owner/name`` that is not a local path (decided offline, without asking the Hub)."""
+    if path.startswith((".", "/", "~")) or os.path.exists(path):
+        return False
+    parts = path.split("/")
+    return len(parts) == 2 and all(parts)
+
+
+def model_paths(ref: str) -> list[str]:
+    """The folders a model reference points to: ``base+lora`` gives two."""
+    return [p.split("@")[0] for p in ref.split("+")]
+
+
+def check_model_paths(cfg: ExtMergeConfig, allow_pickle: bool) -> None:
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+    for ref in _referenced(cfg):
+        for path in model_paths(ref):
+            if looks_like_hub_id(path):
+                if offline:
+                    raise ModelInputError(
+                        f"model {path!r} is not a local folder and HF_HUB_OFFLINE is set; "
+                        "download it first or give a local path"
+                    )
+                continue
+            if not os.path.isdir(path):
+                raise ModelInputError(
+                    f"model path not found: {path!r} (referenced as {ref!r}); check the path "
+                    "in the YAML (relative paths resolve against the current directory)"
+                )
+            if os.path.exists(os.path.join(path, "adapter_config.json")):
+                continue  # a PEFT adapter: its weights are checked when merged
+            has_safetensors = bool(glob.glob(os.path.join(path, "*.safetensors")))
+            pickles = [f for pat in _PICKLE_PATTERNS for f in glob.glob(os.path.join(path, pat))]
+            if not has_safetensors and pickles:
+                if not allow_pickle:
+                    raise ModelInputError(
+                        f"model {path!r} has only pickle checkpoints ({os.path.basename(pickles[0])}); "
+                        "pickles can run arbitrary code when loaded: convert it to safetensors, "
+                        "or pass --allow-pickle if you trust it"
+                    )
+            elif not has_safetensors:
+                raise ModelInputError(f"model {path!r} has no .safetensors weights")
+            if not os.path.exists(os.path.join(path, "config.json")):
+                raise ModelInputError(f"model {path!r} has no config.json")
+
+
+def _referenced(cfg: ExtMergeConfig) -> list[str]:
+    refs = [str(m) for m in cfg.merge.referenced_models()]
+    return list(dict.fromkeys(refs))
+
+
+def read_config_json(path: str) -> dict[str, Any]:
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as fp:
+        return json.load(fp)
+
+
+def tensor_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of a safetensors checkpoint, from the file headers only."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with open(file, "rb") as fp:
+            n = int.from_bytes(fp.read(8), "little")
+            header = json.loads(fp.read(n))
+        for name, info in header.items():
+            if name != "__metadata__":
+                shapes[name] = tuple(info["shape"])
+    return shapes
+
+
+def check_compatible(cfg: ExtMergeConfig, allow_crimes: bool) -> None:
+    """Same architecture and the same tensor shapes across all full (non-LoRA) inputs."""
+    refs = [r for r in _referenced(cfg) if "+" not in r]
+    local = [r for r in refs if os.path.isdir(model_paths(r)[0])]
+    local = [r for r in local if os.path.exists(os.path.join(r, "config.json"))]
+    if len(local) < 2:
+        return
+    base_ref = str(cfg.merge.base_model) if cfg.merge.base_model else local[0]
+    if base_ref not in local:
+        base_ref = local[0]
+    base_cfg = read_config_json(base_ref)
+    if not allow_crimes:
+        for ref in local:
+            other = read_config_json(ref)
+            if other.get("model_type") != base_cfg.get("model_type"):
+                raise ModelInputError(
+                    f"models of different architectures: {base_ref} is "
+                    f"{base_cfg.get('model_type')!r}, {ref} is {other.get('model_type')!r}; "
+                    "merge models that share one architecture (or pass --allow-crimes)"
+                )
+    base_shapes = _strip_prefixes(tensor_shapes(base_ref))
+    for ref in local:
+        if ref == base_ref:
+            continue
+        shapes = _strip_prefixes(tensor_shapes(ref))
+        for name in sorted(set(base_shapes) & set(shapes)):
+            if base_shapes[name] != shapes[name]:
+                raise ModelInputError(
+                    f"tensor {name} has shape {list(shapes[name])} in {ref} but "
+                    f"{list(base_shapes[name])} in {base_ref}; the models must share shapes"
+                )
+
+
+_PREFIXES = ("model.", "bert.", "roberta.", "vit.", "transformer.")
+
+
+def _strip_prefixes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    out = {}
+    for name, shape in shapes.items():
+        for p in _PREFIXES:
+            if name.startswith(p):
+                name = name[len(p) :]
+                break
+        out[name] = shape
+    return out
+
+
+def check_parameter_names(cfg: ExtMergeConfig) -> list[str]:
+    """Warn (and return the warnings) for parameter names the method does not know.
+
+    mergekit silently ignores misspelt parameters; a typo then merges with a default.
+    """
+    import mergekit.merge_methods as mk_methods
+
+    method = mk_methods.get(cfg.method)
+    known = {p.name for p in method.spec.parameters}
+    info = ext_method_info(cfg.method)
+    if info is not None:
+        known |= info.parameter_names
+    warnings = []
+    for where, names in _parameter_sites(cfg):
+        for name in names:
+            if name not in known:
+                close = difflib.get_close_matches(name, sorted(known), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                msg = (
+                    f"{where}: parameter {name!r} is not a parameter of {cfg.method}{hint}; "
+                    f"it is ignored. Known: {', '.join(sorted(known)) or 'none'}"
+                )
+                LOG.warning(msg)
+                warnings.append(msg)
+    return warnings
+
+
+def _parameter_sites(cfg: ExtMergeConfig) -> Iterable[tuple[str, Iterable[str]]]:
+    raw = cfg.raw
+    if isinstance(raw.get("parameters"), dict):
+        yield "parameters", raw["parameters"].keys()
+    for i, m in enumerate(raw.get("models") or []):
+        if isinstance(m, dict) and isinstance(m.get("parameters"), dict):
+            yield f"models[{i}] ({m.get('model')}).parameters", m["parameters"].keys()
+    for i, s in enumerate(raw.get("slices") or []):
+        for j, src in enumerate((s or {}).get("sources") or []):
+            if isinstance(src, dict) and isinstance(src.get("parameters"), dict):
+                yield f"slices[{i}].sources[{j}].parameters", src["parameters"].keys()
+
+
+def check_calibration_present(cfg: ExtMergeConfig) -> None:
+    """A data-aware method needs calibration data for every expert."""
+    info = ext_method_info(cfg.method)
+    if info is None or not info.needs_calibration:
+        return
+    base = str(cfg.merge.base_model) if cfg.merge.base_model else None
+    if base is None:
+        raise ConfigError(f"{cfg.method} needs base_model (the pretrained model the experts share)")
+    missing = [
+        e.model
+        for e in cfg.models
+        if e.model != base
+        and (cfg.calibration_for(e) is None or not cfg.calibration_for(e).has_data)
+    ]
+    if missing:
+        raise ConfigError(
+            f"{cfg.method} needs calibration data: add a `calibration:` section (top level, "
+            f"or per model: {{path: data.jsonl, field: text}}) for {', '.join(missing)}"
+        )

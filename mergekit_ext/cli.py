@@ -1,0 +1,182 @@
+"""The ``mergekit-ext`` command line: one click command per concern.
+
+``run``      merge a YAML config (a superset of ``mergekit-yaml``)
+``methods``  list every merge method (mergekit's and ours)
+``card``     rebuild the model card of a finished merge
+``publish``  upload a finished merge to the Hugging Face Hub
+
+Importing this module imports ``mergekit_ext``, which registers our methods with mergekit
+(mergekit has no plugin entry points).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any, Optional
+
+import click
+from mergekit.options import MergeOptions, PrettyPrintHelp, add_merge_options
+
+import mergekit_ext
+from mergekit_ext.config import load_config
+from mergekit_ext.errors import MergekitExtError
+from mergekit_ext.methods.registry import all_method_names, describe_method
+
+LOG = logging.getLogger(__name__)
+
+
+def _friendly_errors(verbose_of: Callable[[dict[str, Any]], int]) -> Callable:
+    """Print user errors on one line and exit 1; the traceback only with ``-v``."""
+
+    def decorator(f: Callable) -> Callable:
+        @functools.wraps(f)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return f(*args, **kwargs)
+            except (click.exceptions.Exit, click.ClickException, click.Abort):
+                raise
+            except KeyboardInterrupt:
+                click.echo("interrupted; no output was written", err=True)
+                sys.exit(130)
+            except Exception as e:  # noqa: BLE001 - the CLI boundary
+                if verbose_of(kwargs) > 0:
+                    traceback.print_exc()
+                prefix = (
+                    "error" if isinstance(e, MergekitExtError) else f"error ({type(e).__name__})"
+                )
+                message = " ".join(str(e).split()) or type(e).__name__
+                hint = (
+                    ""
+                    if verbose_of(kwargs) > 0 or isinstance(e, MergekitExtError)
+                    else " [run with -v for the traceback]"
+                )
+                click.echo(f"{prefix}: {message}{hint}", err=True)
+                sys.exit(1)
+
+        return wrapper
+
+    return decorator
+
+
+@click.group()
+@click.version_option(mergekit_ext.__version__, prog_name="mergekit-ext")
+def main() -> None:
+    """mergekit-ext: ACE, Chain of Merges, QP projection, SyMerge and RegMean for mergekit."""
+
+
+def _options_verbosity(kwargs: dict[str, Any]) -> int:
+    options: Optional[MergeOptions] = kwargs.get("merge_options")
+    return options.verbosity if options is not None else 0
+
+
+@main.command("run", cls=PrettyPrintHelp)
+@click.argument("config_file", type=click.Path(dir_okay=False))
+@click.argument("out_path", type=click.Path(file_okay=False))
+@click.option("--overwrite", is_flag=True, help="Replace OUT_PATH if it exists")
+@click.option(
+    "--allow-pickle", is_flag=True, help="Accept pickle (.bin/.pt) checkpoints (runs their code)"
+)
+@click.option("--dry-run", is_flag=True, help="Validate and print the plan, write nothing")
+@click.option("--force", is_flag=True, help="SyMerge: run even above the memory estimate")
+@click.option(
+    "--task-layers-only",
+    is_flag=True,
+    help="SyMerge: save each task's adapted layer as a PEFT adapter instead of a full checkpoint",
+)
+@click.option(
+    "--push-to-hub", metavar="REPO_ID", default=None, help="Publish the result to the Hub"
+)
+@click.option("--private", "hub_private", is_flag=True, help="With --push-to-hub: a private repo")
+@click.option("--token", "hub_token", default=None, help="Hub token (default: HF_TOKEN or login)")
+@add_merge_options
+@_friendly_errors(_options_verbosity)
+def run_command(
+    merge_options: MergeOptions,
+    config_file: str,
+    out_path: str,
+    overwrite: bool,
+    allow_pickle: bool,
+    dry_run: bool,
+    force: bool,
+    task_layers_only: bool,
+    push_to_hub: Optional[str],
+    hub_private: bool,
+    hub_token: Optional[str],
+) -> None:
+    """Merge the models of CONFIG_FILE into OUT_PATH (a superset of mergekit-yaml)."""
+    from mergekit_ext.runner import RunOptions, run_merge_config
+
+    merge_options.apply_global_options()
+    cfg = load_config(config_file)
+    result = run_merge_config(
+        cfg,
+        out_path,
+        merge_options,
+        RunOptions(
+            overwrite=overwrite,
+            allow_pickle=allow_pickle,
+            dry_run=dry_run,
+            force=force,
+            task_layers_only=task_layers_only,
+            push_to_hub=push_to_hub,
+            hub_private=hub_private,
+            hub_token=hub_token,
+        ),
+    )
+    if result is not None:
+        click.echo(f"merged model written to {result}")
+
+
+@main.command("methods")
+@click.argument("name", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output")
+def methods_command(name: Optional[str], as_json: bool) -> None:
+    """List every merge method with its parameters (or describe NAME)."""
+    names = [name] if name else all_method_names()
+    if name and name not in all_method_names():
+        from mergekit_ext.checks import check_method
+
+        try:
+            check_method(name)
+        except MergekitExtError as e:
+            raise click.ClickException(str(e)) from e
+    described = [describe_method(n) for n in names]
+    if as_json:
+        click.echo(json.dumps(described, indent=2))
+        return
+    for d in described:
+        flags = [d["source"], d["kind"]]
+        if d["needs_calibration"]:
+            flags.append("needs calibration data")
+        if d["needs_base_model"]:
+            flags.append("needs base_model")
+        click.echo(f"{d['name']}  ({d['pretty_name']}; {', '.join(flags)})")
+        if d["paper"] or d["paper_url"]:
+            click.echo(f"    paper: {' '.join(x for x in (d['paper'], d['paper_url']) if x)}")
+        for p in d["parameters"]:
+            default = "required" if p["required"] else f"default {p['default']!r}"
+            scope = "" if p["scope"] == "shared" else f", per {p['scope'].replace('_', '-')}"
+            desc = f" — {p['description']}" if p["description"] else ""
+            click.echo(f"    {p['name']} ({default}{scope}){desc}")
+
+
+def _register_hub_commands() -> None:
+    from mergekit_ext.hub.commands import card_command, publish_command
+
+    main.add_command(card_command, "card")
+    main.add_command(publish_command, "publish")
+
+
+try:
+    _register_hub_commands()
+except ImportError as _e:  # pragma: no cover - only while the hub package is incomplete
+    LOG.debug("hub commands unavailable: %s", _e)
+
+
+if __name__ == "__main__":
+    main()

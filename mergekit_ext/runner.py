@@ -1,0 +1,209 @@
+"""One merge from a parsed config to a finished output folder.
+
+``cli.run`` → :func:`run_merge_config`: validate everything (method, paths, shapes,
+parameters, calibration) → pick the executor by the method's kind (mergekit's own planner
+for tensor-local methods, our sequential executor for layerwise methods, the adaptation
+loop for SyMerge) → write weights, ``mergekit_config.yml``, the diagnostics JSON and the
+model card into a temporary folder → rename it into place.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from mergekit.options import MergeOptions
+
+from mergekit_ext import checks, diagnostics
+from mergekit_ext.config import ExtMergeConfig
+from mergekit_ext.errors import MergekitExtError
+from mergekit_ext.methods.registry import ext_method_info
+from mergekit_ext.output import atomic_output_dir, check_output_dir
+
+LOG = logging.getLogger(__name__)
+
+
+@dataclass
+class RunOptions:
+    """mergekit-ext's own options for ``run`` (mergekit's are in ``MergeOptions``)."""
+
+    overwrite: bool = False
+    allow_pickle: bool = False
+    dry_run: bool = False
+    force: bool = False  # SyMerge: run even when the memory estimate exceeds the machine's
+    task_layers_only: bool = False  # SyMerge: save task layers as PEFT adapters only
+    push_to_hub: Optional[str] = None
+    hub_private: bool = False
+    hub_token: Optional[str] = None
+
+
+def validate(cfg: ExtMergeConfig, options: MergeOptions, run: RunOptions) -> list[str]:
+    """All checks that need no weights; returns the warnings."""
+    checks.check_method(cfg.method)
+    checks.check_model_paths(cfg, allow_pickle=run.allow_pickle)
+    checks.check_compatible(cfg, allow_crimes=options.allow_crimes)
+    warnings = checks.check_parameter_names(cfg)
+    checks.check_calibration_present(cfg)
+    return warnings
+
+
+def run_merge_config(
+    cfg: ExtMergeConfig, out_path: str, options: MergeOptions, run: Optional[RunOptions] = None
+) -> Optional[str]:
+    """Merge ``cfg`` into ``out_path``; returns the output folder (None for a dry run)."""
+    run = run or RunOptions()
+    check_output_dir(out_path, run.overwrite)
+    validate(cfg, options, run)
+    info = ext_method_info(cfg.method)
+    kind = info.kind if info else "tensorwise"
+
+    if run.dry_run:
+        print(_describe_plan(cfg, options, kind))
+        return None
+
+    recorder = diagnostics.DiagnosticsRecorder(
+        cfg.method,
+        parameters=cfg.parameters,
+        seed=options.random_seed,
+        config_sha256=cfg.sha256,
+    )
+    with atomic_output_dir(out_path, overwrite=run.overwrite) as tmp:
+        with diagnostics.recording(recorder):
+            if kind == "tensorwise":
+                _run_tensorwise(cfg, tmp, options)
+            elif kind == "layerwise":
+                _run_layerwise(cfg, tmp, options, recorder)
+            elif kind == "adaptation":
+                _run_adaptation(cfg, tmp, options, run, recorder)
+            else:  # pragma: no cover - registry guarantees the kinds
+                raise MergekitExtError(f"unknown method kind {kind!r}")
+        _write_config_copy(cfg, tmp)
+        recorder.write(tmp)
+        if options.write_model_card:
+            from mergekit_ext.hub.card import write_model_card
+
+            write_model_card(tmp)
+    if run.push_to_hub:
+        from mergekit_ext.hub.publish import publish_folder
+
+        url = publish_folder(
+            out_path, run.push_to_hub, private=run.hub_private, token=run.hub_token
+        )
+        LOG.info("published to %s", url)
+    return os.path.abspath(out_path)
+
+
+def _mergekit_options(options: MergeOptions, **changes: Any) -> MergeOptions:
+    return options.model_copy(update=changes)
+
+
+def _run_tensorwise(cfg: ExtMergeConfig, out_dir: str, options: MergeOptions) -> None:
+    """mergekit's own planner and executor; its card generator is replaced by ours.
+
+    mergekit 0.1.5's card generator asks the Hub about short relative paths and crashes
+    offline, so it is switched off here and the card is written by ``hub.card``.
+    """
+    from mergekit.merge import run_merge
+
+    changes: dict[str, Any] = {"write_model_card": False}
+    lora_cache = None
+    if options.lora_merge_cache is None and any(
+        "+" in str(m) for m in cfg.merge.referenced_models()
+    ):
+        lora_cache = tempfile.TemporaryDirectory(prefix="mergekit-ext-lora-")
+        changes["lora_merge_cache"] = lora_cache.name
+    try:
+        run_merge(
+            cfg.merge,
+            out_dir,
+            options=_mergekit_options(options, **changes),
+            config_source=cfg.source_text,
+        )
+    finally:
+        if lora_cache is not None:
+            lora_cache.cleanup()
+
+
+def _run_layerwise(
+    cfg: ExtMergeConfig,
+    out_dir: str,
+    options: MergeOptions,
+    recorder: diagnostics.DiagnosticsRecorder,
+) -> None:
+    from mergekit_ext.executor import run_layerwise_merge
+
+    info = ext_method_info(cfg.method)
+    assert info is not None and info.implementation is not None
+    result = run_layerwise_merge(
+        cfg, out_dir, options, info.implementation, cfg.parameters, device=options.device or "cpu"
+    )
+    _record_result(recorder, cfg.method, result)
+
+
+def _run_adaptation(
+    cfg: ExtMergeConfig,
+    out_dir: str,
+    options: MergeOptions,
+    run: RunOptions,
+    recorder: diagnostics.DiagnosticsRecorder,
+) -> None:
+    info = ext_method_info(cfg.method)
+    assert info is not None and info.implementation is not None
+    result = info.implementation(
+        cfg,
+        out_dir,
+        cfg.parameters,
+        device=options.device or "cpu",
+        force=run.force,
+        task_layers_only=run.task_layers_only,
+        trust_remote_code=options.trust_remote_code,
+    )
+    _record_result(recorder, cfg.method, result)
+
+
+def _record_result(recorder: diagnostics.DiagnosticsRecorder, method: str, result: dict) -> None:
+    result = dict(result or {})
+    calibration = result.pop("calibration", None)
+    if calibration:
+        recorder.set_header("calibration", calibration)
+    for key, value in result.items():
+        recorder.record(method, key, value)
+
+
+def _write_config_copy(cfg: ExtMergeConfig, out_dir: str) -> None:
+    with open(os.path.join(out_dir, "mergekit_config.yml"), "w", encoding="utf-8") as fp:
+        fp.write(cfg.source_text)
+
+
+def _describe_plan(cfg: ExtMergeConfig, options: MergeOptions, kind: str) -> str:
+    if kind == "layerwise":
+        from mergekit_ext.executor import plan_layerwise_merge
+
+        info = ext_method_info(cfg.method)
+        assert info is not None
+        return plan_layerwise_merge(cfg, options, info.implementation, cfg.parameters).describe()
+    lines = [
+        f"method: {cfg.method} ({kind})",
+        f"base_model: {cfg.merge.base_model}",
+        "models:",
+        *[f"  - {m}" for m in cfg.merge.referenced_models()],
+    ]
+    sizes = []
+    for ref in cfg.merge.referenced_models():
+        path = checks.model_paths(str(ref))[0]
+        if os.path.isdir(path):
+            sizes.append(
+                sum(
+                    os.path.getsize(os.path.join(path, f))
+                    for f in os.listdir(path)
+                    if f.endswith(".safetensors")
+                )
+            )
+    if sizes:
+        lines.append(
+            f"largest input: {max(sizes) / 2**30:.2f} GiB; mergekit streams tensors, peak memory ≈ a few tensors per input"
+        )
+    return "\n".join(lines)
