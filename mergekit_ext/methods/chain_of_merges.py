@@ -1,0 +1,213 @@
+"""Chain of Merges (CoM): layer-wise RegMean without merging covariate shift.
+
+"Rethinking Layer-wise Model Merging through Chain of Merges", arXiv 2508.21421
+(NeurIPS 2026); no public code. CoM is RegMean (``regmean.py``) plus three changes, each
+behind its own switch so that the paper's ablation can be run (``METHODS.md``, section
+"Chain of Merges"):
+
+1. ``propagate``: the Gram of layer l for task k comes from task k's calibration data run
+   through the ALREADY MERGED layers before l (``LinearGroup.merged_stats``), which removes
+   the merging covariate shift that RegMean's expert-path Grams ignore;
+2. ``normalize``: Grams of unit-norm inputs ``x / ‖x‖`` (``gram_normalized``), a
+   correlation-like, better-conditioned matrix;
+3. ``task_weighting: correlation``: ``ω_k = Σ_{p<q} |G_k[p, q]|`` from the normalized Gram
+   of THAT layer, ``W = (Σ_k ω_k W_k G̃_k)(Σ_k ω_k G̃_k)⁻¹``.
+
+All three off (``propagate: false, normalize: false, task_weighting: uniform``) is RegMean
+with the same ``reduce_non_diagonal``/``ridge``/``solver``. Regularisation: the paper's
+"Tikhonov, ridge coefficient 0.95, Moore–Penrose pseudo-inverse" is read as RegMean's
+off-diagonal shrink α = 0.95 with a pseudo-inverse solve; ``ridge`` adds
+``ridge · mean(diag) · I`` on top.
+
+Weights are ``out x in`` (``y = W x``); the executor transposes HF ``Conv1D`` weights.
+
+Diagnostics per group and task: ω_k, the condition number of ``Σ ω G̃``, the relative
+output error ``‖W X − W_k X‖/‖W_k X‖`` (on the Gram the objective used) and, when merged-path
+statistics are present, the merging covariate shift: the Wasserstein-2 distance between
+Gaussian fits of the merged-path and the expert-own-path inputs (full covariance for input
+width ≤ 1024, diagonal above; the record says which under ``covariate_shift_covariance``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, Optional
+
+import torch
+
+from mergekit_ext.methods.layerwise import (
+    LayerwiseMethod,
+    LinearGroup,
+    StatisticsRequest,
+    TaskStatistics,
+    fallback_merge,
+)
+from mergekit_ext.methods.registry import (
+    MethodInfo,
+    ParameterDoc,
+    executor_only_method,
+    register_method,
+)
+from mergekit_ext.methods.regmean import (
+    FULL_COVARIANCE_W2_MAX_DIM,
+    PROVISIONAL,
+    SHARED_PARAMETER_DOCS,
+    SHARED_PARAMETER_TYPES,
+    RegMeanParameters,
+    covariate_shift_w2,
+    gaussian_w2,
+    merge_group_least_squares,
+    parse_parameters,
+    regmean_merge_weights,
+    regmean_solve,
+    relative_output_error,
+    shrink_off_diagonal,
+)
+
+LOG = logging.getLogger(__name__)
+
+TaskWeighting = Literal["correlation", "uniform"]
+
+__all__ = [
+    "FULL_COVARIANCE_W2_MAX_DIM",
+    "ChainOfMergesMethod",
+    "ChainOfMergesParameters",
+    "correlation_task_weight",
+    "covariate_shift_w2",
+    "gaussian_w2",
+    "regmean_merge_weights",
+    "regmean_solve",
+    "relative_output_error",
+    "shrink_off_diagonal",
+]
+
+
+def correlation_task_weight(normalized_gram: torch.Tensor) -> float:
+    """CoM's task weight ``ω_k = Σ_{p<q} |G_k[p, q]|`` of a layer's normalized Gram.
+
+    The sum of the absolute strictly-upper-triangular entries (the Gram is symmetric, so
+    this is half the absolute off-diagonal mass). Computed in float64.
+    """
+    g = normalized_gram.double()
+    if g.ndim != 2 or g.shape[0] != g.shape[1]:
+        raise ValueError(f"a Gram matrix must be square; got shape {tuple(g.shape)}")
+    return float(torch.triu(g, diagonal=1).abs().sum())
+
+
+def _correlation_weight_of(stats: TaskStatistics) -> float:
+    assert stats.gram_normalized is not None  # checked by the group driver
+    return correlation_task_weight(stats.gram_normalized)
+
+
+class ChainOfMergesParameters(RegMeanParameters):
+    """CoM's parameters: RegMean's plus the three ablation switches."""
+
+    propagate: bool = True
+    normalize: bool = False
+    task_weighting: TaskWeighting = "uniform"
+
+
+class ChainOfMergesMethod(LayerwiseMethod):
+    """Chain of Merges on the sequential executor."""
+
+    name = "chain_of_merges"
+
+    def statistics_request(self, parameters: Mapping[str, Any]) -> StatisticsRequest:
+        p: ChainOfMergesParameters = parse_parameters(
+            ChainOfMergesParameters, parameters, self.name
+        )
+        # The correlation weight needs the normalized Gram even when the merge itself uses
+        # the raw one. The expert path stays on: without propagation it is the merge's data,
+        # with it the reference of the covariate-shift diagnostic.
+        return StatisticsRequest(
+            propagate=p.propagate,
+            expert_path=True,
+            normalized_gram=p.normalize or p.task_weighting == "correlation",
+        )
+
+    def merge_linear_group(
+        self, group: LinearGroup, parameters: Mapping[str, Any]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        p: ChainOfMergesParameters = parse_parameters(
+            ChainOfMergesParameters, parameters, self.name
+        )
+        correlation = p.task_weighting == "correlation"
+        return merge_group_least_squares(
+            group,
+            method=self.name,
+            alpha=p.reduce_non_diagonal,
+            ridge=p.ridge,
+            solver=p.solver,
+            use_merged_path=p.propagate,
+            use_normalized_gram=p.normalize,
+            task_weight=_correlation_weight_of if correlation else None,
+            task_weight_needs_normalized_gram=correlation,
+            task_weighting_label=p.task_weighting,
+        )
+
+    def merge_other(
+        self,
+        name: str,
+        base: Optional[torch.Tensor],
+        experts: Sequence[torch.Tensor],
+        parameters: Mapping[str, Any],
+    ) -> torch.Tensor:
+        p: ChainOfMergesParameters = parse_parameters(
+            ChainOfMergesParameters, parameters, self.name
+        )
+        return fallback_merge(name, base, experts, p.fallback)
+
+
+_FIELDS = ChainOfMergesParameters.model_fields
+
+INFO = MethodInfo(
+    name="chain_of_merges",
+    pretty_name="Chain of Merges (CoM)",
+    kind="layerwise",
+    needs_calibration=True,
+    paper='"Rethinking Layer-wise Model Merging through Chain of Merges" (NeurIPS 2026)',
+    paper_url="https://arxiv.org/abs/2508.21421",
+    parameters=(
+        ParameterDoc(
+            "propagate",
+            _FIELDS["propagate"].default,
+            "Grams from each task's data run through the already merged layers (removes the "
+            "merging covariate shift); false uses each expert's own forward pass like RegMean"
+            + PROVISIONAL,
+        ),
+        ParameterDoc(
+            "normalize",
+            _FIELDS["normalize"].default,
+            "form the Grams from unit-L2-norm input vectors (correlation-like, better "
+            "conditioned); off because it lowered the LM score in our first measurement"
+            + PROVISIONAL,
+        ),
+        ParameterDoc(
+            "task_weighting",
+            _FIELDS["task_weighting"].default,
+            "uniform (ω_k = 1) | correlation (ω_k = Σ_{p<q} |G_k[p,q]| of the layer's "
+            "normalized Gram)" + PROVISIONAL,
+        ),
+        *(
+            ParameterDoc(d.name, d.default, d.description + PROVISIONAL)
+            if d.name in ("reduce_non_diagonal", "ridge", "solver")
+            else d
+            for d in SHARED_PARAMETER_DOCS
+        ),
+    ),
+    implementation=ChainOfMergesMethod(),
+)
+
+register_method(
+    INFO,
+    executor_only_method(
+        INFO,
+        {
+            "propagate": bool,
+            "normalize": bool,
+            "task_weighting": TaskWeighting,
+            **SHARED_PARAMETER_TYPES,
+        },
+    ),
+)

@@ -1,0 +1,623 @@
+"""RegMean: merge linear layers by the closed-form least squares on their input Grams.
+
+Jin et al., "Dataless Knowledge Fusion by Merging Weights of Language Models", ICLR 2023,
+https://arxiv.org/abs/2212.09849. For a linear layer ``y = W x`` (PyTorch ``out x in``),
+RegMean solves ``min_W Σ_k ω_k ‖W X_k − W_k X_k‖² / N_k`` (eq. 2 of the paper, with our
+per-task means, see ``METHODS.md``), whose solution is (eq. 3)::
+
+    W = (Σ_k ω_k W_k G̃_k) (Σ_k ω_k G̃_k)⁻¹,   G_k = (1/N_k) Σ_x x xᵀ,
+    G̃_k = α G_k + (1 − α) diag(G_k)            (the off-diagonal shrink, ``reduce_non_diagonal``)
+
+RegMean itself uses ω_k = 1 and the Grams of each expert's OWN forward pass. Chain of
+Merges (``chain_of_merges.py``) reuses this module's solver and group driver with its own
+statistics and task weights.
+
+Orientation: every weight here is ``out x in`` (``y = W x``). HF ``Conv1D`` weights (GPT-2)
+are stored ``in x out``; the sequential executor transposes them before calling a method
+and back after.
+
+This module holds the pure tensor math (float64 internally, cast back at the end), the
+per-group driver shared with Chain of Merges, and the :class:`RegMeanMethod` the
+sequential executor calls. Nothing here loads files or runs models.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from mergekit_ext.errors import CalibrationError, ConfigError, TensorError
+from mergekit_ext.methods.layerwise import (
+    LayerwiseMethod,
+    LinearGroup,
+    StatisticsRequest,
+    TaskStatistics,
+    fallback_merge,
+)
+from mergekit_ext.methods.registry import (
+    MethodInfo,
+    ParameterDoc,
+    executor_only_method,
+    register_method,
+)
+
+LOG = logging.getLogger(__name__)
+
+Solver = Literal["pinv", "solve"]
+Fallback = Literal["mean", "base", "task_arithmetic"]
+
+# Above this input width the covariate-shift W2 uses diagonal covariances (an in x in
+# eigendecomposition per task and group would dominate the merge's cost).
+FULL_COVARIANCE_W2_MAX_DIM = 1024
+
+
+# --------------------------------------------------------------------------------------
+# Pure tensor functions
+# --------------------------------------------------------------------------------------
+
+
+def shrink_off_diagonal(gram: torch.Tensor, alpha: float) -> torch.Tensor:
+    """RegMean's off-diagonal shrink ``G̃ = α G + (1 − α) diag(G)`` (Jin et al., §3.2).
+
+    ``alpha = 1`` keeps the Gram; ``alpha = 0`` keeps only its diagonal, which turns the
+    merge into a per-input-column average of the experts weighted by ``G[j, j]``.
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"reduce_non_diagonal (alpha) must be in [0, 1]; got {alpha}")
+    return alpha * gram + (1.0 - alpha) * torch.diag_embed(torch.diagonal(gram))
+
+
+@dataclass
+class RegMeanSolution:
+    """The merged weight and how it was solved."""
+
+    merged_weight: torch.Tensor
+    condition_number: float  # of the matrix inverted: Σ ω G̃ (+ ridge term)
+    solver: str  # "pinv", "solve", or "pinv (solve failed: singular)"
+
+
+def _pinv_tolerance(eigenvalues: torch.Tensor, n: int) -> float:
+    """Eigenvalues at or below ``n · eps · max|λ|`` count as zero (``torch.linalg.pinv``'s rule)."""
+    return n * torch.finfo(eigenvalues.dtype).eps * float(eigenvalues.abs().max())
+
+
+def _symmetric_pinv(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Moore–Penrose pseudo-inverse of a symmetric matrix via ``eigh``, and its eigenvalues."""
+    eigenvalues, eigenvectors = torch.linalg.eigh(matrix)
+    keep = eigenvalues.abs() > _pinv_tolerance(eigenvalues, matrix.shape[0])
+    inverse = torch.where(keep, 1.0 / eigenvalues, torch.zeros_like(eigenvalues))
+    return (eigenvectors * inverse) @ eigenvectors.T, eigenvalues
+
+
+def _condition_number(eigenvalues: torch.Tensor) -> float:
+    """2-norm condition number ``max|λ| / min|λ|`` of a symmetric matrix.
+
+    inf when the matrix is numerically singular (its smallest eigenvalue is one the
+    pseudo-inverse treats as zero).
+    """
+    magnitude = eigenvalues.abs()
+    smallest = float(magnitude.min())
+    if smallest <= _pinv_tolerance(eigenvalues, eigenvalues.numel()):
+        return math.inf
+    return float(magnitude.max()) / smallest
+
+
+def regmean_solve(
+    expert_weights: Sequence[torch.Tensor],
+    grams: Sequence[torch.Tensor],
+    alpha: float,
+    *,
+    task_weights: Optional[Sequence[float]] = None,
+    ridge: float = 0.0,
+    solver: Solver = "pinv",
+    name: str = "<weight>",
+) -> RegMeanSolution:
+    """``W = (Σ_k ω_k W_k G̃_k)(Σ_k ω_k G̃_k)⁻¹`` with diagnostics (RegMean eq. 3; CoM eq. for ω).
+
+    - ``expert_weights``: one ``out x in`` weight per task; ``grams``: one ``in x in`` input
+      Gram per task (means over tokens); ``task_weights``: ω_k (default 1 each).
+    - ``ridge`` > 0 is Tikhonov regularisation toward the ω-weighted mean of the experts:
+      with ``λ = ridge · mean(diag(A)) / Σ_k ω_k``, ``A = Σ_k ω_k G̃_k``, it solves
+      ``min_W Σ_k ω_k (‖W X_k − W_k X_k‖²/N_k + λ ‖W − W_k‖²_F)``, i.e. the inverted matrix is
+      ``A + ridge · mean(diag(A)) · I`` and the numerator gains ``λ Σ_k ω_k W_k``
+      (so a huge ridge gives the weighted mean of the experts, not zero).
+    - ``solver``: ``pinv`` (Moore–Penrose via eigh, the CoM paper's choice) or ``solve``
+      (an LU solve; falls back to pinv with a warning when the matrix is singular).
+
+    float64 internally; the result has the dtype of ``expert_weights[0]``.
+    """
+    n_tasks = len(expert_weights)
+    if n_tasks == 0:
+        raise TensorError(f"RegMean needs at least one expert weight for {name}; got none")
+    if len(grams) != n_tasks:
+        raise TensorError(f"{name}: {n_tasks} expert weights but {len(grams)} input Grams")
+    weights = [1.0] * n_tasks if task_weights is None else [float(w) for w in task_weights]
+    if len(weights) != n_tasks:
+        raise TensorError(f"{name}: {n_tasks} expert weights but {len(weights)} task weights")
+    if any(not math.isfinite(w) or w < 0.0 for w in weights) or sum(weights) <= 0.0:
+        raise TensorError(
+            f"{name}: task weights must be finite, non-negative and not all zero; got {weights}"
+        )
+    if ridge < 0.0 or not math.isfinite(ridge):
+        raise ValueError(f"ridge must be a finite number >= 0; got {ridge}")
+    if solver not in ("pinv", "solve"):
+        raise ValueError(f"solver must be pinv or solve; got {solver!r}")
+
+    out_dtype = expert_weights[0].dtype
+    shape = tuple(expert_weights[0].shape)
+    if len(shape) != 2:
+        raise TensorError(f"RegMean merges 2-D linear weights; {name} has shape {shape}")
+    n_in = shape[1]
+    for k, (w, g) in enumerate(zip(expert_weights, grams)):
+        if tuple(w.shape) != shape:
+            raise TensorError(
+                f"shape mismatch for {name}: task {k} has {tuple(w.shape)}, task 0 has {shape}"
+            )
+        if tuple(g.shape) != (n_in, n_in):
+            raise TensorError(
+                f"{name}: the input Gram of task {k} is {tuple(g.shape)}, expected "
+                f"({n_in}, {n_in}) for an out x in weight of shape {shape}"
+            )
+
+    numerator = torch.zeros(shape, dtype=torch.float64)
+    system = torch.zeros((n_in, n_in), dtype=torch.float64)
+    weighted_experts = torch.zeros(shape, dtype=torch.float64)
+    for w, g, omega in zip(expert_weights, grams, weights):
+        shrunk = shrink_off_diagonal(g.double(), alpha)
+        numerator += omega * (w.double() @ shrunk)
+        system += omega * shrunk
+        weighted_experts += omega * w.double()
+    system = 0.5 * (system + system.T)  # exact symmetry for eigh
+    if ridge > 0.0:
+        strength = ridge * float(torch.diagonal(system).mean())
+        system += strength * torch.eye(n_in, dtype=torch.float64)
+        numerator += (strength / sum(weights)) * weighted_experts
+
+    used = solver
+    if solver == "solve":
+        eigenvalues = torch.linalg.eigvalsh(system)
+        merged = None
+        try:
+            merged = torch.linalg.solve(system, numerator.T).T
+        except RuntimeError:  # torch.linalg.LinAlgError subclasses RuntimeError
+            merged = None
+        if merged is None or not torch.isfinite(merged).all():
+            LOG.warning("%s: Σ ω G̃ is singular; solving with the pseudo-inverse instead", name)
+            used = "pinv (solve failed: singular)"
+            merged = numerator @ _symmetric_pinv(system)[0]
+    else:
+        pinv, eigenvalues = _symmetric_pinv(system)
+        merged = numerator @ pinv
+    return RegMeanSolution(merged.to(out_dtype), _condition_number(eigenvalues), used)
+
+
+def regmean_merge_weights(
+    expert_weights: Sequence[torch.Tensor],
+    grams: Sequence[torch.Tensor],
+    alpha: float,
+    *,
+    task_weights: Optional[Sequence[float]] = None,
+    ridge: float = 0.0,
+    solver: Solver = "pinv",
+) -> torch.Tensor:
+    """``W = (Σ_k ω_k W_k G̃_k)(Σ_k ω_k G̃_k)⁻¹``; see :func:`regmean_solve` for the details."""
+    return regmean_solve(
+        expert_weights, grams, alpha, task_weights=task_weights, ridge=ridge, solver=solver
+    ).merged_weight
+
+
+def relative_output_error(
+    merged_weight: torch.Tensor, expert_weight: torch.Tensor, gram: torch.Tensor
+) -> float:
+    """``‖W X − W_k X‖_F / ‖W_k X‖_F`` from the Gram ``G = X Xᵀ / N`` alone (CoM's diagnostic).
+
+    ``= sqrt(tr((W − W_k) G (W − W_k)ᵀ) / tr(W_k G W_kᵀ))``; 0 when both are zero, inf when
+    only the expert's output is zero.
+    """
+    g = gram.double()
+    diff = merged_weight.double() - expert_weight.double()
+    w_k = expert_weight.double()
+    error = max(float(((diff @ g) * diff).sum()), 0.0)
+    reference = max(float(((w_k @ g) * w_k).sum()), 0.0)
+    if reference == 0.0:
+        return 0.0 if error == 0.0 else math.inf
+    return math.sqrt(error / reference)
+
+
+def _symmetric_sqrt(matrix: torch.Tensor) -> torch.Tensor:
+    """Principal square root of a symmetric PSD matrix via eigh (negative rounding → 0)."""
+    eigenvalues, eigenvectors = torch.linalg.eigh(0.5 * (matrix + matrix.T))
+    return (eigenvectors * eigenvalues.clamp(min=0.0).sqrt()) @ eigenvectors.T
+
+
+def gaussian_w2(
+    mean_a: torch.Tensor,
+    cov_a: torch.Tensor,
+    mean_b: torch.Tensor,
+    cov_b: torch.Tensor,
+    *,
+    diagonal: bool = False,
+) -> float:
+    """Wasserstein-2 distance between ``N(μ_a, Σ_a)`` and ``N(μ_b, Σ_b)``.
+
+    Full: ``W2² = ‖μ_a − μ_b‖² + tr(Σ_a + Σ_b − 2 (Σ_b^½ Σ_a Σ_b^½)^½)`` (the symmetric
+    square roots via eigh). ``diagonal=True`` keeps only the variances:
+    ``W2² = ‖μ_a − μ_b‖² + Σ_i (σ_a,i − σ_b,i)²``. This is the merging covariate shift of
+    CoM when a = the inputs the merged model sees, b = those the unmerged expert sees.
+    """
+    mean_term = float((mean_a.double() - mean_b.double()).pow(2).sum())
+    ca, cb = cov_a.double(), cov_b.double()
+    if diagonal:
+        sd_a = torch.diagonal(ca).clamp(min=0.0).sqrt()
+        sd_b = torch.diagonal(cb).clamp(min=0.0).sqrt()
+        cov_term = float((sd_a - sd_b).pow(2).sum())
+    else:
+        root_b = _symmetric_sqrt(cb)
+        cross = root_b @ ca @ root_b
+        cross_eigenvalues = torch.linalg.eigvalsh(0.5 * (cross + cross.T)).clamp(min=0.0)
+        cov_term = float(torch.trace(ca) + torch.trace(cb) - 2.0 * cross_eigenvalues.sqrt().sum())
+    return math.sqrt(max(mean_term + cov_term, 0.0))
+
+
+def covariate_shift_w2(
+    merged_path: TaskStatistics,
+    expert_path: TaskStatistics,
+    *,
+    full_covariance_max_dim: int = FULL_COVARIANCE_W2_MAX_DIM,
+) -> tuple[float, Literal["full", "diagonal"]]:
+    """The merging covariate shift of one task at one group (CoM): W2 between Gaussian fits.
+
+    Full covariances when the input width is at most ``full_covariance_max_dim``, diagonal
+    ones above that. Returns ``(W2, "full" | "diagonal")``.
+    """
+    kind: Literal["full", "diagonal"] = (
+        "full" if merged_path.mean.numel() <= full_covariance_max_dim else "diagonal"
+    )
+    distance = gaussian_w2(
+        merged_path.mean,
+        merged_path.covariance.double(),
+        expert_path.mean,
+        expert_path.covariance.double(),
+        diagonal=kind == "diagonal",
+    )
+    return distance, kind
+
+
+# --------------------------------------------------------------------------------------
+# The group driver shared with Chain of Merges
+# --------------------------------------------------------------------------------------
+
+
+def _check_statistics(
+    stats: Optional[Sequence[TaskStatistics]],
+    group: LinearGroup,
+    n_in: int,
+    method: str,
+    path: str,
+    need_normalized: bool,
+) -> list[TaskStatistics]:
+    n_tasks = len(group.task_names)
+    if stats is None:
+        raise CalibrationError(
+            f"{method}: no {path} statistics for linear group {group.name}; the executor must "
+            "compute them (check the method's statistics_request and the calibration data)"
+        )
+    if len(stats) != n_tasks:
+        raise CalibrationError(
+            f"{method}: linear group {group.name} has {n_tasks} tasks but {len(stats)} sets of "
+            f"{path} statistics"
+        )
+    for task, st in zip(group.task_names, stats):
+        where = f"{method}: {path} statistics of task {task!r} for linear group {group.name}"
+        if st is None:
+            raise CalibrationError(f"{where} are missing")
+        if st.count <= 0:
+            raise CalibrationError(
+                f"{where} were accumulated over {st.count} tokens; give that task calibration data"
+            )
+        if tuple(st.gram.shape) != (n_in, n_in) or tuple(st.mean.shape) != (n_in,):
+            raise CalibrationError(
+                f"{where}: Gram {tuple(st.gram.shape)} / mean {tuple(st.mean.shape)} do not fit "
+                f"the group's input width {n_in}"
+            )
+        if not torch.isfinite(st.gram).all() or not torch.isfinite(st.mean).all():
+            raise CalibrationError(f"{where} contain NaN or Inf (overflowing activations?)")
+        if need_normalized:
+            if st.gram_normalized is None:
+                raise CalibrationError(
+                    f"{where} lack the Gram of unit-norm inputs (gram_normalized); the executor "
+                    "must honour StatisticsRequest(normalized_gram=True)"
+                )
+            if tuple(st.gram_normalized.shape) != (n_in, n_in):
+                raise CalibrationError(
+                    f"{where}: gram_normalized is {tuple(st.gram_normalized.shape)}, expected "
+                    f"({n_in}, {n_in})"
+                )
+    return list(stats)
+
+
+def _stacked_weights(group: LinearGroup, method: str) -> tuple[list[torch.Tensor], list[int], int]:
+    """Each task's group weights concatenated along ``out`` (they share the input)."""
+    if not group.weights:
+        raise TensorError(f"{method}: linear group {group.name} lists no weights")
+    n_tasks = len(group.task_names)
+    if n_tasks == 0 or len(group.experts) != n_tasks:
+        raise TensorError(
+            f"{method}: linear group {group.name} has {len(group.experts)} expert weight sets "
+            f"for {n_tasks} task names; need one per task and at least one"
+        )
+    n_in: Optional[int] = None
+    rows: list[int] = []
+    for weight_name in group.weights:
+        reference = group.experts[0].get(weight_name)
+        if reference is None:
+            raise TensorError(
+                f"{method}: task {group.task_names[0]!r} has no tensor {weight_name} "
+                f"(linear group {group.name})"
+            )
+        if reference.ndim != 2:
+            raise TensorError(
+                f"{method}: {weight_name} (linear group {group.name}) is "
+                f"{tuple(reference.shape)}, not a 2-D out x in linear weight"
+            )
+        if n_in is None:
+            n_in = reference.shape[1]
+        elif reference.shape[1] != n_in:
+            raise TensorError(
+                f"{method}: the weights of linear group {group.name} must share an input width; "
+                f"{weight_name} has {reference.shape[1]}, {group.weights[0]} has {n_in}"
+            )
+        rows.append(reference.shape[0])
+        base = group.base.get(weight_name) if group.base is not None else None
+        if base is not None and base.shape != reference.shape:
+            raise TensorError(
+                f"shape mismatch for {weight_name}: the base model has {tuple(base.shape)}, "
+                f"task {group.task_names[0]!r} has {tuple(reference.shape)}"
+            )
+    stacked = []
+    for task, expert in zip(group.task_names, group.experts):
+        parts = []
+        for weight_name, n_rows in zip(group.weights, rows):
+            w = expert.get(weight_name)
+            if w is None:
+                raise TensorError(
+                    f"{method}: task {task!r} has no tensor {weight_name} (linear group {group.name})"
+                )
+            if tuple(w.shape) != (n_rows, n_in):
+                raise TensorError(
+                    f"shape mismatch for {weight_name}: task {task!r} has {tuple(w.shape)}, "
+                    f"task {group.task_names[0]!r} has {(n_rows, n_in)}"
+                )
+            if not torch.isfinite(w).all():
+                raise TensorError(f"{weight_name} of task {task!r} contains NaN or Inf values")
+            parts.append(w)
+        stacked.append(torch.cat(parts, dim=0))
+    assert n_in is not None
+    return stacked, rows, n_in
+
+
+def merge_group_least_squares(
+    group: LinearGroup,
+    *,
+    method: str,
+    alpha: float,
+    ridge: float,
+    solver: Solver,
+    use_merged_path: bool,
+    use_normalized_gram: bool,
+    task_weight: Optional[Callable[[TaskStatistics], float]] = None,
+    task_weight_needs_normalized_gram: bool = False,
+    task_weighting_label: str = "uniform",
+    full_covariance_max_dim: int = FULL_COVARIANCE_W2_MAX_DIM,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Merge one :class:`LinearGroup` by (weighted) RegMean; shared by RegMean and CoM.
+
+    - ``use_merged_path``: Grams from ``group.merged_stats`` (CoM ``propagate``) instead of
+      ``group.expert_stats`` (RegMean).
+    - ``use_normalized_gram``: solve with ``gram_normalized`` (CoM ``normalize``).
+    - ``task_weight``: ω_k from the task's statistics on the chosen path (None: ω_k = 1);
+      ``task_weight_needs_normalized_gram`` when it reads ``gram_normalized``.
+
+    The relative output error is measured on the raw Gram of the chosen path (the inputs
+    the objective used); the covariate shift W2 whenever ``merged_stats`` are present.
+    """
+    stacked, rows, n_in = _stacked_weights(group, method)
+    path = "merged-path" if use_merged_path else "expert-path"
+    # Statistics the objective uses; the expert path is checked too when W2 needs it.
+    chosen = _check_statistics(
+        group.merged_stats if use_merged_path else group.expert_stats,
+        group,
+        n_in,
+        method,
+        path,
+        need_normalized=use_normalized_gram or task_weight_needs_normalized_gram,
+    )
+    # W2 compares the two paths of the same task; either may be absent (then no W2).
+    if use_merged_path:
+        merged_path: Optional[list[TaskStatistics]] = chosen
+        expert_path = (
+            _check_statistics(group.expert_stats, group, n_in, method, "expert-path", False)
+            if group.expert_stats
+            else None
+        )
+    else:
+        expert_path = chosen
+        merged_path = (
+            _check_statistics(group.merged_stats, group, n_in, method, "merged-path", False)
+            if group.merged_stats
+            else None
+        )
+
+    omegas = [float(task_weight(st)) if task_weight else 1.0 for st in chosen]
+    if sum(omegas) <= 0.0:
+        raise TensorError(
+            f"{method}: all task weights are zero for linear group {group.name} ({omegas}); "
+            "use task_weighting: uniform"
+        )
+    grams = [st.gram_normalized if use_normalized_gram else st.gram for st in chosen]
+    solution = regmean_solve(
+        stacked,
+        grams,  # type: ignore[arg-type]  # checked non-None above
+        alpha,
+        task_weights=omegas,
+        ridge=ridge,
+        solver=solver,
+        name=f"linear group {group.name}",
+    )
+    merged_parts = torch.split(solution.merged_weight, rows, dim=0)
+    merged = {
+        weight_name: part.to(group.experts[0][weight_name].dtype).contiguous()
+        for weight_name, part in zip(group.weights, merged_parts)
+    }
+
+    tasks: dict[str, dict[str, Any]] = {}
+    shift_kind: Optional[str] = None
+    for k, task in enumerate(group.task_names):
+        shift: Optional[float] = None
+        if merged_path is not None and expert_path is not None:
+            shift, shift_kind = covariate_shift_w2(
+                merged_path[k], expert_path[k], full_covariance_max_dim=full_covariance_max_dim
+            )
+        tasks[task] = {
+            "weight": omegas[k],
+            "relative_output_error": relative_output_error(
+                solution.merged_weight, stacked[k], chosen[k].gram
+            ),
+            "covariate_shift_w2": shift,
+        }
+    diagnostics: dict[str, Any] = {
+        "layer": group.name,
+        "condition_number": solution.condition_number,
+        "solver": solution.solver,
+        "reduce_non_diagonal": float(alpha),
+        "ridge": float(ridge),
+        "statistics": "merged_path" if use_merged_path else "expert_path",
+        "normalized_gram": bool(use_normalized_gram),
+        "task_weighting": task_weighting_label,
+        "covariate_shift_covariance": shift_kind,
+        "tasks": tasks,
+    }
+    return merged, diagnostics
+
+
+# --------------------------------------------------------------------------------------
+# Parameters and the method object
+# --------------------------------------------------------------------------------------
+
+
+class RegMeanParameters(BaseModel):
+    """RegMean's parameters (global ``parameters:`` of the YAML)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    reduce_non_diagonal: float = Field(0.95, ge=0.0, le=1.0)
+    ridge: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+    solver: Solver = "pinv"
+    fallback: Fallback = "mean"
+
+
+def parse_parameters(model: type[BaseModel], parameters: Mapping[str, Any], method: str) -> Any:
+    """Validate ``parameters`` against ``model`` (defaults for absent or null values)."""
+    given = {k: v for k, v in (parameters or {}).items() if v is not None}
+    try:
+        return model.model_validate(given)
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = ".".join(str(x) for x in first["loc"])
+        raise ConfigError(
+            f"{method}: parameters.{field} = {given.get(field)!r}: {first['msg']}"
+        ) from e
+
+
+class RegMeanMethod(LayerwiseMethod):
+    """RegMean on the sequential executor: Grams of each expert's OWN forward pass."""
+
+    name = "regmean"
+
+    def statistics_request(self, parameters: Mapping[str, Any]) -> StatisticsRequest:
+        parse_parameters(RegMeanParameters, parameters, self.name)
+        return StatisticsRequest(propagate=False, expert_path=True, normalized_gram=False)
+
+    def merge_linear_group(
+        self, group: LinearGroup, parameters: Mapping[str, Any]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        p: RegMeanParameters = parse_parameters(RegMeanParameters, parameters, self.name)
+        return merge_group_least_squares(
+            group,
+            method=self.name,
+            alpha=p.reduce_non_diagonal,
+            ridge=p.ridge,
+            solver=p.solver,
+            use_merged_path=False,
+            use_normalized_gram=False,
+        )
+
+    def merge_other(
+        self,
+        name: str,
+        base: Optional[torch.Tensor],
+        experts: Sequence[torch.Tensor],
+        parameters: Mapping[str, Any],
+    ) -> torch.Tensor:
+        p: RegMeanParameters = parse_parameters(RegMeanParameters, parameters, self.name)
+        return fallback_merge(name, base, experts, p.fallback)
+
+
+_FIELDS = RegMeanParameters.model_fields
+PROVISIONAL = " (provisional default until measured on the benchmark, see METHODS.md)"
+
+SHARED_PARAMETER_DOCS: tuple[ParameterDoc, ...] = (
+    ParameterDoc(
+        "reduce_non_diagonal",
+        _FIELDS["reduce_non_diagonal"].default,
+        "α of the off-diagonal shrink G̃ = α G + (1 − α) diag(G); 1 keeps the Gram, 0 gives "
+        "a per-column average weighted by diag(G)",
+    ),
+    ParameterDoc(
+        "ridge",
+        _FIELDS["ridge"].default,
+        "Tikhonov term toward the experts' mean: adds ridge · mean(diag(Σ ω G̃)) · I to the "
+        "inverted matrix (and the matching term to the numerator)",
+    ),
+    ParameterDoc(
+        "solver",
+        _FIELDS["solver"].default,
+        "pinv (Moore–Penrose pseudo-inverse via eigh) | solve (LU; falls back to pinv when singular)",
+    ),
+    ParameterDoc(
+        "fallback",
+        _FIELDS["fallback"].default,
+        "merge of biases, norms, embeddings and heads: mean | base | task_arithmetic",
+    ),
+)
+
+SHARED_PARAMETER_TYPES: dict[str, Any] = {
+    "reduce_non_diagonal": float,
+    "ridge": float,
+    "solver": Solver,
+    "fallback": Fallback,
+}
+
+INFO = MethodInfo(
+    name="regmean",
+    pretty_name="RegMean",
+    kind="layerwise",
+    needs_calibration=True,
+    paper='Jin et al., "Dataless Knowledge Fusion by Merging Weights of Language Models", ICLR 2023',
+    paper_url="https://arxiv.org/abs/2212.09849",
+    parameters=tuple(
+        ParameterDoc(d.name, d.default, d.description + PROVISIONAL)
+        if d.name == "reduce_non_diagonal"
+        else d
+        for d in SHARED_PARAMETER_DOCS
+    ),
+    implementation=RegMeanMethod(),
+)
+
+register_method(INFO, executor_only_method(INFO, SHARED_PARAMETER_TYPES))

@@ -1,0 +1,471 @@
+"""RegMean and Chain of Merges on plain tensors, against independent reference computations."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from mergekit_ext import diagnostics
+from mergekit_ext.errors import CalibrationError, ConfigError, TensorError
+from mergekit_ext.methods.chain_of_merges import (
+    ChainOfMergesMethod,
+    correlation_task_weight,
+)
+from mergekit_ext.methods.layerwise import LinearGroup, StatisticsRequest, TaskStatistics
+from mergekit_ext.methods.registry import ext_method_info
+from mergekit_ext.methods.regmean import (
+    RegMeanMethod,
+    covariate_shift_w2,
+    gaussian_w2,
+    regmean_merge_weights,
+    regmean_solve,
+    relative_output_error,
+    shrink_off_diagonal,
+)
+
+IN, OUT = 6, 4
+TASKS = ("alpha", "beta", "gamma")
+COM_OFF = {"propagate": False, "normalize": False, "task_weighting": "uniform"}
+
+
+def activations(seed: int, n: int, dim: int = IN) -> torch.Tensor:
+    """N x in inputs with correlated features and a non-zero mean (float64)."""
+    g = torch.Generator().manual_seed(seed)
+    mixing = torch.randn(dim, dim, generator=g, dtype=torch.float64)
+    shift = torch.randn(dim, generator=g, dtype=torch.float64)
+    return torch.randn(n, dim, generator=g, dtype=torch.float64) @ mixing + shift
+
+
+def stats_of(x: torch.Tensor) -> TaskStatistics:
+    unit = x / x.norm(dim=1, keepdim=True)
+    n = x.shape[0]
+    return TaskStatistics(
+        gram=x.T @ x / n, mean=x.mean(0), count=n, gram_normalized=unit.T @ unit / n
+    )
+
+
+def weight(seed: int, out: int = OUT, dim: int = IN) -> torch.Tensor:
+    return torch.randn(out, dim, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+@pytest.fixture
+def data():
+    counts = (40, 25, 60)
+    xs = [activations(10 + k, n) for k, n in enumerate(counts)]
+    ws = [weight(100 + k) for k in range(len(counts))]
+    return xs, ws
+
+
+def make_group(xs, ws, merged_xs=None, *, two_weights: bool = False) -> LinearGroup:
+    names = ["blk.q.weight", "blk.k.weight"] if two_weights else ["blk.q.weight"]
+    experts = []
+    for k, w in enumerate(ws):
+        entry = {names[0]: w.float()}
+        if two_weights:
+            entry[names[1]] = weight(200 + k, out=3).float()
+        experts.append(entry)
+    base = {n: torch.zeros_like(experts[0][n]) for n in names}
+    return LinearGroup(
+        name="blk.qk",
+        weights=names,
+        base=base,
+        experts=experts,
+        task_names=list(TASKS[: len(ws)]),
+        expert_stats=[stats_of(x) for x in xs],
+        merged_stats=None if merged_xs is None else [stats_of(x) for x in merged_xs],
+    )
+
+
+def least_squares_reference(xs, ws, omegas=None, ridge_lambda=0.0):
+    """argmin_W Σ_k ω_k (‖W X_k − W_k X_k‖²/N_k + λ‖W − W_k‖²) by lstsq on stacked rows."""
+    omegas = omegas or [1.0] * len(xs)
+    rows, targets = [], []
+    for x, w, om in zip(xs, ws, omegas):
+        scale = math.sqrt(om / x.shape[0])
+        rows.append(scale * x)
+        targets.append(scale * x @ w.T)
+        if ridge_lambda > 0:
+            reg = math.sqrt(om * ridge_lambda)
+            rows.append(reg * torch.eye(x.shape[1], dtype=torch.float64))
+            targets.append(reg * w.T)
+    solution = torch.linalg.lstsq(torch.cat(rows), torch.cat(targets)).solution
+    return solution.T
+
+
+# ---------------------------------------------------------------------------- pure math
+
+
+@pytest.mark.parametrize("solver", ["pinv", "solve"])
+def test_regmean_equals_least_squares_on_raw_activations(data, solver):
+    xs, ws = data
+    grams = [x.T @ x / x.shape[0] for x in xs]
+    merged = regmean_merge_weights(ws, grams, 1.0, solver=solver)
+    expected = least_squares_reference(xs, ws)
+    torch.testing.assert_close(merged, expected, rtol=0, atol=1e-9)
+    # The merge is a compromise: no expert is reproduced exactly.
+    assert all((merged - w).abs().max() > 1e-2 for w in ws)
+
+
+def test_weighted_ridge_equals_regularised_least_squares(data):
+    xs, ws = data
+    grams = [x.T @ x / x.shape[0] for x in xs]
+    omegas, ridge = [0.5, 2.0, 1.25], 0.3
+    merged = regmean_merge_weights(ws, grams, 1.0, task_weights=omegas, ridge=ridge)
+    system = sum(om * g for om, g in zip(omegas, grams))
+    lam = ridge * float(torch.diagonal(system).mean()) / sum(omegas)
+    expected = least_squares_reference(xs, ws, omegas, ridge_lambda=lam)
+    torch.testing.assert_close(merged, expected, rtol=0, atol=1e-9)
+    assert (merged - regmean_merge_weights(ws, grams, 1.0, task_weights=omegas)).abs().max() > 1e-3
+    # An overwhelming ridge gives the ω-weighted mean of the experts.
+    huge = regmean_merge_weights(ws, grams, 1.0, task_weights=omegas, ridge=1e9)
+    weighted_mean = sum(om * w for om, w in zip(omegas, ws)) / sum(omegas)
+    torch.testing.assert_close(huge, weighted_mean, rtol=0, atol=1e-6)
+
+
+def test_shrink_off_diagonal_by_hand():
+    gram = torch.tensor([[4.0, 2.0, -1.0], [2.0, 9.0, 3.0], [-1.0, 3.0, 1.0]], dtype=torch.float64)
+    expected = torch.tensor(
+        [[4.0, 0.5, -0.25], [0.5, 9.0, 0.75], [-0.25, 0.75, 1.0]], dtype=torch.float64
+    )
+    torch.testing.assert_close(shrink_off_diagonal(gram, 0.25), expected)
+    torch.testing.assert_close(shrink_off_diagonal(gram, 1.0), gram)
+    with pytest.raises(ValueError, match="reduce_non_diagonal"):
+        shrink_off_diagonal(gram, 1.5)
+
+
+def test_alpha_zero_is_average_weighted_by_diagonal(data):
+    xs, ws = data
+    grams = [x.T @ x / x.shape[0] for x in xs]
+    omegas = [1.0, 3.0, 0.5]
+    merged = regmean_merge_weights(ws, grams, 0.0, task_weights=omegas)
+    expected = torch.empty(OUT, IN, dtype=torch.float64)
+    for j in range(IN):
+        num = sum(om * g[j, j] * w[:, j] for om, g, w in zip(omegas, grams, ws))
+        den = sum(om * g[j, j] for om, g in zip(omegas, grams))
+        expected[:, j] = num / den
+    torch.testing.assert_close(merged, expected, rtol=0, atol=1e-12)
+    # Intermediate α equals α = 1 on hand-shrunk Grams, and differs from both ends.
+    half = regmean_merge_weights(ws, grams, 0.5)
+    shrunk = [0.5 * g + 0.5 * torch.diag(torch.diagonal(g)) for g in grams]
+    torch.testing.assert_close(half, regmean_merge_weights(ws, shrunk, 1.0), rtol=0, atol=1e-12)
+    assert (half - regmean_merge_weights(ws, grams, 1.0)).abs().max() > 1e-3
+    assert (half - regmean_merge_weights(ws, grams, 0.0)).abs().max() > 1e-3
+
+
+def test_singular_gram_pinv_and_solve_fallback(data):
+    xs, ws = data
+    dead = [x.clone() for x in xs]
+    for x in dead:
+        x[:, 2] = 0.0  # an input feature no task ever uses: Σ G̃ is exactly singular
+    grams = [x.T @ x / x.shape[0] for x in dead]
+    by_pinv = regmean_solve(ws, grams, 1.0, solver="pinv")
+    assert by_pinv.condition_number == math.inf
+    assert by_pinv.solver == "pinv"
+    # Minimum-norm least squares: the dead column is 0, the rest is the least-squares fit.
+    assert by_pinv.merged_weight[:, 2].abs().max() < 1e-12
+    live = [0, 1, 3, 4, 5]
+    expected = least_squares_reference([x[:, live] for x in dead], [w[:, live] for w in ws])
+    torch.testing.assert_close(by_pinv.merged_weight[:, live], expected, rtol=0, atol=1e-9)
+    by_solve = regmean_solve(ws, grams, 1.0, solver="solve")
+    assert by_solve.solver == "pinv (solve failed: singular)"
+    torch.testing.assert_close(by_solve.merged_weight, by_pinv.merged_weight)
+
+
+def test_condition_number_and_dtype(data):
+    xs, ws = data
+    grams = [x.T @ x / x.shape[0] for x in xs]
+    omegas = [1.0, 2.0, 3.0]
+    solution = regmean_solve(ws, grams, 0.7, task_weights=omegas)
+    system = sum(om * shrink_off_diagonal(g, 0.7) for om, g in zip(omegas, grams))
+    assert solution.condition_number == pytest.approx(float(torch.linalg.cond(system)), rel=1e-8)
+    assert solution.condition_number > 1.0
+    low = regmean_merge_weights([w.to(torch.bfloat16) for w in ws], grams, 0.7)
+    assert low.dtype == torch.bfloat16
+
+
+def test_correlation_weight_by_hand():
+    x = activations(3, 30, dim=4)
+    unit = x / x.norm(dim=1, keepdim=True)
+    gram = (unit.T @ unit / 30).tolist()
+    by_hand = sum(abs(gram[p][q]) for p in range(4) for q in range(4) if p < q)
+    assert correlation_task_weight(torch.tensor(gram, dtype=torch.float64)) == pytest.approx(
+        by_hand, rel=1e-12
+    )
+    assert correlation_task_weight(torch.eye(5)) == 0.0
+    assert correlation_task_weight(torch.tensor([[1.0, -0.5], [-0.5, 1.0]])) == 0.5
+
+
+def test_relative_output_error_equals_direct_computation(data):
+    xs, ws = data
+    grams = [x.T @ x / x.shape[0] for x in xs]
+    merged = regmean_merge_weights(ws, grams, 0.9)
+    for x, w, g in zip(xs, ws, grams):
+        direct = float((merged @ x.T - w @ x.T).norm() / (w @ x.T).norm())
+        assert relative_output_error(merged, w, g) == pytest.approx(direct, rel=1e-10)
+        assert direct > 1e-3
+    assert relative_output_error(ws[0], ws[0], grams[0]) == 0.0
+
+
+def test_w2_closed_forms():
+    # 1-D Gaussians: W2² = (μ1 − μ2)² + (σ1 − σ2)², full and diagonal alike.
+    f64 = torch.float64
+    m1, m2 = torch.tensor([0.3], dtype=f64), torch.tensor([-1.2], dtype=f64)
+    v1, v2 = torch.tensor([[4.0]], dtype=f64), torch.tensor([[0.25]], dtype=f64)
+    expected = math.sqrt((0.3 + 1.2) ** 2 + (2.0 - 0.5) ** 2)
+    assert gaussian_w2(m1, v1, m2, v2) == pytest.approx(expected, rel=1e-10)
+    assert gaussian_w2(m1, v1, m2, v2, diagonal=True) == pytest.approx(expected, rel=1e-10)
+    # Identical distributions: 0.
+    x = activations(5, 50)
+    st = stats_of(x)
+    assert gaussian_w2(st.mean, st.covariance, st.mean, st.covariance) < 1e-6
+    # Commuting covariances Q D Qᵀ: W2² = ‖Δμ‖² + Σ (√d1 − √d2)².
+    q, _ = torch.linalg.qr(
+        torch.randn(5, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    )
+    d1 = torch.tensor([0.5, 1.0, 2.0, 3.0, 0.1], dtype=torch.float64)
+    d2 = torch.tensor([1.5, 0.2, 2.0, 0.7, 0.9], dtype=torch.float64)
+    mu1, mu2 = torch.zeros(5, dtype=torch.float64), torch.ones(5, dtype=torch.float64)
+    closed = math.sqrt(5.0 + float((d1.sqrt() - d2.sqrt()).pow(2).sum()))
+    got = gaussian_w2(mu1, q @ torch.diag(d1) @ q.T, mu2, q @ torch.diag(d2) @ q.T)
+    assert got == pytest.approx(closed, rel=1e-9)
+
+
+def test_w2_full_against_scipy_sqrtm_and_diagonal_switch():
+    linalg = pytest.importorskip("scipy.linalg")
+    a, b = stats_of(activations(7, 80)), stats_of(activations(8, 80))
+    ca, cb = a.covariance, b.covariance
+    root_b = torch.from_numpy(linalg.sqrtm(cb.numpy()).real)
+    cross = torch.from_numpy(linalg.sqrtm((root_b @ ca @ root_b).numpy()).real)
+    reference = math.sqrt(
+        float(
+            (a.mean - b.mean).pow(2).sum()
+            + torch.trace(ca)
+            + torch.trace(cb)
+            - 2 * torch.trace(cross)
+        )
+    )
+    distance, kind = covariate_shift_w2(a, b)
+    assert kind == "full"
+    assert distance == pytest.approx(reference, rel=1e-8)
+    diag_distance, kind = covariate_shift_w2(a, b, full_covariance_max_dim=IN - 1)
+    assert kind == "diagonal"
+    sd_a, sd_b = torch.diagonal(ca).sqrt(), torch.diagonal(cb).sqrt()
+    expected = math.sqrt(float((a.mean - b.mean).pow(2).sum() + (sd_a - sd_b).pow(2).sum()))
+    assert diag_distance == pytest.approx(expected, rel=1e-10)
+    assert diag_distance != pytest.approx(distance, rel=1e-3)
+
+
+# ---------------------------------------------------------------------- method objects
+
+
+def test_statistics_requests():
+    assert RegMeanMethod().statistics_request({}) == StatisticsRequest(propagate=False)
+    com = ChainOfMergesMethod()
+    assert com.statistics_request({}) == StatisticsRequest(propagate=True, normalized_gram=False)
+    assert com.statistics_request(COM_OFF) == StatisticsRequest(propagate=False)
+    assert com.statistics_request({"task_weighting": "correlation"}).normalized_gram
+    assert com.statistics_request({"normalize": True, "propagate": False}) == StatisticsRequest(
+        propagate=False, normalized_gram=True
+    )
+
+
+@pytest.mark.parametrize(
+    "params", [{}, {"reduce_non_diagonal": 0.6, "ridge": 0.05, "solver": "solve"}]
+)
+def test_com_with_switches_off_equals_regmean(data, params):
+    xs, ws = data
+    merged_xs = [activations(50 + k, 30) for k in range(3)]
+    group = make_group(xs, ws, merged_xs, two_weights=True)
+    reg_w, reg_d = RegMeanMethod().merge_linear_group(group, params)
+    com_w, com_d = ChainOfMergesMethod().merge_linear_group(group, {**COM_OFF, **params})
+    assert set(reg_w) == {"blk.q.weight", "blk.k.weight"}
+    for name in reg_w:
+        assert reg_w[name].dtype == torch.float32
+        torch.testing.assert_close(com_w[name], reg_w[name], rtol=0, atol=1e-6)
+    assert com_d["condition_number"] == pytest.approx(reg_d["condition_number"], rel=1e-9)
+    # Default CoM (propagate) uses the merged-path Grams instead and gives another merge.
+    prop_w, prop_d = ChainOfMergesMethod().merge_linear_group(group, params)
+    assert prop_d["statistics"] == "merged_path"
+    assert (prop_w["blk.q.weight"] - reg_w["blk.q.weight"]).abs().max() > 1e-3
+    expected = regmean_merge_weights(
+        ws,
+        [x.T @ x / x.shape[0] for x in merged_xs],
+        params.get("reduce_non_diagonal", 0.95),
+        ridge=params.get("ridge", 0.0),
+    )
+    torch.testing.assert_close(prop_w["blk.q.weight"].double(), expected, rtol=0, atol=1e-5)
+
+
+def test_group_merge_is_rowwise_per_weight(data):
+    xs, ws = data
+    group = make_group(xs, ws, two_weights=True)
+    merged, _ = RegMeanMethod().merge_linear_group(group, {"reduce_non_diagonal": 0.8})
+    grams = [st.gram for st in group.expert_stats]
+    for name in group.weights:
+        alone = regmean_merge_weights([e[name] for e in group.experts], grams, 0.8)
+        torch.testing.assert_close(merged[name], alone, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_com_correlation_weighting(data, normalize):
+    xs, ws = data
+    merged_xs = [activations(60 + k, 35) for k in range(3)]
+    group = make_group(xs, ws, merged_xs)
+    params = {"task_weighting": "correlation", "normalize": normalize, "reduce_non_diagonal": 0.9}
+    merged, diag = ChainOfMergesMethod().merge_linear_group(group, params)
+    # ω_k by hand from the merged-path normalized Gram of this layer.
+    omegas = []
+    for x in merged_xs:
+        unit = x / x.norm(dim=1, keepdim=True)
+        g = unit.T @ unit / x.shape[0]
+        omegas.append(sum(abs(float(g[p, q])) for p in range(IN) for q in range(p + 1, IN)))
+    for task, om in zip(TASKS, omegas):
+        assert diag["tasks"][task]["weight"] == pytest.approx(om, rel=1e-12)
+    assert max(omegas) / min(omegas) > 1.05  # the weights are not uniform
+    solve_grams = [(st.gram_normalized if normalize else st.gram) for st in group.merged_stats]
+    expected = regmean_merge_weights(ws, solve_grams, 0.9, task_weights=omegas)
+    torch.testing.assert_close(merged["blk.q.weight"].double(), expected, rtol=0, atol=1e-5)
+    uniform, _ = ChainOfMergesMethod().merge_linear_group(
+        group, {**params, "task_weighting": "uniform"}
+    )
+    assert (uniform["blk.q.weight"] - merged["blk.q.weight"]).abs().max() > 1e-4
+
+
+def test_diagnostics_values_and_json(data):
+    xs, ws = data
+    merged_xs = [activations(70 + k, 45) for k in range(3)]
+    group = make_group(xs, ws, merged_xs)
+    merged, diag = ChainOfMergesMethod().merge_linear_group(group, {"solver": "solve"})
+    assert diag["layer"] == "blk.qk"
+    assert diag["solver"] == "solve" and diag["reduce_non_diagonal"] == 0.95
+    assert diag["covariate_shift_covariance"] == "full"
+    w = merged["blk.q.weight"].double()
+    for task, x, xm, wk in zip(TASKS, xs, merged_xs, ws):
+        rec = diag["tasks"][task]
+        assert rec["weight"] == 1.0
+        direct = float((w @ xm.T - wk @ xm.T).norm() / (wk @ xm.T).norm())  # merged-path inputs
+        assert rec["relative_output_error"] == pytest.approx(direct, rel=1e-5)
+        w2, _ = covariate_shift_w2(stats_of(xm), stats_of(x))
+        assert rec["covariate_shift_w2"] == pytest.approx(w2, rel=1e-9)
+        assert rec["covariate_shift_w2"] > 0.1
+    json.dumps(diagnostics._jsonable(diag), allow_nan=False)
+    # RegMean without merged-path statistics: no covariate shift.
+    _, reg_diag = RegMeanMethod().merge_linear_group(make_group(xs, ws), {})
+    assert all(t["covariate_shift_w2"] is None for t in reg_diag["tasks"].values())
+    assert reg_diag["covariate_shift_covariance"] is None
+
+
+def test_permutation_invariance(data):
+    xs, ws = data
+    merged_xs = [activations(80 + k, 20) for k in range(3)]
+    params = {"task_weighting": "correlation", "ridge": 0.01}
+    ref, ref_diag = ChainOfMergesMethod().merge_linear_group(make_group(xs, ws, merged_xs), params)
+    # Task order.
+    order = [2, 0, 1]
+    group = make_group(
+        [xs[i] for i in order], [ws[i] for i in order], [merged_xs[i] for i in order]
+    )
+    group.task_names = [TASKS[i] for i in order]
+    permuted, diag = ChainOfMergesMethod().merge_linear_group(group, params)
+    torch.testing.assert_close(permuted["blk.q.weight"], ref["blk.q.weight"], rtol=0, atol=1e-6)
+    for task in TASKS:
+        assert diag["tasks"][task]["relative_output_error"] == pytest.approx(
+            ref_diag["tasks"][task]["relative_output_error"], rel=1e-5
+        )
+    # Input features: W_k P with inputs Pᵀx merges to W P.
+    perm = torch.tensor([3, 0, 5, 1, 4, 2])
+    grams = [x.T @ x / x.shape[0] for x in xs]
+    plain = regmean_merge_weights(ws, grams, 0.9)
+    moved = regmean_merge_weights([w[:, perm] for w in ws], [g[perm][:, perm] for g in grams], 0.9)
+    torch.testing.assert_close(moved, plain[:, perm], rtol=0, atol=1e-10)
+
+
+def test_fallback_merge_other():
+    experts = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 6.0])]
+    base = torch.tensor([1.0, 1.0])
+    method = RegMeanMethod()
+    torch.testing.assert_close(method.merge_other("b", base, experts, {}), torch.tensor([2.0, 4.0]))
+    torch.testing.assert_close(
+        ChainOfMergesMethod().merge_other("b", base, experts, {"fallback": "task_arithmetic"}),
+        torch.tensor([3.0, 7.0]),  # W_0 + Σ Δ = [1, 1] + [0, 1] + [2, 5]
+    )
+    with pytest.raises(ConfigError, match="fallback"):
+        method.merge_other("b", base, experts, {"fallback": "median"})
+
+
+def test_registration():
+    for name, cls in (("regmean", RegMeanMethod), ("chain_of_merges", ChainOfMergesMethod)):
+        info = ext_method_info(name)
+        assert info is not None and info.kind == "layerwise" and info.needs_calibration
+        assert isinstance(info.implementation, cls)
+    com = ext_method_info("chain_of_merges")
+    defaults = {p.name: p.default for p in com.parameters}
+    assert defaults == {
+        "propagate": True,
+        "normalize": False,
+        "task_weighting": "uniform",
+        "reduce_non_diagonal": 0.95,
+        "ridge": 0.0,
+        "solver": "pinv",
+        "fallback": "mean",
+    }
+    assert "provisional" in next(p for p in com.parameters if p.name == "propagate").description
+    assert "2212.09849" in ext_method_info("regmean").paper_url
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_bad_input_names_the_group(data):
+    xs, ws = data
+    com, reg = ChainOfMergesMethod(), RegMeanMethod()
+    # Propagation without merged-path statistics.
+    with pytest.raises(CalibrationError, match=r"merged-path statistics for linear group blk\.qk"):
+        com.merge_linear_group(make_group(xs, ws), {})
+    # Mismatched expert shapes.
+    group = make_group(xs, ws)
+    group.experts[1]["blk.q.weight"] = torch.zeros(OUT, IN + 1)
+    with pytest.raises(TensorError, match=r"blk\.q\.weight.*'beta'"):
+        reg.merge_linear_group(group, {})
+    # A missing tensor.
+    group = make_group(xs, ws)
+    del group.experts[2]["blk.q.weight"]
+    with pytest.raises(TensorError, match=r"'gamma' has no tensor blk\.q\.weight"):
+        reg.merge_linear_group(group, {})
+    # A Gram that does not fit the input width.
+    group = make_group(xs, ws)
+    group.expert_stats[0] = stats_of(activations(1, 10, dim=IN + 2))
+    with pytest.raises(CalibrationError, match=r"'alpha' for linear group blk\.qk.*width 6"):
+        reg.merge_linear_group(group, {})
+    # Empty statistics and a wrong number of them.
+    group = make_group(xs, ws)
+    group.expert_stats[1].count = 0
+    with pytest.raises(CalibrationError, match=r"'beta'.*0 tokens"):
+        reg.merge_linear_group(group, {})
+    group = make_group(xs, ws)
+    group.expert_stats = group.expert_stats[:2]
+    with pytest.raises(CalibrationError, match=r"blk\.qk has 3 tasks but 2"):
+        reg.merge_linear_group(group, {})
+    # normalize / correlation without the normalized Gram.
+    group = make_group(xs, ws)
+    group.expert_stats[0].gram_normalized = None
+    for params in ({"normalize": True}, {"task_weighting": "correlation"}):
+        with pytest.raises(
+            CalibrationError, match=r"'alpha' for linear group blk\.qk.*gram_normalized"
+        ):
+            com.merge_linear_group(group, {**params, "propagate": False})
+    # Bad parameters name the field.
+    with pytest.raises(ConfigError, match="reduce_non_diagonal"):
+        reg.merge_linear_group(make_group(xs, ws), {"reduce_non_diagonal": 2.0})
+    with pytest.raises(ConfigError, match="solver"):
+        com.statistics_request({"solver": "cholesky"})
+    with pytest.raises(ConfigError, match="ridge"):
+        reg.merge_linear_group(make_group(xs, ws), {"ridge": -1})
+    # Pure function: Gram of the wrong size, mismatched lists.
+    with pytest.raises(TensorError, match="input Gram of task 1"):
+        regmean_merge_weights(ws, [torch.eye(IN), torch.eye(IN + 1), torch.eye(IN)], 1.0)
+    with pytest.raises(TensorError, match="3 expert weights but 2 input Grams"):
+        regmean_merge_weights(ws, [torch.eye(IN)] * 2, 1.0)
