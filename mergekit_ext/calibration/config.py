@@ -21,9 +21,8 @@ class CalibrationSpec(BaseModel):
     path: Optional[str] = None
     dataset: Optional[str] = None
     source: Optional[str] = None
-    subset: Optional[str] = (
-        None  # Hub dataset configuration name (``load_dataset(dataset, subset)``)
-    )
+    # Hub dataset configuration name: ``load_dataset(dataset, subset)``
+    subset: Optional[str] = None
     split: Optional[str] = None
     field: Optional[str] = None  # text column, or image column for vision models
     samples: int = Field(default=128, ge=1)

@@ -1,0 +1,238 @@
+"""Activation statistics of linear-layer inputs: hooks and accumulators.
+
+RegMean (Jin et al., ICLR 2023, Eq. 4) and Chain of Merges (arXiv 2508.21421) merge a
+linear layer from the Gram matrix of its inputs on each task's data,
+``G_k = (1/N_k) sum_x x x^T`` over the N_k non-padding tokens (or patches) of task k; CoM's
+``normalize`` forms the same mean over unit-norm inputs ``x / ||x||``. This module computes
+those means in float64 (or float32) whatever the model's dtype:
+
+- :func:`flatten_tokens` drops padded positions (``[B, T, D] -> [N, D]``);
+- :class:`ActivationStatistics` accumulates sums and returns a
+  :class:`~mergekit_ext.methods.layerwise.TaskStatistics` of means;
+- :class:`LinearInputCapture` hooks named ``nn.Linear`` / HF ``Conv1D`` modules of any
+  model and feeds their inputs, unpadded, to one accumulator each.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from mergekit_ext.errors import CalibrationError, ModelInputError, TensorError
+from mergekit_ext.methods.layerwise import TaskStatistics
+
+LOG = logging.getLogger(__name__)
+
+
+def flatten_tokens(hidden: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """``[B, T, D] -> [N, D]``: the rows of the non-padding positions (all of them without a mask).
+
+    ``attention_mask`` is ``[B, T]`` with 1 for real tokens and 0 for padding.
+    """
+    if attention_mask is None:
+        return hidden.reshape(-1, hidden.shape[-1])
+    if hidden.dim() != 3 or tuple(attention_mask.shape) != tuple(hidden.shape[:2]):
+        raise TensorError(
+            f"attention mask of shape {tuple(attention_mask.shape)} does not fit hidden states of "
+            f"shape {tuple(hidden.shape)}; expected [B, T] and [B, T, D]"
+        )
+    return hidden[attention_mask.to(device=hidden.device).bool()]
+
+
+class ActivationStatistics:
+    """Running sums of ``x x^T``, ``x`` and (optionally) ``x̂ x̂^T`` with ``x̂ = x / ||x||``.
+
+    Sums are kept in ``dtype`` (float64 by default) on ``device`` (default: that of the first
+    input); :meth:`finalize` divides by the token count. Rows with zero norm count as tokens
+    and add zero to the normalized Gram.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        normalized_gram: bool = False,
+        dtype: torch.dtype = torch.float64,
+        device: Optional[torch.device | str] = None,
+    ) -> None:
+        if dtype not in (torch.float64, torch.float32):
+            raise ValueError(f"ActivationStatistics accumulates in float64 or float32, not {dtype}")
+        self.dim = int(dim)
+        self.normalized_gram = normalized_gram
+        self.dtype = dtype
+        self.device = torch.device(device) if device is not None else None
+        self.count = 0
+        self._gram_sum: Optional[torch.Tensor] = None
+        self._sum: Optional[torch.Tensor] = None
+        self._normalized_gram_sum: Optional[torch.Tensor] = None
+
+    def _allocate(self, device: torch.device) -> None:
+        self.device = self.device or device
+        zeros = dict(dtype=self.dtype, device=self.device)
+        self._gram_sum = torch.zeros(self.dim, self.dim, **zeros)
+        self._sum = torch.zeros(self.dim, **zeros)
+        if self.normalized_gram:
+            self._normalized_gram_sum = torch.zeros(self.dim, self.dim, **zeros)
+
+    @torch.no_grad()
+    def update(self, x: torch.Tensor) -> None:
+        """Add the rows of ``x`` (``[N, dim]``, one token each, padding already dropped)."""
+        if x.dim() != 2 or x.shape[1] != self.dim:
+            raise TensorError(f"expected inputs of shape [N, {self.dim}], got {tuple(x.shape)}")
+        if x.shape[0] == 0:
+            return
+        if self._gram_sum is None:
+            self._allocate(x.device)
+        x = x.detach().to(device=self.device, dtype=self.dtype)
+        self._gram_sum.addmm_(x.T, x)
+        self._sum.add_(x.sum(0))
+        if self._normalized_gram_sum is not None:
+            unit = x / x.norm(dim=1, keepdim=True).clamp_min(torch.finfo(self.dtype).tiny)
+            self._normalized_gram_sum.addmm_(unit.T, unit)
+        self.count += int(x.shape[0])
+
+    def finalize(self) -> TaskStatistics:
+        """Means over the accumulated tokens; raises when there were none or they were not finite."""
+        if self.count == 0 or self._gram_sum is None:
+            raise CalibrationError(
+                "no tokens reached this layer: the calibration batches were empty"
+            )
+        gram = self._gram_sum / self.count
+        gram = (gram + gram.T) / 2
+        normalized = None
+        if self._normalized_gram_sum is not None:
+            normalized = self._normalized_gram_sum / self.count
+            normalized = (normalized + normalized.T) / 2
+        if not bool(torch.isfinite(gram).all()):
+            raise TensorError(
+                "the Gram matrix of the layer inputs is not finite (inf/NaN activations); "
+                "check the checkpoint or use a wider dtype"
+            )
+        return TaskStatistics(
+            gram=gram, mean=self._sum / self.count, count=self.count, gram_normalized=normalized
+        )
+
+
+def _linear_in_features(module: nn.Module) -> Optional[int]:
+    """Input width of an ``nn.Linear`` or HF ``Conv1D`` (weight ``in x out``); None for others."""
+    if isinstance(module, nn.Linear):
+        return module.in_features
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return None
+    if isinstance(module, Conv1D):
+        return int(module.weight.shape[0])
+    return None
+
+
+class LinearInputCapture:
+    """Collect the input statistics of named linear modules during forward passes.
+
+    Example::
+
+        with LinearInputCapture(model, ["model.layers.0.self_attn.q_proj"]) as capture:
+            for batch in data.batches:
+                capture.set_attention_mask(batch["attention_mask"])
+                model(**batch)
+        stats = capture.statistics()  # {name: TaskStatistics}
+
+    Inputs ``[B, T, D]`` drop the positions where the current mask is 0; inputs ``[B*T, D]``
+    likewise; inputs ``[B, D]`` (a pooler on the first token) keep every row; without a mask
+    every row is a token (vision patches).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        module_names: Sequence[str],
+        *,
+        normalized_gram: bool = False,
+        dtype: torch.dtype = torch.float64,
+    ) -> None:
+        self.model = model
+        self.module_names = list(dict.fromkeys(module_names))
+        self._mask: Optional[torch.Tensor] = None
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._accumulators: dict[str, ActivationStatistics] = {}
+        modules = dict(model.named_modules())
+        for name in self.module_names:
+            module = modules.get(name)
+            if module is None:
+                linears = [n for n, m in modules.items() if _linear_in_features(m) is not None]
+                near = difflib.get_close_matches(name, linears, n=3, cutoff=0.5)
+                raise ModelInputError(
+                    f"the model has no module {name!r}"
+                    + (f"; linear modules with similar names: {', '.join(near)}" if near else "")
+                )
+            in_features = _linear_in_features(module)
+            if in_features is None:
+                raise ModelInputError(
+                    f"module {name!r} is a {type(module).__name__}; input statistics need nn.Linear or Conv1D"
+                )
+            self._accumulators[name] = ActivationStatistics(
+                in_features, normalized_gram=normalized_gram, dtype=dtype
+            )
+
+    def set_attention_mask(self, mask: Optional[torch.Tensor]) -> None:
+        """The ``[B, T]`` attention mask of the batch about to run (None: no padding)."""
+        self._mask = mask
+
+    def _hook(self, name: str):
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            x = args[0] if args else kwargs.get("input", kwargs.get("x"))
+            self._accumulators[name].update(self._rows(name, x))
+
+        return hook
+
+    def _rows(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        mask = self._mask
+        if mask is None:
+            return x.reshape(-1, x.shape[-1])
+        if x.dim() == 3 and tuple(x.shape[:2]) == tuple(mask.shape):
+            return flatten_tokens(x, mask)
+        if x.dim() == 2 and x.shape[0] == mask.numel():
+            return x[mask.reshape(-1).to(x.device).bool()]
+        if x.dim() == 2 and x.shape[0] == mask.shape[0]:
+            return x
+        raise TensorError(
+            f"input of module {name!r} has shape {tuple(x.shape)}, which does not fit the attention "
+            f"mask {tuple(mask.shape)}; set_attention_mask(None) if this batch has no padding"
+        )
+
+    def __enter__(self) -> LinearInputCapture:
+        modules = dict(self.model.named_modules())
+        for name in self.module_names:
+            handle = modules[name].register_forward_pre_hook(self._hook(name), with_kwargs=True)
+            self._handles.append(handle)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: Optional[type[BaseException]],
+        exc: Optional[BaseException],
+        traceback: Optional[TracebackType],
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Remove the hooks (the accumulated statistics stay)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def statistics(self) -> dict[str, TaskStatistics]:
+        """``{module name: TaskStatistics}`` of everything seen so far."""
+        for name, acc in self._accumulators.items():
+            if acc.count == 0:
+                raise CalibrationError(
+                    f"module {name!r} saw no tokens: run the calibration batches through the "
+                    "model inside the capture"
+                )
+        return {name: acc.finalize() for name, acc in self._accumulators.items()}
