@@ -93,6 +93,13 @@ def _options_verbosity(kwargs: dict[str, Any]) -> int:
 )
 @click.option("--private", "hub_private", is_flag=True, help="With --push-to-hub: a private repo")
 @click.option("--token", "hub_token", default=None, help="Hub token (default: HF_TOKEN or login)")
+@click.option(
+    "--plugin",
+    "plugins",
+    multiple=True,
+    metavar="MODULE_OR_FILE",
+    help="Import a Python module or .py file first (e.g. one that registers calibration sources)",
+)
 @add_merge_options
 @_friendly_errors(_options_verbosity)
 def run_command(
@@ -107,11 +114,14 @@ def run_command(
     push_to_hub: Optional[str],
     hub_private: bool,
     hub_token: Optional[str],
+    plugins: tuple[str, ...],
 ) -> None:
     """Merge the models of CONFIG_FILE into OUT_PATH (a superset of mergekit-yaml)."""
     from mergekit_ext.runner import RunOptions, run_merge_config
 
     merge_options.apply_global_options()
+    for plugin in plugins:
+        _import_plugin(plugin)
     cfg = load_config(config_file)
     result = run_merge_config(
         cfg,
@@ -130,6 +140,28 @@ def run_command(
     )
     if result is not None:
         click.echo(f"merged model written to {result}")
+
+
+def _import_plugin(spec: str) -> None:
+    """Import ``spec``: a ``.py`` file path or a dotted module name."""
+    import importlib
+    import importlib.util
+    import os
+
+    if spec.endswith(".py"):
+        if not os.path.isfile(spec):
+            raise MergekitExtError(f"--plugin file not found: {spec}")
+        name = "mergekit_ext_plugin_" + os.path.splitext(os.path.basename(spec))[0]
+        module_spec = importlib.util.spec_from_file_location(name, spec)
+        assert module_spec is not None and module_spec.loader is not None
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        module_spec.loader.exec_module(module)
+    else:
+        try:
+            importlib.import_module(spec)
+        except ModuleNotFoundError as e:
+            raise MergekitExtError(f"--plugin module {spec!r} cannot be imported: {e}") from e
 
 
 @main.command("methods")

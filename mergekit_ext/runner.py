@@ -69,6 +69,7 @@ def run_merge_config(
         parameters=cfg.parameters,
         seed=options.random_seed,
         config_sha256=cfg.sha256,
+        versions=_versions(),
     )
     with atomic_output_dir(out_path, overwrite=run.overwrite) as tmp:
         with diagnostics.recording(recorder):
@@ -85,7 +86,9 @@ def run_merge_config(
         if options.write_model_card:
             from mergekit_ext.hub.card import write_model_card
 
-            write_model_card(tmp)
+            write_model_card(
+                tmp, name=os.path.basename(os.path.abspath(out_path)), repo_id=run.push_to_hub
+            )
     if run.push_to_hub:
         from mergekit_ext.hub.publish import publish_folder
 
@@ -94,6 +97,18 @@ def run_merge_config(
         )
         LOG.info("published to %s", url)
     return os.path.abspath(out_path)
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for dist in ("mergekit-ext", "mergekit", "torch", "transformers", "huggingface_hub"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            out[dist] = "unknown"
+    return out
 
 
 def _mergekit_options(options: MergeOptions, **changes: Any) -> MergeOptions:

@@ -1,0 +1,1126 @@
+"""Model cards for merged models: metadata, diagnostics, plots, no network.
+
+:func:`write_model_card` reads a finished output folder (``mergekit_config.yml``,
+``config.json``, ``mergekit_ext_diagnostics.json``), renders one of the Jinja2 templates
+in ``mergekit_ext/hub/templates/`` (also reachable as ``model_cards/`` at the top of a
+source checkout, a symlink to the same folder) and writes ``README.md`` plus the
+diagnostics plots in ``images/``.
+
+The YAML front matter is built with :class:`huggingface_hub.ModelCardData` (never written
+by hand) and parsed back with :class:`huggingface_hub.ModelCard` before the card is saved.
+
+Nothing here touches the network. mergekit 0.1.5's ``generate_card`` asks the Hub whether a
+short relative path is a repository; we decide offline instead: an input is a Hub id when it
+has the form ``owner/name`` and is not an existing local path (see :func:`is_hub_model_id`).
+Licenses of Hub inputs are read from the local Hugging Face cache only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import math
+import os
+import re
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import jinja2
+import yaml
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+from mergekit_ext import diagnostics as diagnostics_mod
+from mergekit_ext.errors import ConfigError, MergekitExtError
+
+LOG = logging.getLogger(__name__)
+
+TEMPLATES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "templates")
+CONFIG_FILENAME = "mergekit_config.yml"
+README_FILENAME = "README.md"
+TAGS = ("mergekit", "merge", "mergekit-ext")
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+_PARTIAL_DIR = re.compile(r"^\.(?P<name>.+)\.partial-[^/\\]*$")
+
+# Architecture-name suffix → (template, pipeline_tag, transformers Auto class).
+_HEAD_SUFFIXES: tuple[tuple[str, str, Optional[str], str], ...] = (
+    ("ForCausalLM", "causal_lm", "text-generation", "AutoModelForCausalLM"),
+    ("LMHeadModel", "causal_lm", "text-generation", "AutoModelForCausalLM"),
+    ("ForImageClassification", "vision", "image-classification", "AutoModelForImageClassification"),
+    ("ForSemanticSegmentation", "vision", "image-segmentation", "AutoModelForSemanticSegmentation"),
+    ("ForObjectDetection", "vision", "object-detection", "AutoModelForObjectDetection"),
+    (
+        "ForSequenceClassification",
+        "encoder",
+        "text-classification",
+        "AutoModelForSequenceClassification",
+    ),
+    (
+        "ForTokenClassification",
+        "encoder",
+        "token-classification",
+        "AutoModelForTokenClassification",
+    ),
+    ("ForQuestionAnswering", "encoder", "question-answering", "AutoModelForQuestionAnswering"),
+    ("ForMaskedLM", "encoder", "fill-mask", "AutoModelForMaskedLM"),
+    ("ForMultipleChoice", "encoder", None, "AutoModelForMultipleChoice"),
+)
+# Whole-model architectures without a task suffix.
+_EXACT_ARCHITECTURES: dict[str, tuple[str, Optional[str], str]] = {
+    "CLIPModel": ("vision", "zero-shot-image-classification", "AutoModel"),
+    "SiglipModel": ("vision", "zero-shot-image-classification", "AutoModel"),
+    "Siglip2Model": ("vision", "zero-shot-image-classification", "AutoModel"),
+    "CLIPVisionModel": ("vision", "image-feature-extraction", "CLIPVisionModel"),
+    "CLIPVisionModelWithProjection": (
+        "vision",
+        "image-feature-extraction",
+        "CLIPVisionModelWithProjection",
+    ),
+    "CLIPTextModel": ("encoder", "feature-extraction", "CLIPTextModel"),
+    "CLIPTextModelWithProjection": ("encoder", "feature-extraction", "CLIPTextModelWithProjection"),
+}
+_SECTION_TITLES = {
+    "ace": "ACE",
+    "chain_of_merges": "Chain of Merges",
+    "regmean": "RegMean",
+    "qp_projection": "QP output-space projection",
+    "symerge": "SyMerge",
+}
+
+
+# ------------------------------------------------------------------------- architecture
+
+
+@dataclass(frozen=True)
+class ArchitectureInfo:
+    """What the merged ``config.json`` says the model is, and how the card presents it."""
+
+    architecture: Optional[str]
+    model_type: Optional[str]
+    template: str  # causal_lm | vision | encoder
+    pipeline_tag: Optional[str]
+    auto_class: str
+
+
+def _is_vision_config(config: Mapping[str, Any]) -> bool:
+    if config.get("vision_config") is not None and config.get("text_config") is None:
+        return True
+    if "image_size" in config and ("patch_size" in config or "num_channels" in config):
+        return True
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_MAPPING_NAMES
+
+        return str(config.get("model_type")) in MODEL_FOR_IMAGE_MAPPING_NAMES
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return False
+
+
+def _is_decoder_type(model_type: Optional[str]) -> bool:
+    try:
+        from transformers.models.auto.modeling_auto import (
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+            MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+        )
+    except ImportError:  # pragma: no cover
+        return False
+    return (
+        model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        and model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    )
+
+
+def architecture_info(config: Mapping[str, Any]) -> ArchitectureInfo:
+    """Template, pipeline tag and Auto class from a ``config.json`` (architectures, model_type)."""
+    architectures = config.get("architectures") or []
+    arch = str(architectures[0]) if architectures else None
+    model_type = config.get("model_type")
+    if arch in _EXACT_ARCHITECTURES:
+        template, tag, auto = _EXACT_ARCHITECTURES[arch]
+        return ArchitectureInfo(arch, model_type, template, tag, auto)
+    if arch:
+        for suffix, template, tag, auto in _HEAD_SUFFIXES:
+            if arch.endswith(suffix):
+                return ArchitectureInfo(arch, model_type, template, tag, auto)
+        if arch.endswith("ForConditionalGeneration"):
+            if config.get("vision_config") is not None:
+                return ArchitectureInfo(
+                    arch,
+                    model_type,
+                    "causal_lm",
+                    "image-text-to-text",
+                    "AutoModelForImageTextToText",
+                )
+            return ArchitectureInfo(
+                arch, model_type, "causal_lm", "text2text-generation", "AutoModelForSeq2SeqLM"
+            )
+    # A bare body (``LlamaModel``, ``BertModel``, ``ViTModel``) or no architectures at all.
+    if _is_vision_config(config):
+        return ArchitectureInfo(arch, model_type, "vision", "image-feature-extraction", "AutoModel")
+    if _is_decoder_type(model_type):
+        return ArchitectureInfo(arch, model_type, "causal_lm", "feature-extraction", "AutoModel")
+    return ArchitectureInfo(arch, model_type, "encoder", "feature-extraction", "AutoModel")
+
+
+# ------------------------------------------------------------------------- model inputs
+
+
+def is_hub_model_id(path: str, search_dirs: Sequence[str] = ()) -> bool:
+    """``owner/name`` that is not an existing local path (relative to the CWD or ``search_dirs``).
+
+    Decided offline: the Hub is never asked. A local folder that happens to look like
+    ``owner/name`` counts as local as long as it exists where the merge ran.
+    """
+    if not _HUB_ID.match(path):
+        return False
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        return False
+    if os.path.exists(path):
+        return False
+    return not any(os.path.exists(os.path.join(d, path)) for d in search_dirs)
+
+
+def display_path(path: str, cwd: Optional[str] = None) -> str:
+    """A local path as the card shows it: relative as written, or never absolute.
+
+    Absolute paths under ``cwd`` become relative to it; other absolute (or ``~``) paths are
+    shown by their folder name only, so no machine path leaks into a public card.
+    """
+    expanded = os.path.expanduser(path)
+    if not os.path.isabs(expanded) and not path.startswith("~"):
+        return path.replace(os.sep, "/")
+    cwd = os.path.abspath(cwd or os.getcwd())
+    normalized = os.path.normpath(expanded)
+    try:
+        rel = os.path.relpath(normalized, cwd)
+    except ValueError:  # another drive on Windows
+        rel = os.pardir
+    if rel != os.curdir and not rel.startswith(os.pardir):
+        return rel.replace(os.sep, "/")
+    return os.path.basename(normalized.rstrip(os.sep)) or "model"
+
+
+@dataclass
+class InputModel:
+    """One input checkpoint (plus optional LoRA) as the card describes it."""
+
+    role: str  # base | model
+    name: str
+    path: str
+    revision: Optional[str]
+    lora: Optional[str]
+    is_hub: bool
+    lora_is_hub: bool
+    display: str
+    license: Optional[str] = None
+    license_name: Optional[str] = None
+    license_link: Optional[str] = None
+    license_origin: Optional[str] = None
+
+    @property
+    def hub_ids(self) -> list[str]:
+        ids = [self.path] if self.is_hub else []
+        if self.lora and self.lora_is_hub:
+            ids.append(self.lora)
+        return ids
+
+    @property
+    def url(self) -> Optional[str]:
+        return f"https://huggingface.co/{self.path}" if self.is_hub else None
+
+    @property
+    def source(self) -> str:
+        return "Hub" if self.is_hub else "local folder"
+
+
+def _model_entries(cfg: Any) -> list[tuple[str, Any, Optional[str]]]:
+    """``(role, ModelReference, task name)`` in config order, base first, deduplicated."""
+    merge = cfg.merge
+    out: list[tuple[str, Any, Optional[str]]] = []
+    seen: set[str] = set()
+
+    def add(role: str, ref: Any, name: Optional[str]) -> None:
+        key = str(ref)
+        if key in seen:
+            for i, (r, existing, n) in enumerate(out):
+                if str(existing) == key and n is None and name is not None:
+                    out[i] = (r, existing, name)
+            return
+        seen.add(key)
+        out.append((role, ref, name))
+
+    if merge.base_model is not None:
+        add("base", merge.base_model, None)
+    for i, model in enumerate(merge.models or []):
+        name = cfg.models[i].name if i < len(cfg.models) else None
+        add("model", model.model, name)
+    for s in merge.slices or []:
+        for src in s.sources:
+            add("model", src.model, None)
+    for module in (merge.modules or {}).values():
+        for model in module.models or []:
+            add("model", model.model, None)
+        for s in module.slices or []:
+            for src in s.sources:
+                add("model", src.model, None)
+    return out
+
+
+def collect_inputs(cfg: Any, cwd: Optional[str] = None) -> list[InputModel]:
+    """Every input of the config, classified offline as Hub id or local folder."""
+    cwd = cwd or os.getcwd()
+    search = [cwd, cfg.base_dir] if getattr(cfg, "base_dir", None) else [cwd]
+    result = []
+    for role, ref, name in _model_entries(cfg):
+        path = ref.model.path
+        lora = ref.lora.path if ref.lora is not None else None
+        is_hub = is_hub_model_id(path, search)
+        lora_is_hub = bool(lora) and is_hub_model_id(lora, search)
+        display = path if is_hub else display_path(path, cwd)
+        if lora:
+            display += " + " + (lora if lora_is_hub else display_path(lora, cwd))
+        result.append(
+            InputModel(
+                role=role,
+                name=name or (os.path.basename(display.split(" + ")[0].rstrip("/")) or display),
+                path=path,
+                revision=ref.model.revision,
+                lora=lora,
+                is_hub=is_hub,
+                lora_is_hub=lora_is_hub,
+                display=display,
+            )
+        )
+    return result
+
+
+# ----------------------------------------------------------------------------- licenses
+
+
+def _front_matter(readme_path: str) -> dict[str, Any]:
+    from huggingface_hub import metadata_load
+
+    try:
+        return metadata_load(readme_path) or {}
+    except (yaml.YAMLError, ValueError, OSError) as e:
+        LOG.warning("could not read the front matter of %s: %s", readme_path, e)
+        return {}
+
+
+def _cached_hub_readme(repo_id: str, revision: Optional[str]) -> Optional[str]:
+    """README.md of a Hub model from the local cache only (never downloads)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(repo_id, "README.md", revision=revision)
+    except Exception as e:  # noqa: BLE001 - a broken cache must not break the card
+        LOG.debug("cache lookup for %s failed: %s", repo_id, e)
+        return None
+    return found if isinstance(found, str) and os.path.isfile(found) else None
+
+
+def _declared_license(folder_or_id: str, is_hub: bool, revision: Optional[str], cwd: str) -> dict:
+    """The license an input declares in its README front matter or config.json (or {})."""
+    if is_hub:
+        readme = _cached_hub_readme(folder_or_id, revision)
+        meta = _front_matter(readme) if readme else {}
+        origin = "README.md (local Hub cache)"
+        config: dict[str, Any] = {}
+    else:
+        folder = os.path.join(cwd, os.path.expanduser(folder_or_id))
+        readme = os.path.join(folder, README_FILENAME)
+        meta = _front_matter(readme) if os.path.isfile(readme) else {}
+        origin = "README.md"
+        config = _read_json(os.path.join(folder, "config.json")) or {}
+    for source, where in ((meta, origin), (config, "config.json")):
+        value = source.get("license")
+        if isinstance(value, list):
+            value = value[0] if len(value) == 1 else None
+        if isinstance(value, str) and value.strip():
+            return {
+                "license": value.strip().lower(),
+                "license_name": source.get("license_name"),
+                "license_link": source.get("license_link"),
+                "origin": where,
+            }
+    return {}
+
+
+@dataclass
+class LicenseDecision:
+    license: Optional[str]
+    license_name: Optional[str]
+    license_link: Optional[str]
+    explanation: str
+    undeclared: list[str] = field(default_factory=list)
+
+
+def decide_license(inputs: Sequence[InputModel]) -> LicenseDecision:
+    """The merged model's license when every input that declares one agrees; else none."""
+    declared = [m for m in inputs if m.license]
+    undeclared = [m.name for m in inputs if not m.license]
+    keys = {(m.license, m.license_name) for m in declared}
+    if not declared:
+        return LicenseDecision(
+            None,
+            None,
+            None,
+            "None of the input models declares a license (in its README front matter or "
+            "config.json), so no license is set. Check each input's terms before you share "
+            "this model.",
+            undeclared,
+        )
+    if len(keys) > 1:
+        listing = ", ".join(
+            f"{m.name}: {m.license}{f' ({m.license_name})' if m.license_name else ''}"
+            for m in declared
+        )
+        return LicenseDecision(
+            None,
+            None,
+            None,
+            f"The input models declare different licenses ({listing}), so no license is set. "
+            "A merge is a derivative of every input: its terms are the combination of theirs; "
+            "set the license yourself once you have checked that they are compatible.",
+            undeclared,
+        )
+    license_id, license_name = next(iter(keys))
+    links = {m.license_link for m in declared if m.license_link}
+    text = f"Every input model that declares a license uses `{license_id}`"
+    text += f" ({license_name})" if license_name else ""
+    text += ", so the merge carries the same license."
+    if undeclared:
+        text += " Inputs that declare none: " + ", ".join(undeclared) + "; check their terms."
+    return LicenseDecision(
+        license_id, license_name, next(iter(links)) if len(links) == 1 else None, text, undeclared
+    )
+
+
+# ------------------------------------------------------------------------------- eval
+
+
+EVAL_RESULTS_SCHEMA = """\
+A JSON list, one entry per task and dataset:
+
+  [{"task": "text-classification",            # the task type (a Hub pipeline tag)
+    "task_name": "Sentiment",                  # optional, readable
+    "dataset": "stanfordnlp/sst2",             # Hub id or name; or an object:
+    #   {"name": "SST-2", "type": "stanfordnlp/sst2", "config": "default",
+    #    "split": "validation", "revision": "..."}
+    "metrics": [{"type": "accuracy", "value": 0.91, "name": "Accuracy"}]}]
+"""
+
+
+def load_eval_results(path: str) -> list[dict[str, Any]]:
+    """Read and validate an evaluation results file (schema: :data:`EVAL_RESULTS_SCHEMA`)."""
+    try:
+        with open(path, encoding="utf-8") as fp:
+            data = json.load(fp)
+    except FileNotFoundError as e:
+        raise ConfigError(f"evaluation results file not found: {path}") from e
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: invalid JSON: {e}") from e
+    eval_results_to_card(data, "check", where=path)  # validates
+    return data
+
+
+def eval_results_to_card(
+    results: Any, model_name: str, where: str = "eval results"
+) -> list[EvalResult]:
+    """Turn the documented eval schema into ``huggingface_hub.EvalResult`` objects."""
+    if not isinstance(results, list):
+        raise ConfigError(f"{where}: expected a JSON list of results\n{EVAL_RESULTS_SCHEMA}")
+    out: list[EvalResult] = []
+    for i, entry in enumerate(results):
+        here = f"{where}: entry {i}"
+        if not isinstance(entry, Mapping):
+            raise ConfigError(f"{here}: expected an object with task, dataset and metrics")
+        task = entry.get("task")
+        if not isinstance(task, str) or not task:
+            raise ConfigError(
+                f"{here}: 'task' (a task type such as text-classification) is required"
+            )
+        dataset = entry.get("dataset")
+        if isinstance(dataset, str) and dataset:
+            dataset = {"name": dataset, "type": dataset}
+        if not isinstance(dataset, Mapping) or not (dataset.get("name") or dataset.get("type")):
+            raise ConfigError(f"{here}: 'dataset' must be a name or an object with name/type")
+        metrics = entry.get("metrics")
+        if not isinstance(metrics, list) or not metrics:
+            raise ConfigError(f"{here}: 'metrics' must be a non-empty list of {{type, value}}")
+        for j, metric in enumerate(metrics):
+            if not isinstance(metric, Mapping) or not metric.get("type"):
+                raise ConfigError(f"{here}: metrics[{j}] needs a 'type' (e.g. accuracy)")
+            value = metric.get("value")
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(
+                    f"{here}: metrics[{j}] ('{metric['type']}') needs a numeric 'value'"
+                )
+            if not math.isfinite(float(value)):
+                raise ConfigError(f"{here}: metrics[{j}] ('{metric['type']}') value is not finite")
+            out.append(
+                EvalResult(
+                    task_type=task,
+                    task_name=entry.get("task_name"),
+                    dataset_type=str(dataset.get("type") or dataset.get("name")),
+                    dataset_name=str(dataset.get("name") or dataset.get("type")),
+                    dataset_config=dataset.get("config"),
+                    dataset_split=dataset.get("split"),
+                    dataset_revision=dataset.get("revision"),
+                    metric_type=str(metric["type"]),
+                    metric_value=value,
+                    metric_name=metric.get("name"),
+                )
+            )
+    return out
+
+
+# ----------------------------------------------------------------- diagnostics summaries
+
+
+def _stats(values: Sequence[float]) -> dict[str, float]:
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return {"n": 0, "min": math.nan, "median": math.nan, "mean": math.nan, "max": math.nan}
+    return {
+        "n": len(finite),
+        "min": min(finite),
+        "median": statistics.median(finite),
+        "mean": statistics.fmean(finite),
+        "max": max(finite),
+    }
+
+
+def summarize_ace(section: Mapping[str, Any], gamma_threshold: float) -> dict[str, Any]:
+    from mergekit_ext.hub.plots import as_float, tensor_kind
+
+    tensors: Mapping[str, Mapping[str, Any]] = section.get("tensors") or {}
+    kinds: dict[str, list[Mapping[str, Any]]] = {}
+    for name, rec in tensors.items():
+        kinds.setdefault(tensor_kind(name), []).append(rec)
+    conds = {name: as_float(rec.get("condition_number")) for name, rec in tensors.items()}
+    finite_conds = {k: v for k, v in conds.items() if math.isfinite(v)}
+    worst = max(finite_conds, key=finite_conds.__getitem__) if finite_conds else None
+    n_norm = sum(bool(r.get("normalized")) for r in tensors.values())
+    return {
+        "n_tensors": len(tensors),
+        "n_normalized": n_norm,
+        "normalized_share": n_norm / len(tensors) if tensors else math.nan,
+        "gamma_threshold": gamma_threshold,
+        "gamma": _stats([as_float(r.get("gamma")) for r in tensors.values()]),
+        "condition_number": _stats(list(conds.values())),
+        "worst_condition_tensor": worst,
+        "top5_energy_share": _stats(
+            [as_float(r.get("top5_energy_share")) for r in tensors.values()]
+        ),
+        "kinds": [
+            {
+                "kind": kind,
+                "count": len(recs),
+                "normalized_share": sum(bool(r.get("normalized")) for r in recs) / len(recs),
+                "gamma_median": _stats([as_float(r.get("gamma")) for r in recs])["median"],
+                "condition_median": _stats([as_float(r.get("condition_number")) for r in recs])[
+                    "median"
+                ],
+                "top5_median": _stats([as_float(r.get("top5_energy_share")) for r in recs])[
+                    "median"
+                ],
+            }
+            for kind, recs in sorted(kinds.items())
+        ],
+    }
+
+
+def summarize_layerwise(section: Mapping[str, Any]) -> dict[str, Any]:
+    from mergekit_ext.hub.plots import as_float, layer_tasks
+
+    layers: Sequence[Mapping[str, Any]] = section.get("layers") or []
+    tasks = layer_tasks(layers)
+    rows = []
+    for task in tasks:
+        shares, shifts, errors = [], [], []
+        worst_layer, worst_shift = None, -math.inf
+        for layer in layers:
+            per_task = layer.get("tasks") or {}
+            rec = per_task.get(task) or {}
+            total = sum(
+                v
+                for v in (as_float((r or {}).get("weight")) for r in per_task.values())
+                if math.isfinite(v)
+            )
+            w = as_float(rec.get("weight"))
+            shares.append(w / total if total > 0 and math.isfinite(w) else math.nan)
+            s = as_float(rec.get("covariate_shift_w2"))
+            shifts.append(s)
+            if math.isfinite(s) and s > worst_shift:
+                worst_shift, worst_layer = s, layer.get("layer")
+            errors.append(as_float(rec.get("relative_output_error")))
+        rows.append(
+            {
+                "task": task,
+                "weight_share": _stats(shares)["mean"],
+                "shift": _stats(shifts),
+                "worst_shift_layer": worst_layer,
+                "error": _stats(errors),
+            }
+        )
+    settings: dict[str, Any] = {}
+    for key, label in (
+        ("statistics", "statistics"),
+        ("task_weighting", "task weighting"),
+        ("normalized_gram", "normalized Gram"),
+        ("solver", "solver"),
+        ("covariate_shift_covariance", "W2 covariance"),
+    ):
+        values = {str(layer.get(key)) for layer in layers if layer.get(key) is not None}
+        if values:
+            settings[label] = ", ".join(sorted(values))
+    return {
+        "n_layers": len(layers),
+        "tasks": rows,
+        "settings": settings,
+        "shift_measured": any(math.isfinite(v) for r in rows for v in (r["shift"]["max"],)),
+        "condition_number": _stats([as_float(layer.get("condition_number")) for layer in layers]),
+    }
+
+
+def summarize_qp(section: Mapping[str, Any]) -> dict[str, Any]:
+    from mergekit_ext.hub.plots import as_float, qp_layer_energy, task_arithmetic_energies
+
+    layers: Sequence[Mapping[str, Any]] = section.get("layers") or []
+    bases: set[str] = set()
+    j0 = j_opt = 0.0
+    j_ta: dict[str, list[float]] = {}
+    other_j: list[float] = []
+    other_bases: set[str] = set()
+    n_weights = 0
+    worst = (None, math.inf)
+    for layer in layers:
+        for name, w in (layer.get("weights") or {}).items():
+            n_weights += 1
+            if w.get("basis"):
+                bases.add(str(w["basis"]))
+            a, b = as_float(w.get("J0")), as_float(w.get("J_opt"))
+            if math.isfinite(a) and math.isfinite(b):
+                j0, j_opt = j0 + a, j_opt + b
+            for label, j in task_arithmetic_energies(w).items():
+                j_ta.setdefault(label, []).append(j)
+            ob = w.get("other_basis")
+            if isinstance(ob, Mapping):
+                other_j.append(as_float(ob.get("J_opt")))
+                if ob.get("basis"):
+                    other_bases.add(str(ob["basis"]))
+            captured = as_float(w.get("captured_energy"))
+            if math.isfinite(captured) and captured < worst[1]:
+                worst = (name, captured)
+    per_layer = [qp_layer_energy(layer)["captured"] for layer in layers]
+    ta_rows = [
+        {"label": label.strip() or "λ as recorded", "captured": 1.0 - sum(js) / j0}
+        for label, js in j_ta.items()
+        if j0 > 0 and len(js) == n_weights and all(math.isfinite(j) for j in js)
+    ]
+    other_complete = j0 > 0 and other_j and len(other_j) == n_weights
+    return {
+        "n_layers": len(layers),
+        "n_weights": n_weights,
+        "bases": sorted(bases),
+        "captured_total": 1.0 - j_opt / j0 if j0 > 0 else math.nan,
+        "task_arithmetic": ta_rows,
+        "other_basis": ", ".join(sorted(other_bases)) or None,
+        "captured_other_basis": 1.0 - sum(other_j) / j0
+        if other_complete and all(math.isfinite(j) for j in other_j)
+        else math.nan,
+        "captured_per_layer": _stats(per_layer),
+        "worst_weight": worst[0],
+        "worst_weight_captured": worst[1] if worst[0] is not None else math.nan,
+        "J0_total": j0,
+        "J_opt_total": j_opt,
+    }
+
+
+def summarize_symerge(section: Mapping[str, Any]) -> dict[str, Any]:
+    from mergekit_ext.hub.plots import as_float
+
+    loss = [as_float(v) for v in section.get("loss") or []]
+    tasks = list(section.get("tasks") or [])
+    agreement = section.get("agreement") or {}
+    heldout = section.get("heldout_accuracy") or {}
+    lam = section.get("lambda") or []
+    for task in list(agreement) + list(heldout):
+        if task not in tasks:
+            tasks.append(task)
+    rows = []
+    for k, task in enumerate(tasks):
+        curve = [as_float(v) for v in agreement.get(task) or []]
+        column = [
+            as_float(row[k]) for row in lam if isinstance(row, (list, tuple)) and k < len(row)
+        ]
+        rows.append(
+            {
+                "task": task,
+                "agreement_first": curve[0] if curve else math.nan,
+                "agreement_last": curve[-1] if curve else math.nan,
+                "heldout_accuracy": as_float(heldout.get(task)) if task in heldout else math.nan,
+                "lambda": _stats(column),
+            }
+        )
+    return {
+        "steps": len(loss),
+        "loss_first": loss[0] if loss else math.nan,
+        "loss_last": loss[-1] if loss else math.nan,
+        "loss_min": _stats(loss)["min"],
+        "n_lambda_tensors": len(lam),
+        "tasks": rows,
+    }
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    """Numbers for Markdown: 3 significant digits, ``—`` for missing/NaN."""
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "—"
+        if math.isinf(value):
+            return "∞" if value > 0 else "−∞"
+        if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-3):
+            return f"{value:.{digits - 1}e}"
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def _pct(value: Any) -> str:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return f"{100.0 * value:.1f}%"
+    return "—"
+
+
+def _yaml_value(value: Any) -> str:
+    """A parameter value as it would be written in the YAML (``true``, ``null``, ``[0, 1]``)."""
+    text = yaml.safe_dump(value, default_flow_style=True, allow_unicode=True, width=10**6)
+    return text.strip().removesuffix("...").strip()
+
+
+def _cell(value: Any) -> str:
+    """Text safe inside a Markdown table cell."""
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _environment(template_dir: Optional[str]) -> jinja2.Environment:
+    search = [template_dir, TEMPLATES_DIR] if template_dir else [TEMPLATES_DIR]
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(search),
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,  # Markdown, not HTML
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+    env.filters["fmt"] = _fmt
+    env.filters["pct"] = _pct
+    env.filters["cell"] = _cell
+    env.filters["yamlv"] = _yaml_value
+    return env
+
+
+def _read_json(path: str) -> Optional[dict[str, Any]]:
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as fp:
+            return json.load(fp)
+    except (OSError, json.JSONDecodeError) as e:
+        LOG.warning("could not read %s: %s", path, e)
+        return None
+
+
+def _package_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _versions(diag: Mapping[str, Any]) -> list[tuple[str, str]]:
+    recorded = diag.get("versions") if isinstance(diag.get("versions"), Mapping) else {}
+    from mergekit_ext import __version__
+
+    rows = [("mergekit-ext", str(diag.get("mergekit_ext_version") or __version__))]
+    for pkg in ("mergekit", "torch", "transformers", "huggingface_hub"):
+        rows.append((pkg, str(recorded.get(pkg) or _package_version(pkg))))
+    return rows
+
+
+def _shorten_yaml_paths(text: str, raw: Any, cwd: str) -> tuple[str, bool]:
+    """Replace absolute local paths in the YAML text by their display form."""
+    found: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, Mapping):
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+        elif isinstance(node, str):
+            for part in node.split("+"):
+                if os.path.isabs(os.path.expanduser(part)) and (
+                    part.startswith(("/", "~")) or re.match(r"^[A-Za-z]:[\\/]", part)
+                ):
+                    found.add(part)
+
+    walk(raw)
+    changed = False
+    for path in sorted(found, key=len, reverse=True):
+        if path in text:
+            text = text.replace(path, display_path(path, cwd))
+            changed = True
+    return text, changed
+
+
+def _model_name(out_dir: str, name: Optional[str], repo_id: Optional[str]) -> str:
+    if name:
+        return name
+    if repo_id:
+        return repo_id.split("/")[-1]
+    base = os.path.basename(os.path.normpath(os.path.abspath(out_dir)))
+    partial = _PARTIAL_DIR.match(base)  # the runner's temporary folder beside OUT_DIR
+    return partial.group("name") if partial else base
+
+
+def _calibration_rows(diag: Mapping[str, Any], cfg: Any, cwd: str) -> list[dict[str, Any]]:
+    rows = []
+    recorded = diag.get("calibration") or {}
+    if isinstance(recorded, Mapping) and recorded:
+        for model, info in recorded.items():
+            info = info or {}
+            source = str(info.get("source") or "")
+            rows.append(
+                {
+                    "model": model,
+                    "source": _display_source(source, cwd),
+                    "samples": info.get("samples"),
+                    "tokens": info.get("tokens"),
+                    "modality": info.get("modality") or "",
+                    "sha256": info.get("sha256") or "",
+                    "recorded": True,
+                }
+            )
+        return rows
+    for entry in cfg.models:
+        spec = cfg.calibration_for(entry)
+        if spec is None or not spec.has_data:
+            continue
+        rows.append(
+            {
+                "model": entry.name,
+                "source": _display_source(spec.describe(), cwd),
+                "samples": spec.samples,
+                "tokens": None,
+                "modality": "",
+                "sha256": "",
+                "recorded": False,
+            }
+        )
+    return rows
+
+
+def _display_source(source: str, cwd: str) -> str:
+    prefix, sep, rest = source.partition(":")
+    if sep and prefix in ("path", "dataset", "source", "file", "folder") and rest:
+        return f"{prefix}:{_display_source(rest, cwd)}"
+    if os.path.isabs(os.path.expanduser(source)):
+        return display_path(source, cwd)
+    return source
+
+
+def _hub_datasets(cfg: Any, cwd: str) -> list[str]:
+    """Hub datasets among the calibration sources (``dataset:`` that is not a local path)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    found: list[str] = []
+    specs = [cfg.calibration_for(e) for e in cfg.models]
+    if cfg.calibration_defaults is not None:
+        specs.append(cfg.calibration_defaults)
+    for spec in specs:
+        name = getattr(spec, "dataset", None) if spec is not None else None
+        if not name or os.path.exists(os.path.join(cwd, name)):
+            continue
+        try:
+            validate_repo_id(name)
+        except HFValidationError:
+            continue
+        if name not in found:
+            found.append(name)
+    return found
+
+
+def _parameters(cfg: Any, method: Mapping[str, Any]) -> list[dict[str, Any]]:
+    given = cfg.parameters
+    rows = []
+    documented = {p["name"]: p for p in method.get("parameters", [])}
+    for name, doc in documented.items():
+        value = given.get(name, doc.get("default"))
+        rows.append(
+            {
+                "name": name,
+                "value": value,
+                "set": name in given,
+                "description": doc.get("description") or "",
+            }
+        )
+    for name, value in given.items():
+        if name not in documented:
+            rows.append({"name": name, "value": value, "set": True, "description": ""})
+    return rows
+
+
+def _describe_method(name: str) -> dict[str, Any]:
+    from mergekit_ext.methods import describe_method
+
+    try:
+        return describe_method(name)
+    except Exception as e:  # noqa: BLE001 - an unknown method still gets a card
+        LOG.warning("no description for merge method %r: %s", name, e)
+        return {
+            "name": name,
+            "pretty_name": name,
+            "source": "unknown",
+            "kind": "tensorwise",
+            "needs_calibration": False,
+            "paper": "",
+            "paper_url": "",
+            "parameters": [],
+        }
+
+
+def _diagnostic_sections(
+    diag: Mapping[str, Any], out_dir: str, gamma_threshold: float
+) -> list[dict[str, Any]]:
+    from mergekit_ext.hub.plots import render_plots
+
+    sections = diag.get("sections") or {}
+    if not sections:
+        return []
+    plots = render_plots(sections, out_dir, gamma_threshold=gamma_threshold)
+    summarizers = {
+        "ace": lambda s: summarize_ace(s, gamma_threshold),
+        "chain_of_merges": summarize_layerwise,
+        "regmean": summarize_layerwise,
+        "qp_projection": summarize_qp,
+        "symerge": summarize_symerge,
+    }
+    result = []
+    for key in ("ace", "chain_of_merges", "regmean", "qp_projection", "symerge"):
+        if key in sections:
+            result.append(
+                {
+                    "key": key,
+                    "kind": "layerwise" if key in ("chain_of_merges", "regmean") else key,
+                    "title": _SECTION_TITLES[key],
+                    "summary": summarizers[key](sections[key]),
+                    "plots": plots.get(key, []),
+                }
+            )
+    others = sorted(k for k in sections if k not in _SECTION_TITLES)
+    for key in others:
+        result.append({"key": key, "kind": "other", "title": key, "summary": {}, "plots": []})
+    return result
+
+
+def _task_folders(out_dir: str, diag: Mapping[str, Any]) -> list[dict[str, str]]:
+    tasks_dir = os.path.join(out_dir, "tasks")
+    names: list[str] = []
+    symerge = (diag.get("sections") or {}).get("symerge") or {}
+    for task in symerge.get("tasks") or []:
+        if os.path.isdir(os.path.join(tasks_dir, str(task))):
+            names.append(str(task))
+    if os.path.isdir(tasks_dir):
+        for entry in sorted(os.listdir(tasks_dir)):
+            if entry not in names and os.path.isdir(os.path.join(tasks_dir, entry)):
+                names.append(entry)
+    return [{"name": n, "subfolder": f"tasks/{n}"} for n in names]
+
+
+@dataclass
+class CardContext:
+    """Everything a template sees, plus the metadata; built by :func:`build_card_context`."""
+
+    card_data: ModelCardData
+    variables: dict[str, Any]
+    template: str
+
+
+def build_card_context(
+    out_dir: str,
+    *,
+    eval_results: Optional[list[dict[str, Any]]] = None,
+    name: Optional[str] = None,
+    repo_id: Optional[str] = None,
+    cwd: Optional[str] = None,
+    render_images: bool = True,
+) -> CardContext:
+    """Read a finished output folder and assemble the card's metadata and template variables."""
+    from mergekit_ext.config import parse_config
+
+    cwd = os.path.abspath(cwd or os.getcwd())
+    config_path = os.path.join(out_dir, CONFIG_FILENAME)
+    if not os.path.isfile(config_path):
+        raise MergekitExtError(
+            f"{out_dir} has no {CONFIG_FILENAME}: it is not the output of a finished merge"
+        )
+    with open(config_path, encoding="utf-8") as fp:
+        config_text = fp.read()
+    cfg = parse_config(config_text, config_path)
+    cfg.base_dir = cwd  # relative paths in the YAML resolve against the CWD, like mergekit
+    model_config = _read_json(os.path.join(out_dir, "config.json"))
+    if model_config is None:
+        raise MergekitExtError(f"{out_dir} has no readable config.json: re-run the merge")
+    diag = diagnostics_mod.load(out_dir)
+    arch = architecture_info(model_config)
+    model_name = _model_name(out_dir, name, repo_id)
+    method = _describe_method(cfg.method)
+
+    inputs = collect_inputs(cfg, cwd)
+    for m in inputs:
+        declared = _declared_license(m.path, m.is_hub, m.revision, cwd)
+        if not declared and m.lora:
+            declared = _declared_license(m.lora, m.lora_is_hub, None, cwd)
+        if declared:
+            m.license = declared["license"]
+            m.license_name = declared.get("license_name")
+            m.license_link = declared.get("license_link")
+            m.license_origin = declared["origin"]
+    license_decision = decide_license(inputs)
+
+    hub_ids: list[str] = []
+    for m in inputs:
+        for hub_id in m.hub_ids:
+            if hub_id not in hub_ids:
+                hub_ids.append(hub_id)
+    datasets = _hub_datasets(cfg, cwd)
+    card_eval = eval_results_to_card(eval_results, model_name) if eval_results else None
+    extra: dict[str, Any] = {}
+    if hub_ids:
+        extra["base_model_relation"] = "merge"
+    if license_decision.license == "other":
+        if license_decision.license_name:
+            extra["license_name"] = license_decision.license_name
+        if license_decision.license_link:
+            extra["license_link"] = license_decision.license_link
+    card_data = ModelCardData(
+        base_model=hub_ids or None,
+        datasets=datasets or None,
+        eval_results=card_eval,
+        library_name="transformers",
+        license=license_decision.license,
+        model_name=model_name if card_eval else None,
+        pipeline_tag=arch.pipeline_tag,
+        tags=[*TAGS, cfg.method],
+        **extra,
+    )
+
+    parameters = cfg.parameters
+    gamma_threshold = float(parameters.get("gamma_threshold", 0.3)) if cfg.method == "ace" else 0.3
+    sections = _diagnostic_sections(diag, out_dir, gamma_threshold) if render_images else []
+    shown_yaml, shortened = _shorten_yaml_paths(config_text.rstrip("\n"), cfg.raw, cwd)
+    text_sha = hashlib.sha256(config_text.encode("utf-8")).hexdigest()
+    recorded_sha = diag.get("config_sha256")
+    has_tokenizer = any(
+        os.path.isfile(os.path.join(out_dir, f))
+        for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt")
+    )
+    has_processor = any(
+        os.path.isfile(os.path.join(out_dir, f))
+        for f in ("preprocessor_config.json", "processor_config.json")
+    )
+    eval_rows = [
+        {
+            "task": r.task_name or r.task_type,
+            "dataset": r.dataset_name,
+            "split": r.dataset_split or "",
+            "metric": r.metric_name or r.metric_type,
+            "value": r.metric_value,
+        }
+        for r in card_eval or []
+    ]
+    variables = {
+        "name": model_name,
+        "arch": arch,
+        "method": method,
+        "parameters": _parameters(cfg, method),
+        "inputs": inputs,
+        "base": next((m for m in inputs if m.role == "base"), None),
+        "license": license_decision,
+        "config_yaml": shown_yaml,
+        "yaml_shortened": shortened,
+        "config_sha256": recorded_sha or text_sha,
+        "config_modified": bool(recorded_sha) and recorded_sha != text_sha,
+        "seed": diag.get("seed"),
+        "calibration": _calibration_rows(diag, cfg, cwd),
+        "data_aware": bool(method.get("needs_calibration")),
+        "sections": sections,
+        "has_diagnostics": bool(diag),
+        "eval_rows": eval_rows,
+        "versions": _versions(diag),
+        "usage": {
+            "model_id": repo_id or f"./{model_name}",
+            "auto_class": arch.auto_class,
+            "has_tokenizer": has_tokenizer,
+            "has_processor": has_processor,
+            "tasks": _task_folders(out_dir, diag),
+        },
+    }
+    return CardContext(card_data=card_data, variables=variables, template=f"{arch.template}.md.j2")
+
+
+def render_model_card(context: CardContext, template_dir: Optional[str] = None) -> ModelCard:
+    """Render the template and parse it back (front matter → ``ModelCardData``)."""
+    env = _environment(template_dir)
+    try:
+        template = env.get_template(context.template)
+    except jinja2.TemplateNotFound as e:
+        raise MergekitExtError(
+            f"model card template {context.template!r} not found in "
+            f"{template_dir or TEMPLATES_DIR}; reinstall mergekit-ext"
+        ) from e
+    content = template.render(card_data=context.card_data.to_yaml(), **context.variables)
+    return ModelCard(content)
+
+
+def write_model_card(
+    out_dir: str,
+    *,
+    eval_results: Optional[list[dict[str, Any]]] = None,
+    name: Optional[str] = None,
+    repo_id: Optional[str] = None,
+    template_dir: Optional[str] = None,
+) -> str:
+    """Write ``README.md`` and ``images/*.png`` for the merge in ``out_dir``; returns the card path.
+
+    ``name`` is the model's title (default: the folder name; the runner's temporary
+    ``.NAME.partial-*`` folder gives NAME); ``repo_id`` is used in the loading snippet when
+    the model is about to be published; ``template_dir`` overrides the shipped templates
+    (files with the same names: ``causal_lm.md.j2``, ``vision.md.j2``, ``encoder.md.j2``).
+    """
+    context = build_card_context(out_dir, eval_results=eval_results, name=name, repo_id=repo_id)
+    card = render_model_card(context, template_dir)
+    path = os.path.join(out_dir, README_FILENAME)
+    with open(path, "w", encoding="utf-8") as fp:
+        fp.write(str(card) if str(card).endswith("\n") else str(card) + "\n")
+    LOG.info("wrote model card %s", path)
+    return path

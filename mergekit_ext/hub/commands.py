@@ -1,0 +1,123 @@
+"""``mergekit-ext card`` and ``mergekit-ext publish`` (registered on the group in ``cli.py``)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import traceback
+from collections.abc import Callable
+from typing import Any, Optional
+
+import click
+
+from mergekit_ext.errors import MergekitExtError
+
+LOG = logging.getLogger(__name__)
+
+
+def _user_errors(f: Callable[..., Any]) -> Callable[..., Any]:
+    """Print a :class:`MergekitExtError` on one line and exit 1 (traceback only with -v)."""
+
+    @functools.wraps(f)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return f(*args, **kwargs)
+        except MergekitExtError as e:
+            if kwargs.get("verbose"):
+                traceback.print_exc()
+            raise click.ClickException(" ".join(str(e).split())) from None
+
+    return wrapper
+
+
+def _setup_logging(verbose: int) -> None:
+    if verbose:
+        logging.basicConfig(level=logging.DEBUG if verbose > 1 else logging.INFO)
+
+
+@click.command("card")
+@click.argument("out_dir", type=click.Path(exists=True, file_okay=False))
+@click.option(
+    "--eval",
+    "eval_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help='Evaluation results JSON: [{"task", "dataset", "metrics": [{"type", "value"}]}] '
+    "(written to the card and to its model-index)",
+)
+@click.option("--name", default=None, help="Title of the card (default: the folder name)")
+@click.option(
+    "--repo-id", default=None, help="Hub repo id used in the loading snippet (default: the folder)"
+)
+@click.option(
+    "--template-dir",
+    type=click.Path(exists=True, file_okay=False),
+    default=None,
+    help="Folder with your own causal_lm.md.j2 / vision.md.j2 / encoder.md.j2",
+)
+@click.option("-v", "--verbose", count=True, help="Show logs (-vv: debug) and tracebacks")
+@_user_errors
+def card_command(
+    out_dir: str,
+    eval_path: Optional[str],
+    name: Optional[str],
+    repo_id: Optional[str],
+    template_dir: Optional[str],
+    verbose: int,
+) -> None:
+    """Rebuild README.md (and images/) of the finished merge in OUT_DIR, offline."""
+    from mergekit_ext.hub.card import load_eval_results, write_model_card
+
+    _setup_logging(verbose)
+    results = load_eval_results(eval_path) if eval_path else None
+    path = write_model_card(
+        out_dir, eval_results=results, name=name, repo_id=repo_id, template_dir=template_dir
+    )
+    click.echo(f"model card written to {path}")
+
+
+@click.command("publish")
+@click.argument("out_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--repo-id", required=True, help="Target repository, user/name or org/name")
+@click.option("--private", is_flag=True, help="Create the repository as private")
+@click.option("--revision", default=None, help="Branch to commit to (created if missing)")
+@click.option("--commit-message", default=None, help="Commit message")
+@click.option("--create-pr", is_flag=True, help="Open a pull request instead of committing")
+@click.option("--token", default=None, help="Hub token (default: HF_TOKEN, then the cached login)")
+@click.option("--dry-run", is_flag=True, help="Check and list what would be uploaded, send nothing")
+@click.option(
+    "--endpoint", default=None, help="Hub endpoint (default: HF_ENDPOINT or huggingface.co)"
+)
+@click.option("-v", "--verbose", count=True, help="Show logs (-vv: debug) and tracebacks")
+@_user_errors
+def publish_command(
+    out_dir: str,
+    repo_id: str,
+    private: bool,
+    revision: Optional[str],
+    commit_message: Optional[str],
+    create_pr: bool,
+    token: Optional[str],
+    dry_run: bool,
+    endpoint: Optional[str],
+    verbose: int,
+) -> None:
+    """Upload the finished merge in OUT_DIR to the Hugging Face Hub in one commit."""
+    from mergekit_ext.hub.publish import publish_folder
+
+    _setup_logging(verbose)
+    result = publish_folder(
+        out_dir,
+        repo_id,
+        private=private,
+        revision=revision,
+        commit_message=commit_message,
+        create_pr=create_pr,
+        token=token,
+        dry_run=dry_run,
+        endpoint=endpoint,
+    )
+    click.echo(result if dry_run else f"published: {result}")
+
+
+__all__ = ["card_command", "publish_command"]

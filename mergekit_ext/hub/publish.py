@@ -1,0 +1,554 @@
+"""Publish a finished merge to the Hugging Face Hub in one command.
+
+:func:`publish_folder` checks locally that the folder is a complete merge and that the repo
+id is valid, then uses :class:`huggingface_hub.HfApi`: ``create_repo(exist_ok=True)`` (plus
+``create_branch`` for ``--revision``) and ``upload_folder``, which sends every file in
+**one commit**: LFS/Xet objects are uploaded first and the commit that references them is
+created last, so an upload that fails half-way commits nothing.
+
+Large folders: above :data:`LARGE_FOLDER_BYTES` (50 GiB) the folder is sent with
+``HfApi.upload_large_folder`` when the installed huggingface_hub has it (1.x): resumable,
+several commits, no pull requests. huggingface_hub 2.x removed that method because its
+``upload_folder`` is itself resumable with ``hf_xet`` installed (it commits folders of more
+than :data:`ONE_COMMIT_MAX_FILES` files in batches); there we always use ``upload_folder``.
+
+The token comes from ``token=`` (``--token``), else ``HF_TOKEN``, else the cached login
+(``hf auth login``). It is never logged, printed or put in an error message: every message
+goes through :func:`_scrub`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from mergekit_ext.errors import PublishError
+
+LOG = logging.getLogger(__name__)
+
+LARGE_FOLDER_BYTES = 50 * 1024**3
+ONE_COMMIT_MAX_FILES = 256  # huggingface_hub 2.x's first commit batch with hf_xet
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+_TOKEN_PATTERN = re.compile(r"hf_[A-Za-z0-9_\-]{6,}")
+_IMAGE_LINK = re.compile(r"!\[[^\]]*\]\((?!https?://)([^)\s]+)\)")
+
+
+@dataclass(frozen=True)
+class FolderFile:
+    """One file to upload: its path in the repo (POSIX) and size in bytes."""
+
+    path: str
+    size: int
+
+
+# ---------------------------------------------------------------------------- validation
+
+
+def validate_repo_id(repo_id: str) -> None:
+    """``owner/name`` with the Hub's rules (checked locally, before any network call)."""
+    from huggingface_hub.utils import HFValidationError
+    from huggingface_hub.utils import validate_repo_id as hf_validate
+
+    if not isinstance(repo_id, str) or repo_id.count("/") != 1:
+        raise PublishError(
+            f"invalid repo id {repo_id!r}: use the form user/name or org/name (one '/')"
+        )
+    owner, name = repo_id.split("/")
+    if not owner or not name:
+        raise PublishError(f"invalid repo id {repo_id!r}: both the owner and the name are needed")
+    try:
+        hf_validate(repo_id)
+    except HFValidationError as e:
+        raise PublishError(
+            f"invalid repo id {repo_id!r}: names may use letters, digits, '-', '_' and '.', "
+            "must not start or end with '-' or '.', contain '--' or '..', and be at most 96 "
+            f"characters ({' '.join(str(e).split())})"
+        ) from None
+
+
+def _safetensors_header(path: str) -> tuple[Optional[set[str]], Optional[str]]:
+    """Tensor names of a safetensors file, or the reason it is unreadable or truncated.
+
+    Reads only the header (8-byte little-endian length + JSON) and compares the file size
+    with the end of the last tensor's data, so a partially written shard is caught without
+    loading any weights.
+    """
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as fp:
+            head = fp.read(8)
+            if len(head) < 8:
+                return None, "empty or truncated (no header)"
+            (header_len,) = struct.unpack("<Q", head)
+            if header_len <= 0 or 8 + header_len > size:
+                return None, "truncated (header longer than the file)"
+            header = json.loads(fp.read(header_len))
+    except (OSError, ValueError) as e:
+        return None, f"unreadable ({e})"
+    if not isinstance(header, dict):
+        return None, "invalid header"
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    try:
+        data_end = max((int(v["data_offsets"][1]) for v in tensors.values()), default=0)
+    except (KeyError, TypeError, ValueError, IndexError):
+        return None, "invalid header (data_offsets)"
+    expected = 8 + header_len + data_end
+    if size != expected:
+        return None, f"truncated or corrupt ({size} bytes, the header describes {expected})"
+    return set(tensors), None
+
+
+def _check_weights(folder: str, label: str) -> list[str]:
+    """Problems with the weights of one model folder (empty when complete)."""
+    problems: list[str] = []
+    index_path = os.path.join(folder, SAFETENSORS_INDEX)
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(index_path):
+        try:
+            with open(index_path, encoding="utf-8") as fp:
+                weight_map = json.load(fp)["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            return [f"{label}{SAFETENSORS_INDEX} is unreadable ({e})"]
+        by_shard: dict[str, set[str]] = {}
+        for tensor, shard in weight_map.items():
+            by_shard.setdefault(shard, set()).add(tensor)
+        for shard in sorted(by_shard):
+            shard_path = os.path.join(folder, shard)
+            if not os.path.isfile(shard_path):
+                problems.append(f"{label}{shard} (named in {SAFETENSORS_INDEX}) is missing")
+                continue
+            names, reason = _safetensors_header(shard_path)
+            if reason:
+                problems.append(f"{label}{shard} is {reason}")
+            elif names is not None and not by_shard[shard] <= names:
+                missing = sorted(by_shard[shard] - names)
+                problems.append(
+                    f"{label}{shard} lacks {len(missing)} tensor(s) the index names, "
+                    f"e.g. {missing[0]}"
+                )
+        return problems
+    if os.path.isfile(single):
+        _, reason = _safetensors_header(single)
+        return [f"{label}model.safetensors is {reason}"] if reason else []
+    adapter = os.path.join(folder, "adapter_config.json")
+    if os.path.isfile(adapter):
+        weights = os.path.join(folder, "adapter_model.safetensors")
+        if not os.path.isfile(weights):
+            return [f"{label}adapter_model.safetensors is missing (adapter_config.json is there)"]
+        _, reason = _safetensors_header(weights)
+        return [f"{label}adapter_model.safetensors is {reason}"] if reason else []
+    return [f"{label}model.safetensors (or {SAFETENSORS_INDEX} and its shards) is missing"]
+
+
+def check_complete(out_dir: str) -> list[str]:
+    """Everything missing for ``out_dir`` to be a complete merge; empty when complete.
+
+    Checks ``config.json``, every shard the safetensors index names (or the single
+    ``model.safetensors``) with a header/size check, ``README.md`` and its front matter,
+    the images the card links to, and each SyMerge task folder in ``tasks/``.
+    """
+    if not os.path.isdir(out_dir):
+        return [f"{out_dir} is not a folder"]
+    problems: list[str] = []
+    config_path = os.path.join(out_dir, "config.json")
+    if not os.path.isfile(config_path):
+        if not os.path.isfile(os.path.join(out_dir, "adapter_config.json")):
+            problems.append("config.json is missing")
+    else:
+        try:
+            with open(config_path, encoding="utf-8") as fp:
+                json.load(fp)
+        except (OSError, ValueError) as e:
+            problems.append(f"config.json is unreadable ({e})")
+    problems.extend(_check_weights(out_dir, ""))
+
+    readme = os.path.join(out_dir, "README.md")
+    if not os.path.isfile(readme):
+        problems.append("README.md (the model card) is missing: run `mergekit-ext card OUT_DIR`")
+    else:
+        from huggingface_hub import ModelCard
+
+        try:
+            text = Path(readme).read_text(encoding="utf-8")
+            ModelCard(text)
+        except Exception as e:  # noqa: BLE001 - OSError, yaml.YAMLError, ValueError
+            reason = " ".join(str(e).split())
+            problems.append(
+                f"README.md front matter is invalid ({reason}): run `mergekit-ext card`"
+            )
+            text = ""
+        for link in _IMAGE_LINK.findall(text):
+            if not os.path.isfile(os.path.join(out_dir, link)):
+                problems.append(f"{link} (linked from README.md) is missing")
+
+    tasks_dir = os.path.join(out_dir, "tasks")
+    if os.path.isdir(tasks_dir):
+        for task in sorted(os.listdir(tasks_dir)):
+            folder = os.path.join(tasks_dir, task)
+            if not os.path.isdir(folder):
+                continue
+            label = f"tasks/{task}/"
+            if not os.path.isfile(os.path.join(folder, "config.json")) and not os.path.isfile(
+                os.path.join(folder, "adapter_config.json")
+            ):
+                problems.append(f"{label}config.json is missing")
+            problems.extend(_check_weights(folder, label))
+    return problems
+
+
+def list_upload_files(out_dir: str) -> list[FolderFile]:
+    """The files ``upload_folder`` sends (same listing and default ignore patterns)."""
+    from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
+
+    root = Path(out_dir).expanduser().resolve()
+    rel_to_abs = {
+        p.relative_to(root).as_posix(): p for p in sorted(root.glob("**/*")) if p.is_file()
+    }
+    kept = filter_repo_objects(list(rel_to_abs), ignore_patterns=list(DEFAULT_IGNORE_PATTERNS))
+    return [FolderFile(rel, rel_to_abs[rel].stat().st_size) for rel in kept]
+
+
+# --------------------------------------------------------------------------------- token
+
+
+def resolve_token(token: Optional[str]) -> tuple[Optional[str], str]:
+    """The token and where it came from (``--token``, ``HF_TOKEN`` or the cached login)."""
+    if token:
+        return token, "--token"
+    from_env = (
+        os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN") or ""
+    ).strip()
+    if from_env:
+        return from_env, "HF_TOKEN"
+    from huggingface_hub import get_token
+
+    found = get_token()
+    return (found, "the cached login (hf auth login)") if found else (None, "")
+
+
+def _scrub(text: str, token: Optional[str]) -> str:
+    """Remove the token (and anything shaped like a Hub token) from a message."""
+    if token:
+        text = text.replace(token, "***")
+    return _TOKEN_PATTERN.sub("hf_***", text)
+
+
+# ------------------------------------------------------------------------------- helpers
+
+
+def _human(size: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if size < 1024 or unit == "TB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TB"  # pragma: no cover
+
+
+def _default_commit_message(out_dir: str) -> str:
+    from mergekit_ext import diagnostics
+
+    method = diagnostics.load(out_dir).get("method")
+    return (
+        f"Upload model merged with mergekit-ext ({method})"
+        if method
+        else ("Upload model merged with mergekit-ext")
+    )
+
+
+def _front_matter_text(out_dir: str) -> str:
+    from huggingface_hub import ModelCard
+
+    text = Path(out_dir, "README.md").read_text(encoding="utf-8")
+    return "---\n" + ModelCard(text).data.to_yaml() + "\n---"
+
+
+def choose_uploader(total_bytes: int, create_pr: bool, api: Any) -> str:
+    """``upload_large_folder`` for folders above :data:`LARGE_FOLDER_BYTES` when available."""
+    if total_bytes > LARGE_FOLDER_BYTES and not create_pr and hasattr(api, "upload_large_folder"):
+        return "upload_large_folder"
+    return "upload_folder"
+
+
+def _root_causes(exc: BaseException) -> list[BaseException]:
+    chain, seen = [], set()
+    current: Optional[BaseException] = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain
+
+
+def _request_url(exc: BaseException) -> str:
+    try:
+        return str(exc.request.url)  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - httpx raises RuntimeError when no request is attached
+        return ""
+
+
+def _network_error_types() -> tuple[type[BaseException], ...]:
+    """Transport errors of the HTTP client huggingface_hub uses (httpx2 in 2.x, httpx in 1.x)."""
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    types: list[type[BaseException]] = [ConnectionError, TimeoutError, OfflineModeIsEnabled]
+    for module in ("httpx2", "httpx", "requests"):
+        try:
+            client = __import__(module)
+        except ImportError:
+            continue
+        for attr in ("TransportError", "ConnectionError", "Timeout"):
+            cls = getattr(client, attr, None)
+            if isinstance(cls, type) and issubclass(cls, BaseException):
+                types.append(cls)
+    return tuple(types)
+
+
+def _is_network_error(exc: BaseException) -> bool:
+    return isinstance(exc, _network_error_types())
+
+
+@dataclass
+class _Target:
+    repo_id: str
+    endpoint: str
+    revision: str
+    token: Optional[str]
+    token_origin: str
+    n_files: int
+
+
+def _publish_error(exc: BaseException, stage: str, target: _Target) -> PublishError:
+    """A clear, token-free message for any failure of the Hub calls."""
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    repo, owner = target.repo_id, target.repo_id.split("/")[0]
+    chain = _root_causes(exc)
+    http = next((e for e in chain if isinstance(e, HfHubHTTPError)), None)
+    network = next((e for e in chain if _is_network_error(e)), None)
+    message: str
+    if http is not None and http.response is not None:
+        status = http.response.status_code
+        server = " ".join((http.server_message or "").split())
+        detail = f" (the Hub said: {server})" if server else ""
+        if status == 401:
+            message = (
+                f"the Hub rejected the token from {target.token_origin} (HTTP 401 Unauthorized)"
+                f"{detail}: log in again with `hf auth login`, set HF_TOKEN, or pass --token "
+                "with a valid token"
+            )
+        elif status == 403:
+            message = (
+                f"no write access to {repo} (HTTP 403 Forbidden){detail}: the token from "
+                f"{target.token_origin} cannot write to the namespace '{owner}'. Use a token "
+                "with write permission (https://huggingface.co/settings/tokens) or a namespace "
+                "you belong to"
+            )
+        elif isinstance(http, RevisionNotFoundError):
+            message = f"branch '{target.revision}' of {repo} not found{detail}"
+        elif isinstance(http, RepositoryNotFoundError):
+            message = f"repository {repo} not found or not accessible with this token{detail}"
+        else:
+            message = f"the Hub answered HTTP {status} during {stage}{detail}"
+    elif network is not None:
+        reason = " ".join(str(network).split()) or type(network).__name__
+        if stage in ("create", "branch"):
+            message = (
+                f"cannot reach the Hub at {target.endpoint} ({reason}): check the network "
+                "connection (or HF_ENDPOINT); nothing was uploaded"
+            )
+        else:
+            message = f"the upload to {repo} failed half-way ({reason})"
+            if "/commit/" in _request_url(network):
+                message += (
+                    ": the connection dropped while the commit was being sent, so the Hub may "
+                    f"or may not have recorded it. Check {target.endpoint}/{repo}/commits/"
+                    f"{target.revision} and re-run the same command (files that are already "
+                    "there are skipped)"
+                )
+            elif target.n_files <= ONE_COMMIT_MAX_FILES:
+                message += (
+                    ". Nothing was committed: all files go into one commit that is created "
+                    "only after every upload succeeded, so the repository is unchanged. Re-run "
+                    "the same command to retry; large files already uploaded are not sent again"
+                )
+            else:
+                message += (
+                    f". Folders of more than {ONE_COMMIT_MAX_FILES} files are committed in "
+                    "batches, so some files may already be committed; re-run the same command "
+                    "to upload the rest"
+                )
+    else:
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        message = f"publishing to {repo} failed during {stage}: {type(exc).__name__}: {reason}"
+        if stage == "upload" and target.n_files <= ONE_COMMIT_MAX_FILES:
+            message += "; nothing was committed. Re-run the same command to retry"
+    return PublishError(_scrub(message, target.token))
+
+
+# ------------------------------------------------------------------------------- publish
+
+
+def dry_run_report(
+    out_dir: str,
+    repo_id: str,
+    files: Sequence[FolderFile],
+    *,
+    endpoint: str,
+    private: bool,
+    revision: Optional[str],
+    create_pr: bool,
+    commit_message: str,
+    uploader: str,
+    token_origin: str,
+) -> str:
+    total = sum(f.size for f in files)
+    width = max((len(f"{f.size:,}") for f in files), default=1)
+    lines = [
+        "Dry run: nothing was uploaded.",
+        f"Repository:     {endpoint}/{repo_id} (model, {'private' if private else 'public'} "
+        "if created now)",
+        f"Branch:         {revision or 'main'}{' (created if missing)' if revision and revision != 'main' else ''}",
+        f"Pull request:   {'yes' if create_pr else 'no'}",
+        f"Commit message: {commit_message}",
+        f"Upload:         {uploader}, {len(files)} files, {_human(total)} ({total:,} bytes)"
+        + (
+            ", one commit"
+            if uploader == "upload_folder" and len(files) <= ONE_COMMIT_MAX_FILES
+            else ""
+        ),
+        "Token:          "
+        + (
+            f"found ({token_origin})"
+            if token_origin
+            else "not found: run `hf auth login`, set HF_TOKEN or pass --token"
+        ),
+        "",
+        "Files:",
+        *(f"  {f.size:>{width},}  {_human(f.size):>9}  {f.path}" for f in files),
+        "",
+        "Card front matter (README.md):",
+        _front_matter_text(out_dir),
+    ]
+    return "\n".join(lines)
+
+
+def publish_folder(
+    out_dir: str,
+    repo_id: str,
+    *,
+    private: bool = False,
+    revision: Optional[str] = None,
+    commit_message: Optional[str] = None,
+    create_pr: bool = False,
+    token: Optional[str] = None,
+    dry_run: bool = False,
+    endpoint: Optional[str] = None,
+) -> str:
+    """Upload the merge in ``out_dir`` to ``repo_id``; returns the commit (or PR) URL.
+
+    With ``dry_run`` nothing is sent and the returned text lists the files, their sizes
+    and the card's front matter. Raises :class:`PublishError` with a message that says what
+    to do: invalid repo id, incomplete folder, not logged in, 401/403, network down, an
+    upload that failed half-way.
+    """
+    from huggingface_hub import HfApi, constants
+
+    validate_repo_id(repo_id)
+    if create_pr and revision not in (None, "main"):
+        raise PublishError(
+            "--create-pr opens a pull request against the main branch; drop --revision "
+            f"({revision!r}) or drop --create-pr"
+        )
+    if revision is not None and not revision.strip():
+        raise PublishError("--revision must name a branch")
+    problems = check_complete(out_dir)
+    if problems:
+        raise PublishError(
+            f"{out_dir} is not a complete merge, refusing to publish: " + "; ".join(problems)
+        )
+    files = list_upload_files(out_dir)
+    endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+    total = sum(f.size for f in files)
+    api = HfApi(endpoint=endpoint, token=token or None)
+    uploader = choose_uploader(total, create_pr, api)
+    message = commit_message or _default_commit_message(out_dir)
+    resolved, origin = resolve_token(token)
+
+    if dry_run:
+        return _scrub(
+            dry_run_report(
+                out_dir,
+                repo_id,
+                files,
+                endpoint=endpoint,
+                private=private,
+                revision=revision,
+                create_pr=create_pr,
+                commit_message=message,
+                uploader=uploader,
+                token_origin=origin,
+            ),
+            resolved,
+        )
+
+    if constants.is_offline_mode():
+        raise PublishError("HF_HUB_OFFLINE is set: unset it to publish to the Hub")
+    if not resolved:
+        raise PublishError(
+            "not logged in to the Hugging Face Hub: run `hf auth login`, set HF_TOKEN, or pass "
+            "--token (a token with write permission)"
+        )
+    api = HfApi(endpoint=endpoint, token=resolved)
+    target = _Target(repo_id, endpoint, revision or "main", resolved, origin, len(files))
+    LOG.info(
+        "publishing %s to %s/%s (%d files, %s, %s)",
+        out_dir,
+        endpoint,
+        repo_id,
+        len(files),
+        _human(total),
+        uploader,
+    )
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    except Exception as e:  # noqa: BLE001 - mapped to a clear PublishError
+        raise _publish_error(e, "create", target) from None
+    if revision and revision != "main" and not create_pr:
+        try:
+            api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
+        except Exception as e:  # noqa: BLE001
+            raise _publish_error(e, "branch", target) from None
+    try:
+        if uploader == "upload_large_folder":
+            if commit_message:
+                LOG.warning(
+                    "upload_large_folder writes its own commit messages; --commit-message is ignored"
+                )
+            api.upload_large_folder(
+                repo_id=repo_id, folder_path=out_dir, repo_type="model", revision=revision
+            )
+            return f"{endpoint}/{repo_id}/tree/{revision or 'main'}"
+        info = api.upload_folder(
+            repo_id=repo_id,
+            folder_path=out_dir,
+            repo_type="model",
+            revision=revision,
+            commit_message=message,
+            create_pr=create_pr,
+        )
+    except Exception as e:  # noqa: BLE001
+        raise _publish_error(e, "upload", target) from None
+    url = (info.pr_url if create_pr and info.pr_url else info.commit_url) or info.commit_url
+    LOG.info("published %s", url)
+    return url

@@ -1,0 +1,491 @@
+"""Publishing to the Hub with the real ``huggingface_hub`` client, end to end.
+
+The Hugging Face Hub cannot be reached from the machines these tests run on, so
+``tests/hub_server.py`` stands in for it: a small threaded HTTP server on 127.0.0.1 that
+implements the routes ``create_repo``, ``create_branch`` and ``upload_folder`` call (repo
+creation, README validation, preupload, the LFS batch API with "basic" uploads, and the
+NDJSON commit). The client is pointed at it with ``endpoint=`` / ``HF_ENDPOINT`` and
+runs unmodified: only its retry sleep is shortened, and its Xet path is switched off
+(``HF_HUB_DISABLE_XET``) except in the one test that runs the default Xet-enabled
+``upload_folder`` pipeline with regular (non-LFS) files.
+
+Every test checks that the token never appears in anything printed or logged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import shutil
+import socket
+import types
+from pathlib import Path
+
+import huggingface_hub
+import huggingface_hub.constants as hf_constants
+import huggingface_hub.utils._http as hf_http
+import pytest
+from click.testing import CliRunner
+from hub_server import FakeHub, Fault, Token
+from mergekit.merge import run_merge
+from mergekit.options import MergeOptions
+
+from mergekit_ext import diagnostics
+from mergekit_ext.config import parse_config
+from mergekit_ext.errors import PublishError
+from mergekit_ext.hub import publish as publish_mod
+from mergekit_ext.hub.card import write_model_card
+from mergekit_ext.hub.commands import publish_command
+from mergekit_ext.hub.publish import check_complete, list_upload_files, publish_folder
+
+WRITE_TOKEN = "hf_WriteTokenForTests0123456789abcdef"
+READ_TOKEN = "hf_ReadOnlyTokenForTests0123456789abc"
+BOB_TOKEN = "hf_BobTokenForTests0123456789abcdefgh"
+ENV_TOKEN = "hf_EnvTokenForTests0123456789abcdefgh"
+CACHED_TOKEN = "hf_CachedTokenForTests0123456789abcde"
+ALL_TOKENS = (
+    WRITE_TOKEN,
+    READ_TOKEN,
+    BOB_TOKEN,
+    ENV_TOKEN,
+    CACHED_TOKEN,
+    "hf_NotAValidToken000000",
+)
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def merged(tiny_llama_set, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished ACE merge in several safetensors shards, with its model card."""
+    out = tmp_path_factory.mktemp("publish") / "merged"
+    experts = "".join(f"  - model: {e}\n" for e in tiny_llama_set.experts)
+    yaml_text = (
+        f"merge_method: ace\nbase_model: {tiny_llama_set.base}\nmodels:\n{experts}dtype: float32\n"
+    )
+    cfg = parse_config(yaml_text)
+    recorder = diagnostics.DiagnosticsRecorder(
+        "ace", parameters={}, seed=0, config_sha256=cfg.sha256
+    )
+    with diagnostics.recording(recorder):
+        run_merge(
+            cfg.merge,
+            str(out),
+            options=MergeOptions(write_model_card=False, quiet=True, out_shard_size=20_000),
+            config_source=yaml_text,
+        )
+    (out / "mergekit_config.yml").write_text(yaml_text)
+    recorder.write(str(out))
+    write_model_card(str(out))
+    return out
+
+
+@pytest.fixture
+def folder(merged: Path, tmp_path: Path) -> Path:
+    """A private copy of the merge that a test may damage."""
+    return Path(shutil.copytree(merged, tmp_path / "merged"))
+
+
+@pytest.fixture
+def client_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Online, legacy LFS path, no real login, no retry sleeps, quiet progress bars."""
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hf_constants, "HF_HUB_DISABLE_XET", True)
+    monkeypatch.setattr(hf_constants, "HF_TOKEN_PATH", str(tmp_path / "no-login" / "token"))
+    monkeypatch.setattr(hf_http, "time", types.SimpleNamespace(sleep=lambda seconds: None))
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    huggingface_hub.utils.disable_progress_bars()
+    yield
+    huggingface_hub.utils.enable_progress_bars()
+
+
+@pytest.fixture(autouse=True)
+def loopback_only(monkeypatch: pytest.MonkeyPatch):
+    """Connections may only go to 127.0.0.1: nothing leaves the machine."""
+    attempts: list[object] = []
+    connect = socket.socket.connect
+
+    def guarded(self: socket.socket, address: object) -> None:
+        host = address[0] if isinstance(address, tuple) else address
+        if host not in ("127.0.0.1", "::1", "localhost"):
+            attempts.append(address)
+            raise ConnectionRefusedError(f"test blocked a connection to {address}")
+        return connect(self, address)
+
+    monkeypatch.setattr(socket.socket, "connect", guarded)
+    yield
+    assert attempts == []
+
+
+@pytest.fixture
+def hub(client_env, monkeypatch: pytest.MonkeyPatch) -> FakeHub:
+    tokens = {
+        WRITE_TOKEN: Token("alice", orgs=("team",)),
+        READ_TOKEN: Token("alice", write=False),
+        BOB_TOKEN: Token("bob"),
+        ENV_TOKEN: Token("alice"),
+        CACHED_TOKEN: Token("alice"),
+    }
+    with FakeHub(tokens) as server:
+        # huggingface_hub's best-effort telemetry (agent-harness registry) goes to
+        # constants.ENDPOINT; point that at the stand-in too.
+        monkeypatch.setattr(hf_constants, "ENDPOINT", server.url)
+        yield server
+
+
+@pytest.fixture(autouse=True)
+def token_never_printed(capfd: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture):
+    """Everything printed to stdout/stderr and every log record is free of tokens."""
+    caplog.set_level(logging.DEBUG)
+    huggingface_hub.utils.logging.set_verbosity_debug()
+    yield
+    huggingface_hub.utils.logging.set_verbosity_warning()
+    captured = capfd.readouterr()
+    for text in (captured.out, captured.err, caplog.text):
+        for token in ALL_TOKENS:
+            assert token not in text
+
+
+def assert_files_arrived(hub: FakeHub, repo_id: str, folder: Path, branch: str = "main") -> None:
+    """Exactly one new commit holds every file of the folder, byte for byte."""
+    commits = hub.commits(repo_id, branch)
+    assert len(commits) == 2, [c.summary for c in commits]  # the repo's initial commit + ours
+    commit = commits[-1]
+    local = {f.path for f in list_upload_files(str(folder))}
+    assert set(commit.changed) == local == set(commit.files)
+    for path in local:
+        assert commit.files[path] == (folder / path).read_bytes(), path
+
+
+def error_of(excinfo: pytest.ExceptionInfo) -> str:
+    message = str(excinfo.value)
+    for token in ALL_TOKENS:
+        assert token not in message
+    return message
+
+
+# ------------------------------------------------------------------------- successes
+
+
+def test_publish_uploads_every_file_in_one_commit(hub: FakeHub, folder: Path) -> None:
+    shards = sorted(p.name for p in folder.glob("model-*.safetensors"))
+    assert len(shards) >= 2 and (folder / "model.safetensors.index.json").is_file()
+    url = publish_folder(str(folder), "alice/tiny-merge", token=WRITE_TOKEN, endpoint=hub.url)
+
+    assert_files_arrived(hub, "alice/tiny-merge", folder)
+    commit = hub.commits("alice/tiny-merge")[-1]
+    assert url == f"{hub.url}/alice/tiny-merge/commit/{commit.oid}"
+    assert commit.summary == "Upload model merged with mergekit-ext (ace)"
+    # Binary files travelled through the LFS batch API, text files inside the commit.
+    uploaded = set(hub.lfs_puts)
+    for name in [*shards, "images/ace_gamma.png"]:
+        assert hashlib.sha256((folder / name).read_bytes()).hexdigest() in uploaded, name
+    for name in ("README.md", "config.json", "mergekit_config.yml"):
+        assert hashlib.sha256((folder / name).read_bytes()).hexdigest() not in uploaded, name
+    assert [r for r in hub.requests if "/commit/" in r[1]] == [
+        ("POST", "/api/models/alice/tiny-merge/commit/main")
+    ]
+    assert hub.repos["alice/tiny-merge"].private is False
+
+
+def test_publish_again_skips_unchanged_files(hub: FakeHub, folder: Path) -> None:
+    publish_folder(str(folder), "alice/again", token=WRITE_TOKEN, endpoint=hub.url)
+    puts = len(hub.lfs_puts)
+    (folder / "mergekit_config.yml").write_text(
+        "# edited\n" + (folder / "mergekit_config.yml").read_text()
+    )
+    publish_folder(str(folder), "alice/again", token=WRITE_TOKEN, endpoint=hub.url)
+    commits = hub.commits("alice/again")
+    assert len(commits) == 3 and commits[-1].changed == ("mergekit_config.yml",)
+    assert len(hub.lfs_puts) == puts  # no LFS object was sent twice
+
+
+def test_private_branch_and_commit_message(hub: FakeHub, folder: Path) -> None:
+    url = publish_folder(
+        str(folder),
+        "team/tiny-merge",
+        token=WRITE_TOKEN,
+        endpoint=hub.url,
+        private=True,
+        revision="dev",
+        commit_message="first merge",
+    )
+    assert hub.repos["team/tiny-merge"].private is True
+    assert len(hub.commits("team/tiny-merge", "main")) == 1  # main untouched
+    assert_files_arrived(hub, "team/tiny-merge", folder, branch="dev")
+    assert hub.commits("team/tiny-merge", "dev")[-1].summary == "first merge"
+    assert url.startswith(f"{hub.url}/team/tiny-merge/commit/")
+
+
+def test_create_pr(hub: FakeHub, folder: Path) -> None:
+    url = publish_folder(
+        str(folder), "alice/pr-merge", token=WRITE_TOKEN, endpoint=hub.url, create_pr=True
+    )
+    assert url == f"{hub.url}/alice/pr-merge/discussions/1"
+    repo = hub.repos["alice/pr-merge"]
+    assert len(repo.pull_requests) == 1 and len(hub.commits("alice/pr-merge")) == 1
+    with pytest.raises(PublishError, match="pull request against the main branch"):
+        publish_folder(
+            str(folder), "alice/pr-merge", token=WRITE_TOKEN, create_pr=True, revision="dev"
+        )
+
+
+def test_default_xet_client_path_with_regular_files(client_env, folder: Path, monkeypatch) -> None:
+    """With hf_xet installed the client's default pipeline also commits everything at once."""
+    monkeypatch.setattr(hf_constants, "HF_HUB_DISABLE_XET", False)
+    with FakeHub({WRITE_TOKEN: Token("alice")}, lfs=False) as server:
+        publish_folder(str(folder), "alice/xet-path", token=WRITE_TOKEN, endpoint=server.url)
+        assert_files_arrived(server, "alice/xet-path", folder)
+        assert server.lfs_puts == []
+
+
+def test_token_from_environment_and_cached_login(hub: FakeHub, folder: Path, monkeypatch) -> None:
+    monkeypatch.setenv("HF_TOKEN", ENV_TOKEN)
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    publish_folder(str(folder), "alice/env-token")
+    assert_files_arrived(hub, "alice/env-token", folder)
+
+    monkeypatch.delenv("HF_TOKEN")
+    token_file = Path(hf_constants.HF_TOKEN_PATH)
+    token_file.parent.mkdir(parents=True)
+    token_file.write_text(CACHED_TOKEN)
+    publish_folder(str(folder), "alice/cached-login")
+    assert_files_arrived(hub, "alice/cached-login", folder)
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def test_not_logged_in(hub: FakeHub, folder: Path) -> None:
+    with pytest.raises(PublishError) as excinfo:
+        publish_folder(str(folder), "alice/x", endpoint=hub.url)
+    assert "not logged in" in error_of(excinfo) and "hf auth login" in str(excinfo.value)
+    assert hub.requests == []
+
+
+def test_invalid_token_401(hub: FakeHub, folder: Path) -> None:
+    with pytest.raises(PublishError) as excinfo:
+        publish_folder(str(folder), "alice/x", token="hf_NotAValidToken000000", endpoint=hub.url)
+    message = error_of(excinfo)
+    assert "401" in message and "hf auth login" in message
+    assert hub.repos == {}
+
+
+def test_no_write_access_403(hub: FakeHub, folder: Path) -> None:
+    # Creating a repo in someone else's namespace.
+    with pytest.raises(PublishError) as excinfo:
+        publish_folder(str(folder), "bob/x", token=WRITE_TOKEN, endpoint=hub.url)
+    message = error_of(excinfo)
+    assert "403" in message and "no write access to bob/x" in message and "'bob'" in message
+    assert hub.repos == {}
+    # A read-only token on an existing repo: create_repo's 403 is tolerated by the client
+    # (the repo exists), the upload itself is refused and nothing is committed.
+    publish_folder(str(folder), "alice/exists", token=WRITE_TOKEN, endpoint=hub.url)
+    with pytest.raises(PublishError) as excinfo:
+        publish_folder(str(folder), "alice/exists", token=READ_TOKEN, endpoint=hub.url)
+    assert "403" in error_of(excinfo)
+    assert len(hub.commits("alice/exists")) == 2
+
+
+@pytest.mark.parametrize(
+    "repo_id",
+    [
+        "no-slash",
+        "a/b/c",
+        "alice/",
+        "/name",
+        "-alice/model",
+        "alice/bad..name",
+        "alice/na me",
+        "alice/" + "x" * 97,
+    ],
+)
+def test_invalid_repo_id_is_refused_locally(hub: FakeHub, folder: Path, repo_id: str) -> None:
+    with pytest.raises(PublishError, match="invalid repo id"):
+        publish_folder(str(folder), repo_id, token=WRITE_TOKEN, endpoint=hub.url)
+    assert hub.requests == []
+
+
+def test_network_down(client_env, folder: Path) -> None:
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(PublishError) as excinfo:
+        publish_folder(
+            str(folder), "alice/x", token=WRITE_TOKEN, endpoint=f"http://127.0.0.1:{port}"
+        )
+    message = error_of(excinfo)
+    assert "cannot reach the Hub" in message and "nothing was uploaded" in message
+
+
+def test_connection_dropped_during_lfs_upload(hub: FakeHub, folder: Path) -> None:
+    shard = sorted(folder.glob("model-*.safetensors"))[-1]
+    oid = hashlib.sha256(shard.read_bytes()).hexdigest()
+    fault = hub.add_fault(Fault("PUT", f"/lfs-objects/{oid}$", times=None))  # every retry too
+    with pytest.raises(PublishError) as excinfo:
+        publish_folder(str(folder), "alice/dropped", token=WRITE_TOKEN, endpoint=hub.url)
+    message = error_of(excinfo)
+    assert "failed half-way" in message and "Nothing was committed" in message
+    assert "Re-run the same command" in message
+    assert fault.hits == 6  # the client retried 5 times, then gave up
+    assert len(hub.commits("alice/dropped")) == 1  # only the initial commit
+    assert oid not in hub.lfs_objects
+
+    hub.faults.clear()
+    sent_before = set(hub.lfs_puts)
+    publish_folder(str(folder), "alice/dropped", token=WRITE_TOKEN, endpoint=hub.url)
+    assert_files_arrived(hub, "alice/dropped", folder)
+    assert hub.lfs_puts.count(oid) == 1
+    assert all(hub.lfs_puts.count(o) == 1 for o in sent_before)  # not sent again
+
+
+def test_transient_drop_is_retried(hub: FakeHub, folder: Path) -> None:
+    fault = hub.add_fault(Fault("PUT", "/lfs-objects/", times=1))
+    publish_folder(str(folder), "alice/flaky", token=WRITE_TOKEN, endpoint=hub.url)
+    assert fault.hits == 1
+    assert_files_arrived(hub, "alice/flaky", folder)
+
+
+def test_connection_dropped_while_committing(hub: FakeHub, folder: Path) -> None:
+    hub.add_fault(Fault("POST", "/commit/", times=1))
+    with pytest.raises(PublishError) as excinfo:
+        publish_folder(str(folder), "alice/commit-drop", token=WRITE_TOKEN, endpoint=hub.url)
+    message = error_of(excinfo)
+    assert "while the commit was being sent" in message
+    assert f"{hub.url}/alice/commit-drop/commits/main" in message
+    assert len(hub.commits("alice/commit-drop")) == 1
+    publish_folder(str(folder), "alice/commit-drop", token=WRITE_TOKEN, endpoint=hub.url)
+    assert_files_arrived(hub, "alice/commit-drop", folder)
+
+
+def test_server_error_status(hub: FakeHub, folder: Path) -> None:
+    hub.add_fault(Fault("POST", "/preupload/", status=422, message="quota exceeded", times=None))
+    with pytest.raises(PublishError) as excinfo:
+        publish_folder(str(folder), "alice/quota", token=WRITE_TOKEN, endpoint=hub.url)
+    assert "HTTP 422" in error_of(excinfo) and "quota exceeded" in str(excinfo.value)
+
+
+# ------------------------------------------------------------------ incomplete folders
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 100])
+
+
+@pytest.mark.parametrize(
+    ("damage", "needle"),
+    [
+        (lambda f: (f / "config.json").unlink(), "config.json is missing"),
+        (
+            lambda f: sorted(f.glob("model-*.safetensors"))[0].unlink(),
+            "(named in model.safetensors.index.json) is missing",
+        ),
+        (lambda f: _truncate(sorted(f.glob("model-*.safetensors"))[-1]), "is truncated or corrupt"),
+        (lambda f: (f / "README.md").unlink(), "README.md (the model card) is missing"),
+        (
+            lambda f: (f / "images" / "ace_gamma.png").unlink(),
+            "images/ace_gamma.png (linked from README.md) is missing",
+        ),
+        (
+            lambda f: (f / "README.md").write_text("---\n[unclosed\n---\n"),
+            "README.md front matter is invalid",
+        ),
+        (
+            lambda f: [p.unlink() for p in f.glob("model*.safetensors*")],
+            "model.safetensors (or model.safetensors.index.json and its shards) is missing",
+        ),
+    ],
+)
+def test_incomplete_folder_is_refused(hub: FakeHub, folder: Path, damage, needle: str) -> None:
+    assert check_complete(str(folder)) == []
+    damage(folder)
+    with pytest.raises(PublishError) as excinfo:
+        publish_folder(str(folder), "alice/x", token=WRITE_TOKEN, endpoint=hub.url)
+    message = error_of(excinfo)
+    assert "not a complete merge" in message and needle in message
+    assert hub.requests == []
+
+
+def test_task_folders_are_checked(folder: Path) -> None:
+    task = folder / "tasks" / "sentiment"
+    task.mkdir(parents=True)
+    (task / "config.json").write_text("{}")
+    assert check_complete(str(folder)) == [
+        "tasks/sentiment/model.safetensors (or model.safetensors.index.json and its shards) is missing"
+    ]
+    shutil.copy(sorted(folder.glob("model-*.safetensors"))[0], task / "model.safetensors")
+    assert check_complete(str(folder)) == []
+
+
+# ----------------------------------------------------------------------- dry run + CLI
+
+
+def test_dry_run_lists_files_and_front_matter(hub: FakeHub, folder: Path) -> None:
+    result = CliRunner().invoke(
+        publish_command,
+        [
+            str(folder),
+            "--repo-id",
+            "alice/tiny",
+            "--dry-run",
+            "--token",
+            WRITE_TOKEN,
+            "--endpoint",
+            hub.url,
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert WRITE_TOKEN not in out
+    assert hub.requests == []  # nothing sent
+    assert "Token:          found (--token)" in out
+    for f in list_upload_files(str(folder)):
+        assert re.search(rf"^\s+{f.size:,}\s+.*\s{re.escape(f.path)}$", out, re.M), f.path
+    total = sum(f.size for f in list_upload_files(str(folder)))
+    assert f"({total:,} bytes), one commit" in out
+    assert "Card front matter (README.md):\n---\n" in out
+    assert "- mergekit-ext" in out and "pipeline_tag: text-generation" in out
+
+
+def test_cli_publish_and_errors(hub: FakeHub, folder: Path) -> None:
+    runner = CliRunner()
+    args = [str(folder), "--repo-id", "alice/cli", "--endpoint", hub.url]
+    result = runner.invoke(publish_command, [*args, "--token", WRITE_TOKEN])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(f"published: {hub.url}/alice/cli/commit/")
+    assert_files_arrived(hub, "alice/cli", folder)
+
+    result = runner.invoke(publish_command, [*args, "--token", "hf_NotAValidToken000000"])
+    assert result.exit_code == 1 and "401" in result.output
+    assert "hf_NotAValidToken000000" not in result.output
+
+    result = runner.invoke(
+        publish_command, [str(folder), "--repo-id", "not a repo", "--token", WRITE_TOKEN]
+    )
+    assert result.exit_code == 1 and "invalid repo id" in result.output
+
+
+def test_large_folders_use_upload_large_folder_when_available(monkeypatch) -> None:
+    class OldClient:  # huggingface_hub 1.x
+        def upload_large_folder(self) -> None: ...
+
+    class NewClient:  # huggingface_hub 2.x: upload_folder is resumable itself
+        pass
+
+    monkeypatch.setattr(publish_mod, "LARGE_FOLDER_BYTES", 1000)
+    assert publish_mod.choose_uploader(1001, False, OldClient()) == "upload_large_folder"
+    assert publish_mod.choose_uploader(1000, False, OldClient()) == "upload_folder"
+    assert (
+        publish_mod.choose_uploader(1001, True, OldClient()) == "upload_folder"
+    )  # PRs need one commit
+    assert publish_mod.choose_uploader(10**12, False, NewClient()) == "upload_folder"
+
+
+def test_scrub_removes_tokens() -> None:
+    text = f"failed with {WRITE_TOKEN} and hf_someOtherToken123456"
+    scrubbed = publish_mod._scrub(text, WRITE_TOKEN)
+    assert WRITE_TOKEN not in scrubbed and "hf_someOtherToken123456" not in scrubbed
