@@ -124,6 +124,11 @@ def _run_tensorwise(cfg: ExtMergeConfig, out_dir: str, options: MergeOptions) ->
     from mergekit.merge import run_merge
 
     changes: dict[str, Any] = {"write_model_card": False}
+    donor = checks.model_paths(str(cfg.merge.base_model or cfg.merge.referenced_models()[0]))[0]
+    if os.path.isdir(donor) and not any(
+        os.path.exists(os.path.join(donor, f)) for f in ("tokenizer_config.json", "tokenizer.json")
+    ):
+        changes["copy_tokenizer"] = False  # vision models: nothing to copy, no spurious error
     lora_cache = None
     if options.lora_merge_cache is None and any(
         "+" in str(m) for m in cfg.merge.referenced_models()

@@ -1,0 +1,118 @@
+"""Shared test set-up: offline Hugging Face, two torch threads, tiny base + expert checkpoints.
+
+Each ``tiny_*_set`` fixture builds one tiny random base model and three experts
+(``tiny_models.make_experts``: base + seeded random task vectors of growing size) once per
+test session, under a ``tmp_path_factory`` folder, the first time a test asks for it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+if TESTS_DIR not in sys.path:
+    sys.path.insert(0, TESTS_DIR)
+
+import pytest  # noqa: E402
+import tiny_models  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(2)
+
+NUM_EXPERTS = 3
+
+
+@dataclass(frozen=True)
+class TinySet:
+    """A tiny base checkpoint and its experts (folders on disk)."""
+
+    name: str
+    architecture: str  # the transformers class in the checkpoint's config
+    base: str
+    experts: tuple[str, ...]
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """Base first, then the experts."""
+        return (self.base, *self.experts)
+
+
+def _build_set(
+    tmp_path_factory: pytest.TempPathFactory, name: str, architecture: str, build
+) -> TinySet:
+    root = tmp_path_factory.mktemp(name)
+    base = build(str(root / "base"))
+    experts = tiny_models.make_experts(base, [str(root / f"expert{i}") for i in range(NUM_EXPERTS)])
+    return TinySet(name=name, architecture=architecture, base=base, experts=tuple(experts))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_set(tmp_path_factory: pytest.TempPathFactory) -> TinySet:
+    """LlamaForCausalLM, 2 layers, GQA, untied head."""
+    return _build_set(tmp_path_factory, "llama", "LlamaForCausalLM", tiny_models.make_tiny_llama)
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_set(tmp_path_factory: pytest.TempPathFactory) -> TinySet:
+    """BertModel (encoder + pooler, no head)."""
+    return _build_set(tmp_path_factory, "bert", "BertModel", tiny_models.make_tiny_bert)
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_classifier_set(tmp_path_factory: pytest.TempPathFactory) -> TinySet:
+    """BertForSequenceClassification with 3 labels."""
+    return _build_set(
+        tmp_path_factory,
+        "bert_cls",
+        "BertForSequenceClassification",
+        lambda path: tiny_models.make_tiny_bert(path, num_labels=3),
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_vit_set(tmp_path_factory: pytest.TempPathFactory) -> TinySet:
+    """ViTForImageClassification (3 labels, 16x16 images)."""
+    return _build_set(
+        tmp_path_factory, "vit_cls", "ViTForImageClassification", tiny_models.make_tiny_vit
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_vit_model_set(tmp_path_factory: pytest.TempPathFactory) -> TinySet:
+    """ViTModel (encoder + pooler, no head)."""
+    return _build_set(
+        tmp_path_factory,
+        "vit",
+        "ViTModel",
+        lambda path: tiny_models.make_tiny_vit(path, classifier=False),
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_clip_vision_set(tmp_path_factory: pytest.TempPathFactory) -> TinySet:
+    """CLIPVisionModel (vision tower only)."""
+    return _build_set(
+        tmp_path_factory, "clip_vision", "CLIPVisionModel", tiny_models.make_tiny_clip_vision
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_clip_vision_projection_set(tmp_path_factory: pytest.TempPathFactory) -> TinySet:
+    """CLIPVisionModelWithProjection (vision tower + visual projection)."""
+    return _build_set(
+        tmp_path_factory,
+        "clip_vision_proj",
+        "CLIPVisionModelWithProjection",
+        lambda path: tiny_models.make_tiny_clip_vision(path, with_projection=True),
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_clip_set(tmp_path_factory: pytest.TempPathFactory) -> TinySet:
+    """A whole CLIPModel (text + vision towers, projections, logit scale)."""
+    return _build_set(tmp_path_factory, "clip", "CLIPModel", tiny_models.make_tiny_clip)
