@@ -250,3 +250,36 @@ def test_python_dash_m_entry_point():
     )
     assert proc.returncode == 0
     assert "ace" in proc.stdout and "ties" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "set_name",
+    ["tiny_llama_set", "tiny_bert_set", "tiny_vit_set", "tiny_clip_vision_set", "tiny_clip_set"],
+)
+@pytest.mark.parametrize("method", ["ace", "ties", "task_arithmetic"])
+def test_cli_merges_every_family_offline(request, tmp_path, set_name, method):
+    """`mergekit-ext run` end to end (card included) for Llama, BERT, ViT and CLIP."""
+    import transformers
+
+    tiny = request.getfixturevalue(set_name)
+    params = {"weight": 0.5, "density": 0.6} if method != "ace" else None
+    config = _write_config(
+        tmp_path / "c.yml", method, tiny.base, tiny.experts, model_parameters=params
+    )
+    out = tmp_path / "out"
+    result = _run(["run", config, str(out)])
+    assert result.exit_code == 0, result.output
+    merged = load_file(str(out / "model.safetensors"))
+    base_sd = load_file(os.path.join(tiny.base, "model.safetensors"))
+    assert set(merged) == set(base_sd)
+    changed = [
+        n
+        for n in base_sd
+        if base_sd[n].is_floating_point() and not torch.equal(merged[n], base_sd[n])
+    ]
+    assert len(changed) >= len([n for n in base_sd if base_sd[n].is_floating_point()]) - 1
+    assert (out / "README.md").read_text().startswith("---\n")
+    assert (out / "mergekit_ext_diagnostics.json").exists()
+    cls = getattr(transformers, tiny.architecture)
+    model = cls.from_pretrained(str(out))
+    assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -2,7 +2,9 @@
 
 from mergekit_ext.methods import ace as ace  # noqa: F401
 from mergekit_ext.methods import chain_of_merges as chain_of_merges  # noqa: F401
+from mergekit_ext.methods import qp_projection as qp_projection  # noqa: F401
 from mergekit_ext.methods import regmean as regmean  # noqa: F401
+from mergekit_ext.methods import symerge as symerge  # noqa: F401
 from mergekit_ext.methods.registry import (
     MethodInfo,
     ParameterDoc,

@@ -1,0 +1,154 @@
+"""SyMerge's memory estimate, computed from checkpoint headers before any weight is loaded.
+
+Float32 throughout (adaptation accumulates in float32 whatever the checkpoint dtype):
+
+- the base θ_0 (P floats), K task vectors (K·P), one merged copy and its gradient (2·P);
+- the task layers with Adam (value, gradient, two moments, the expert's copy: 5 per float);
+- training activations: per layer ``34·s·b·h + 5·a·s²·b`` bytes in 16-bit (Korthikanti et
+  al., "Reducing Activation Recomputation in Large Transformer Models", 2022, eq. 1),
+  doubled for float32, plus the output logits for language models;
+- the cached teacher outputs (or one reconstructed expert when they are not cached).
+
+It is an estimate (allocator overhead and framework buffers are not counted), used to refuse
+clearly instead of swapping or being killed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from mergekit_ext.checks import tensor_shapes
+from mergekit_ext.errors import MergekitExtError
+
+LOG = logging.getLogger(__name__)
+
+FLOAT32 = 4
+GIB = 2**30
+
+
+class MemoryEstimateError(MergekitExtError):
+    """The adaptation would not fit the machine's available memory."""
+
+
+def checkpoint_parameter_count(path: str) -> int:
+    """Number of parameters in a safetensors checkpoint folder (headers only)."""
+    return sum(math.prod(shape) for shape in tensor_shapes(path).values())
+
+
+def _config_value(config: Mapping[str, Any], key: str, default: int) -> int:
+    if config.get(key) is not None:
+        return int(config[key])
+    for sub in ("text_config", "vision_config"):
+        if isinstance(config.get(sub), Mapping) and config[sub].get(key) is not None:
+            return int(config[sub][key])
+    return default
+
+
+def tokens_per_sample(config: Mapping[str, Any], modality: str, max_length: int) -> int:
+    """Sequence length the model sees: text truncated to ``max_length``; ViT patches + CLS."""
+    if modality == "image":
+        image = _config_value(config, "image_size", 224)
+        patch = _config_value(config, "patch_size", 16)
+        return (image // max(patch, 1)) ** 2 + 1
+    return min(max_length, _config_value(config, "max_position_embeddings", max_length))
+
+
+def activation_bytes(
+    config: Mapping[str, Any], seq_len: int, batch_size: int, causal_lm: bool
+) -> int:
+    """Training activations of one batch (float32), after Korthikanti et al. (2022)."""
+    hidden = _config_value(config, "hidden_size", 768)
+    layers = _config_value(config, "num_hidden_layers", 12)
+    heads = _config_value(config, "num_attention_heads", 12)
+    per_layer_16bit = 34 * seq_len * batch_size * hidden + 5 * heads * seq_len**2 * batch_size
+    total = 2 * layers * per_layer_16bit
+    if causal_lm:  # logits, their softmax and gradient
+        total += 3 * FLOAT32 * batch_size * seq_len * _config_value(config, "vocab_size", 32000)
+    return total
+
+
+@dataclass
+class MemoryEstimate:
+    parts: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def describe(self) -> str:
+        items = ", ".join(f"{k} {v / GIB:.2f}" for k, v in self.parts.items())
+        return f"{self.total / GIB:.2f} GiB ({items})"
+
+
+def estimate_memory(
+    *,
+    base_parameters: int,
+    expert_parameters: Sequence[int],
+    config: Mapping[str, Any],
+    seq_len: int,
+    batch_size: int,
+    causal_lm: bool,
+    teacher_cache_bytes: Optional[int],
+) -> MemoryEstimate:
+    """The peak memory of a SyMerge run (see the module docstring for the terms).
+
+    ``teacher_cache_bytes`` None means the teacher runs per batch (one reconstructed expert).
+    """
+    k = len(expert_parameters)
+    layers = max(1, _config_value(config, "num_hidden_layers", 12))
+    largest = max(expert_parameters, default=base_parameters)
+    task_layer = max(largest - base_parameters, base_parameters // layers)
+    parts = {
+        "base": FLOAT32 * base_parameters,
+        "task_vectors": FLOAT32 * k * base_parameters,
+        "merged_copy_and_gradient": 2 * FLOAT32 * base_parameters,
+        "task_layers_adam": 5 * FLOAT32 * k * task_layer,
+        "activations": activation_bytes(config, seq_len, batch_size, causal_lm),
+        "teacher": teacher_cache_bytes if teacher_cache_bytes is not None else FLOAT32 * largest,
+    }
+    return MemoryEstimate(parts)
+
+
+def available_memory_bytes(device: str = "cpu") -> int:
+    """Free memory on ``device``: CUDA's free memory, else psutil (or /proc/meminfo)."""
+    if device.startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    if os.path.exists("/proc/meminfo"):
+        with open("/proc/meminfo", encoding="utf-8") as fp:
+            for line in fp:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    return 1 << 62  # unknown: do not refuse
+
+
+def check_memory(estimate: MemoryEstimate, available: int, *, force: bool, device: str) -> None:
+    """Refuse (unless ``force``) when the estimate exceeds the available memory."""
+    if estimate.total <= available:
+        LOG.info(
+            "SyMerge memory estimate %s; %.2f GiB available", estimate.describe(), available / GIB
+        )
+        return
+    message = (
+        f"symerge needs about {estimate.describe()} on {device} but only "
+        f"{available / GIB:.2f} GiB is available"
+    )
+    if force:
+        LOG.warning("%s; continuing because force=True", message)
+        return
+    raise MemoryEstimateError(
+        message + ": use fewer or smaller experts, a smaller batch_size or max_length, another "
+        "device (--device cuda), or pass --force (force=True) to try anyway"
+    )

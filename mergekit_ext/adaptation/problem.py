@@ -1,0 +1,277 @@
+"""SyMerge's learnable merged model: ``θ_p = θ_0,p + Σ_k λ[p,k] Δ_k,p`` plus one task layer per task.
+
+The merged weights are a differentiable function of λ evaluated with
+``torch.func.functional_call`` on each expert's module skeleton (its parameters replaced by
+meta-device placeholders once its tensors are extracted), so no model copy is materialised
+per task and step: one merged copy per step, K task vectors, one base.
+Reference: AdaMerging's layer-wise coefficients (Yang et al., ICLR 2024) as used by SyMerge
+(arXiv 2412.19098, §3); one coefficient per parameter tensor and task.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from mergekit_ext.adaptation.losses import OutputKind
+from mergekit_ext.adaptation.structure import TaskRoles, body_prefix, canonical_key, plan_roles
+
+LOG = logging.getLogger(__name__)
+
+
+def free_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Take a module's parameters out: return ``{name: tensor}`` (de-duplicated names) and
+    leave meta-device placeholders of the same shapes behind (ties kept: one placeholder per
+    distinct parameter). Buffers stay real, so the skeleton runs under ``functional_call``."""
+    tensors = {name: p.detach() for name, p in module.named_parameters()}
+    placeholders: dict[int, nn.Parameter] = {}
+    for sub in module.modules():
+        for leaf, p in list(sub._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in placeholders:
+                placeholders[id(p)] = nn.Parameter(
+                    torch.empty_like(p, device="meta"), requires_grad=False
+                )
+            sub._parameters[leaf] = placeholders[id(p)]
+    return tensors
+
+
+def materialise(module: nn.Module, tensors: Mapping[str, torch.Tensor]) -> nn.Module:
+    """Put real tensors (by de-duplicated parameter name) into a skeleton, keeping ties."""
+    by_placeholder: dict[int, nn.Parameter] = {}
+    for name, p in module.named_parameters():
+        by_placeholder[id(p)] = nn.Parameter(tensors[name].detach(), requires_grad=False)
+    for sub in module.modules():
+        for leaf, p in list(sub._parameters.items()):
+            if p is not None:
+                sub._parameters[leaf] = by_placeholder[id(p)]
+    return module
+
+
+def forward_keys(module: nn.Module) -> Optional[frozenset[str]]:
+    """Keyword arguments ``module.forward`` accepts (None when it takes ``**kwargs``)."""
+    params = inspect.signature(module.forward).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return frozenset(p.name for p in params)
+
+
+def model_inputs(
+    module: nn.Module, batch: Mapping[str, torch.Tensor], accepts: Optional[frozenset[str]]
+) -> dict[str, Any]:
+    """The batch entries ``module.forward`` accepts; no KV cache for causal LMs."""
+    kwargs: dict[str, Any] = {k: v for k, v in batch.items() if accepts is None or k in accepts}
+    if type(module).__name__.endswith("ForCausalLM") and (
+        accepts is None or "use_cache" in accepts
+    ):
+        kwargs["use_cache"] = False
+    return kwargs
+
+
+@dataclass
+class TaskModel:
+    """One task: its expert's skeleton, parameter roles and its trainable task layer."""
+
+    name: str
+    module: nn.Module
+    roles: TaskRoles
+    layer: dict[str, nn.Parameter]  # trainable, initialised from the expert
+    layer_init: dict[str, torch.Tensor]  # the expert's task layer (a frozen copy)
+    frozen: dict[str, torch.Tensor]  # task-specific, kept at the expert's value
+    kind: Optional[OutputKind] = None
+    accepts: Optional[frozenset[str]] = field(default=None)
+
+    def inputs(self, batch: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        return model_inputs(self.module, batch, self.accepts)
+
+
+class SyMergeProblem:
+    """θ_0, the stacked task vectors, the coefficients λ (P x K) and the task layers.
+
+    ``lambdas[p, k]`` is the coefficient of task vector k on shared tensor
+    ``shared_keys[p]``; ``tasks[k].layer`` are task k's trainable task-layer parameters.
+    θ_0 and the task vectors are plain tensors (not parameters): nothing updates them.
+    """
+
+    def __init__(
+        self,
+        base: nn.Module,
+        shared_keys: Sequence[str],
+        base_tensors: Mapping[str, torch.Tensor],
+        task_vectors: Mapping[str, torch.Tensor],
+        tasks: Sequence[TaskModel],
+        init_lambda: float,
+    ) -> None:
+        self.base = base  # the base's skeleton (parameters freed); used to save out_dir
+        self.shared_keys = list(shared_keys)
+        self.base_tensors = dict(base_tensors)  # canonical key -> θ_0 (all base parameters)
+        self.task_vectors = dict(task_vectors)  # canonical key -> (K, *shape) stacked Δ_k
+        self.tasks = list(tasks)
+        self.init_lambda = float(init_lambda)
+        first = next(iter(self.base_tensors.values()))
+        self.lambdas = nn.Parameter(
+            torch.full(
+                (len(self.shared_keys), len(self.tasks)),
+                self.init_lambda,
+                dtype=torch.float32,
+                device=first.device,
+            )
+        )
+
+    # ------------------------------------------------------------------ merged weights
+    def merged_tensors(self) -> dict[str, torch.Tensor]:
+        """``{key: θ_0 + Σ_k λ[p,k] Δ_k}`` for every shared key (differentiable in λ)."""
+        return {
+            key: self.base_tensors[key]
+            + torch.tensordot(self.lambdas[p], self.task_vectors[key], dims=1)
+            for p, key in enumerate(self.shared_keys)
+        }
+
+    def task_parameters(
+        self, k: int, merged: Optional[Mapping[str, torch.Tensor]] = None
+    ) -> dict[str, torch.Tensor]:
+        """Every parameter of task k's model, by its full name in the expert."""
+        task = self.tasks[k]
+        merged = self.merged_tensors() if merged is None else merged
+        params = {name: merged[key] for name, key in task.roles.shared.items()}
+        params.update(task.layer)
+        params.update(task.frozen)
+        return params
+
+    def forward(
+        self,
+        k: int,
+        batch: Mapping[str, torch.Tensor],
+        merged: Optional[Mapping[str, torch.Tensor]] = None,
+    ) -> Any:
+        task = self.tasks[k]
+        return functional_call(
+            task.module, self.task_parameters(k, merged), args=(), kwargs=task.inputs(batch)
+        )
+
+    def expert_parameters(self, k: int) -> dict[str, torch.Tensor]:
+        """Task k's expert reconstructed as ``θ_0 + Δ_k`` (exact up to float32 rounding)."""
+        task = self.tasks[k]
+        params = {
+            name: self.base_tensors[key] + self.task_vectors[key][k]
+            for name, key in task.roles.shared.items()
+        }
+        params.update(task.layer_init)
+        params.update(task.frozen)
+        return params
+
+    def teacher_forward(self, k: int, batch: Mapping[str, torch.Tensor]) -> Any:
+        task = self.tasks[k]
+        return functional_call(
+            task.module, self.expert_parameters(k), args=(), kwargs=task.inputs(batch)
+        )
+
+    # ------------------------------------------------------------------ parameters
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [self.lambdas, *(p for t in self.tasks for p in t.layer.values())]
+
+    @torch.no_grad()
+    def clamp_(self) -> None:
+        self.lambdas.clamp_(0.0, 1.0)
+
+    @torch.no_grad()
+    def base_checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """The base class's parameters with λ baked in (full names of the base).
+
+        Shared keys: ``θ_0 + Σ λ Δ``; body keys that are task layers (``last_block``):
+        task arithmetic at ``init_lambda`` over the experts' own layers (no task's adapted
+        layer fits all tasks); every other base parameter (e.g. a headless base's pooler,
+        or the base's own head when heads are task layers): θ_0.
+        """
+        merged = self.merged_tensors()
+        layer_values: dict[str, list[torch.Tensor]] = {}
+        for task in self.tasks:
+            for name, tensor in task.layer_init.items():
+                layer_values.setdefault(canonical_key(name, task.roles.prefix), []).append(tensor)
+        prefix = body_prefix(self.base)
+        out = {}
+        for name, _ in self.base.named_parameters():
+            key = canonical_key(name, prefix)
+            theta0 = self.base_tensors[key]
+            if key in merged:
+                out[name] = merged[key]
+            elif (
+                key in layer_values
+                and len(layer_values[key]) == len(self.tasks)
+                and all(v.shape == theta0.shape for v in layer_values[key])
+            ):
+                out[name] = theta0 + self.init_lambda * sum(v - theta0 for v in layer_values[key])
+            else:
+                out[name] = theta0
+        return out
+
+    @torch.no_grad()
+    def task_checkpoint_tensors(self, k: int) -> dict[str, torch.Tensor]:
+        return {n: t.detach() for n, t in self.task_parameters(k).items()}
+
+
+def build_problem(
+    base: nn.Module,
+    experts: Sequence[nn.Module],
+    expert_tensors: Sequence[dict[str, torch.Tensor]],
+    task_names: Sequence[str],
+    *,
+    task_layer: str = "head",
+    init_lambda: float = 0.3,
+    expert_labels: Optional[Sequence[str]] = None,
+    base_tensors: Optional[dict[str, torch.Tensor]] = None,
+) -> SyMergeProblem:
+    """Assemble the problem from the base and the expert skeletons.
+
+    ``experts[k]`` is expert k's module with its parameters already taken out by
+    :func:`free_parameters` into ``expert_tensors[k]`` (consumed: its shared entries are
+    turned into task vectors in place, to keep the peak memory at ~K+1 copies).
+    ``base`` may still hold its parameters; they are taken out here unless
+    ``base_tensors`` is given.
+    """
+    labels = list(expert_labels or task_names)
+    if base_tensors is None:
+        base_tensors = free_parameters(base)
+    shared_keys, roles = plan_roles(base, experts, task_names, task_layer, labels)
+    base_prefix = body_prefix(base)
+    theta0 = {canonical_key(n, base_prefix): t.to(torch.float32) for n, t in base_tensors.items()}
+    tasks = []
+    for module, tensors, role in zip(experts, expert_tensors, roles):
+        layer = {
+            n: nn.Parameter(tensors[n].to(torch.float32).clone(), requires_grad=True)
+            for n in role.task_layer
+        }
+        tasks.append(
+            TaskModel(
+                name=role.name,
+                module=module,
+                roles=role,
+                layer=layer,
+                layer_init={n: tensors[n].to(torch.float32) for n in role.task_layer},
+                frozen={n: tensors[n].to(torch.float32) for n in role.frozen},
+                accepts=forward_keys(module),
+            )
+        )
+    names_by_key = [{key: name for name, key in role.shared.items()} for role in roles]
+    task_vectors = {}
+    for key in shared_keys:
+        deltas = []
+        for tensors, names in zip(expert_tensors, names_by_key):
+            deltas.append(tensors.pop(names[key]).to(torch.float32) - theta0[key])
+        task_vectors[key] = torch.stack(deltas)
+        del deltas
+    LOG.info(
+        "SyMerge: %d shared tensors x %d tasks; task layers: %s",
+        len(shared_keys),
+        len(tasks),
+        ", ".join(f"{t.name}={'+'.join(t.roles.task_layer_modules)}" for t in tasks),
+    )
+    return SyMergeProblem(base, shared_keys, theta0, task_vectors, tasks, init_lambda)

@@ -1,0 +1,539 @@
+"""SyMerge: test-time adaptation of merge coefficients plus one task layer per task.
+
+"From Non-Interference to Synergistic Merging via Single-Layer Adaptation", arXiv 2412.19098
+(ICML 2026); public reference code: github.com/AIM-SKKU/SyMerge (``src/main_symerge.py``).
+
+On unlabeled data of each task, learn jointly (METHODS.md, section SyMerge):
+
+- per-tensor, per-task coefficients of the shared body, ``θ_p = θ_0,p + Σ_k λ[p,k] Δ_k,p``
+  (AdaMerging's layer-wise parametrisation; init ``init_lambda``, clamped to [0, 1] after
+  each step unless ``clamp: false``);
+- one task layer per task, initialised from that task's expert (``task_layer``: ``head``,
+  the default; ``last_block``; or a module name). Models without a task head (causal LMs,
+  headless encoders) use their last block for ``head``.
+
+The loss is expert-guided self-labelling (:mod:`mergekit_ext.adaptation.losses`): the expert
+labels the data. Adam over λ and the task layers; each epoch takes one batch of each task in
+a shuffled task order with one step per task.
+
+``epochs`` defaults to 100 (not the reference's 500 for 8 ViT tasks), a CPU-sized run; raise
+it for large task suites. Models run in eval mode (no dropout) so that a fixed ``seed``
+gives the same bytes. ``task_arithmetic_heldout_accuracy`` is the adaptation's starting
+point: task arithmetic at ``λ = init_lambda`` (0.3) with each task's unadapted expert layer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from mergekit_ext import checks
+from mergekit_ext.adaptation import export, memory
+from mergekit_ext.adaptation.problem import (
+    SyMergeProblem,
+    build_problem,
+    forward_keys,
+    free_parameters,
+    model_inputs,
+)
+from mergekit_ext.adaptation.structure import frozen_modules, resolve_task_layer
+from mergekit_ext.adaptation.trainer import (
+    AdaptationLog,
+    AdaptationSettings,
+    TaskData,
+    adapt,
+    evaluate,
+    num_samples,
+    output_kind,
+    split_heldout,
+    stack_batches,
+    teacher_outputs,
+)
+from mergekit_ext.config import ExtMergeConfig, ExtModelEntry
+from mergekit_ext.errors import CalibrationError, ConfigError, ModelInputError
+from mergekit_ext.methods.registry import (
+    MethodInfo,
+    ParameterDoc,
+    executor_only_method,
+    register_method,
+)
+from mergekit_ext.methods.regmean import parse_parameters
+
+LOG = logging.getLogger(__name__)
+
+
+class SyMergeParameters(BaseModel):
+    """SyMerge's parameters (global ``parameters:`` of the YAML)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    lr: float = Field(1e-2, gt=0.0, allow_inf_nan=False)
+    epochs: int = Field(100, ge=1)
+    batch_size: int = Field(32, ge=1)
+    init_lambda: float = Field(0.3, allow_inf_nan=False)
+    clamp: bool = True
+    target: Literal["hard", "soft"] = "hard"
+    confidence_top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    task_layer: str = "head"
+    seed: int = 0
+    heldout_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+
+
+# ---------------------------------------------------------------------------- inputs
+
+
+def _experts(cfg: ExtMergeConfig) -> tuple[str, list[ExtModelEntry]]:
+    if cfg.merge.base_model is None:
+        raise ConfigError("symerge needs base_model (the pretrained model the experts share)")
+    base = str(cfg.merge.base_model)
+    experts = [
+        e
+        for e in cfg.models
+        if e.model != base and os.path.abspath(e.model) != os.path.abspath(base)
+    ]
+    if not experts:
+        raise ConfigError("symerge needs at least one expert besides base_model under models:")
+    return base, experts
+
+
+def _local_path(ref: str) -> str:
+    paths = checks.model_paths(ref)
+    if len(paths) != 1:
+        raise ModelInputError(
+            f"symerge needs full checkpoints; {ref!r} is a base+LoRA reference: merge the "
+            "adapter into its base first (e.g. peft's merge_and_unload) and give that folder"
+        )
+    path = paths[0]
+    if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, "adapter_config.json")):
+            raise ModelInputError(
+                f"symerge needs full checkpoints; {path!r} is a PEFT adapter: merge it into "
+                "its base first (peft's merge_and_unload) and give that folder"
+            )
+        return path
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(path)  # honours HF_HUB_OFFLINE and the local cache
+
+
+def _model_class(path: str, config: Mapping[str, Any], trust_remote_code: bool) -> type:
+    import transformers
+
+    arch = (config.get("architectures") or [None])[0]
+    if arch is None:
+        raise ModelInputError(
+            f"{path}/config.json names no architectures; cannot pick a model class"
+        )
+    cls = getattr(transformers, arch, None)
+    if cls is not None:
+        return cls
+    reference = next(
+        (ref for ref in (config.get("auto_map") or {}).values() if str(ref).endswith("." + arch)),
+        None,
+    )
+    if reference is None or not trust_remote_code:
+        raise ModelInputError(
+            f"{path}: architecture {arch} is not part of transformers"
+            + ("; it needs trust_remote_code (--trust-remote-code)" if reference else "")
+        )
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    return get_class_from_dynamic_module(reference, path)
+
+
+def _modality(cls: type) -> str:
+    name = getattr(cls, "main_input_name", "input_ids")
+    if name == "pixel_values":
+        return "image"
+    if name == "input_ids":
+        return "text"
+    raise ModelInputError(
+        f"symerge: {cls.__name__} reads {name!r}; only text and image models are supported"
+    )
+
+
+def _load(cls: type, path: str, device: str) -> nn.Module:
+    model = cls.from_pretrained(path, dtype=torch.float32)
+    return model.to(device).eval()
+
+
+def _meta_model(cls: type, path: str) -> nn.Module:
+    """The model's structure without weights (to validate ``task_layer`` before loading)."""
+    config = cls.config_class.from_pretrained(path)
+    with torch.device("meta"):
+        return cls(config)
+
+
+def _dtype(config: Mapping[str, Any]) -> torch.dtype:
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    dtype = getattr(torch, str(name).replace("torch.", ""), None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+
+
+def _num_outputs(config: Mapping[str, Any], seq_len: int, causal_lm: bool) -> int:
+    if causal_lm:
+        return seq_len * int(config.get("vocab_size") or 32000)
+    labels = config.get("id2label")
+    if labels:
+        return len(labels)
+    return seq_len * int(config.get("hidden_size") or 768)
+
+
+# ---------------------------------------------------------------------------- entry point
+
+
+@dataclass
+class SyMergeSession:
+    """Everything a SyMerge run holds between preparing, adapting and saving."""
+
+    parameters: SyMergeParameters
+    problem: SyMergeProblem
+    data: list[TaskData]
+    base_path: str
+    base_config: dict[str, Any]
+    expert_paths: list[str]
+    expert_configs: list[dict[str, Any]]
+    calibration: dict[str, dict[str, Any]]
+    estimate: memory.MemoryEstimate
+    teacher_cached: bool
+    device: str
+    timing: dict[str, float] = field(default_factory=dict)
+
+
+def prepare_symerge(
+    cfg: ExtMergeConfig,
+    parameters: Mapping[str, Any],
+    *,
+    device: str = "cpu",
+    force: bool = False,
+    trust_remote_code: bool = False,
+) -> SyMergeSession:
+    """Validate, estimate memory, load the data and the models, cache the teachers' outputs."""
+    from mergekit_ext.calibration.sources import check_calibration, load_calibration
+
+    started = time.perf_counter()
+    p: SyMergeParameters = parse_parameters(SyMergeParameters, parameters, "symerge")
+    base_ref, entries = _experts(cfg)
+    names = [e.name for e in entries]
+    base_path = _local_path(base_ref)
+    expert_paths = [_local_path(e.model) for e in entries]
+    base_config = checks.read_config_json(base_path)
+    expert_configs = [checks.read_config_json(path) for path in expert_paths]
+    base_cls = _model_class(base_path, base_config, trust_remote_code)
+    expert_classes = [
+        _model_class(path, c, trust_remote_code) for path, c in zip(expert_paths, expert_configs)
+    ]
+    modality = _modality(base_cls)
+
+    # Everything that needs no weights: data, task layers, memory.
+    specs = []
+    for entry in entries:
+        spec = cfg.calibration_for(entry)
+        if spec is None or not spec.has_data:
+            raise CalibrationError(
+                f"symerge: task {entry.name} ({entry.model}) has no adaptation data; add "
+                "`calibration: {path: ...}` to its model entry or a top-level `calibration:`"
+            )
+        check_calibration(spec, task=entry.name, modality=modality)
+        specs.append(spec)
+    for cls, path, name in zip(expert_classes, expert_paths, names):
+        resolve_task_layer(_meta_model(cls, path), p.task_layer, name)
+    estimate, cache_teacher = _check_memory(
+        p, base_path, base_config, expert_paths, expert_configs, expert_classes, specs,
+        modality=modality, device=device, force=force,
+    )  # fmt: skip
+
+    # The data, then the models one expert at a time: its teacher outputs, then its tensors.
+    pad_id = int(base_config.get("pad_token_id") or 0)
+    calibration, data = {}, []
+    for k, (spec, entry, path) in enumerate(zip(specs, entries, expert_paths)):
+        loaded = load_calibration(
+            spec, path, task=entry.name, modality=modality, trust_remote_code=trust_remote_code
+        )
+        calibration[entry.name] = loaded.summary()
+        inputs = stack_batches(loaded.batches, pad_id)
+        n = num_samples(inputs)
+        if n < 2:
+            raise CalibrationError(
+                f"symerge: task {entry.name} has {n} adaptation sample(s); give it at least 2"
+            )
+        generator = torch.Generator().manual_seed(p.seed + 1000 + k)
+        adapt_index, heldout_index = split_heldout(n, p.heldout_fraction, generator)
+        data.append(TaskData(entry.name, inputs, adapt_index, heldout_index))
+    data_loaded = time.perf_counter()
+
+    base = _load(base_cls, base_path, device)
+    skeletons, expert_tensors, kinds = [], [], []
+    for k, (cls, path) in enumerate(zip(expert_classes, expert_paths)):
+        expert = _load(cls, path, device)
+
+        def forward(
+            batch: Mapping[str, torch.Tensor],
+            expert: nn.Module = expert,
+            accepts: Optional[frozenset[str]] = forward_keys(expert),
+        ) -> Any:
+            return expert(**model_inputs(expert, batch, accepts))
+
+        if cache_teacher:
+            data[k].teacher = teacher_outputs(forward, data[k].inputs, p.batch_size, device)
+            probe = data[k].teacher[:1]
+        else:
+            first = {key: v[:1] for key, v in data[k].inputs.items()}
+            probe = teacher_outputs(forward, first, 1, device)
+        kinds.append(output_kind(expert, probe))
+        expert_tensors.append(free_parameters(expert))
+        skeletons.append(expert)
+    problem = build_problem(
+        base,
+        skeletons,
+        expert_tensors,
+        names,
+        task_layer=p.task_layer,
+        init_lambda=p.init_lambda,
+        expert_labels=[e.model for e in entries],
+    )
+    for task, kind in zip(problem.tasks, kinds):
+        task.kind = kind
+    timing = {
+        "load_data_s": data_loaded - started,
+        "load_models_and_teacher_s": time.perf_counter() - data_loaded,
+    }
+    return SyMergeSession(
+        p, problem, data, base_path, base_config, expert_paths, expert_configs,
+        calibration, estimate, cache_teacher, device, timing,
+    )  # fmt: skip
+
+
+def _check_memory(
+    p: SyMergeParameters,
+    base_path: str,
+    base_config: Mapping[str, Any],
+    expert_paths: Sequence[str],
+    expert_configs: Sequence[Mapping[str, Any]],
+    expert_classes: Sequence[type],
+    specs: Sequence[Any],
+    *,
+    modality: str,
+    device: str,
+    force: bool,
+) -> tuple[memory.MemoryEstimate, bool]:
+    """Estimate from the headers; cache the teacher outputs unless only per-batch fits."""
+    causal = [cls.__name__.endswith("ForCausalLM") for cls in expert_classes]
+    seq_len = max(memory.tokens_per_sample(base_config, modality, s.max_length) for s in specs)
+    cache_bytes = memory.FLOAT32 * sum(
+        s.samples * _num_outputs(c, seq_len, lm) for s, c, lm in zip(specs, expert_configs, causal)
+    )
+    common = dict(
+        base_parameters=memory.checkpoint_parameter_count(base_path),
+        expert_parameters=[memory.checkpoint_parameter_count(path) for path in expert_paths],
+        config=base_config,
+        seq_len=seq_len,
+        batch_size=p.batch_size,
+        causal_lm=any(causal),
+    )
+    available = memory.available_memory_bytes(device)
+    estimate = memory.estimate_memory(**common, teacher_cache_bytes=cache_bytes)
+    cache_teacher = True
+    if estimate.total > available:
+        per_batch = memory.estimate_memory(**common, teacher_cache_bytes=None)
+        if per_batch.total < estimate.total:
+            estimate, cache_teacher = per_batch, False
+    memory.check_memory(estimate, available, force=force, device=device)
+    return estimate, cache_teacher
+
+
+def adapt_session(session: SyMergeSession, *, progress: bool = True) -> dict[str, Any]:
+    """Measure task arithmetic, adapt, measure again; returns the diagnostics section."""
+    p, problem, data = session.parameters, session.problem, session.data
+    started = time.perf_counter()
+    before = evaluate(problem, data, "heldout", batch_size=p.batch_size, device=session.device)
+    settings = AdaptationSettings(
+        epochs=p.epochs,
+        lr=p.lr,
+        batch_size=p.batch_size,
+        clamp=p.clamp,
+        target=p.target,
+        confidence_top_p=p.confidence_top_p,
+        seed=p.seed,
+    )
+    log = adapt(problem, data, settings, device=session.device, progress=progress)
+    after = evaluate(problem, data, "heldout", batch_size=p.batch_size, device=session.device)
+    for task in problem.tasks:
+        metric = "accuracy" if task.kind != "dense" else "l1"
+        LOG.info(
+            "symerge %s: held-out %s vs its expert: task arithmetic %s -> adapted %s",
+            task.name,
+            metric,
+            before[task.name][metric],
+            after[task.name][metric],
+        )
+    session.timing["adapt_s"] = log.seconds
+    session.timing["evaluate_s"] = time.perf_counter() - started - log.seconds
+    return _diagnostics(session, log, before, after)
+
+
+def save_symerge(session: SyMergeSession, out_dir: str, *, task_layers_only: bool = False) -> None:
+    """Write the merged body into ``out_dir`` and each task into ``out_dir/tasks/<name>``."""
+    started = time.perf_counter()
+    problem = session.problem
+    export.save_checkpoint(
+        problem.base, problem.base_checkpoint_tensors(), out_dir, _dtype(session.base_config)
+    )
+    export.copy_processing_files(session.base_path, out_dir)
+    for k, (task, path, config) in enumerate(
+        zip(problem.tasks, session.expert_paths, session.expert_configs)
+    ):
+        task_dir = os.path.join(out_dir, "tasks", task.name)
+        tensors = problem.task_checkpoint_tensors(k)
+        if task_layers_only:
+            modules = task.roles.task_layer_modules + frozen_modules(task.roles)
+            export.save_peft_adapter(task.module, tensors, modules, task_dir, _dtype(config))
+        else:
+            export.save_checkpoint(task.module, tensors, task_dir, _dtype(config))
+            export.copy_processing_files(path, task_dir)
+    session.timing["save_s"] = time.perf_counter() - started
+
+
+def run_symerge(
+    cfg: ExtMergeConfig,
+    out_dir: str,
+    parameters: dict,
+    *,
+    device: str = "cpu",
+    force: bool = False,
+    task_layers_only: bool = False,
+    trust_remote_code: bool = False,
+) -> dict:
+    """Run SyMerge for ``cfg`` and write the outputs into ``out_dir`` (which may exist).
+
+    Returns the diagnostics section (see :func:`_diagnostics`) with a ``calibration``
+    entry per task, which the runner moves into the diagnostics header.
+    """
+    started = time.perf_counter()
+    session = prepare_symerge(
+        cfg, parameters, device=device, force=force, trust_remote_code=trust_remote_code
+    )
+    section = adapt_session(session)
+    save_symerge(session, out_dir, task_layers_only=task_layers_only)
+    session.timing["total_s"] = time.perf_counter() - started
+    section["timing"] = dict(session.timing)
+    section["calibration"] = session.calibration
+    return section
+
+
+def _nan_to_none(values: Sequence[float]) -> list[Optional[float]]:
+    return [None if math.isnan(v) else v for v in values]
+
+
+def _diagnostics(
+    session: SyMergeSession,
+    log: AdaptationLog,
+    before: Mapping[str, Mapping[str, Optional[float]]],
+    after: Mapping[str, Mapping[str, Optional[float]]],
+) -> dict[str, Any]:
+    """The ``symerge`` section of the diagnostics JSON.
+
+    ``lambda`` is the K x P matrix (row k: task ``tasks[k]``, column p: tensor
+    ``lambda_tensors[p]``); ``heldout_accuracy`` the share of held-back samples (positions
+    for per-token outputs) on which the adapted model's argmax equals its expert's;
+    ``task_arithmetic_heldout_accuracy`` the same at the starting point (λ = init_lambda,
+    the experts' own task layers). Dense outputs report ``heldout_l1`` instead.
+    """
+    problem = session.problem
+    tasks = [t.name for t in problem.tasks]
+    section: dict[str, Any] = {
+        "tasks": tasks,
+        "lambda_tensors": list(problem.shared_keys),
+        "lambda": problem.lambdas.detach().T.cpu().tolist(),
+        "loss": list(log.loss),
+        "loss_task": list(log.loss_task),
+        "agreement": {t: _nan_to_none(v) for t, v in log.agreement.items()},
+        "heldout_accuracy": {t: after[t]["accuracy"] for t in tasks},
+        "task_arithmetic_heldout_accuracy": {t: before[t]["accuracy"] for t in tasks},
+        "task_layers": {t.name: list(t.roles.task_layer_modules) for t in problem.tasks},
+        "output_kinds": {t.name: t.kind for t in problem.tasks},
+        "samples": {
+            d.name: {"adaptation": len(d.adapt_index), "heldout": len(d.heldout_index)}
+            for d in session.data
+        },
+        "settings": session.parameters.model_dump(),
+        "teacher_cached": session.teacher_cached,
+        "memory_estimate_bytes": dict(session.estimate.parts),
+    }
+    if any(t.kind == "dense" for t in problem.tasks):
+        section["heldout_l1"] = {t: after[t]["l1"] for t in tasks}
+        section["task_arithmetic_heldout_l1"] = {t: before[t]["l1"] for t in tasks}
+    return section
+
+
+# ---------------------------------------------------------------------------- registration
+
+_DEFAULTS = SyMergeParameters()
+
+INFO = MethodInfo(
+    name="symerge",
+    pretty_name="SyMerge (test-time adaptation)",
+    kind="adaptation",
+    needs_calibration=True,
+    paper="From Non-Interference to Synergistic Merging via Single-Layer Adaptation (ICML 2026)",
+    paper_url="https://arxiv.org/abs/2412.19098",
+    parameters=(
+        ParameterDoc("lr", _DEFAULTS.lr, "Adam learning rate for λ and the task layers"),
+        ParameterDoc(
+            "epochs",
+            _DEFAULTS.epochs,
+            "epochs; each takes one batch and one step per task (the reference uses 500)",
+        ),
+        ParameterDoc("batch_size", _DEFAULTS.batch_size, "samples per step"),
+        ParameterDoc(
+            "init_lambda", _DEFAULTS.init_lambda, "initial λ (task arithmetic's coefficient)"
+        ),
+        ParameterDoc("clamp", _DEFAULTS.clamp, "clamp λ to [0, 1] after every step"),
+        ParameterDoc(
+            "target",
+            _DEFAULTS.target,
+            "hard: cross-entropy to the expert's argmax (reference filter) | soft: KL to its softmax",
+        ),
+        ParameterDoc(
+            "confidence_top_p",
+            _DEFAULTS.confidence_top_p,
+            "learn only from this fraction of each batch where the expert is most confident",
+        ),
+        ParameterDoc(
+            "task_layer",
+            _DEFAULTS.task_layer,
+            "head | last_block | a module name: the layer adapted per task",
+        ),
+        ParameterDoc("seed", _DEFAULTS.seed, "seed of the data split, batches and task order"),
+        ParameterDoc(
+            "heldout_fraction",
+            _DEFAULTS.heldout_fraction,
+            "share of each task's data held back to measure agreement with the expert",
+        ),
+    ),
+    implementation=run_symerge,
+)
+
+_TYPES: dict[str, Any] = {
+    "lr": float,
+    "epochs": int,
+    "batch_size": int,
+    "init_lambda": float,
+    "clamp": bool,
+    "target": Literal["hard", "soft"],
+    "confidence_top_p": Optional[float],
+    "task_layer": str,
+    "seed": int,
+    "heldout_fraction": float,
+}
+
+register_method(INFO, executor_only_method(INFO, _TYPES))
