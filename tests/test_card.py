@@ -479,7 +479,7 @@ def _symerge_section(tasks: list[str]) -> dict:
             t: np.clip(0.4 + 0.01 * k + 0.008 * steps[:30], 0, 1).tolist()
             for k, t in enumerate(tasks)
         },
-        "lambda": rng.uniform(0, 1, size=(12, len(tasks))).tolist(),
+        "lambda": rng.uniform(0, 1, size=(len(tasks), 12)).tolist(),  # K x P, as symerge writes it
         "lambda_tensors": [f"model.layers.{i // 4}.w{i}" for i in range(12)],
         "tasks": tasks,
         "heldout_accuracy": {t: 0.7 + 0.05 * k for k, t in enumerate(tasks)},
@@ -544,6 +544,14 @@ def test_data_aware_sections_summaries_and_plots(llama_merge: Path, tmp_path: Pa
     recorder.write(str(out))
     (out / "tasks" / "math").mkdir(parents=True)
     (out / "tasks" / "code").mkdir()
+    # math: a complete checkpoint of the expert's class; code: a PEFT adapter (--task-layers-only)
+    (out / "tasks" / "math" / "config.json").write_text(
+        json.dumps({"architectures": ["LlamaForSequenceClassification"]})
+    )
+    (out / "tasks" / "code" / "config.json").write_text(
+        json.dumps({"architectures": ["LlamaForCausalLM"]})
+    )
+    (out / "tasks" / "code" / "adapter_config.json").write_text("{}")
 
     readme = write_model_card(str(out), name="merged-many")
     text = Path(readme).read_text(encoding="utf-8")
@@ -584,12 +592,14 @@ def test_data_aware_sections_summaries_and_plots(llama_merge: Path, tmp_path: Pa
     sym = _symerge_section(tasks)
     for k, task in enumerate(tasks):
         curve = sym["agreement"][task]
-        lam_mean = statistics.fmean(row[k] for row in sym["lambda"])
+        lam_mean = statistics.fmean(sym["lambda"][k])
         assert (
             f"| {task} | {100 * curve[0]:.1f}% → {100 * curve[-1]:.1f}% | "
             f"{100 * sym['heldout_accuracy'][task]:.1f}% | {lam_mean:.3g} |" in text
         )
     assert 'subfolder="tasks/math"' in text and 'subfolder="tasks/code"' in text
+    assert 'LlamaForSequenceClassification.from_pretrained("' in text
+    assert "PeftModel.from_pretrained(" in text and "LlamaForCausalLM.from_pretrained(" in text
 
     # Calibration summary: source, samples, tokens, hash; never an absolute path.
     assert "| math | `math.jsonl` | 64 | 4,096 | text | `" + "a" * 64 + "` |" in text

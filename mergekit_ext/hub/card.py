@@ -659,9 +659,9 @@ def summarize_symerge(section: Mapping[str, Any]) -> dict[str, Any]:
     rows = []
     for k, task in enumerate(tasks):
         curve = [as_float(v) for v in agreement.get(task) or []]
-        column = [
-            as_float(row[k]) for row in lam if isinstance(row, (list, tuple)) and k < len(row)
-        ]
+        # lambda is K x P: one row per task (see methods/symerge.py)
+        row = lam[k] if k < len(lam) and isinstance(lam[k], (list, tuple)) else []
+        column = [as_float(v) for v in row]
         rows.append(
             {
                 "task": task,
@@ -676,7 +676,7 @@ def summarize_symerge(section: Mapping[str, Any]) -> dict[str, Any]:
         "loss_first": loss[0] if loss else math.nan,
         "loss_last": loss[-1] if loss else math.nan,
         "loss_min": _stats(loss)["min"],
-        "n_lambda_tensors": len(lam),
+        "n_lambda_tensors": len(lam[0]) if lam and isinstance(lam[0], (list, tuple)) else 0,
         "tasks": rows,
     }
 
@@ -953,7 +953,25 @@ def _task_folders(out_dir: str, diag: Mapping[str, Any]) -> list[dict[str, str]]
         for entry in sorted(os.listdir(tasks_dir)):
             if entry not in names and os.path.isdir(os.path.join(tasks_dir, entry)):
                 names.append(entry)
-    return [{"name": n, "subfolder": f"tasks/{n}"} for n in names]
+    return [_task_entry(tasks_dir, n) for n in names]
+
+
+def _task_entry(tasks_dir: str, name: str) -> dict[str, Any]:
+    """How to load one SyMerge task folder: its expert's class, and whether it is an adapter."""
+    folder = os.path.join(tasks_dir, name)
+    auto_class = "AutoModel"
+    config_path = os.path.join(folder, "config.json")
+    if os.path.exists(config_path):
+        with open(config_path, encoding="utf-8") as fp:
+            architectures = json.load(fp).get("architectures") or []
+        if architectures:
+            auto_class = str(architectures[0])
+    return {
+        "name": name,
+        "subfolder": f"tasks/{name}",
+        "auto_class": auto_class,
+        "adapter": os.path.exists(os.path.join(folder, "adapter_config.json")),
+    }
 
 
 @dataclass

@@ -407,8 +407,9 @@ def plot_symerge(section: Mapping[str, Any], images_dir: str) -> list[Plot]:
         )
     lam = section.get("lambda") or []
     if lam and all(isinstance(row, (list, tuple)) for row in lam):
-        matrix = [[as_float(v) for v in row] for row in lam]
-        tasks = list(section.get("tasks") or [f"task {k}" for k in range(len(matrix[0]))])
+        # the diagnostics hold lambda as K x P (one row per task); plot tensors x tasks
+        matrix = [[as_float(v) for v in column] for column in zip(*lam)]
+        tasks = list(section.get("tasks") or [f"task {k}" for k in range(len(lam))])
         tensors = list(section.get("lambda_tensors") or [str(i) for i in range(len(matrix))])
         fig, (ax,) = _new_figure(height=min(9.0, max(3.0, 0.12 * len(matrix) + 1.5)))
         image = ax.imshow(matrix, aspect="auto", interpolation="nearest", cmap="viridis")
