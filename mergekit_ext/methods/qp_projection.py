@@ -1,0 +1,783 @@
+"""QP / output-space projection merging.
+
+"Model Merging by Output-Space Projection", Evans, Etheridge, Roberts, Tanner,
+arXiv 2605.29101 (2026), https://arxiv.org/abs/2605.29101. No public reference code; the
+computation follows ``METHODS.md`` (section "QP / output-space projection").
+
+Notation (PyTorch ``y = W x``, ``W`` is ``out x in``): ``W_0`` the base weight, ``W_k``
+expert k's, ``Δ_k = W_k − W_0`` its task vector (the *updates*), ``K`` experts. Task ``t``
+has calibration inputs ``x_j`` (``j ∈ t``, ``N_t`` of them) and residual
+``b_j = (W_0 − W_t) x_j = R_t x_j`` (base output minus the expert's output), ``R_t = W_0 − W_t``.
+
+The merged update is ``δ(d) = Σ_k U diag(d_k) Uᵀ Δ_k`` with ``U = [u_1 … u_R]`` an orthonormal
+basis of the output space and ``d_k ∈ R^R`` one coefficient per task and basis direction. We
+store ``d`` as an ``[R, K]`` tensor, ``d[r, k] = (d_k)_r``. The objective, with each task's
+samples weighted by ``1/N_t`` so that tasks count equally, is
+
+    J(d) = Σ_t (1/N_t) Σ_{j∈t} ‖δ(d) x_j + b_j‖².
+
+Everything in it is a function of the per-task *mean* Grams ``G_t = (1/N_t) Σ_{j∈t} x_j x_jᵀ``
+(``TaskStatistics.gram``), so no activations are kept. Because ``U`` is orthonormal,
+``‖v‖² = Σ_r (u_rᵀ v)²`` and ``u_rᵀ δ(d) = Σ_k (d_k)_r u_rᵀ Δ_k``, so J separates by direction::
+
+    J(d) = Σ_r Σ_j w_j (a_jᵀ d_r + c_j)²,   a_jk = u_rᵀ Δ_k x_j,  c_j = u_rᵀ b_j,  w_j = 1/N_t(j)
+
+and with ``Σ_j w_j x_j x_jᵀ`` restricted to task t equal to ``G_t``:
+
+    N_r[k, l] = Σ_j w_j a_jk a_jl = Σ_t u_rᵀ Δ_k G_t Δ_lᵀ u_r = u_rᵀ Δ_k G Δ_lᵀ u_r,  G = Σ_t G_t
+    −h_r[k]   = Σ_j w_j a_jk c_j  = Σ_t u_rᵀ Δ_k G_t R_tᵀ u_r
+    e_r       = Σ_j w_j c_j²      = Σ_t u_rᵀ R_t G_t R_tᵀ u_r = u_rᵀ S u_r
+    J(d)      = Σ_r (d_rᵀ N_r d_r − 2 d_rᵀ h_r + e_r)
+    J(0)      = Σ_r e_r = tr S = Σ_t tr(R_t G_t R_tᵀ),   S = Σ_t R_t G_t R_tᵀ
+
+(``S`` is the residual energy matrix ``Σ_j w_j b_j b_jᵀ``.) The minimiser solves the K×K
+normal equations ``(N_r + μI) d_r = h_r`` for every direction r at once (batched); with a box
+``lo ≤ d ≤ hi`` it is a K-variable QP per direction, solved by a batched projected Newton method.
+
+Bases (``basis``): ``diagonal`` (``U = I``: d_k masks output rows, the paper's diagonal-mask
+QP) and ``residual_eigen`` (``U`` = eigenvectors of ``S`` in descending eigenvalue order, the
+paper's optimal basis). Task arithmetic ``d_k = λ·1`` is a feasible point in every basis
+(``δ = λ Σ_k Δ_k``); its J is reported next to ``J(d*)``.
+
+In the method, the expert of task t is expert t, so ``R_t = −Δ_t``; the pure functions also
+accept separate residual maps (e.g. trimmed task vectors as updates, full experts as targets).
+With ``propagate`` the ``x_j`` are the inputs along the already merged path and the residuals
+``(W_0 − W_t) x_j`` are recomputed on them (``METHODS.md``), i.e. ``G_t`` is the merged-path Gram.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
+
+import torch
+
+from mergekit_ext.errors import ConfigError, TensorError
+from mergekit_ext.methods.layerwise import (
+    LayerwiseMethod,
+    LinearGroup,
+    StatisticsRequest,
+    fallback_merge,
+)
+from mergekit_ext.methods.registry import (
+    MethodInfo,
+    ParameterDoc,
+    executor_only_method,
+    register_method,
+)
+
+LOG = logging.getLogger(__name__)
+
+BasisKind = Literal["diagonal", "residual_eigen"]
+FallbackKind = Literal["mean", "base", "task_arithmetic"]
+BASES: tuple[str, ...] = ("diagonal", "residual_eigen")
+FALLBACKS: tuple[str, ...] = ("mean", "base", "task_arithmetic")
+
+_COMPUTE_DTYPE = torch.float64
+# Elements of one [K, rows, in] block of rotated task vectors (float64: 256 MiB).
+_CHUNK_ELEMENTS = 1 << 25
+
+
+# --------------------------------------------------------------------------------------
+# Pure tensor functions
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class QPNormalEquations:
+    """The per-direction pieces of J for one weight (see the module docstring).
+
+    - ``normal``: ``[R, K, K]``, ``N_r = Σ_j w_j a_j a_jᵀ``
+    - ``rhs``: ``[R, K]``, ``h_r = −Σ_j w_j a_j c_j``
+    - ``energy``: ``[R]``, ``e_r = Σ_j w_j c_j²`` (sums to ``J(0)``)
+    - ``basis``: ``out x R`` orthonormal columns ``u_r``; None for the identity (``diagonal``)
+    - ``basis_kind``: ``"diagonal"`` or ``"residual_eigen"``
+    """
+
+    normal: torch.Tensor
+    rhs: torch.Tensor
+    energy: torch.Tensor
+    basis: Optional[torch.Tensor]
+    basis_kind: str
+
+    @property
+    def num_directions(self) -> int:
+        return int(self.normal.shape[0])
+
+    @property
+    def num_updates(self) -> int:
+        return int(self.normal.shape[-1])
+
+
+def residual_energy_matrix(
+    residual_maps: Sequence[torch.Tensor], grams: Sequence[torch.Tensor]
+) -> torch.Tensor:
+    """``S = Σ_t R_t G_t R_tᵀ = Σ_j w_j b_j b_jᵀ`` (out x out, float64), ``R_t = W_0 − W_t``."""
+    _check_pairs(residual_maps, grams)
+    out = residual_maps[0].shape[0]
+    energy = torch.zeros(out, out, dtype=_COMPUTE_DTYPE, device=residual_maps[0].device)
+    for residual_map, gram in zip(residual_maps, grams):
+        r = residual_map.to(_COMPUTE_DTYPE)
+        energy += (r @ gram.to(dtype=_COMPUTE_DTYPE, device=r.device)) @ r.T
+    return (energy + energy.T) / 2  # exact symmetry for eigh
+
+
+def output_basis(
+    kind: str, residual_maps: Sequence[torch.Tensor], grams: Sequence[torch.Tensor]
+) -> Optional[torch.Tensor]:
+    """The output basis ``U``: None (identity) for ``diagonal``; for ``residual_eigen`` the
+    eigenvectors of :func:`residual_energy_matrix` as columns, eigenvalues descending."""
+    if kind == "diagonal":
+        return None
+    if kind == "residual_eigen":
+        _, vectors = torch.linalg.eigh(residual_energy_matrix(residual_maps, grams))
+        return vectors.flip(-1).contiguous()
+    raise ConfigError(f"qp_projection basis must be one of {', '.join(BASES)}; got {kind!r}")
+
+
+def _rotate(basis_cols: Optional[torch.Tensor], matrix: torch.Tensor, rows: slice) -> torch.Tensor:
+    """``U[:, rows]ᵀ matrix`` in float64 (for the identity basis: ``matrix[rows]``)."""
+    if basis_cols is None:
+        return matrix[rows].to(_COMPUTE_DTYPE)
+    return basis_cols[:, rows].T @ matrix.to(_COMPUTE_DTYPE)
+
+
+def qp_normal_equations(
+    task_vectors: Sequence[torch.Tensor],
+    grams: Sequence[torch.Tensor],
+    *,
+    residual_maps: Optional[Sequence[torch.Tensor]] = None,
+    basis: Optional[torch.Tensor] = None,
+    basis_kind: Optional[str] = None,
+    chunk_rows: Optional[int] = None,
+) -> QPNormalEquations:
+    """Build ``N_r``, ``h_r`` and ``e_r`` for every basis direction r, batched.
+
+    ``task_vectors``: the K updates ``Δ_k`` (out x in). ``grams``: the T per-task mean Grams
+    ``G_t`` (in x in). ``residual_maps``: ``R_t = W_0 − W_t`` per task; default ``−Δ_t``
+    (then T must equal K). ``basis``: ``out x R`` orthonormal columns, None for ``U = I``.
+
+    With ``P_k = Uᵀ Δ_k`` and ``Q_t = Uᵀ R_t`` (R x in), row r of each is ``u_rᵀ Δ_k`` / ``u_rᵀ R_t``:
+    ``N[r,k,l] = Σ_p P_k[r,p] (P_l G)[r,p]``, ``C[r,k,t] = Σ_p P_k[r,p] (Q_t G_t)[r,p]``,
+    ``h = −Σ_t C[:, :, t]``, ``e[r] = Σ_t Σ_p Q_t[r,p] (Q_t G_t)[r,p]``. Cost: ``K + T``
+    matrix products ``(R x in)(in x in)`` (plus the rotations for a non-identity basis).
+    Directions are processed in blocks of ``chunk_rows`` to bound memory (not a row loop).
+    """
+    if not task_vectors:
+        raise TensorError("the QP needs at least one task vector")
+    negated_updates = residual_maps is None  # the method's case: R_t = W_0 − W_t = −Δ_t
+    if negated_updates:
+        if len(grams) != len(task_vectors):
+            raise TensorError(
+                f"{len(task_vectors)} task vectors but {len(grams)} task Grams: one Gram per expert's task"
+            )
+        _check_pairs(task_vectors, grams)
+    else:
+        _check_pairs(residual_maps, grams)
+    out_dim, in_dim = task_vectors[0].shape
+    for tensor in [*task_vectors, *(residual_maps or [])]:
+        if tensor.shape != (out_dim, in_dim):
+            raise TensorError(
+                f"QP weights must all be {out_dim} x {in_dim}; got {tuple(tensor.shape)}"
+            )
+    grams64 = [g.to(dtype=_COMPUTE_DTYPE, device=task_vectors[0].device) for g in grams]
+    gram_total = torch.stack(grams64).sum(0)
+    basis64 = None if basis is None else basis.to(_COMPUTE_DTYPE)
+    num_dirs = out_dim if basis64 is None else basis64.shape[1]
+    if basis64 is not None and basis64.shape[0] != out_dim:
+        raise TensorError(f"basis has {basis64.shape[0]} rows; the weights have {out_dim} outputs")
+    k_updates, t_tasks = len(task_vectors), len(grams64)
+    if chunk_rows is None:
+        chunk_rows = max(1, _CHUNK_ELEMENTS // (max(k_updates, t_tasks) * in_dim))
+
+    device = task_vectors[0].device
+    normal = torch.empty(num_dirs, k_updates, k_updates, dtype=_COMPUTE_DTYPE, device=device)
+    rhs = torch.empty(num_dirs, k_updates, dtype=_COMPUTE_DTYPE, device=device)
+    energy = torch.empty(num_dirs, dtype=_COMPUTE_DTYPE, device=device)
+    for start in range(0, num_dirs, chunk_rows):
+        rows = slice(start, min(start + chunk_rows, num_dirs))
+        rotated_updates = torch.stack([_rotate(basis64, tv, rows) for tv in task_vectors])  # P_k
+        for l_idx in range(k_updates):
+            weighted = rotated_updates[l_idx] @ gram_total  # rows of U^T Δ_l G
+            normal[rows, :, l_idx] = torch.einsum("kcp,cp->ck", rotated_updates, weighted)
+        cross = torch.zeros(rows.stop - start, k_updates, dtype=_COMPUTE_DTYPE, device=device)
+        chunk_energy = torch.zeros(rows.stop - start, dtype=_COMPUTE_DTYPE, device=device)
+        for t_idx in range(t_tasks):
+            if negated_updates:
+                rotated_residual = -rotated_updates[t_idx]  # Q_t = U^T R_t = −P_t
+            else:
+                rotated_residual = _rotate(basis64, residual_maps[t_idx], rows)
+            weighted = rotated_residual @ grams64[t_idx]  # rows of U^T R_t G_t
+            cross += torch.einsum("kcp,cp->ck", rotated_updates, weighted)
+            chunk_energy += (rotated_residual * weighted).sum(-1)
+        rhs[rows] = -cross
+        energy[rows] = chunk_energy
+    normal = (normal + normal.transpose(-1, -2)) / 2
+    kind = basis_kind or ("diagonal" if basis is None else "custom")
+    return QPNormalEquations(normal, rhs, energy, basis64, kind)
+
+
+def ridge_strength(normal: torch.Tensor, ridge: float) -> float:
+    """``μ = ridge · mean_{r,k} N_r[k,k]``: a relative ridge, so the default (1e-6) has the same
+    effect whatever the scale of the weights and activations. 0 when every ``N_r`` is 0."""
+    if ridge < 0 or not math.isfinite(ridge):
+        raise ConfigError(f"qp_projection ridge must be a finite number >= 0; got {ridge}")
+    mean_diagonal = float(normal.diagonal(dim1=-2, dim2=-1).mean()) if normal.numel() else 0.0
+    return ridge * max(mean_diagonal, 0.0)
+
+
+def solve_symmetric_batched(matrices: torch.Tensor, rhs: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Solve ``M_b x_b = y_b`` for a batch ``[B, K, K]`` of symmetric PSD matrices.
+
+    ``torch.linalg.solve_ex`` for the batch; matrices that are singular to working precision
+    (LU failure, non-finite result, or ``λ_min ≤ 10·K·eps·λ_max``) get the Moore–Penrose
+    pseudo-inverse solution (minimum-norm least squares) instead. Returns ``(x, n_fallback)``.
+    """
+    if matrices.shape[0] == 0:
+        return rhs.clone(), 0
+    solution, info = torch.linalg.solve_ex(matrices, rhs.unsqueeze(-1))
+    solution = solution.squeeze(-1)
+    eigenvalues = torch.linalg.eigvalsh(matrices)
+    threshold = 10 * matrices.shape[-1] * torch.finfo(matrices.dtype).eps
+    ill = eigenvalues[:, 0] <= threshold * eigenvalues[:, -1].clamp_min(0)
+    bad = (info != 0) | ~torch.isfinite(solution).all(-1) | ill
+    n_bad = int(bad.sum())
+    if n_bad:
+        pinv = torch.linalg.pinv(matrices[bad], hermitian=True)
+        solution[bad] = (pinv @ rhs[bad].unsqueeze(-1)).squeeze(-1)
+    return solution, n_bad
+
+
+@dataclass
+class BoxQPInfo:
+    iterations: int
+    unconverged: int  # directions whose scaled KKT residual is above ``tol`` (round-off stalls)
+    max_kkt: float  # the largest scaled KKT residual ``‖d − clip(d − g/diag M)‖∞``
+
+
+def _quadratic(matrices: torch.Tensor, rhs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``½ dᵀ M d − yᵀ d`` per batch element."""
+    return 0.5 * torch.einsum("bk,bkl,bl->b", d, matrices, d) - (rhs * d).sum(-1)
+
+
+def solve_box_qp(
+    matrices: torch.Tensor,
+    rhs: torch.Tensor,
+    lo: float,
+    hi: float,
+    *,
+    max_iter: int = 100,
+    tol: float = 1e-10,
+) -> tuple[torch.Tensor, BoxQPInfo]:
+    """``min ½ dᵀ M d − yᵀ d`` s.t. ``lo ≤ d ≤ hi``, for a batch ``[B, K, K]`` of PSD ``M``.
+
+    Batched projected Newton (Bertsekas, "Projected Newton methods for optimization problems
+    with simple constraints", SIAM J. Control Optim. 20(2), 1982): at each step the ε-binding
+    set ``{d_i ≤ lo+ε, g_i > 0} ∪ {d_i ≥ hi−ε, g_i < 0}`` takes a diagonally scaled gradient
+    step and the free variables the exact Newton step ``−M_FF⁻¹ g_F``, followed by an Armijo
+    search along the projection arc. Once the optimal active set is identified the Newton step
+    lands on the exact minimiser, so the method is exact at convergence (finite termination
+    up to round-off). It starts from the clipped unconstrained solution, so when that lies
+    inside the box it is returned unchanged. Convergence: the scaled KKT residual
+    ``‖d − clip(d − g/diag M)‖∞ ≤ tol·(1 + ‖d‖∞)``.
+    """
+    if not lo <= hi:
+        raise ConfigError(f"qp_projection bounds must satisfy lo <= hi; got [{lo}, {hi}]")
+    batch = rhs.shape[0]
+    diagonal = matrices.diagonal(dim1=-2, dim2=-1)
+    scale = diagonal.clamp_min(torch.finfo(matrices.dtype).tiny)
+    unconstrained, _ = solve_symmetric_batched(matrices, rhs)
+    d = unconstrained.clamp(lo, hi)
+    width = hi - lo
+    eps_max = 1e-3 * (width if math.isfinite(width) and width > 0 else 1.0)
+    sigma = 1e-4
+    iterations = 0
+    converged = torch.zeros(batch, dtype=torch.bool, device=rhs.device)
+    stalled = torch.zeros(batch, dtype=torch.bool, device=rhs.device)
+    for iterations in range(max_iter + 1):  # noqa: B007
+        gradient = torch.einsum("bkl,bl->bk", matrices, d) - rhs
+        kkt = (d - (d - gradient / scale).clamp(lo, hi)).abs().amax(-1)
+        converged = kkt <= tol * (1 + d.abs().amax(-1))
+        active = ~converged & ~stalled
+        if not bool(active.any()) or iterations == max_iter:
+            break
+        eps = torch.clamp(kkt, max=eps_max).unsqueeze(-1)
+        binding = ((d <= lo + eps) & (gradient > 0)) | ((d >= hi - eps) & (gradient < 0))
+        free = ~binding
+        newton_matrix = matrices * (free.unsqueeze(-1) & free.unsqueeze(-2)) + torch.diag_embed(
+            torch.where(binding, scale, torch.zeros_like(scale))
+        )
+        step, _ = solve_symmetric_batched(newton_matrix, -gradient)
+        free_decrease = -(gradient * step * free).sum(-1)  # g_F^T M_FF^-1 g_F >= 0
+        value = _quadratic(matrices, rhs, d)
+        slack = 1e-15 * (value.abs() + 1)
+        alpha = torch.ones(batch, dtype=d.dtype, device=d.device)
+        pending = active.clone()
+        new_d = d.clone()
+        for _ in range(60):  # Armijo backtracking along the projection arc, per direction
+            candidate = (d + alpha.unsqueeze(-1) * step).clamp(lo, hi)
+            predicted = sigma * (
+                alpha * free_decrease + (gradient * (d - candidate) * binding).sum(-1)
+            )
+            accept = pending & (value - _quadratic(matrices, rhs, candidate) >= predicted - slack)
+            new_d[accept] = candidate[accept]
+            pending &= ~accept
+            if not bool(pending.any()):
+                break
+            alpha = torch.where(pending, alpha / 2, alpha)
+        stalled |= pending  # no acceptable step: at the minimiser up to round-off
+        d = new_d
+    gradient = torch.einsum("bkl,bl->bk", matrices, d) - rhs
+    kkt = (d - (d - gradient / scale).clamp(lo, hi)).abs().amax(-1)
+    unconverged = kkt > tol * (1 + d.abs().amax(-1))
+    max_kkt = float(kkt.max()) if batch else 0.0
+    info = BoxQPInfo(iterations=iterations, unconverged=int(unconverged.sum()), max_kkt=max_kkt)
+    if max_kkt > 1e-6:
+        LOG.warning(
+            "box-constrained QP: %d of %d directions stopped with scaled KKT residual up to %.2g "
+            "after %d iterations",
+            info.unconverged,
+            batch,
+            max_kkt,
+            iterations,
+        )
+    return d, info
+
+
+@dataclass
+class QPSolution:
+    """``d``: ``[R, K]`` coefficients; ``mu``: the absolute ridge used; ``fallback_rows``:
+    directions solved by the pseudo-inverse; ``box``: projected-Newton info (bounds only)."""
+
+    d: torch.Tensor
+    mu: float
+    fallback_rows: int
+    box: Optional[BoxQPInfo] = None
+
+
+def solve_qp(
+    equations: QPNormalEquations,
+    *,
+    ridge: float = 1e-6,
+    bounds: Optional[Sequence[float]] = None,
+) -> QPSolution:
+    """``d* = argmin J(d) + μ‖d‖²`` (``μ`` = :func:`ridge_strength`), optionally on ``[lo, hi]``.
+
+    Unconstrained: ``(N_r + μI) d_r = h_r`` for all r in one batched solve.
+    """
+    mu = ridge_strength(equations.normal, ridge)
+    k_dim = equations.num_updates
+    regularised = equations.normal + mu * torch.eye(
+        k_dim, dtype=equations.normal.dtype, device=equations.normal.device
+    )
+    if bounds is None:
+        d, n_fallback = solve_symmetric_batched(regularised, equations.rhs)
+        return QPSolution(d, mu, n_fallback)
+    lo, hi = _check_bounds(bounds)
+    d, info = solve_box_qp(regularised, equations.rhs, lo, hi)
+    return QPSolution(d, mu, 0, info)
+
+
+def qp_objective(equations: QPNormalEquations, d: torch.Tensor) -> float:
+    """``J(d) = Σ_r (d_rᵀ N_r d_r − 2 d_rᵀ h_r + e_r)`` for any ``d`` (``[R, K]``, or ``[K]``
+    for the same coefficients in every direction, e.g. task arithmetic ``λ·1``).
+
+    Clamped at 0 against round-off (J is a sum of squares)."""
+    d = d.to(dtype=_COMPUTE_DTYPE, device=equations.normal.device)
+    if d.ndim == 1:
+        d = d.expand(equations.num_directions, -1)
+    per_direction = (
+        torch.einsum("rk,rkl,rl->r", d, equations.normal, d)
+        - 2 * (d * equations.rhs).sum(-1)
+        + equations.energy
+    )
+    return max(float(per_direction.sum()), 0.0)
+
+
+def base_energy(equations: QPNormalEquations) -> float:
+    """``J(0) = Σ_t tr(R_t G_t R_tᵀ) = tr S``: the residual energy with the base weight."""
+    return max(float(equations.energy.sum()), 0.0)
+
+
+def task_arithmetic_coefficients(k_dim: int, scale: float) -> torch.Tensor:
+    """Task arithmetic ``W_0 + λ Σ_k Δ_k`` as the feasible point ``d_k = λ·1`` (``[K]``)."""
+    return torch.full((k_dim,), float(scale), dtype=_COMPUTE_DTYPE)
+
+
+def captured_energy_fraction(j_opt: float, j_zero: float, *, zero_feasible: bool = True) -> float:
+    """``1 − J(d*)/J(0)``, the share of the base residual energy the merge removes.
+
+    Defined as 0 when ``J(0) = 0`` (nothing to capture). Mathematically ``0 ≤ J(d*) ≤ J(0)``
+    whenever ``d = 0`` is feasible (always unconstrained; with the ridge too, since
+    ``J(d*) + μ‖d*‖² ≤ J(0)``), so the result is clamped to [0, 1] only against round-off. When
+    a box excludes 0 (``zero_feasible=False``) ``J(d*) > J(0)`` is possible and the (negative)
+    value is returned unclamped below.
+    """
+    if j_zero <= 0.0:
+        return 0.0
+    fraction = 1.0 - j_opt / j_zero
+    fraction = min(fraction, 1.0)
+    return max(fraction, 0.0) if zero_feasible else fraction
+
+
+def merged_update(
+    task_vectors: Sequence[torch.Tensor],
+    d: torch.Tensor,
+    basis: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``δ(d) = Σ_k U diag(d_k) Uᵀ Δ_k = U (Σ_k d[:, k] ⊙_rows Uᵀ Δ_k)`` (float64, out x in)."""
+    d = d.to(dtype=_COMPUTE_DTYPE, device=task_vectors[0].device)
+    if d.ndim == 1:
+        d = d.expand(task_vectors[0].shape[0] if basis is None else basis.shape[1], -1)
+    if basis is None:
+        update = torch.zeros(task_vectors[0].shape, dtype=_COMPUTE_DTYPE, device=d.device)
+        for k_idx, tv in enumerate(task_vectors):
+            update += d[:, k_idx : k_idx + 1] * tv.to(_COMPUTE_DTYPE)
+        return update
+    basis64 = basis.to(_COMPUTE_DTYPE)
+    coefficients = torch.zeros(
+        basis64.shape[1], task_vectors[0].shape[1], dtype=_COMPUTE_DTYPE, device=d.device
+    )
+    for k_idx, tv in enumerate(task_vectors):
+        coefficients += d[:, k_idx : k_idx + 1] * (basis64.T @ tv.to(_COMPUTE_DTYPE))
+    return basis64 @ coefficients
+
+
+# --------------------------------------------------------------------------------------
+# One weight: solve, diagnose, merge
+# --------------------------------------------------------------------------------------
+
+
+def _solve_in_basis(
+    kind: str,
+    task_vectors: Sequence[torch.Tensor],
+    grams: Sequence[torch.Tensor],
+    ridge: float,
+    bounds: Optional[Sequence[float]],
+) -> tuple[QPNormalEquations, QPSolution]:
+    # S = Σ_t R_t G_t R_tᵀ is the same for R_t = −Δ_t and Δ_t.
+    basis = output_basis(kind, task_vectors, grams)
+    equations = qp_normal_equations(task_vectors, grams, basis=basis, basis_kind=kind)
+    return equations, solve_qp(equations, ridge=ridge, bounds=bounds)
+
+
+def qp_merge_weight(
+    base: torch.Tensor,
+    experts: Sequence[torch.Tensor],
+    grams: Sequence[torch.Tensor],
+    *,
+    basis: str = "residual_eigen",
+    ridge: float = 1e-6,
+    bounds: Optional[Sequence[float]] = None,
+    diagnose_both_bases: bool = False,
+    task_names: Optional[Sequence[str]] = None,
+    name: str = "<weight>",
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Merge one linear weight: ``W = W_0 + δ(d*)``; returns the weight (base dtype) and its
+    diagnostics (J(0), J(d*), captured energy, task-arithmetic J at λ = 1/K and 1, d stats)."""
+    _check_weight_inputs(base, experts, grams, name)
+    if basis not in BASES:
+        raise ConfigError(f"qp_projection basis must be one of {', '.join(BASES)}; got {basis!r}")
+    task_names = (
+        list(task_names) if task_names is not None else [f"task_{i}" for i in range(len(experts))]
+    )
+    w0 = base.to(_COMPUTE_DTYPE)
+    task_vectors = [e.to(_COMPUTE_DTYPE) - w0 for e in experts]
+    lo, hi = _check_bounds(bounds) if bounds is not None else (-math.inf, math.inf)
+    zero_feasible = lo <= 0.0 <= hi
+
+    equations, solution = _solve_in_basis(basis, task_vectors, grams, ridge, bounds)
+    j_zero = base_energy(equations)
+    j_opt = qp_objective(equations, solution.d)
+    k_dim = len(task_vectors)
+    j_task_arithmetic = {
+        "1/K": qp_objective(equations, task_arithmetic_coefficients(k_dim, 1.0 / k_dim)),
+        "1": qp_objective(equations, task_arithmetic_coefficients(k_dim, 1.0)),
+    }
+    other: Optional[dict[str, float]] = None
+    if diagnose_both_bases:
+        other_kind = "diagonal" if basis == "residual_eigen" else "residual_eigen"
+        other_eq, other_solution = _solve_in_basis(other_kind, task_vectors, grams, ridge, bounds)
+        other_j = qp_objective(other_eq, other_solution.d)
+        other = {
+            "basis": other_kind,
+            "J_opt": other_j,
+            "captured_energy": captured_energy_fraction(
+                other_j, base_energy(other_eq), zero_feasible=zero_feasible
+            ),
+        }
+    merged = (w0 + merged_update(task_vectors, solution.d, equations.basis)).to(base.dtype)
+    if not torch.isfinite(merged).all():
+        raise TensorError(
+            f"the QP merge of {name} produced NaN/Inf; raise ridge or check the inputs"
+        )
+    d = solution.d
+    diagnostics: dict[str, Any] = {
+        "basis": basis,
+        "J0": j_zero,
+        "J_opt": j_opt,
+        "captured_energy": captured_energy_fraction(j_opt, j_zero, zero_feasible=zero_feasible),
+        "J_task_arithmetic": j_task_arithmetic,
+        "d_stats": {
+            task: {
+                "mean": float(d[:, i].mean()),
+                "min": float(d[:, i].min()),
+                "max": float(d[:, i].max()),
+            }
+            for i, task in enumerate(task_names)
+        },
+        "other_basis": other,
+        "mu": solution.mu,
+        "pinv_directions": solution.fallback_rows,
+    }
+    if solution.box is not None:
+        diagnostics["box_qp"] = {
+            "iterations": solution.box.iterations,
+            "unconverged_directions": solution.box.unconverged,
+            "max_kkt_residual": solution.box.max_kkt,
+        }
+    return merged, diagnostics
+
+
+# --------------------------------------------------------------------------------------
+# The executor-facing method
+# --------------------------------------------------------------------------------------
+
+INFO_PARAMETERS = (
+    ParameterDoc(
+        "basis",
+        "residual_eigen",
+        "diagonal | residual_eigen: output basis U (identity rows, or eigenvectors of the "
+        "residual energy matrix S in descending order, the paper's optimal basis)",
+    ),
+    ParameterDoc(
+        "ridge",
+        1e-6,
+        "relative ridge: μ = ridge · mean diagonal of the K×K normal matrices, added to each",
+    ),
+    ParameterDoc(
+        "bounds",
+        None,
+        "optional [lo, hi] box on every coefficient d (a true QP); null = unconstrained",
+    ),
+    ParameterDoc(
+        "propagate",
+        True,
+        "inputs (and residuals) along the already merged layers (merged-path statistics)",
+    ),
+    ParameterDoc(
+        "diagnose_both_bases",
+        False,
+        "also solve in the other basis and report its J and captured energy",
+    ),
+    ParameterDoc(
+        "fallback",
+        "mean",
+        "mean | base | task_arithmetic: merge of tensors that are not input-hooked linears",
+    ),
+)
+
+_DEFAULTS = {p.name: p.default for p in INFO_PARAMETERS}
+
+
+@dataclass(frozen=True)
+class QPParameters:
+    basis: str
+    ridge: float
+    bounds: Optional[tuple[float, float]]
+    propagate: bool
+    diagnose_both_bases: bool
+    fallback: str
+
+
+def resolve_parameters(parameters: Mapping[str, Any]) -> QPParameters:
+    """Defaults filled in and every field checked (``ConfigError`` naming the field)."""
+    unknown = set(parameters) - set(_DEFAULTS)
+    if unknown:
+        LOG.debug("qp_projection ignores parameters %s", sorted(unknown))
+    values = {name: parameters.get(name, default) for name, default in _DEFAULTS.items()}
+    for name, value in values.items():  # None means "use the default" except for bounds
+        if value is None and name != "bounds":
+            values[name] = _DEFAULTS[name]
+    if values["basis"] not in BASES:
+        raise ConfigError(
+            f"qp_projection parameter basis must be one of {', '.join(BASES)}; got {values['basis']!r}"
+        )
+    if values["fallback"] not in FALLBACKS:
+        raise ConfigError(
+            f"qp_projection parameter fallback must be one of {', '.join(FALLBACKS)}; got {values['fallback']!r}"
+        )
+    try:
+        ridge = float(values["ridge"])
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"qp_projection parameter ridge must be a number; got {values['ridge']!r}"
+        ) from exc
+    if ridge < 0 or not math.isfinite(ridge):
+        raise ConfigError(f"qp_projection parameter ridge must be finite and >= 0; got {ridge}")
+    bounds = None if values["bounds"] is None else _check_bounds(values["bounds"])
+    for flag in ("propagate", "diagnose_both_bases"):
+        if not isinstance(values[flag], bool):
+            raise ConfigError(
+                f"qp_projection parameter {flag} must be true or false; got {values[flag]!r}"
+            )
+    return QPParameters(
+        basis=values["basis"],
+        ridge=ridge,
+        bounds=bounds,
+        propagate=values["propagate"],
+        diagnose_both_bases=values["diagnose_both_bases"],
+        fallback=values["fallback"],
+    )
+
+
+class QPProjectionMethod(LayerwiseMethod):
+    """QP / output-space projection (arXiv 2605.29101) on the sequential executor.
+
+    Each weight of a group is its own problem (q, k, v share the input Gram but not the
+    residuals). With ``propagate`` (default) the Grams are the merged-path statistics.
+    Non-linear tensors: the fallback merge, ``mean`` of experts by default as in RegMean/CoM
+    (equal to task arithmetic at λ = 1/K, the QP's neutral feasible point).
+    """
+
+    name = "qp_projection"
+
+    def statistics_request(self, parameters: Mapping[str, Any]) -> StatisticsRequest:
+        resolved = resolve_parameters(parameters)
+        return StatisticsRequest(propagate=resolved.propagate, expert_path=not resolved.propagate)
+
+    def merge_linear_group(
+        self, group: LinearGroup, parameters: Mapping[str, Any]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        resolved = resolve_parameters(parameters)
+        stats = group.merged_stats if resolved.propagate else group.expert_stats
+        if stats is None:
+            raise TensorError(
+                f"qp_projection with propagate: true needs merged-path statistics for {group.name}, "
+                "but the executor supplied none (it must honour statistics_request)"
+            )
+        if len(stats) != len(group.experts) or len(group.task_names) != len(group.experts):
+            raise TensorError(
+                f"{group.name}: {len(group.experts)} experts, {len(group.task_names)} task names and "
+                f"{len(stats)} task statistics; need one of each per expert"
+            )
+        grams = [s.gram for s in stats]
+        merged: dict[str, torch.Tensor] = {}
+        weights_diag: dict[str, Any] = {}
+        for weight_name in group.weights:
+            merged[weight_name], weights_diag[weight_name] = qp_merge_weight(
+                group.base[weight_name],
+                [expert[weight_name] for expert in group.experts],
+                grams,
+                basis=resolved.basis,
+                ridge=resolved.ridge,
+                bounds=resolved.bounds,
+                diagnose_both_bases=resolved.diagnose_both_bases,
+                task_names=group.task_names,
+                name=weight_name,
+            )
+            LOG.debug(
+                "qp_projection %s: captured %.4f of J0=%.4g",
+                weight_name,
+                weights_diag[weight_name]["captured_energy"],
+                weights_diag[weight_name]["J0"],
+            )
+        return merged, {"layer": group.name, "weights": weights_diag}
+
+    def merge_other(
+        self,
+        name: str,
+        base: Optional[torch.Tensor],
+        experts: Sequence[torch.Tensor],
+        parameters: Mapping[str, Any],
+    ) -> torch.Tensor:
+        return fallback_merge(name, base, experts, resolve_parameters(parameters).fallback)
+
+
+# --------------------------------------------------------------------------------------
+# Input checks
+# --------------------------------------------------------------------------------------
+
+
+def _check_bounds(bounds: Sequence[float]) -> tuple[float, float]:
+    try:
+        lo, hi = (float(v) for v in bounds)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"qp_projection parameter bounds must be [lo, hi] (two numbers) or null; got {bounds!r}"
+        ) from exc
+    if math.isnan(lo) or math.isnan(hi) or lo > hi:
+        raise ConfigError(f"qp_projection parameter bounds must satisfy lo <= hi; got [{lo}, {hi}]")
+    return lo, hi
+
+
+def _check_pairs(residual_maps: Sequence[torch.Tensor], grams: Sequence[torch.Tensor]) -> None:
+    if len(residual_maps) != len(grams) or not grams:
+        raise TensorError(
+            f"{len(residual_maps)} residual maps but {len(grams)} task Grams: need one per task (>= 1)"
+        )
+    in_dim = residual_maps[0].shape[1]
+    for gram in grams:
+        if gram.shape != (in_dim, in_dim):
+            raise TensorError(
+                f"task Gram is {tuple(gram.shape)}; the weights need {in_dim} x {in_dim}"
+            )
+
+
+def _check_weight_inputs(
+    base: torch.Tensor, experts: Sequence[torch.Tensor], grams: Sequence[torch.Tensor], name: str
+) -> None:
+    if len(experts) < 2:
+        raise TensorError(
+            f"qp_projection needs at least two experts besides the base; {name} has {len(experts)}"
+        )
+    if base.ndim != 2:
+        raise TensorError(f"qp_projection merges 2-D linear weights; {name} is {base.ndim}-D")
+    for i, tensor in enumerate([base, *experts]):
+        who = "the base model" if i == 0 else f"expert {i}"
+        if tensor.shape != base.shape:
+            raise TensorError(
+                f"shape mismatch for {name}: {who} has {tuple(tensor.shape)}, the base has {tuple(base.shape)}"
+            )
+        if not torch.isfinite(tensor).all():
+            raise TensorError(f"{name} of {who} contains NaN or Inf values; fix that checkpoint")
+    if len(grams) != len(experts):
+        raise TensorError(f"{name}: {len(experts)} experts but {len(grams)} task Grams")
+    for i, gram in enumerate(grams):
+        if gram.shape != (base.shape[1], base.shape[1]):
+            raise TensorError(
+                f"{name}: the Gram of task {i} is {tuple(gram.shape)}, the weight's input has "
+                f"{base.shape[1]} features (is an HF Conv1D weight not transposed?)"
+            )
+        if not torch.isfinite(gram).all():
+            raise TensorError(f"{name}: the Gram of task {i} contains NaN or Inf")
+
+
+INFO = MethodInfo(
+    name="qp_projection",
+    pretty_name="QP / output-space projection",
+    kind="layerwise",
+    needs_calibration=True,
+    paper="Model Merging by Output-Space Projection (Evans, Etheridge, Roberts, Tanner, 2026)",
+    paper_url="https://arxiv.org/abs/2605.29101",
+    parameters=INFO_PARAMETERS,
+    implementation=QPProjectionMethod(),
+)
+
+register_method(
+    INFO,
+    executor_only_method(
+        INFO,
+        {
+            "basis": Literal["diagonal", "residual_eigen"],
+            "ridge": float,
+            "bounds": Optional[list[float]],
+            "propagate": bool,
+            "diagnose_both_bases": bool,
+            "fallback": Literal["mean", "base", "task_arithmetic"],
+        },
+    ),
+)
