@@ -1,0 +1,64 @@
+"""The sequential layer-by-layer executor of data-aware merge methods.
+
+Entry points used by the CLI (``mergekit_ext.runner``):
+
+- :func:`plan_layerwise_merge`: validates the merge before any weight is loaded and returns
+  a :class:`MergePlan` whose :meth:`MergePlan.describe` is the ``--dry-run`` text;
+- :func:`run_layerwise_merge`: writes the merged model into a folder and returns the
+  diagnostics section ``{"layers": [...], "not_merged": [...]}`` plus ``"calibration"``
+  (the per-task calibration summaries, which the CLI records in the diagnostics header).
+
+See :mod:`mergekit_ext.executor.sequential` for how the network is walked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mergekit.options import MergeOptions
+
+from mergekit_ext.config import ExtMergeConfig
+from mergekit_ext.executor.families import family_for, family_names
+from mergekit_ext.executor.plan import MemoryEstimate, MergePlan, build_plan
+from mergekit_ext.executor.sequential import SequentialExecutor, resolve_device
+from mergekit_ext.methods.layerwise import LayerwiseMethod
+
+
+def plan_layerwise_merge(
+    cfg: ExtMergeConfig, options: MergeOptions, method: LayerwiseMethod, parameters: dict
+) -> MergePlan:
+    """Check the merge (models, family, shapes, calibration, tokenizers) and plan it.
+
+    Reads configs, safetensors headers and the calibration data, never a weight.
+    """
+    return build_plan(cfg, options, method, dict(parameters or {}))
+
+
+def run_layerwise_merge(
+    cfg: ExtMergeConfig,
+    out_dir: str,
+    options: MergeOptions,
+    method: LayerwiseMethod,
+    parameters: dict,
+    *,
+    device: str = "cpu",
+) -> dict[str, Any]:
+    """Merge block by block into ``out_dir`` (config, tokenizer/processor files, safetensors).
+
+    ``device``: ``cpu`` | ``cuda`` | ``auto``; statistics and block forwards run there,
+    weights stream from disk.
+    """
+    torch_device = resolve_device(device)
+    plan = plan_layerwise_merge(cfg, options, method, parameters)
+    return SequentialExecutor(plan, out_dir, torch_device).run()
+
+
+__all__ = [
+    "MemoryEstimate",
+    "MergePlan",
+    "SequentialExecutor",
+    "family_for",
+    "family_names",
+    "plan_layerwise_merge",
+    "run_layerwise_merge",
+]

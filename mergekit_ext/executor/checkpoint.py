@@ -1,0 +1,315 @@
+"""Input checkpoints for the sequential executor: where each tensor is and what it is called.
+
+Three name spaces meet here:
+
+- *checkpoint keys*: the names in a model's safetensors files (``vit.encoder.layer.0.
+  attention.attention.query.weight``);
+- *module keys*: the parameter names of the transformers class in use, which may differ
+  (transformers 5 renames some keys at load time: that module is ``vit.layers.0.attention.
+  q_proj``). We apply transformers' own renaming (``transformers.core_model_loading.
+  rename_source_key`` with the class's conversion mapping), exactly as ``from_pretrained``;
+- *canonical names*: module keys relative to the family's backbone (``layers.0.attention.
+  q_proj.weight``), so that a headless ``BertModel`` and a ``BertForSequenceClassification``
+  (``bert.`` prefix) share names. Tensors outside the backbone (heads, a CLIP text tower)
+  are canonical ``"@" + module key``.
+
+The merged output takes the base model's checkpoint keys.
+
+Tensors are read with mergekit's :class:`~mergekit.io.LazyTensorLoader`; :meth:`ModelSource.load`
+is the one place the executor reads a weight (tests instrument it to count live tensors).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import transformers
+from mergekit.io import LazyTensorLoader, ShardedTensorIndex
+from safetensors import safe_open
+from torch import nn
+
+from mergekit_ext.errors import ModelInputError
+from mergekit_ext.executor.families import ModelFamily
+
+LOG = logging.getLogger(__name__)
+
+HEAD_PREFIX = "@"
+
+
+def resolve_model_folder(
+    path: str, *, what: str, cache_dir: Optional[str] = None, revision: Optional[str] = None
+) -> str:
+    """A local folder for ``path``: a folder, or a Hub id already in the local cache.
+
+    Nothing is downloaded (the executor never touches the network).
+    """
+    if os.path.isdir(path):
+        return path
+    if "@" in path:
+        path, revision = path.split("@", 1)
+        if os.path.isdir(path):
+            return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(
+            path, revision=revision, cache_dir=cache_dir, local_files_only=True
+        )
+    except Exception:
+        raise ModelInputError(
+            f"{what}: model path not found: {path!r}; give a local folder (relative paths "
+            "resolve against the current directory) or download the Hub model first"
+        ) from None
+
+
+def build_skeleton(config: transformers.PretrainedConfig) -> nn.Module:
+    """The model's own transformers class with parameters on the meta device (no memory).
+
+    Buffers (rotary ``inv_freq``, ``position_ids``) stay real: the embeddings and blocks run
+    with them as transformers computed them.
+    """
+    from accelerate import init_empty_weights
+
+    architectures = getattr(config, "architectures", None) or []
+    cls = None
+    for name in architectures:
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            break
+    with init_empty_weights(include_buffers=False):
+        if cls is not None:
+            model = cls(config)
+        else:
+            model = transformers.AutoModel.from_config(config)
+    model.eval()
+    return model
+
+
+def _rename_to_module_keys(
+    model: nn.Module, checkpoint_keys: list[str], where: str
+) -> dict[str, str]:
+    """``{checkpoint key: module key}`` by transformers' own load-time renaming."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (
+        WeightConverter,
+        WeightRenaming,
+        rename_source_key,
+    )
+
+    transforms = get_model_conversion_mapping(model, add_legacy=True)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    meta_state = model.state_dict()
+    prefix = getattr(model, "base_model_prefix", None) or None
+    out: dict[str, str] = {}
+    for key in checkpoint_keys:
+        renamed, converter = rename_source_key(key, renamings, converters, prefix, meta_state)
+        if converter is not None:
+            raise ModelInputError(
+                f"{where}: checkpoint tensor {key} is fused/split by transformers at load time "
+                f"({converter}); the sequential executor supports renamed tensors only"
+            )
+        out[key] = renamed
+    return out
+
+
+@dataclass
+class ModelSource:
+    """One full checkpoint, indexed by canonical names (no weights loaded until :meth:`load`)."""
+
+    label: str  # the model as written in the YAML
+    path: str  # local folder with the weights
+    config: transformers.PretrainedConfig
+    family: ModelFamily
+    skeleton: nn.Module
+    backbone_path: str
+    checkpoint_key: dict[str, str]  # canonical -> checkpoint key
+    shapes: dict[str, tuple[int, ...]]  # canonical -> shape
+    dtypes: dict[str, str]  # canonical -> safetensors dtype string ("F32", "BF16", ...)
+    _loader: Optional[LazyTensorLoader] = field(default=None, repr=False)
+
+    @property
+    def backbone(self) -> nn.Module:
+        return (
+            self.skeleton.get_submodule(self.backbone_path) if self.backbone_path else self.skeleton
+        )
+
+    def has(self, canonical: str) -> bool:
+        return canonical in self.checkpoint_key
+
+    def names(self) -> list[str]:
+        return list(self.checkpoint_key)
+
+    def load(
+        self,
+        canonical: str,
+        device: torch.device | str = "cpu",
+        cache: Optional[dict[tuple[str, str], torch.Tensor]] = None,
+    ) -> torch.Tensor:
+        """Read one tensor; floating tensors come back as float32 on ``device``.
+
+        ``cache`` (keyed by folder and name) shares a tensor between sources reading the
+        same checkpoint, e.g. the base model and LoRA experts built on it.
+        """
+        cache_key = (self.path, canonical)
+        if cache is not None and cache_key in cache:
+            return cache[cache_key]
+        tensor = self._read(canonical, device)
+        if cache is not None:
+            cache[cache_key] = tensor
+        return tensor
+
+    def _read(self, canonical: str, device: torch.device | str) -> torch.Tensor:
+        if self._loader is None:
+            self._loader = LazyTensorLoader(ShardedTensorIndex.from_disk(self.path))
+        try:
+            tensor = self._loader.get_tensor(self.checkpoint_key[canonical])
+        except KeyError:
+            raise ModelInputError(
+                f"model {self.label}: tensor {self.checkpoint_key.get(canonical, canonical)} "
+                "is listed but cannot be read"
+            ) from None
+        return _compute_tensor(tensor, device)
+
+    def release(self) -> None:
+        """Close the open shard (tensors already returned stay valid)."""
+        if self._loader is not None:
+            self._loader.flush()
+
+
+def _compute_tensor(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    if tensor.dtype.is_floating_point:
+        return tensor.to(device=device, dtype=torch.float32)
+    return tensor.to(device=device)
+
+
+def read_config(path: str, what: str) -> transformers.PretrainedConfig:
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ModelInputError(f"{what}: {path!r} has no config.json")
+    try:
+        return transformers.AutoConfig.from_pretrained(path)
+    except Exception as e:
+        raise ModelInputError(f"{what}: cannot read {path}/config.json: {e}") from e
+
+
+def _header_shapes(path: str, what: str) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """Checkpoint key -> shape and dtype, from the safetensors headers only."""
+    try:
+        index = ShardedTensorIndex.from_disk(path)
+    except RuntimeError as e:
+        raise ModelInputError(f"{what}: no model weights in {path!r} ({e})") from e
+    if not index.is_safetensors:
+        raise ModelInputError(
+            f"{what}: {path!r} has only pickle (.bin) weights; the sequential executor reads "
+            "safetensors: convert it (e.g. load and save_pretrained(safe_serialization=True))"
+        )
+    shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, str] = {}
+    for shard in index.shards:
+        with safe_open(os.path.join(index.base_path, shard.filename), framework="pt") as f:
+            for key in f.keys():
+                sl = f.get_slice(key)
+                shapes[key] = tuple(sl.get_shape())
+                dtypes[key] = sl.get_dtype()
+    return shapes, dtypes
+
+
+def open_model(label: str, path: str, family: Optional[ModelFamily], *, what: str) -> ModelSource:
+    """Index a full checkpoint folder: config, skeleton, canonical names and shapes."""
+    from mergekit_ext.executor.families import family_for
+
+    config = read_config(path, what)
+    arch = (getattr(config, "architectures", None) or [""])[0]
+    own_family = family_for(config.model_type, arch)
+    if family is not None and own_family.name != family.name:
+        raise ModelInputError(
+            f"{what}: {label} is a {config.model_type!r} model ({own_family.name} family) but the "
+            f"base model is of the {family.name} family; merge models of one architecture"
+        )
+    skeleton = build_skeleton(config)
+    backbone_path = own_family.backbone_path(skeleton)
+    shapes_by_key, dtypes_by_key = _header_shapes(path, what)
+    module_keys = _rename_to_module_keys(skeleton, list(shapes_by_key), what)
+    checkpoint_key: dict[str, str] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, str] = {}
+    for key, module_key in module_keys.items():
+        canonical = canonical_name(module_key, backbone_path)
+        if canonical in checkpoint_key:
+            raise ModelInputError(
+                f"{what}: checkpoint tensors {checkpoint_key[canonical]} and {key} of {label} "
+                "map to the same parameter"
+            )
+        checkpoint_key[canonical] = key
+        shapes[canonical] = shapes_by_key[key]
+        dtypes[canonical] = dtypes_by_key[key]
+    return ModelSource(
+        label=label,
+        path=path,
+        config=config,
+        family=own_family,
+        skeleton=skeleton,
+        backbone_path=backbone_path,
+        checkpoint_key=checkpoint_key,
+        shapes=shapes,
+        dtypes=dtypes,
+    )
+
+
+def canonical_name(module_key: str, backbone_path: str) -> str:
+    if not backbone_path:
+        return module_key
+    if module_key.startswith(backbone_path + "."):
+        return module_key[len(backbone_path) + 1 :]
+    return HEAD_PREFIX + module_key
+
+
+def module_key_of(canonical: str, backbone_path: str) -> str:
+    if canonical.startswith(HEAD_PREFIX):
+        return canonical[len(HEAD_PREFIX) :]
+    return f"{backbone_path}.{canonical}" if backbone_path else canonical
+
+
+def is_adapter_folder(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "adapter_config.json"))
+
+
+def adapter_base_path(adapter_path: str) -> Optional[str]:
+    with open(os.path.join(adapter_path, "adapter_config.json"), encoding="utf-8") as fp:
+        return json.load(fp).get("base_model_name_or_path")
+
+
+TOKENIZER_FILES = (
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.json",
+    "tokenizer.model",
+    "added_tokens.json",
+    "merges.txt",
+    "vocab.txt",
+    "vocab.json",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+TAGALONG_FILES = (
+    "generation_config.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
+)
+
+
+def has_tokenizer(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "tokenizer_config.json")) and (
+        os.path.isfile(os.path.join(path, "tokenizer.json"))
+        or os.path.isfile(os.path.join(path, "tokenizer.model"))
+        or os.path.isfile(os.path.join(path, "vocab.txt"))
+        or os.path.isfile(os.path.join(path, "vocab.json"))
+    )

@@ -1,0 +1,504 @@
+"""The plan of a layerwise merge: every check that needs no weights, and the memory estimate.
+
+:func:`build_plan` resolves the models (full checkpoints and PEFT LoRA adapters), finds the
+family, the blocks and their linear groups, checks shapes, calibration data and tokenizers,
+loads (tokenizes) the calibration data and estimates peak memory. It reads config files,
+safetensors headers and calibration data only, never a weight.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import torch
+from mergekit.common import ModelReference, dtype_from_name
+from mergekit.options import MergeOptions
+
+from mergekit_ext.calibration.config import CalibrationSpec
+from mergekit_ext.calibration.sources import (
+    CalibrationData,
+    check_calibration,
+    check_tokenizers_match,
+    load_calibration,
+)
+from mergekit_ext.config import ExtMergeConfig, ExtModelEntry
+from mergekit_ext.errors import CalibrationError, ConfigError, MergekitExtError, ModelInputError
+from mergekit_ext.executor.checkpoint import (
+    HEAD_PREFIX,
+    ModelSource,
+    adapter_base_path,
+    has_tokenizer,
+    is_adapter_folder,
+    open_model,
+    resolve_model_folder,
+)
+from mergekit_ext.executor.families import GroupSpec, ModelFamily
+from mergekit_ext.executor.lora import LoraModelSource, open_lora_expert
+from mergekit_ext.methods.layerwise import LayerwiseMethod, StatisticsRequest
+
+LOG = logging.getLogger(__name__)
+
+Source = Union[ModelSource, LoraModelSource]
+
+# mergekit's TensorWriter holds a shard in memory until it is full; the executor writes
+# shards of at most this size (or the smaller --out-shard-size) so that merged tensors reach
+# the disk as the merge goes instead of the whole merged model waiting in memory.
+STREAMING_SHARD_BYTES = 1_000_000_000
+
+
+def output_shard_bytes(options: MergeOptions) -> int:
+    """The shard size the executor writes: ``--out-shard-size`` capped for streaming."""
+    requested = int(options.out_shard_size or 0)
+    if requested <= 0:
+        return STREAMING_SHARD_BYTES
+    return min(requested, STREAMING_SHARD_BYTES)
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def safetensors_dtype(name: str) -> torch.dtype:
+    return _SAFETENSORS_DTYPES.get(name, torch.float32)
+
+
+@dataclass
+class Expert:
+    """One task: its model, its calibration spec and (once loaded) its data."""
+
+    task: str
+    label: str
+    source: Source
+    data_path: str  # folder with the tokenizer / image processor
+    calibration: CalibrationSpec
+    data: Optional[CalibrationData] = None
+
+
+@dataclass
+class BlockLayout:
+    """Canonical tensor names of one block, split into linear groups and the rest."""
+
+    index: int
+    prefix: str  # canonical prefix, e.g. "layers.3."
+    groups: tuple[GroupSpec, ...]
+    tensors: list[str]  # every canonical name of the block (base model)
+
+    def group_weight(self, module: str) -> str:
+        return f"{self.prefix}{module}.weight"
+
+    @property
+    def group_weights(self) -> set[str]:
+        return {self.group_weight(m) for g in self.groups for m in g.modules}
+
+    @property
+    def others(self) -> list[str]:
+        linear = self.group_weights
+        return [t for t in self.tensors if t not in linear]
+
+
+@dataclass
+class MemoryEstimate:
+    """Peak memory of the merge, in bytes, by component."""
+
+    block_weights: int  # (K + 2) blocks in float32: base, K experts, merged
+    statistics: int  # input Grams of one block (float64)
+    activations: int  # hidden states of every task's calibration data, per path
+    non_block: int  # largest non-block tensor phase (embeddings, heads)
+    writer_buffer: int  # merged tensors held until a shard is flushed
+    model_bytes: int  # one input model on disk
+
+    @property
+    def peak(self) -> int:
+        return (
+            max(self.block_weights + self.statistics, self.non_block)
+            + self.activations
+            + self.writer_buffer
+        )
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.3f} GB"
+
+
+@dataclass
+class MergePlan:
+    """Everything the executor needs, validated; :meth:`describe` is the ``--dry-run`` text."""
+
+    cfg: ExtMergeConfig
+    options: MergeOptions
+    method: LayerwiseMethod
+    parameters: dict[str, Any]
+    request: StatisticsRequest
+    family: ModelFamily
+    base: Source
+    experts: list[Expert]
+    layers_path: str
+    blocks: list[BlockLayout]
+    pre_block: list[str]
+    post_block: list[str]
+    expert_only: dict[str, list[str]]  # canonical -> labels of experts that have it
+    out_dtype: Optional[torch.dtype]
+    hidden_size: int
+    memory: MemoryEstimate = field(default=None)  # type: ignore[assignment]
+
+    @property
+    def task_names(self) -> list[str]:
+        return [e.task for e in self.experts]
+
+    def output_name(self, canonical: str) -> str:
+        return self.base.checkpoint_key[canonical]
+
+    def describe(self) -> str:
+        m = self.memory
+        groups = self.blocks[0].groups if self.blocks else ()
+        lines = [
+            f"method: {self.method.name} (layerwise, sequential executor)",
+            f"family: {self.family.name} ({self.base.config.model_type}, "
+            f"{(self.base.config.architectures or ['?'])[0]})",
+            f"base_model: {self.base.label}",
+            f"blocks: {len(self.blocks)} ({self.layers_path}.{{i}}), "
+            f"{len(groups)} linear groups per block in forward order:",
+        ]
+        for g in groups:
+            lines.append(f"  - {g.label}: {', '.join(g.modules)}")
+        lines.append(
+            f"statistics: expert path {'yes' if self.request.expert_path else 'no'}, "
+            f"merged path (propagate) {'yes' if self.request.propagate else 'no'}, "
+            f"normalized Gram {'yes' if self.request.normalized_gram else 'no'}"
+        )
+        lines.append(f"tasks ({len(self.experts)}):")
+        for e in self.experts:
+            kind = "LoRA adapter" if isinstance(e.source, LoraModelSource) else "full checkpoint"
+            summary = e.data.summary() if e.data is not None else {}
+            lines.append(
+                f"  - {e.task}: {e.label} ({kind}); calibration {summary.get('source', e.calibration.describe())}: "
+                f"{summary.get('samples', '?')} samples, {summary.get('tokens', '?')} tokens"
+            )
+        lines.append(
+            f"non-block tensors: {len(self.pre_block)} before the blocks, {len(self.post_block)} after"
+            f" (fallback merge); expert-only tensors not merged: {len(self.expert_only)}"
+        )
+        lines.append(
+            f"output dtype: {str(self.out_dtype).replace('torch.', '') if self.out_dtype else 'as the base model'}"
+        )
+        lines += [
+            f"memory estimate: peak ≈ {m.peak} bytes ({_gb(m.peak)}); one model ≈ {_gb(m.model_bytes)}",
+            f"  block weights ({len(self.experts) + 2} blocks, float32): {_gb(m.block_weights)}",
+            f"  input statistics of one block (float64): {_gb(m.statistics)}",
+            f"  calibration hidden states: {_gb(m.activations)}",
+            f"  largest non-block phase: {_gb(m.non_block)}",
+            f"  output shard buffer: {_gb(m.writer_buffer)} (shards of at most "
+            f"{_gb(output_shard_bytes(self.options))})",
+        ]
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------
+# Resolution of the models
+
+
+class _Opened:
+    """Opened checkpoints by folder, so LoRA experts on the same base share one index."""
+
+    def __init__(self, cache_dir: Optional[str]) -> None:
+        self.cache_dir = cache_dir
+        self.full: dict[str, ModelSource] = {}
+
+    def full_model(
+        self, label: str, folder: str, family: Optional[ModelFamily], what: str
+    ) -> ModelSource:
+        key = os.path.realpath(folder)
+        if key not in self.full:
+            self.full[key] = open_model(label, folder, family, what=what)
+        return self.full[key]
+
+    def reference(
+        self, ref: ModelReference, label: str, family: Optional[ModelFamily], what: str
+    ) -> tuple[Source, str]:
+        """The source for a mergekit reference and the folder holding its tokenizer/processor."""
+        folder = resolve_model_folder(
+            ref.model.path, what=what, cache_dir=self.cache_dir, revision=ref.model.revision
+        )
+        if ref.lora is not None:
+            adapter = resolve_model_folder(
+                ref.lora.path, what=what, cache_dir=self.cache_dir, revision=ref.lora.revision
+            )
+            base = self.full_model(str(ref.model), folder, family, what)
+            source = open_lora_expert(label, adapter, base, what=what)
+            return source, adapter if has_tokenizer(adapter) else folder
+        if is_adapter_folder(folder) and not os.path.isfile(os.path.join(folder, "config.json")):
+            base_name = adapter_base_path(folder)
+            if not base_name:
+                raise ModelInputError(
+                    f"{what}: adapter {folder} does not name its base model "
+                    "(base_model_name_or_path); write the model as `base_path+adapter_path`"
+                )
+            try:
+                base_folder = resolve_model_folder(base_name, what=what, cache_dir=self.cache_dir)
+            except ModelInputError:
+                raise ModelInputError(
+                    f"{what}: adapter {folder} names base model {base_name!r}, which is not a local "
+                    "folder; write the model as `base_path+adapter_path`"
+                ) from None
+            base = self.full_model(base_name, base_folder, family, what)
+            source = open_lora_expert(label, folder, base, what=what)
+            return source, folder if has_tokenizer(folder) else base_folder
+        return self.full_model(label, folder, family, what), folder
+
+
+def _expert_entries(cfg: ExtMergeConfig) -> list[tuple[ExtModelEntry, ModelReference]]:
+    mk_models = cfg.merge.models or []
+    if len(mk_models) != len(cfg.models):
+        raise ConfigError(
+            "the layerwise executor needs a `models:` list (slices/modules are not supported)"
+        )
+    base = cfg.merge.base_model
+    out = []
+    for entry, mk in zip(cfg.models, mk_models):
+        if base is not None and mk.model == base:
+            LOG.info("%s is the base model; it is not an expert of the merge", entry.model)
+            continue
+        out.append((entry, mk.model))
+    return out
+
+
+def _calibration_spec(cfg: ExtMergeConfig, entry: ExtModelEntry, method: str) -> CalibrationSpec:
+    spec = cfg.calibration_for(entry)
+    if spec is None or not spec.has_data:
+        raise CalibrationError(
+            f"model {entry.model} (task {entry.name!r}) has no calibration data, which {method} "
+            "needs: add `calibration: {path: data.jsonl, field: text}` to its entry (or a "
+            "top-level `calibration:` default)"
+        )
+    return spec
+
+
+# ------------------------------------------------------------------------------------------
+# The plan
+
+
+def build_plan(
+    cfg: ExtMergeConfig,
+    options: MergeOptions,
+    method: LayerwiseMethod,
+    parameters: dict[str, Any],
+    *,
+    load_data: bool = True,
+) -> MergePlan:
+    """Validate the merge and plan it (see the module docstring)."""
+    if not isinstance(method, LayerwiseMethod):
+        raise MergekitExtError(
+            f"{getattr(method, 'name', method)!r} is not a layerwise method; the sequential "
+            "executor runs LayerwiseMethod implementations"
+        )
+    if cfg.merge.base_model is None:
+        raise ConfigError(
+            f"{method.name} needs base_model (the pretrained model the experts share) in the YAML"
+        )
+    request = method.statistics_request(parameters)
+    cache_dir = options.transformers_cache
+    opened = _Opened(cache_dir)
+
+    base_label = str(cfg.merge.base_model)
+    base, base_data_path = opened.reference(
+        cfg.merge.base_model, base_label, None, f"base model {base_label}"
+    )
+    family = base.family
+    entries = _expert_entries(cfg)
+    if not entries:
+        raise ConfigError(f"{method.name} needs at least one expert model besides the base model")
+
+    experts: list[Expert] = []
+    for entry, ref in entries:
+        what = f"model {entry.model}"
+        spec = _calibration_spec(cfg, entry, method.name)
+        source, data_path = opened.reference(ref, entry.model, family, what)
+        check_calibration(spec, task=entry.name, modality=family.modality)
+        experts.append(Expert(entry.name, entry.model, source, data_path, spec))
+
+    if family.modality == "text":
+        # Every model that ships a tokenizer must share one vocabulary (models without one
+        # can only use pre-tokenized calibration data, which load_calibration checks).
+        paths = [p for p in [base_data_path, *(e.data_path for e in experts)] if has_tokenizer(p)]
+        if len(paths) > 1:
+            check_tokenizers_match(paths)
+
+    # Blocks and groups, from the base model's own class.
+    backbone = base.backbone
+    layers_path = family.layers_path(backbone)
+    layers = backbone.get_submodule(layers_path)
+    groups = family.groups(layers[0])
+    names = base.names()
+    blocks: list[BlockLayout] = []
+    in_blocks: set[str] = set()
+    for i, layer in enumerate(layers):
+        prefix = f"{layers_path}.{i}."
+        tensors = [n for n in names if n.startswith(prefix)]
+        expected = {prefix + p for p, _ in layer.named_parameters()}
+        missing = sorted(expected - set(tensors))
+        if missing:
+            raise ModelInputError(
+                f"base model {base.label}: block {i} lacks tensor(s) {missing[:3]} that "
+                f"{type(layer).__name__} needs"
+            )
+        blocks.append(BlockLayout(i, prefix, family.groups(layer), tensors))
+        in_blocks.update(tensors)
+    pre_block = [
+        n
+        for n in names
+        if n not in in_blocks and any(n.startswith(m + ".") for m in family.pre_block_modules)
+    ]
+    post_block = [n for n in names if n not in in_blocks and n not in pre_block]
+    if any(n.startswith(HEAD_PREFIX + "text_model.") for n in post_block):
+        LOG.warning(
+            "%s: the text tower of this CLIP model is merged with the fallback (%s); only the "
+            "vision tower is merged with calibration data",
+            base.label,
+            parameters.get("fallback", "mean"),
+        )
+
+    # Shapes: every backbone tensor of the base must exist with the same shape in each
+    # expert where the forward pass needs it (blocks, embeddings); heads may differ.
+    needed = in_blocks | set(pre_block)
+    expert_only: dict[str, list[str]] = {}
+    for e in experts:
+        for name in names:
+            shape = base.shapes[name]
+            if not e.source.has(name):
+                if name in needed:
+                    raise ModelInputError(
+                        f"tensor {base.checkpoint_key[name]} of the base model is missing from "
+                        f"{e.label}; the experts must share the base model's architecture"
+                    )
+                continue
+            other = tuple(e.source.shapes[name])
+            if other != tuple(shape) and not name.startswith(HEAD_PREFIX):
+                raise ModelInputError(
+                    f"shape mismatch for tensor {base.checkpoint_key[name]}: {list(shape)} in the base "
+                    f"model {base.label} but {list(other)} in {e.label}; the experts must share "
+                    "the base model's architecture"
+                )
+        for name in e.source.names():
+            if not base.has(name):
+                expert_only.setdefault(name, []).append(e.label)
+    for name, labels in expert_only.items():
+        LOG.warning(
+            "tensor %s exists only in %s: not merged",
+            name.removeprefix(HEAD_PREFIX),
+            ", ".join(labels),
+        )
+
+    out_dtype_name = cfg.merge.out_dtype or cfg.merge.dtype
+    try:
+        out_dtype = dtype_from_name(out_dtype_name) if out_dtype_name else None
+    except RuntimeError as e:
+        raise ConfigError(f"dtype {out_dtype_name!r}: {e}") from e
+
+    first_group_weight = blocks[0].group_weight(groups[0].modules[0]) if blocks else None
+    hidden = int(base.shapes[first_group_weight][1]) if first_group_weight else 0
+
+    plan = MergePlan(
+        cfg=cfg,
+        options=options,
+        method=method,
+        parameters=dict(parameters),
+        request=request,
+        family=family,
+        base=base,
+        experts=experts,
+        layers_path=layers_path,
+        blocks=blocks,
+        pre_block=pre_block,
+        post_block=post_block,
+        expert_only=expert_only,
+        out_dtype=out_dtype,
+        hidden_size=hidden,
+    )
+    if load_data:
+        for e in experts:
+            e.data = load_calibration(
+                e.calibration,
+                e.data_path,
+                task=e.task,
+                modality=family.modality,
+                trust_remote_code=options.trust_remote_code,
+            )
+            if not e.data.batches:
+                raise CalibrationError(f"model {e.label} (task {e.task!r}): no calibration batches")
+    plan.memory = estimate_memory(plan)
+    return plan
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def estimate_memory(plan: MergePlan) -> MemoryEstimate:
+    """Bytes held at the peak of the merge (float32 weights, float64 statistics)."""
+    base = plan.base
+    k = len(plan.experts)
+    block_bytes = max(
+        (sum(_numel(base.shapes[t]) for t in b.tensors) * 4 for b in plan.blocks), default=0
+    )
+    paths = int(plan.request.expert_path) + int(plan.request.propagate)
+    grams_per_task = 0
+    largest_gram = 0
+    if plan.blocks:
+        b = plan.blocks[0]
+        for g in b.groups:
+            width = int(base.shapes[b.group_weight(g.modules[0])][1])
+            size = width * width * 8 * (2 if plan.request.normalized_gram else 1)
+            grams_per_task += size
+            largest_gram = max(largest_gram, size)
+    statistics = (k * grams_per_task if plan.request.expert_path else 0) + (
+        k * largest_gram if plan.request.propagate else 0
+    )
+    activations = 0
+    for e in plan.experts:
+        if e.data is None:
+            continue
+        for batch in e.data.batches:
+            if "input_ids" in batch:
+                positions = int(batch["input_ids"].numel())
+            else:
+                pv = batch["pixel_values"]
+                positions = int(pv.shape[0]) * (
+                    int(e.data.num_tokens / max(e.data.num_samples, 1)) + 1
+                )
+            activations += positions * plan.hidden_size * 4 * max(paths, 1)
+    non_block_names = plan.pre_block + plan.post_block
+    largest = max((_numel(base.shapes[n]) for n in non_block_names), default=0) * 4
+    pre_bytes = sum(_numel(base.shapes[n]) for n in plan.pre_block) * 4
+    non_block = (k + 2) * largest + 2 * pre_bytes
+    model_bytes = 0
+    out_bytes = 0
+    for name, shape in base.shapes.items():
+        size = _numel(shape)
+        model_bytes += size * safetensors_dtype(base.dtypes[name]).itemsize
+        out_dtype = plan.out_dtype or safetensors_dtype(base.dtypes[name])
+        out_bytes += size * out_dtype.itemsize
+    writer = min(out_bytes, output_shard_bytes(plan.options))
+    return MemoryEstimate(
+        block_weights=(k + 2) * block_bytes,
+        statistics=statistics,
+        activations=activations,
+        non_block=non_block,
+        writer_buffer=writer,
+        model_bytes=model_bytes,
+    )

@@ -1,0 +1,577 @@
+"""The sequential layer-by-layer executor of data-aware merges (RegMean, Chain of Merges, QP).
+
+mergekit merges one tensor at a time and never runs a model. Data-aware methods need the
+inputs each linear layer sees on each task's calibration data, and Chain of Merges / QP
+need them along the *merged* network ("propagate", CoM arXiv 2508.21421 §3; QP's
+multi-layer scheme): the inputs of layer l for task k come from task k's data run through
+the already merged layers before l. This executor streams the model:
+
+1. non-block tensors before the blocks (embeddings) are merged with the method's fallback;
+   each task's batches run through the embeddings (merged ones for the merged path, the
+   expert's own for the expert path). The backbone's own ``forward`` runs with stand-ins
+   for the blocks, which record the exact arguments transformers passes to each block
+   (attention masks, rotary position embeddings);
+2. for each block: load only that block's tensors of the base and of every expert (LoRA
+   adapters applied on the fly), merge its non-linear tensors (norms, biases) first, run
+   each task's expert-path hidden states through the expert's own block with input hooks
+   on every linear group (RegMean's statistics), then merge the groups in forward order:
+   the input of group g on the merged path is captured by a forward pre-hook while the
+   block runs with its non-linear tensors and every group before g already merged (the
+   forward stops right there). After the last group the merged block carries each task's
+   merged-path hidden states to the next block. Merged tensors are written as produced;
+   the block's tensors are dropped;
+3. non-block tensors after the blocks (final norm, pooler, heads) take the fallback merge.
+
+Each block runs as the model's own transformers module (built on the meta device) through
+``torch.func.functional_call`` with the block's real tensors, so attention, rotary
+embeddings and masks are exactly transformers'. Peak memory ≈ (K + 2) blocks in float32
+(base, K experts, merged) + one block's input Grams + the calibration hidden states + the
+writer's shard buffer; never K whole models. No extra whole-model passes: each sample's
+hidden state is kept at the current block and only that block runs.
+
+Statistics exclude padding (the batch's attention mask) and accumulate in float64 on the
+chosen device (:class:`~mergekit_ext.calibration.statistics.ActivationStatistics`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from mergekit.io import TensorWriter
+from torch import nn
+from tqdm.auto import tqdm
+
+from mergekit_ext.calibration.statistics import ActivationStatistics, flatten_tokens
+from mergekit_ext.errors import MergekitExtError, TensorError
+from mergekit_ext.executor.checkpoint import (
+    HEAD_PREFIX,
+    TAGALONG_FILES,
+    TOKENIZER_FILES,
+    build_skeleton,
+)
+from mergekit_ext.executor.families import GroupSpec
+from mergekit_ext.executor.plan import (
+    BlockLayout,
+    MergePlan,
+    output_shard_bytes,
+    safetensors_dtype,
+)
+from mergekit_ext.methods.layerwise import LinearGroup, TaskStatistics
+
+LOG = logging.getLogger(__name__)
+
+
+class _StopForward(Exception):
+    """Ends a forward pass once the wanted input has been captured."""
+
+
+@dataclass
+class _CallSink:
+    """What the block stand-ins record during one embeddings pass."""
+
+    last: int
+    hidden: Optional[torch.Tensor] = None
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.hidden = None
+        self.calls = []
+
+
+class _BlockCallRecorder(nn.Module):
+    """Stands in for block ``index``: records its call arguments and passes the hidden states on."""
+
+    def __init__(self, index: int, sink: _CallSink) -> None:
+        super().__init__()
+        self.index = index
+        self.sink = sink
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.index == 0:
+            self.sink.hidden = hidden_states
+        self.sink.calls.append((args, kwargs))
+        if self.index == self.sink.last:
+            raise _StopForward
+        return hidden_states
+
+
+@dataclass
+class _TaskState:
+    """One task's calibration batches and their hidden states at the current block."""
+
+    name: str
+    inputs: list[dict[str, Any]]  # backbone forward kwargs per batch, on the device
+    masks: list[Optional[torch.Tensor]]  # [B, T] token masks (None: every position)
+    calls: list[list[tuple[tuple[Any, ...], dict[str, Any]]]] = field(default_factory=list)
+    expert_hidden: Optional[list[torch.Tensor]] = None
+    merged_hidden: Optional[list[torch.Tensor]] = None
+
+
+def resolve_device(device: Optional[str]) -> torch.device:
+    """``cpu`` | ``cuda[:n]`` | ``auto`` (CUDA when available)."""
+    name = (device or "cpu").strip()
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise MergekitExtError(
+            f"device {name!r} requested but CUDA is not available; use --device cpu (or auto)"
+        )
+    try:
+        return torch.device(name)
+    except RuntimeError as e:
+        raise MergekitExtError(f"unknown device {name!r}: use cpu, cuda or auto") from e
+
+
+def _buffers_to(module: nn.Module, device: torch.device) -> None:
+    """Move the real (non-meta) buffers of a meta-parameter skeleton to ``device``."""
+    for sub in module.modules():
+        for name, buf in list(sub._buffers.items()):
+            if buf is not None and buf.device.type != "meta":
+                sub._buffers[name] = buf.to(device)
+
+
+_LIBC: Any = None
+
+
+def _trim_heap() -> None:
+    """Give freed heap memory back to the OS (glibc ``malloc_trim``; a no-op elsewhere).
+
+    Blocks allocate and free the same large tensors over and over; without this, glibc
+    keeps the freed pages and the process's RSS grows block after block.
+    """
+    global _LIBC
+    if _LIBC is None:
+        try:
+            import ctypes
+
+            _LIBC = ctypes.CDLL("libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+def _group_name(output_names: Sequence[str], label: str) -> str:
+    stems = [n[: -len(".weight")] if n.endswith(".weight") else n for n in output_names]
+    if len(stems) == 1:
+        return stems[0]
+    parts = [s.split(".") for s in stems]
+    common: list[str] = []
+    for pieces in zip(*parts):
+        if len(set(pieces)) != 1:
+            break
+        common.append(pieces[0])
+    return ".".join([*common, label])
+
+
+class SequentialExecutor:
+    """Runs one :class:`~mergekit_ext.executor.plan.MergePlan` into an output folder."""
+
+    def __init__(self, plan: MergePlan, out_dir: str, device: torch.device) -> None:
+        self.plan = plan
+        self.out_dir = out_dir
+        self.device = device
+        self.method = plan.method
+        self.parameters = plan.parameters
+        self.request = plan.request
+        self.base = plan.base
+        self.experts = plan.experts
+        self.family = plan.family
+
+        # Our own skeleton of the base class: its block list gets the call recorders, the
+        # real block modules are kept aside and run with functional_call.
+        skeleton = build_skeleton(plan.base.config)
+        _buffers_to(skeleton, device)
+        path = plan.base.backbone_path
+        self.backbone = skeleton.get_submodule(path) if path else skeleton
+        block_list = self.backbone.get_submodule(plan.layers_path)
+        self.blocks: list[nn.Module] = list(block_list)
+        self.sink = _CallSink(last=len(self.blocks) - 1)
+        for i in range(len(self.blocks)):
+            block_list[i] = _BlockCallRecorder(i, self.sink)
+        signature = inspect.signature(self.backbone.forward).parameters
+        self.extra_inputs: dict[str, Any] = {"use_cache": False} if "use_cache" in signature else {}
+
+        self.writer = TensorWriter(
+            out_dir,
+            max_shard_size=output_shard_bytes(plan.options),
+            safe_serialization=True,
+            use_async=plan.options.async_write,
+            max_write_threads=plan.options.write_threads,
+        )
+        self.layer_diagnostics: list[dict[str, Any]] = []
+        self.not_merged: list[dict[str, Any]] = [
+            {"tensor": name.removeprefix(HEAD_PREFIX), "reason": f"only in {', '.join(labels)}"}
+            for name, labels in plan.expert_only.items()
+        ]
+        self._mask: Optional[torch.Tensor] = None
+        self.states: list[_TaskState] = []
+
+    # ---------------------------------------------------------------------------------
+    # Entry point
+
+    def run(self) -> dict[str, Any]:
+        if not self.plan.options.safe_serialization:
+            LOG.warning("the sequential executor always writes safetensors")
+        with torch.no_grad():
+            self._prepare_tasks()
+            merged_pre = self._merge_pre_block()
+            self._embed_tasks(merged_pre)
+            del merged_pre
+            progress = tqdm(
+                self.plan.blocks,
+                desc=f"{self.method.name}",
+                unit="block",
+                disable=self.plan.options.quiet,
+            )
+            for block in progress:
+                self._merge_block(block, progress)
+            self._merge_post_block()
+        self.writer.finalize()
+        self._write_support_files()
+        return {
+            "layers": self.layer_diagnostics,
+            "not_merged": self.not_merged,
+            "calibration": {e.task: e.data.summary() for e in self.experts if e.data is not None},
+        }
+
+    # ---------------------------------------------------------------------------------
+    # Tensors in and out
+
+    def _write(self, canonical: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Write a merged tensor; returns it as the saved model holds it (float32 on device)."""
+        if tensor.dtype.is_floating_point:
+            dtype = self.plan.out_dtype or safetensors_dtype(self.base.dtypes[canonical])
+            saved = tensor.to(dtype)
+        else:
+            saved = tensor
+        stored = saved.detach().to("cpu")
+        if not stored.is_contiguous() or (
+            stored.untyped_storage().nbytes() != stored.numel() * stored.element_size()
+        ):
+            stored = stored.clone()  # a view of a larger tensor (e.g. a split q/k/v group)
+        self.writer.save_tensor(self.plan.output_name(canonical), stored)
+        if saved.dtype.is_floating_point:
+            return saved.to(device=self.device, dtype=torch.float32)
+        return saved.to(self.device)
+
+    def _merge_other(
+        self, canonical: str, base: torch.Tensor, experts: Sequence[torch.Tensor]
+    ) -> torch.Tensor:
+        name = self.plan.output_name(canonical)
+        if not base.dtype.is_floating_point:
+            return self._write(canonical, base)  # integer buffers (position ids): the base's
+        merged = self.method.merge_other(name, base, list(experts), self.parameters)
+        self._check_merged(name, merged, base.shape)
+        return self._write(canonical, merged)
+
+    @staticmethod
+    def _check_merged(name: str, merged: Any, shape: torch.Size) -> None:
+        if not isinstance(merged, torch.Tensor):
+            raise TensorError(f"the merge of {name} returned {type(merged).__name__}, not a tensor")
+        if tuple(merged.shape) != tuple(shape):
+            raise TensorError(
+                f"the merge of {name} returned shape {list(merged.shape)}, expected {list(shape)}"
+            )
+        if merged.dtype.is_floating_point and not bool(torch.isfinite(merged).all()):
+            raise TensorError(f"the merge of {name} contains NaN or Inf values")
+
+    # ---------------------------------------------------------------------------------
+    # Calibration data and embeddings
+
+    def _prepare_tasks(self) -> None:
+        self.states = []
+        for e in self.experts:
+            assert e.data is not None, "calibration data is loaded by the plan"
+            inputs, masks = [], []
+            for batch in e.data.batches:
+                inputs.append(
+                    {k: v.to(self.device) for k, v in self.family.forward_inputs(batch).items()}
+                )
+                mask = self.family.token_mask(batch)
+                masks.append(mask.to(self.device).bool() if mask is not None else None)
+            self.states.append(_TaskState(e.task, inputs, masks))
+
+    def _embed(
+        self, params: dict[str, torch.Tensor], state: _TaskState
+    ) -> tuple[list[torch.Tensor], list[list[tuple[tuple[Any, ...], dict[str, Any]]]]]:
+        """Run the backbone up to its first block; the block inputs and every block's call."""
+        hidden, calls = [], []
+        for inputs in state.inputs:
+            self.sink.reset()
+            try:
+                torch.func.functional_call(
+                    self.backbone, params, args=(), kwargs={**inputs, **self.extra_inputs}
+                )
+            except _StopForward:
+                pass
+            else:  # pragma: no cover - every supported backbone calls its blocks
+                raise MergekitExtError(
+                    f"{type(self.backbone).__name__}.forward returned without calling its last block"
+                )
+            if self.sink.hidden is None or len(self.sink.calls) != len(self.blocks):
+                raise MergekitExtError(
+                    f"{type(self.backbone).__name__}.forward called {len(self.sink.calls)} of "
+                    f"{len(self.blocks)} blocks"
+                )
+            hidden.append(self.sink.hidden.to(torch.float32))
+            calls.append(list(self.sink.calls))
+        self.sink.reset()
+        return hidden, calls
+
+    def _merge_pre_block(self) -> dict[str, torch.Tensor]:
+        """Merge the tensors before the first block, one at a time; returns the merged ones."""
+        merged: dict[str, torch.Tensor] = {}
+        for name in self.plan.pre_block:
+            base = self.base.load(name, self.device)
+            experts = [e.source.load(name, self.device) for e in self.experts]
+            merged[name] = self._merge_other(name, base, experts)
+            del base, experts
+            self._release()
+        return merged
+
+    def _embed_tasks(self, merged_pre: dict[str, torch.Tensor]) -> None:
+        for e, state in zip(self.experts, self.states):
+            if self.request.propagate:
+                state.merged_hidden, state.calls = self._embed(merged_pre, state)
+            if self.request.expert_path:
+                own = {name: e.source.load(name, self.device) for name in self.plan.pre_block}
+                state.expert_hidden, calls = self._embed(own, state)
+                if not state.calls:
+                    state.calls = calls
+                del own, calls
+                e.source.release()
+            if not state.calls:  # neither path asked for: the block arguments are still needed
+                _, state.calls = self._embed(merged_pre, state)
+
+    # ---------------------------------------------------------------------------------
+    # One block
+
+    def _run_block(
+        self,
+        index: int,
+        params: dict[str, torch.Tensor],
+        hidden: torch.Tensor,
+        call: tuple[tuple[Any, ...], dict[str, Any]],
+    ) -> torch.Tensor:
+        args, kwargs = call
+        out = torch.func.functional_call(self.blocks[index], params, (hidden, *args), kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+    def _input_hook(self, accumulator: ActivationStatistics, stop: bool):
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            accumulator.update(flatten_tokens(args[0], self._mask))
+            if stop:
+                raise _StopForward
+
+        return hook
+
+    def _group_width(self, block: BlockLayout, group: GroupSpec) -> int:
+        return int(self.base.shapes[block.group_weight(group.modules[0])][1])
+
+    def _new_accumulator(self, width: int) -> ActivationStatistics:
+        return ActivationStatistics(
+            width, normalized_gram=self.request.normalized_gram, device=self.device
+        )
+
+    def _expert_path_statistics(
+        self, block: BlockLayout, expert_blocks: list[dict[str, torch.Tensor]]
+    ) -> dict[str, list[TaskStatistics]]:
+        """Each task through its expert's own block, every group's input hooked at once."""
+        stats: dict[str, list[TaskStatistics]] = {g.label: [] for g in block.groups}
+        module = self.blocks[block.index]
+        for state, weights in zip(self.states, expert_blocks):
+            accumulators = {
+                g.label: self._new_accumulator(self._group_width(block, g)) for g in block.groups
+            }
+            handles = [
+                module.get_submodule(g.modules[0]).register_forward_pre_hook(
+                    self._input_hook(accumulators[g.label], stop=False)
+                )
+                for g in block.groups
+            ]
+            params = {name[len(block.prefix) :]: t for name, t in weights.items()}
+            try:
+                assert state.expert_hidden is not None
+                outputs = []
+                for b, hidden in enumerate(state.expert_hidden):
+                    self._mask = state.masks[b]
+                    outputs.append(
+                        self._run_block(block.index, params, hidden, state.calls[b][block.index])
+                    )
+                state.expert_hidden = outputs
+            finally:
+                for h in handles:
+                    h.remove()
+                self._mask = None
+            for g in block.groups:
+                stats[g.label].append(accumulators[g.label].finalize())
+        return stats
+
+    def _merged_path_statistics(
+        self, block: BlockLayout, group: GroupSpec, params: dict[str, torch.Tensor]
+    ) -> list[TaskStatistics]:
+        """The group's input on each task's merged path; the forward stops at the group."""
+        module = self.blocks[block.index].get_submodule(group.modules[0])
+        stats = []
+        for state in self.states:
+            accumulator = self._new_accumulator(self._group_width(block, group))
+            handle = module.register_forward_pre_hook(self._input_hook(accumulator, stop=True))
+            try:
+                assert state.merged_hidden is not None
+                for b, hidden in enumerate(state.merged_hidden):
+                    self._mask = state.masks[b]
+                    try:
+                        self._run_block(block.index, params, hidden, state.calls[b][block.index])
+                    except _StopForward:
+                        continue
+                    raise MergekitExtError(  # pragma: no cover - the group is in the block
+                        f"block {block.index} ran without calling {group.modules[0]}"
+                    )
+            finally:
+                handle.remove()
+                self._mask = None
+            stats.append(accumulator.finalize())
+        return stats
+
+    def _merge_block(self, block: BlockLayout, progress: Any = None) -> None:
+        n = len(self.plan.blocks)
+        cache: dict[tuple[str, str], torch.Tensor] = {}
+        base_block = {name: self.base.load(name, self.device, cache) for name in block.tensors}
+        expert_blocks = [
+            {name: e.source.load(name, self.device, cache) for name in block.tensors}
+            for e in self.experts
+        ]
+        local = len(block.prefix)
+
+        # Non-linear tensors first: every later forward sees them merged ("norms included").
+        merged: dict[str, torch.Tensor] = {}
+        for name in block.others:
+            merged[name] = self._merge_other(
+                name, base_block[name], [w[name] for w in expert_blocks]
+            )
+
+        expert_stats: Optional[dict[str, list[TaskStatistics]]] = None
+        if self.request.expert_path:
+            if progress is not None:
+                progress.set_postfix_str(f"block {block.index + 1}/{n}: expert paths")
+            expert_stats = self._expert_path_statistics(block, expert_blocks)
+
+        for group in block.groups:
+            if progress is not None:
+                progress.set_postfix_str(f"block {block.index + 1}/{n}: {group.label}")
+            merged_stats = None
+            if self.request.propagate:
+                params = {
+                    name[local:]: merged.get(name, base_block[name]) for name in block.tensors
+                }
+                merged_stats = self._merged_path_statistics(block, group, params)
+                del params
+            canonical = [block.group_weight(m) for m in group.modules]
+            names = [self.plan.output_name(c) for c in canonical]
+            linear_group = LinearGroup(
+                name=_group_name(names, group.label),
+                weights=names,
+                base={n_: base_block[c] for n_, c in zip(names, canonical)},
+                experts=[{n_: w[c] for n_, c in zip(names, canonical)} for w in expert_blocks],
+                task_names=[e.task for e in self.experts],
+                expert_stats=expert_stats[group.label] if expert_stats is not None else [],
+                merged_stats=merged_stats,
+            )
+            result, group_diagnostics = self.method.merge_linear_group(
+                linear_group, self.parameters
+            )
+            missing = [n_ for n_ in names if n_ not in result]
+            if missing:
+                raise TensorError(
+                    f"{self.method.name} returned no merged weight for {missing[0]} "
+                    f"(linear group {linear_group.name})"
+                )
+            for n_, c in zip(names, canonical):
+                self._check_merged(n_, result[n_], base_block[c].shape)
+                merged[c] = self._write(c, result[n_])
+            record = {"layer": linear_group.name, "block": block.index, "group": group.label}
+            record.update(group_diagnostics or {})
+            self.layer_diagnostics.append(record)
+            del linear_group, result, merged_stats
+
+        if self.request.propagate:
+            params = {name[local:]: merged[name] for name in block.tensors}
+            for state in self.states:
+                assert state.merged_hidden is not None
+                state.merged_hidden = [
+                    self._run_block(block.index, params, hidden, state.calls[b][block.index])
+                    for b, hidden in enumerate(state.merged_hidden)
+                ]
+        del base_block, expert_blocks, merged, cache
+        self._release()
+
+    def _release(self) -> None:
+        """Close the open checkpoint shards (their mapped pages count as resident memory)."""
+        self.base.release()
+        for e in self.experts:
+            e.source.release()
+        _trim_heap()
+
+    # ---------------------------------------------------------------------------------
+    # After the blocks
+
+    def _merge_post_block(self) -> None:
+        """Final norm, pooler and heads, one tensor at a time, over the experts that share it."""
+        for name in self.plan.post_block:
+            shown = self.plan.output_name(name)
+            base = self.base.load(name, self.device)
+            contributing, skipped = [], []
+            for e in self.experts:
+                if not e.source.has(name):
+                    continue
+                if tuple(e.source.shapes[name]) != tuple(base.shape):
+                    skipped.append(e.label)
+                    continue
+                contributing.append(e.source.load(name, self.device))
+            if skipped:
+                self.not_merged.append(
+                    {
+                        "tensor": shown,
+                        "reason": f"shape differs from the base model in {', '.join(skipped)}",
+                    }
+                )
+                LOG.warning(
+                    "%s: shape differs in %s; merged without them", shown, ", ".join(skipped)
+                )
+            if not contributing:
+                LOG.warning("%s: no expert has it with the base's shape; kept from the base", shown)
+                self._write(name, base)
+            else:
+                self._merge_other(name, base, contributing)
+            del base, contributing
+            self._release()
+
+    def _write_support_files(self) -> None:
+        """config.json (the base's, with the output dtype) and tokenizer/processor files."""
+        base_folder = self.base.path
+        with open(os.path.join(base_folder, "config.json"), encoding="utf-8") as fp:
+            config = json.load(fp)
+        if self.plan.out_dtype is not None:
+            name = str(self.plan.out_dtype).replace("torch.", "")
+            key = "torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"
+            config[key] = name
+        with open(os.path.join(self.out_dir, "config.json"), "w", encoding="utf-8") as fp:
+            json.dump(config, fp, indent=2, sort_keys=True)
+            fp.write("\n")
+        files = list(TAGALONG_FILES)
+        if self.plan.options.copy_tokenizer:
+            files += list(TOKENIZER_FILES)
+        for file_name in files:
+            source = os.path.join(base_folder, file_name)
+            if os.path.isfile(source):
+                shutil.copy(source, os.path.join(self.out_dir, file_name))
