@@ -1,0 +1,271 @@
+"""The methods the benchmark compares, their YAML configs, and running them in a subprocess.
+
+Every merge runs as its own process through the real command line (``mergekit-ext run
+CONFIG OUT``), so that its wall time and peak resident memory are its own. Until
+``mergekit_ext.cli`` exists, the process runs ``benchmarks/_run_merge.py`` instead
+(``import mergekit_ext`` then ``mergekit.merge.run_merge``), which can run only
+tensor-at-a-time methods.
+
+A method that is not registered, raises ``NotImplementedError`` or says it is "not
+available yet" is reported as not available, never as a number.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+import yaml
+
+LOG = logging.getLogger(__name__)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(HERE)
+
+BaseUse = Literal["required", "none"]
+Inputs = Literal["body", "full"]
+
+
+@dataclass(frozen=True)
+class MethodRow:
+    """One row of the benchmark table: a merge method with fixed parameters."""
+
+    key: str  # row id, e.g. "task_arithmetic_0.3"
+    method: str  # merge_method in the YAML
+    label: str
+    parameters: dict[str, Any] = field(default_factory=dict)
+    model_parameters: dict[str, Any] = field(default_factory=dict)
+    base: BaseUse = "required"
+    inputs: Inputs = "body"  # SyMerge merges the full experts (with heads)
+
+
+ROWS: tuple[MethodRow, ...] = (
+    MethodRow("linear", "linear", "linear (mean)", {"normalize": True}, {"weight": 1.0}, "none"),
+    MethodRow(
+        "task_arithmetic_0.3",
+        "task_arithmetic",
+        "task arithmetic λ=0.3",
+        {"lambda": 0.3},
+        {"weight": 1.0},
+    ),
+    MethodRow(
+        "task_arithmetic_1.0",
+        "task_arithmetic",
+        "task arithmetic λ=1.0",
+        {"lambda": 1.0},
+        {"weight": 1.0},
+    ),
+    MethodRow(
+        "ties", "ties", "TIES (density 0.5)", {"lambda": 1.0}, {"weight": 1.0, "density": 0.5}
+    ),
+    MethodRow(
+        "dare_ties",
+        "dare_ties",
+        "DARE-TIES (density 0.5)",
+        {"lambda": 1.0},
+        {"weight": 1.0, "density": 0.5},
+    ),
+    MethodRow("ace", "ace", "ACE"),
+    MethodRow("regmean", "regmean", "RegMean"),
+    MethodRow("chain_of_merges", "chain_of_merges", "Chain of Merges (defaults)"),
+    MethodRow(
+        "com_propagate",
+        "chain_of_merges",
+        "CoM: propagate only",
+        {"propagate": True, "normalize": False, "task_weighting": "uniform"},
+    ),
+    MethodRow(
+        "com_propagate_normalize",
+        "chain_of_merges",
+        "CoM: + normalize",
+        {"propagate": True, "normalize": True, "task_weighting": "uniform"},
+    ),
+    MethodRow(
+        "com_propagate_normalize_weighting",
+        "chain_of_merges",
+        "CoM: + normalize + weighting",
+        {"propagate": True, "normalize": True, "task_weighting": "correlation"},
+    ),
+    MethodRow(
+        "qp_diagonal", "qp_projection", "QP projection (diagonal basis)", {"basis": "diagonal"}
+    ),
+    MethodRow(
+        "qp_residual_eigen",
+        "qp_projection",
+        "QP projection (residual eigenbasis)",
+        {"basis": "residual_eigen"},
+    ),
+    MethodRow("symerge", "symerge", "SyMerge", inputs="full"),
+)
+ROW_KEYS = tuple(r.key for r in ROWS)
+SMOKE_ROWS = ("linear", "regmean")  # ACE takes minutes even on a 1-layer MiniLM
+# rows that are not merges: scored directly
+REFERENCE_ROWS = ("pretrained", "expert")
+
+
+def rows_for(keys: Sequence[str]) -> list[MethodRow]:
+    by_key = {r.key: r for r in ROWS}
+    unknown = [k for k in keys if k not in by_key]
+    if unknown:
+        raise ValueError(f"unknown method row(s) {unknown}; choose from {', '.join(ROW_KEYS)}")
+    return [by_key[k] for k in keys]
+
+
+def availability(row: MethodRow) -> Optional[str]:
+    """None when ``row`` can run now, else the reason it cannot (for the table)."""
+    import mergekit_ext  # noqa: F401  (registers our methods)
+    from mergekit_ext.methods.registry import all_method_names, describe_method, ext_method_info
+
+    if row.method not in all_method_names():
+        return f"not available (method {row.method!r} not registered yet)"
+    known = {p["name"] for p in describe_method(row.method)["parameters"]}
+    missing = sorted(set(row.parameters) - known)
+    if missing:
+        return f"not available ({row.method} has no parameter(s) {missing} yet)"
+    info = ext_method_info(row.method)
+    if info is not None and info.kind != "tensorwise" and not cli_available():
+        return "not available (needs `mergekit-ext run`: mergekit_ext/cli.py not there yet)"
+    return None
+
+
+def needs_calibration(method: str) -> bool:
+    from mergekit_ext.methods.registry import ext_method_info
+
+    info = ext_method_info(method)
+    return bool(info and info.needs_calibration)
+
+
+def build_config(
+    row: MethodRow,
+    base: str,
+    experts: dict[str, str],
+    calibration: Optional[dict[str, dict[str, Any]]],
+    dtype: str = "float32",
+) -> dict[str, Any]:
+    """The merge YAML (as a dict) for ``row``; ``experts`` maps task name to folder."""
+    models = []
+    for task, folder in experts.items():
+        entry: dict[str, Any] = {"model": folder, "name": task}
+        if row.model_parameters:
+            entry["parameters"] = dict(row.model_parameters)
+        if calibration is not None:
+            entry["calibration"] = dict(calibration[task])
+        models.append(entry)
+    config: dict[str, Any] = {"merge_method": row.method, "models": models, "dtype": dtype}
+    if row.base == "required":
+        config["base_model"] = base
+    if row.parameters:
+        config["parameters"] = dict(row.parameters)
+    return config
+
+
+def cli_available() -> bool:
+    return importlib.util.find_spec("mergekit_ext.cli") is not None
+
+
+def merge_command(config_path: str, out_dir: str) -> list[str]:
+    if cli_available():
+        return [
+            sys.executable,
+            "-m",
+            "mergekit_ext",
+            "run",
+            config_path,
+            out_dir,
+            "--random-seed",
+            "0",
+        ]
+    return [sys.executable, os.path.join(HERE, "_run_merge.py"), config_path, out_dir]
+
+
+@dataclass
+class MergeRun:
+    ok: bool
+    wall_seconds: float
+    peak_rss_mb: float
+    status: str  # "ok", "not available (...)" or "error: ..."
+    log_path: str
+
+
+NOT_AVAILABLE_MARKERS = ("NotImplementedError", "not available yet")
+
+
+def run_merge_process(
+    config: dict[str, Any], work_dir: str, out_dir: str, timeout_s: float = 3600
+) -> MergeRun:
+    """Write ``config`` to ``work_dir/config.yaml`` and merge it into ``out_dir`` in a
+    subprocess; wall time and peak RSS (its ``VmHWM``, polled every 50 ms) are that process's."""
+    os.makedirs(work_dir, exist_ok=True)
+    config_path = os.path.join(work_dir, "config.yaml")
+    with open(config_path, "w", encoding="utf-8") as fp:
+        yaml.safe_dump(config, fp, sort_keys=False)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    log_path = os.path.join(work_dir, "merge.log")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_ROOT, env.get("PYTHONPATH")]))
+    cmd = merge_command(config_path, out_dir)
+    LOG.info("merging: %s", " ".join(cmd))
+    peak_kb = 0
+    with open(log_path, "w", encoding="utf-8") as log:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work_dir)
+        deadline = start + timeout_s
+        timed_out = False
+        while proc.poll() is None:
+            peak_kb = max(peak_kb, _peak_rss_kb(proc.pid))
+            if time.perf_counter() > deadline:
+                proc.kill()
+                proc.wait()
+                timed_out = True
+                break
+            time.sleep(0.05)
+        wall = time.perf_counter() - start
+    peak_mb = peak_kb / 1024.0
+    if proc.returncode == 0 and os.path.isdir(out_dir):
+        return MergeRun(True, wall, peak_mb, "ok", log_path)
+    with open(log_path, encoding="utf-8", errors="replace") as fp:
+        text = fp.read()
+    last = _last_error_line(text)
+    if any(m in text for m in NOT_AVAILABLE_MARKERS):
+        return MergeRun(False, wall, peak_mb, f"not available ({last})", log_path)
+    if timed_out:
+        last = f"timed out after {timeout_s:.0f}s"
+    return MergeRun(False, wall, peak_mb, f"error: {last}", log_path)
+
+
+def _peak_rss_kb(pid: int) -> int:
+    """The process's own peak resident set (``VmHWM``) plus its children's current RSS.
+
+    ``wait4``'s ``ru_maxrss`` cannot be used: Linux folds the parent's peak into a forked
+    child's at ``exec``, so every merge would report at least the harness's own size.
+    """
+    total = 0
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as fp:
+            for line in fp:
+                if line.startswith("VmHWM:"):
+                    total = int(line.split()[1])
+                    break
+        import psutil
+
+        for child in psutil.Process(pid).children(recursive=True):
+            total += child.memory_info().rss // 1024
+    except Exception as e:  # the process exited between polls (OSError, psutil.NoSuchProcess)
+        LOG.debug("rss poll of %d: %s", pid, e)
+    return total
+
+
+def _last_error_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    for line in reversed(lines):
+        if "Error" in line or "error" in line or "Exception" in line:
+            return line[:300]
+    return (lines[-1] if lines else "no output")[:300]

