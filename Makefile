@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo demo-tiny test lint format bench-smoke clean
+.PHONY: install demo demo-tiny test lint format bench bench-smoke clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,13 +28,24 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 install: $(STAMP)
 
-# The main job: a merge of an offline example, printing where the output went.
-demo: demo-tiny
+# The main job: build (or reuse) three real all-MiniLM-L6-v2 text experts offline and merge them
+# with chain_of_merges through `mergekit-ext run`, printing per-task accuracy next to the experts'.
+demo: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python examples/minilm_text/demo.py
+
+# A quick offline merge of tiny random models with ace, ties and chain_of_merges.
 
 demo-tiny: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python examples/tiny/build_experts.py examples/_build/tiny
 	HF_HUB_OFFLINE=1 $(BIN)/mergekit-ext run examples/tiny/ace.yml out/tiny-ace --overwrite
 	HF_HUB_OFFLINE=1 $(BIN)/mergekit-ext run examples/tiny/ties.yml out/tiny-ties --overwrite
+	HF_HUB_OFFLINE=1 $(BIN)/mergekit-ext run examples/tiny/chain_of_merges.yml out/tiny-com --overwrite
+
+bench-smoke: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/run.py --suite all --smoke --out out/bench-smoke
+
+bench: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/run.py --suite all --out benchmarks/results
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
