@@ -157,7 +157,7 @@ class LMSuite(Suite):
             "task": task,
             "data": data.fingerprint,
             "base": base_record["hash"],
-            "settings": self.settings_dict(),
+            "settings": self.recipe_settings(),
         }
 
         def build(out: str) -> dict[str, Any]:

@@ -25,6 +25,8 @@ from benchmarks.tasks import TaskData, load_task
 LOG = logging.getLogger(__name__)
 
 Metric = Literal["accuracy", "loss"]
+# settings fields that only affect scoring and calibration files, never training
+SCORING_FIELDS = ("test_examples", "calibration_samples", "eval_batch_size")
 
 
 @dataclass
@@ -89,6 +91,11 @@ class Suite(ABC):
 
     def settings_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self.settings)
+
+    def recipe_settings(self, drop: Sequence[str] = ()) -> dict[str, Any]:
+        """The settings that shape a trained model: scoring/calibration sizes and ``drop``
+        are left out, so that changing them never retrains anything."""
+        return {k: v for k, v in self.settings_dict().items() if k not in (*SCORING_FIELDS, *drop)}
 
 
 def memoized(method: Callable[[Any], Any]) -> Callable[[Any], Any]:

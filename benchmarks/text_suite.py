@@ -76,9 +76,9 @@ class TextSettings:
     max_length: int = 96
     batch_size: int = 16
     steps_full: int = 100
-    steps_lora: int = 100
+    steps_lora: int = 150
     lr_full: float = 1e-4
-    lr_lora: float = 1e-3
+    lr_lora: float = 5e-4
     lora_rank: int = 16
     lora_alpha: int = 32
     test_examples: int = 400  # per task, a fixed prefix of the (shuffled) test split
@@ -86,6 +86,12 @@ class TextSettings:
     eval_batch_size: int = 64
     seed: int = 0
 
+
+# fields the other variant's training ignores (and the base's layer count, in the base recipe)
+VARIANT_ONLY_FIELDS = {
+    "full": ("num_layers", "steps_lora", "lr_lora", "lora_rank", "lora_alpha"),
+    "lora": ("num_layers", "steps_full", "lr_full"),
+}
 
 SMOKE_TEXT = TextSettings(
     num_layers=1,
@@ -168,7 +174,7 @@ class TextSuite(Suite):
             "task": task,
             "data": data.fingerprint,
             "base": base_record["hash"],
-            "settings": self.settings_dict(),
+            "settings": self.recipe_settings(drop=VARIANT_ONLY_FIELDS[variant]),
         }
 
         def build(out: str) -> dict[str, Any]:

@@ -198,7 +198,7 @@ class VisionSuite(Suite):
             "task": task,
             "data": data.fingerprint,
             "base": base_record["hash"],
-            "settings": self.settings_dict(),
+            "settings": self.recipe_settings(),
         }
 
         def build(out: str) -> dict[str, Any]:
