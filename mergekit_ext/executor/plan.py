@@ -46,7 +46,7 @@ Source = Union[ModelSource, LoraModelSource]
 # mergekit's TensorWriter holds a shard in memory until it is full; the executor writes
 # shards of at most this size (or the smaller --out-shard-size) so that merged tensors reach
 # the disk as the merge goes instead of the whole merged model waiting in memory.
-STREAMING_SHARD_BYTES = 1_000_000_000
+STREAMING_SHARD_BYTES = 500_000_000
 
 
 def output_shard_bytes(options: MergeOptions) -> int:
@@ -115,6 +115,7 @@ class MemoryEstimate:
 
     block_weights: int  # (K + 2) blocks in float32: base, K experts, merged
     statistics: int  # input Grams of one block (float64)
+    solver: int  # the method's float64 working copies for the widest group (estimate)
     activations: int  # hidden states of every task's calibration data, per path
     non_block: int  # largest non-block tensor phase (embeddings, heads)
     writer_buffer: int  # merged tensors held until a shard is flushed
@@ -123,14 +124,15 @@ class MemoryEstimate:
     @property
     def peak(self) -> int:
         return (
-            max(self.block_weights + self.statistics, self.non_block)
+            max(self.block_weights + self.statistics + self.solver, self.non_block)
             + self.activations
             + self.writer_buffer
         )
 
 
 def _gb(n: int) -> str:
-    return f"{n / 1e9:.3f} GB"
+    """Bytes for people: GB above 0.1 GB, MB below."""
+    return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
 @dataclass
@@ -195,9 +197,11 @@ class MergePlan:
             f"output dtype: {str(self.out_dtype).replace('torch.', '') if self.out_dtype else 'as the base model'}"
         )
         lines += [
-            f"memory estimate: peak ≈ {m.peak} bytes ({_gb(m.peak)}); one model ≈ {_gb(m.model_bytes)}",
+            f"memory estimate: peak ≈ {m.peak} bytes ({_gb(m.peak)}) on top of the Python "
+            f"process itself (torch, transformers: ~0.4 GB); one model ≈ {_gb(m.model_bytes)}",
             f"  block weights ({len(self.experts) + 2} blocks, float32): {_gb(m.block_weights)}",
             f"  input statistics of one block (float64): {_gb(m.statistics)}",
+            f"  method's solve for the widest group (float64, estimate): {_gb(m.solver)}",
             f"  calibration hidden states: {_gb(m.activations)}",
             f"  largest non-block phase: {_gb(m.non_block)}",
             f"  output shard buffer: {_gb(m.writer_buffer)} (shards of at most "
@@ -497,6 +501,7 @@ def estimate_memory(plan: MergePlan) -> MemoryEstimate:
     return MemoryEstimate(
         block_weights=(k + 2) * block_bytes,
         statistics=statistics,
+        solver=4 * largest_gram,
         activations=activations,
         non_block=non_block,
         writer_buffer=writer,

@@ -415,6 +415,7 @@ class SequentialExecutor:
                 self._mask = None
             for g in block.groups:
                 stats[g.label].append(accumulators[g.label].finalize())
+                del accumulators[g.label]  # the running sums
         return stats
 
     def _merged_path_statistics(
@@ -503,6 +504,9 @@ class SequentialExecutor:
             record.update(group_diagnostics or {})
             self.layer_diagnostics.append(record)
             del linear_group, result, merged_stats
+            if expert_stats is not None:
+                del expert_stats[group.label]  # each group's statistics are used once
+            _trim_heap()
 
         if self.request.propagate:
             params = {name[local:]: merged[name] for name in block.tensors}
