@@ -19,6 +19,7 @@ Targets: CoM peak RSS below the size of two models; CoM time under 4x TIES.
 
     python -m benchmarks.executor_memory            # ~0.5B, a few minutes on 2 cores
     python -m benchmarks.executor_memory --small    # quick check
+    python -m benchmarks.executor_memory --probe    # full widths, 4 blocks: timing probe
 """
 
 from __future__ import annotations
@@ -43,6 +44,17 @@ SIZES: dict[str, dict[str, int]] = {
         hidden_size=1024,
         intermediate_size=3584,
         num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        vocab_size=32000,
+        sequences=32,
+        seq_len=128,
+    ),
+    # the full widths with 4 blocks: a timing probe (a few minutes)
+    "probe": dict(
+        hidden_size=1024,
+        intermediate_size=3584,
+        num_hidden_layers=4,
         num_attention_heads=16,
         num_key_value_heads=16,
         vocab_size=32000,
@@ -298,6 +310,9 @@ def run_child(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", action="store_true", help="a tiny model for a quick check")
+    parser.add_argument(
+        "--probe", action="store_true", help="the full widths with only 4 blocks (timing probe)"
+    )
     parser.add_argument("--cache", default=None, help="cache folder for the synthetic models")
     parser.add_argument(
         "--work", default=None, help="folder for the merge outputs (default: a temp folder)"
@@ -327,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from benchmarks.cache import default_cache_dir
 
-    size_name = "small" if args.small else "full"
+    size_name = "small" if args.small else "probe" if args.probe else "full"
     # Built in a subprocess: a child inherits its parent's peak RSS (ru_maxrss) at fork, so
     # the parent must stay small for the children's ru_maxrss to be their own.
     built = _run_json(

@@ -632,25 +632,45 @@ def test_activation_statistics_match_float64(dtype):
     chunks.append(
         torch.zeros(2, 6, dtype=dtype)
     )  # zero rows: counted, add nothing to the normalized Gram
-    acc = ActivationStatistics(6, normalized_gram=True)
-    for chunk in chunks:
-        acc.update(chunk)
-    stats = acc.finalize()
     x = torch.cat(chunks).to(torch.float64)
     n = x.shape[0]
     norms = x.norm(dim=1, keepdim=True)
     unit = torch.where(norms > 0, x / norms, torch.zeros_like(x))
     expected_normalized = sum(torch.outer(u, u) for u in unit) / n
-    assert stats.count == n == 17
-    assert stats.gram.dtype == torch.float64
-    torch.testing.assert_close(
-        stats.gram, sum(torch.outer(r, r) for r in x) / n, rtol=1e-12, atol=1e-12
-    )
-    torch.testing.assert_close(stats.mean, x.mean(0), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(stats.gram_normalized, expected_normalized, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(
-        torch.diagonal(stats.gram_normalized).sum(), torch.tensor(15 / 17, dtype=torch.float64)
-    )
+    expected_gram = sum(torch.outer(r, r) for r in x) / n
+    # float64 products: exact to float64 rounding; the default float32 products: ~1e-7.
+    for product_dtype, tol in ((torch.float64, 1e-12), (None, 1e-6)):
+        acc = ActivationStatistics(6, normalized_gram=True, product_dtype=product_dtype)
+        for chunk in chunks:
+            acc.update(chunk)
+        stats = acc.finalize()
+        assert stats.count == n == 17
+        assert stats.gram.dtype == torch.float64
+        torch.testing.assert_close(stats.gram, expected_gram, rtol=tol, atol=tol)
+        torch.testing.assert_close(stats.mean, x.mean(0), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(stats.gram_normalized, expected_normalized, rtol=tol, atol=tol)
+        torch.testing.assert_close(
+            torch.diagonal(stats.gram_normalized).sum(),
+            torch.tensor(15 / 17, dtype=torch.float64),
+            rtol=tol,
+            atol=tol,
+        )
+        torch.testing.assert_close(
+            stats.second_moment, torch.diagonal(expected_gram), rtol=tol, atol=tol
+        )
+
+    # Moments only: no Gram, the same mean and per-feature second moment and variance.
+    moments = ActivationStatistics(6, full_gram=False)
+    for chunk in chunks:
+        moments.update(chunk)
+    only = moments.finalize()
+    assert only.gram is None and only.count == n
+    torch.testing.assert_close(only.second_moment, (x * x).mean(0), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(only.variance, x.var(0, unbiased=False), rtol=1e-9, atol=1e-12)
+    with pytest.raises(ValueError, match="needs the Gram"):
+        _ = only.covariance
+    with pytest.raises(ValueError, match="normalized_gram needs full_gram"):
+        ActivationStatistics(6, normalized_gram=True, full_gram=False)
 
     single = ActivationStatistics(6, dtype=torch.float32)
     single.update(chunks[0])

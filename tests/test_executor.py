@@ -77,7 +77,10 @@ class GramLeastSquares(LayerwiseMethod):
         self.seen: dict[str, LinearGroup] = {}
 
     def statistics_request(self, parameters):
-        return StatisticsRequest(propagate=self.propagate, expert_path=True)
+        # float64 products: the whole-model reference forms its Grams in float64
+        return StatisticsRequest(
+            propagate=self.propagate, expert_path=True, product_dtype=torch.float64
+        )
 
     def merge_linear_group(self, group: LinearGroup, parameters):
         if self.record:
@@ -652,6 +655,91 @@ def test_registered_methods_run(method_name, tiny_llama_set, data_dir, tmp_path)
     batch = _task_batches(cfg, "text")[0][0]
     with torch.no_grad():
         assert torch.isfinite(_forward(model, batch).logits).all()
+
+
+@pytest.mark.parametrize("propagate", [False, True], ids=["expert_path", "propagate"])
+def test_every_block_linear_runs_once_per_path_task_and_batch(
+    propagate, tiny_llama_set, data_dir, tmp_path, monkeypatch
+):
+    """The merged path replays the outputs of already merged linears instead of re-running
+    them in each group's pass: 7 linears x blocks x batches per path, nothing more."""
+    runs: list[int] = []
+    original = torch.nn.Linear.forward
+
+    def counting(self, x):
+        runs.append(1)
+        return original(self, x)
+
+    monkeypatch.setattr(torch.nn.Linear, "forward", counting)
+    cfg = _config(
+        "regmean",
+        tiny_llama_set.base,
+        list(tiny_llama_set.experts),
+        [_data(data_dir, "text", k) for k in range(3)],
+    )
+    batches = sum(len(b) for b in _task_batches(cfg, "text"))
+    _run(cfg, str(tmp_path / "out"), GramLeastSquares(propagate, record=False))
+    paths = 2 if propagate else 1  # the expert path always, the merged path with propagate
+    assert len(runs) == 7 * 2 * batches * paths
+    if not propagate:
+        return
+    # No replay budget: every pass recomputes, and the merge is the same to the byte.
+    from mergekit_ext.executor import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "REPLAY_MIN_BYTES", 0)
+    monkeypatch.setattr(plan_module, "REPLAY_HIDDEN_MULTIPLE", 0)
+    runs.clear()
+    _run(cfg, str(tmp_path / "recomputed"), GramLeastSquares(propagate, record=False))
+    assert len(runs) > 7 * 2 * batches * paths
+    for name in ("model.safetensors",):
+        with (
+            open(tmp_path / "out" / name, "rb") as a,
+            open(tmp_path / "recomputed" / name, "rb") as b,
+        ):
+            assert a.read() == b.read()
+
+
+def test_com_reference_path_keeps_moments_only_above_the_width_limit(
+    tiny_llama_set, data_dir, tmp_path, monkeypatch
+):
+    """CoM's expert path is a W2 reference: wide groups get moments, not Grams, and W2 is
+    diagonal there; narrow groups keep full Grams and a full-covariance W2."""
+    from mergekit_ext.methods import chain_of_merges, regmean
+
+    seen: dict[str, LinearGroup] = {}
+    merge = chain_of_merges.ChainOfMergesMethod.merge_linear_group
+
+    def spy(self, group, parameters):
+        seen[group.name] = group
+        return merge(self, group, parameters)
+
+    hidden = 32  # the tiny Llama: hidden 32 (q/k/v, gate/up inputs), wider o and down inputs
+    monkeypatch.setattr(chain_of_merges, "FULL_COVARIANCE_W2_MAX_DIM", hidden)
+    monkeypatch.setattr(regmean, "FULL_COVARIANCE_W2_MAX_DIM", hidden)
+    monkeypatch.setattr(chain_of_merges.ChainOfMergesMethod, "merge_linear_group", spy)
+    cfg = _config(
+        "chain_of_merges",
+        tiny_llama_set.base,
+        list(tiny_llama_set.experts),
+        [_data(data_dir, "text", k) for k in range(3)],
+    )
+    method = chain_of_merges.ChainOfMergesMethod()
+    assert method.statistics_request({}).reference_gram_max_dim == hidden
+    result = run_layerwise_merge(cfg, str(tmp_path / "out"), OPTIONS, method, {})
+    kinds = {r["layer"]: r["covariate_shift_covariance"] for r in result["layers"]}
+    widths = set()
+    for name, group in seen.items():
+        width = group.experts[0][group.weights[0]].shape[1]
+        widths.add(width)
+        for ref, merged in zip(group.expert_stats, group.merged_stats):
+            assert merged.gram is not None  # the merge's own path always has the Gram
+            assert (ref.gram is None) == (width > hidden)
+            assert ref.second_moment.shape == (width,)
+            assert ref.count == merged.count > 0
+        assert kinds[name] == ("full" if width <= hidden else "diagonal")
+        for task in result["layers"][0]["tasks"].values():
+            assert task["covariate_shift_w2"] is not None
+    assert min(widths) <= hidden < max(widths)  # both kinds were exercised
 
 
 # ------------------------------------------------------------------------------------------

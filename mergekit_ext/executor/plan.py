@@ -47,6 +47,10 @@ Source = Union[ModelSource, LoraModelSource]
 # shards of at most this size (or the smaller --out-shard-size) so that merged tensors reach
 # the disk as the merge goes instead of the whole merged model waiting in memory.
 STREAMING_SHARD_BYTES = 500_000_000
+# Budget of the merged path's replayed linear outputs: REPLAY_HIDDEN_MULTIPLE times the
+# merged-path hidden states of all tasks, at least REPLAY_MIN_BYTES.
+REPLAY_HIDDEN_MULTIPLE = 4
+REPLAY_MIN_BYTES = 256_000_000
 
 
 def output_shard_bytes(options: MergeOptions) -> int:
@@ -120,11 +124,12 @@ class MemoryEstimate:
     non_block: int  # largest non-block tensor phase (embeddings, heads)
     writer_buffer: int  # merged tensors held until a shard is flushed
     model_bytes: int  # one input model on disk
+    replay: int = 0  # budget for replayed linear outputs on the merged path (propagate)
 
     @property
     def peak(self) -> int:
         return (
-            max(self.block_weights + self.statistics + self.solver, self.non_block)
+            max(self.block_weights + self.statistics + self.solver + self.replay, self.non_block)
             + self.activations
             + self.writer_buffer
         )
@@ -203,6 +208,7 @@ class MergePlan:
             f"  input statistics of one block (float64): {_gb(m.statistics)}",
             f"  method's solve for the widest group (float64, estimate): {_gb(m.solver)}",
             f"  calibration hidden states: {_gb(m.activations)}",
+            f"  replayed linear outputs on the merged path (budget): {_gb(m.replay)}",
             f"  largest non-block phase: {_gb(m.non_block)}",
             f"  output shard buffer: {_gb(m.writer_buffer)} (shards of at most "
             f"{_gb(output_shard_bytes(self.options))})",
@@ -460,18 +466,24 @@ def estimate_memory(plan: MergePlan) -> MemoryEstimate:
     block_bytes = max(
         (sum(_numel(base.shapes[t]) for t in b.tensors) * 4 for b in plan.blocks), default=0
     )
-    paths = int(plan.request.expert_path) + int(plan.request.propagate)
-    grams_per_task = 0
-    largest_gram = 0
+    request = plan.request
+    paths = int(request.expert_path) + int(request.propagate)
+    grams_per_task = 0  # expert path: every group's statistics at once
+    largest_gram = 0  # merged path: one group at a time
     if plan.blocks:
         b = plan.blocks[0]
         for g in b.groups:
             width = int(base.shapes[b.group_weight(g.modules[0])][1])
-            size = width * width * 8 * (2 if plan.request.normalized_gram else 1)
-            grams_per_task += size
-            largest_gram = max(largest_gram, size)
-    statistics = (k * grams_per_task if plan.request.expert_path else 0) + (
-        k * largest_gram if plan.request.propagate else 0
+            gram = width * width * 8
+            normalized = gram if request.normalized_gram else 0
+            largest_gram = max(largest_gram, gram + normalized)
+            if request.propagate:  # the expert path is a reference: no normalized Gram
+                limit = request.reference_gram_max_dim
+                grams_per_task += gram if limit is None or width <= limit else width * 16
+            else:
+                grams_per_task += gram + normalized
+    statistics = (k * grams_per_task if request.expert_path else 0) + (
+        k * largest_gram if request.propagate else 0
     )
     activations = 0
     for e in plan.experts:
@@ -498,6 +510,12 @@ def estimate_memory(plan: MergePlan) -> MemoryEstimate:
         out_dtype = plan.out_dtype or safetensors_dtype(base.dtypes[name])
         out_bytes += size * out_dtype.itemsize
     writer = min(out_bytes, output_shard_bytes(plan.options))
+    # Replayed linear outputs (executor._LinearOutputCache): up to four times the merged
+    # path's hidden states (a Llama block's q, k, v and o outputs), at least 256 MB.
+    merged_hidden = activations // max(paths, 1) if request.propagate else 0
+    replay = (
+        max(REPLAY_MIN_BYTES, REPLAY_HIDDEN_MULTIPLE * merged_hidden) if request.propagate else 0
+    )
     return MemoryEstimate(
         block_weights=(k + 2) * block_bytes,
         statistics=statistics,
@@ -506,4 +524,5 @@ def estimate_memory(plan: MergePlan) -> MemoryEstimate:
         non_block=non_block,
         writer_buffer=writer,
         model_bytes=model_bytes,
+        replay=replay,
     )

@@ -40,7 +40,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -101,6 +101,71 @@ class _BlockCallRecorder(nn.Module):
         if self.index == self.sink.last:
             raise _StopForward
         return hidden_states
+
+
+class _LinearOutputCache:
+    """Replays the outputs of a block's already merged linears on the merged path.
+
+    Within a block the merged path re-runs the block from its input once per group (a
+    group's input needs every earlier group merged) and once more for the block's output.
+    The outputs of the earlier groups' linears do not change between those passes: their
+    weights are final and their inputs depend only on still earlier, final groups. So the
+    first pass after a group is merged records its linears' outputs and later passes replay
+    them: each linear of the block runs once per task and batch, not once per later group.
+    Outputs are recorded in forward order while they fit in ``budget_bytes`` (later ones
+    are simply recomputed, which gives the same values); they are dropped when the block
+    ends.
+    """
+
+    def __init__(self, block: nn.Module, budget_bytes: int) -> None:
+        self.block = block
+        self.budget_bytes = budget_bytes
+        self.recorded_bytes = 0
+        self.outputs: dict[tuple[str, int, int, int], torch.Tensor] = {}
+        self._key: tuple[int, int] = (-1, -1)
+        self._calls: dict[str, int] = {}
+        self._covered: list[nn.Module] = []
+        self._names: set[str] = set()
+
+    def begin(self, task: int, batch: int) -> None:
+        """The next forward pass runs ``task``'s batch ``batch``."""
+        self._key = (task, batch)
+        self._calls = {}
+
+    def cover(self, module_names: Sequence[str]) -> None:
+        """Record (then replay) the outputs of these modules of the block from now on."""
+        for name in module_names:
+            if name in self._names:
+                continue
+            module = self.block.get_submodule(name)
+            module.forward = self._replaying(name, module.forward)  # type: ignore[method-assign]
+            self._covered.append(module)
+            self._names.add(name)
+
+    def _replaying(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            call = self._calls.get(name, 0)  # a module called twice in one pass: two entries
+            self._calls[name] = call + 1
+            key = (name, *self._key, call)
+            output = self.outputs.get(key)
+            if output is None:
+                output = original(*args, **kwargs)
+                size = output.numel() * output.element_size()
+                if self.recorded_bytes + size <= self.budget_bytes:
+                    self.outputs[key] = output
+                    self.recorded_bytes += size
+            return output
+
+        return forward
+
+    def close(self) -> None:
+        """Restore the modules' own forward and drop the recorded outputs."""
+        for module in self._covered:
+            del module.forward  # the instance attribute; the class's forward is back
+        self._covered.clear()
+        self._names.clear()
+        self.outputs.clear()
+        self.recorded_bytes = 0
 
 
 @dataclass
@@ -378,9 +443,25 @@ class SequentialExecutor:
     def _group_width(self, block: BlockLayout, group: GroupSpec) -> int:
         return int(self.base.shapes[block.group_weight(group.modules[0])][1])
 
-    def _new_accumulator(self, width: int) -> ActivationStatistics:
+    def _new_accumulator(self, width: int, *, expert_path: bool) -> ActivationStatistics:
+        """An accumulator for one group and task on the merged or the expert path.
+
+        The normalized Gram only on the path the merge uses; with ``propagate`` the expert
+        path is a reference, and above ``reference_gram_max_dim`` it keeps moments only.
+        """
+        request = self.request
+        reference = expert_path and request.propagate
+        full_gram = not (
+            reference
+            and request.reference_gram_max_dim is not None
+            and width > request.reference_gram_max_dim
+        )
         return ActivationStatistics(
-            width, normalized_gram=self.request.normalized_gram, device=self.device
+            width,
+            normalized_gram=request.normalized_gram and not reference,
+            full_gram=full_gram,
+            product_dtype=request.product_dtype,
+            device=self.device,
         )
 
     def _expert_path_statistics(
@@ -391,7 +472,8 @@ class SequentialExecutor:
         module = self.blocks[block.index]
         for state, weights in zip(self.states, expert_blocks):
             accumulators = {
-                g.label: self._new_accumulator(self._group_width(block, g)) for g in block.groups
+                g.label: self._new_accumulator(self._group_width(block, g), expert_path=True)
+                for g in block.groups
             }
             handles = [
                 module.get_submodule(g.modules[0]).register_forward_pre_hook(
@@ -419,18 +501,23 @@ class SequentialExecutor:
         return stats
 
     def _merged_path_statistics(
-        self, block: BlockLayout, group: GroupSpec, params: dict[str, torch.Tensor]
+        self,
+        block: BlockLayout,
+        group: GroupSpec,
+        params: dict[str, torch.Tensor],
+        replay: _LinearOutputCache,
     ) -> list[TaskStatistics]:
         """The group's input on each task's merged path; the forward stops at the group."""
         module = self.blocks[block.index].get_submodule(group.modules[0])
         stats = []
-        for state in self.states:
-            accumulator = self._new_accumulator(self._group_width(block, group))
+        for t, state in enumerate(self.states):
+            accumulator = self._new_accumulator(self._group_width(block, group), expert_path=False)
             handle = module.register_forward_pre_hook(self._input_hook(accumulator, stop=True))
             try:
                 assert state.merged_hidden is not None
                 for b, hidden in enumerate(state.merged_hidden):
                     self._mask = state.masks[b]
+                    replay.begin(t, b)
                     try:
                         self._run_block(block.index, params, hidden, state.calls[b][block.index])
                     except _StopForward:
@@ -467,7 +554,44 @@ class SequentialExecutor:
                 progress.set_postfix_str(f"block {block.index + 1}/{n}: expert paths")
             expert_stats = self._expert_path_statistics(block, expert_blocks)
 
-        for group in block.groups:
+        replay = _LinearOutputCache(self.blocks[block.index], self.plan.memory.replay)
+        try:
+            self._merge_groups(
+                block, base_block, expert_blocks, merged, expert_stats, replay, progress
+            )
+            if self.request.propagate:
+                params = {name[local:]: merged[name] for name in block.tensors}
+                replay.cover([m for g in block.groups[:-1] for m in g.modules])
+                for t, state in enumerate(self.states):
+                    assert state.merged_hidden is not None
+                    outputs = []
+                    for b, hidden in enumerate(state.merged_hidden):
+                        replay.begin(t, b)
+                        outputs.append(
+                            self._run_block(
+                                block.index, params, hidden, state.calls[b][block.index]
+                            )
+                        )
+                    state.merged_hidden = outputs
+        finally:
+            replay.close()
+        del base_block, expert_blocks, merged, cache
+        self._release()
+
+    def _merge_groups(
+        self,
+        block: BlockLayout,
+        base_block: dict[str, torch.Tensor],
+        expert_blocks: list[dict[str, torch.Tensor]],
+        merged: dict[str, torch.Tensor],
+        expert_stats: Optional[dict[str, list[TaskStatistics]]],
+        replay: _LinearOutputCache,
+        progress: Any,
+    ) -> None:
+        """Merge the block's linear groups in forward order (into ``merged``, and written)."""
+        n = len(self.plan.blocks)
+        local = len(block.prefix)
+        for index, group in enumerate(block.groups):
             if progress is not None:
                 progress.set_postfix_str(f"block {block.index + 1}/{n}: {group.label}")
             merged_stats = None
@@ -475,7 +599,8 @@ class SequentialExecutor:
                 params = {
                     name[local:]: merged.get(name, base_block[name]) for name in block.tensors
                 }
-                merged_stats = self._merged_path_statistics(block, group, params)
+                replay.cover([m for g in block.groups[:index] for m in g.modules])
+                merged_stats = self._merged_path_statistics(block, group, params, replay)
                 del params
             canonical = [block.group_weight(m) for m in group.modules]
             names = [self.plan.output_name(c) for c in canonical]
@@ -507,17 +632,6 @@ class SequentialExecutor:
             if expert_stats is not None:
                 del expert_stats[group.label]  # each group's statistics are used once
             _trim_heap()
-
-        if self.request.propagate:
-            params = {name[local:]: merged[name] for name in block.tensors}
-            for state in self.states:
-                assert state.merged_hidden is not None
-                state.merged_hidden = [
-                    self._run_block(block.index, params, hidden, state.calls[b][block.index])
-                    for b, hidden in enumerate(state.merged_hidden)
-                ]
-        del base_block, expert_blocks, merged, cache
-        self._release()
 
     def _release(self) -> None:
         """Close the open checkpoint shards (their mapped pages count as resident memory)."""

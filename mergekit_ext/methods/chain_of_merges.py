@@ -119,11 +119,13 @@ class ChainOfMergesMethod(LayerwiseMethod):
         )
         # The correlation weight needs the normalized Gram even when the merge itself uses
         # the raw one. The expert path stays on: without propagation it is the merge's data,
-        # with it the reference of the covariate-shift diagnostic.
+        # with it the reference of the covariate-shift diagnostic, which is diagonal above
+        # FULL_COVARIANCE_W2_MAX_DIM, so wider groups need only the reference's moments.
         return StatisticsRequest(
             propagate=p.propagate,
             expert_path=True,
             normalized_gram=p.normalize or p.task_weighting == "correlation",
+            reference_gram_max_dim=FULL_COVARIANCE_W2_MAX_DIM if p.propagate else None,
         )
 
     def merge_linear_group(

@@ -27,21 +27,40 @@ class TaskStatistics:
 
     All are means over the task's (non-padding) tokens or patches, accumulated in float64:
 
-    - ``gram``: ``(1/N) sum_x x x^T`` (in x in)
+    - ``gram``: ``(1/N) sum_x x x^T`` (in x in); None when only moments were requested
+      (``StatisticsRequest.reference_gram_max_dim``)
     - ``gram_normalized``: the same over ``x / ||x||`` (CoM's ``normalize``); None when
       not requested
     - ``mean``: ``(1/N) sum_x x`` (in,)
     - ``count``: N, the number of tokens
+    - ``second_moment``: ``(1/N) sum_x x ⊙ x`` (in,), the diagonal of ``gram``; derived
+      from ``gram`` when not given
     """
 
-    gram: torch.Tensor
+    gram: Optional[torch.Tensor]
     mean: torch.Tensor
     count: int
     gram_normalized: Optional[torch.Tensor] = None
+    second_moment: Optional[torch.Tensor] = None
+
+    def __post_init__(self) -> None:
+        if self.second_moment is None:
+            if self.gram is None:
+                raise ValueError("TaskStatistics needs a gram or a second_moment")
+            self.second_moment = torch.diagonal(self.gram).clone()
 
     @property
     def covariance(self) -> torch.Tensor:
+        """``gram − mean meanᵀ`` (needs the full Gram)."""
+        if self.gram is None:
+            raise ValueError("these statistics keep only moments; the covariance needs the Gram")
         return self.gram - torch.outer(self.mean, self.mean)
+
+    @property
+    def variance(self) -> torch.Tensor:
+        """Per-feature variance ``second_moment − mean²`` (clamped at 0)."""
+        assert self.second_moment is not None
+        return (self.second_moment - self.mean.square()).clamp_min(0.0)
 
 
 @dataclass
@@ -71,11 +90,26 @@ class LinearGroup:
 
 @dataclass(frozen=True)
 class StatisticsRequest:
-    """What a method asks the executor to compute for each group."""
+    """What a method asks the executor to compute for each group.
 
-    propagate: bool  # statistics along the merged path (merged_stats)
-    expert_path: bool = True  # statistics along each expert's own path (expert_stats)
-    normalized_gram: bool = False  # also accumulate the Gram of unit-norm inputs
+    - ``propagate``: statistics along the merged path (``merged_stats``)
+    - ``expert_path``: statistics along each expert's own path (``expert_stats``)
+    - ``normalized_gram``: also the Gram of unit-norm inputs, on the path the merge uses
+      (the merged path with ``propagate``, else the expert path)
+    - ``reference_gram_max_dim``: with ``propagate``, the expert path is only a reference
+      (a diagnostic); above this input width its statistics keep only the mean and the
+      per-feature second moment (``gram=None``). None: full Grams at every width.
+    - ``product_dtype``: dtype of each batch's ``xᵀx`` before it is added to the float64
+      sum; None: float32 for float32 (or narrower) activations, the fast default (see
+      :class:`~mergekit_ext.calibration.statistics.ActivationStatistics`); ``torch.float64``
+      for float64 products throughout.
+    """
+
+    propagate: bool
+    expert_path: bool = True
+    normalized_gram: bool = False
+    reference_gram_max_dim: Optional[int] = None
+    product_dtype: Optional[torch.dtype] = None
 
 
 class LayerwiseMethod(ABC):

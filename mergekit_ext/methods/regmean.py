@@ -55,6 +55,14 @@ Fallback = Literal["mean", "base", "task_arithmetic"]
 # Above this input width the covariate-shift W2 uses diagonal covariances (an in x in
 # eigendecomposition per task and group would dominate the merge's cost).
 FULL_COVARIANCE_W2_MAX_DIM = 1024
+# Up to this size the condition number of Σ ω G̃ comes from all its eigenvalues; above it,
+# from block power / inverse iterations on its Cholesky factor (an estimate from below).
+EXACT_CONDITION_MAX_DIM = 1024
+# The pseudo-inverse is computed as a Cholesky solve when cond(Σ ω G̃) · n · eps is below
+# this: then no eigenvalue is near pinv's cut-off n · eps · max|λ| and pinv = inverse.
+_CHOLESKY_PINV_MARGIN = 1e-3
+_CONDITION_ITERATIONS = 10
+_CONDITION_BLOCK = 8
 
 
 # --------------------------------------------------------------------------------------
@@ -80,6 +88,8 @@ class RegMeanSolution:
     merged_weight: torch.Tensor
     condition_number: float  # of the matrix inverted: Σ ω G̃ (+ ridge term)
     solver: str  # "pinv", "solve", or "pinv (solve failed: singular)"
+    condition_number_method: str = "exact"  # "exact" (all eigenvalues) | "estimate"
+    products: Optional[list[torch.Tensor]] = None  # W_k G_k per task, when asked for
 
 
 def _pinv_tolerance(eigenvalues: torch.Tensor, n: int) -> float:
@@ -108,6 +118,59 @@ def _condition_number(eigenvalues: torch.Tensor) -> float:
     return float(magnitude.max()) / smallest
 
 
+def _cholesky(matrix: torch.Tensor) -> Optional[torch.Tensor]:
+    """The lower Cholesky factor of a symmetric matrix, or None when it is not positive definite."""
+    factor, info = torch.linalg.cholesky_ex(matrix)
+    if int(info) != 0 or not bool(torch.isfinite(factor).all()):
+        return None
+    return factor
+
+
+def estimate_condition_number(
+    matrix: torch.Tensor,
+    cholesky: torch.Tensor,
+    *,
+    iterations: int = _CONDITION_ITERATIONS,
+    block: int = _CONDITION_BLOCK,
+) -> float:
+    """``λ_max / λ_min`` of a symmetric positive definite matrix, estimated cheaply.
+
+    Block subspace iteration (``block`` seeded random vectors, ``iterations`` steps) on the
+    matrix for ``λ_max`` and on its inverse (two triangular solves with ``cholesky``) for
+    ``λ_min``, each finished by a Rayleigh–Ritz step. Ritz values lie inside the spectrum,
+    so the estimate is never above the true condition number. O(iterations · block · n²)
+    instead of the O(n³) of an eigendecomposition; deterministic.
+    """
+    n = matrix.shape[0]
+    width = min(block, n)
+    generator = torch.Generator().manual_seed(0)
+    start = torch.randn(n, width, generator=generator, dtype=torch.float64)
+    start = start.to(device=matrix.device, dtype=matrix.dtype)
+
+    def extreme_ritz(apply: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        basis = torch.linalg.qr(start).Q
+        for _ in range(iterations):
+            basis = torch.linalg.qr(apply(basis)).Q
+        projected = basis.T @ matrix @ basis
+        return torch.linalg.eigvalsh(0.5 * (projected + projected.T))
+
+    largest = float(extreme_ritz(lambda q: matrix @ q).max())
+    smallest = float(extreme_ritz(lambda q: torch.cholesky_solve(q, cholesky)).min())
+    if smallest <= 0.0:
+        return math.inf
+    return largest / smallest
+
+
+def _condition(
+    system: torch.Tensor, cholesky: Optional[torch.Tensor]
+) -> tuple[float, str, Optional[torch.Tensor]]:
+    """``(condition number, "exact" | "estimate", eigenvalues or None)`` of ``system``."""
+    if cholesky is None or system.shape[0] <= EXACT_CONDITION_MAX_DIM:
+        eigenvalues = torch.linalg.eigvalsh(system)
+        return _condition_number(eigenvalues), "exact", eigenvalues
+    return estimate_condition_number(system, cholesky), "estimate", None
+
+
 def regmean_solve(
     expert_weights: Sequence[torch.Tensor],
     grams: Sequence[torch.Tensor],
@@ -117,6 +180,7 @@ def regmean_solve(
     ridge: float = 0.0,
     solver: Solver = "pinv",
     name: str = "<weight>",
+    keep_products: bool = False,
 ) -> RegMeanSolution:
     """``W = (Σ_k ω_k W_k G̃_k)(Σ_k ω_k G̃_k)⁻¹`` with diagnostics (RegMean eq. 3; CoM eq. for ω).
 
@@ -127,10 +191,16 @@ def regmean_solve(
       ``min_W Σ_k ω_k (‖W X_k − W_k X_k‖²/N_k + λ ‖W − W_k‖²_F)``, i.e. the inverted matrix is
       ``A + ridge · mean(diag(A)) · I`` and the numerator gains ``λ Σ_k ω_k W_k``
       (so a huge ridge gives the weighted mean of the experts, not zero).
-    - ``solver``: ``pinv`` (Moore–Penrose via eigh, the CoM paper's choice) or ``solve``
-      (an LU solve; falls back to pinv with a warning when the matrix is singular).
+    - ``solver``: ``pinv`` (Moore–Penrose pseudo-inverse, the CoM paper's choice) or
+      ``solve`` (falls back to pinv with a warning when the matrix is singular). ``pinv`` is
+      computed as a Cholesky solve when ``Σ ω G̃`` is positive definite and its condition
+      number is far from pinv's cut-off (then the two are the same matrix), by ``eigh``
+      otherwise.
+    - ``keep_products``: also return each ``W_k G_k`` (for diagnostics that reuse them).
 
-    float64 internally; the result has the dtype of ``expert_weights[0]``.
+    The Grams, ``Σ ω G̃`` and the solve are float64; the products ``W_k G_k`` are float32
+    GEMMs for float32 weights (float64 for float64 weights). The result has the dtype of
+    ``expert_weights[0]``.
     """
     n_tasks = len(expert_weights)
     if n_tasks == 0:
@@ -150,6 +220,8 @@ def regmean_solve(
         raise ValueError(f"solver must be pinv or solve; got {solver!r}")
 
     out_dtype = expert_weights[0].dtype
+    # float32 GEMMs for float32 (or narrower) weights: their own rounding is of that order
+    product_dtype = torch.float64 if out_dtype == torch.float64 else torch.float32
     shape = tuple(expert_weights[0].shape)
     if len(shape) != 2:
         raise TensorError(f"RegMean merges 2-D linear weights; {name} has shape {shape}")
@@ -167,34 +239,56 @@ def regmean_solve(
 
     numerator = torch.zeros(shape, dtype=torch.float64)
     system = torch.zeros((n_in, n_in), dtype=torch.float64)
+    system_diagonal = torch.zeros(n_in, dtype=torch.float64)
     weighted_experts = torch.zeros(shape, dtype=torch.float64)
+    products: list[torch.Tensor] = []
     for w, g, omega in zip(expert_weights, grams, weights):
-        shrunk = shrink_off_diagonal(g.double(), alpha)
-        numerator += omega * (w.double() @ shrunk)
-        system += omega * shrunk
-        weighted_experts += omega * w.double()
+        # W_k G̃_k = α W_k G_k + (1 − α) W_k diag(G_k): one GEMM, no shrunk copy of G_k.
+        product = w.to(product_dtype) @ g.to(product_dtype)
+        diagonal = torch.diagonal(g).double()
+        numerator.add_(product.double(), alpha=omega * alpha)
+        numerator.add_(w.double() * diagonal, alpha=omega * (1.0 - alpha))
+        system.add_(g.double(), alpha=omega * alpha)
+        system_diagonal.add_(diagonal, alpha=omega * (1.0 - alpha))
+        weighted_experts.add_(w.double(), alpha=omega)
+        if keep_products:
+            products.append(product)
+        del product
+    torch.diagonal(system).add_(system_diagonal)
     system = 0.5 * (system + system.T)  # exact symmetry for eigh
     if ridge > 0.0:
         strength = ridge * float(torch.diagonal(system).mean())
-        system += strength * torch.eye(n_in, dtype=torch.float64)
+        torch.diagonal(system).add_(strength)
         numerator += (strength / sum(weights)) * weighted_experts
 
+    n_eps = n_in * torch.finfo(torch.float64).eps
+    cholesky = _cholesky(system)
+    condition, condition_method, _ = _condition(system, cholesky)
     used = solver
+    merged: Optional[torch.Tensor] = None
     if solver == "solve":
-        eigenvalues = torch.linalg.eigvalsh(system)
-        merged = None
         try:
-            merged = torch.linalg.solve(system, numerator.T).T
+            if cholesky is not None:
+                merged = torch.cholesky_solve(numerator.T, cholesky).T
+            else:
+                merged = torch.linalg.solve(system, numerator.T).T
         except RuntimeError:  # torch.linalg.LinAlgError subclasses RuntimeError
             merged = None
         if merged is None or not torch.isfinite(merged).all():
             LOG.warning("%s: Σ ω G̃ is singular; solving with the pseudo-inverse instead", name)
             used = "pinv (solve failed: singular)"
-            merged = numerator @ _symmetric_pinv(system)[0]
-    else:
+            merged = None
+    elif cholesky is not None and condition * n_eps < _CHOLESKY_PINV_MARGIN:
+        # No eigenvalue is anywhere near pinv's cut-off: the pseudo-inverse is the inverse,
+        # and a Cholesky solve gives it at a fraction of an eigendecomposition's cost.
+        merged = torch.cholesky_solve(numerator.T, cholesky).T
+    if merged is None:
         pinv, eigenvalues = _symmetric_pinv(system)
         merged = numerator @ pinv
-    return RegMeanSolution(merged.to(out_dtype), _condition_number(eigenvalues), used)
+        condition, condition_method = _condition_number(eigenvalues), "exact"
+    return RegMeanSolution(
+        merged.to(out_dtype), condition, used, condition_method, products if keep_products else None
+    )
 
 
 def regmean_merge_weights(
@@ -213,18 +307,28 @@ def regmean_merge_weights(
 
 
 def relative_output_error(
-    merged_weight: torch.Tensor, expert_weight: torch.Tensor, gram: torch.Tensor
+    merged_weight: torch.Tensor,
+    expert_weight: torch.Tensor,
+    gram: torch.Tensor,
+    expert_product: Optional[torch.Tensor] = None,
 ) -> float:
     """``‖W X − W_k X‖_F / ‖W_k X‖_F`` from the Gram ``G = X Xᵀ / N`` alone (CoM's diagnostic).
 
     ``= sqrt(tr((W − W_k) G (W − W_k)ᵀ) / tr(W_k G W_kᵀ))``; 0 when both are zero, inf when
-    only the expert's output is zero.
+    only the expert's output is zero. The difference is formed in float64, the
+    ``out x in x in`` products in float32 (a diagnostic: ~1e-7 relative), the traces summed
+    in float64. ``expert_product`` = ``W_k G`` when the caller has it (saves one product).
     """
-    g = gram.double()
-    diff = merged_weight.double() - expert_weight.double()
     w_k = expert_weight.double()
-    error = max(float(((diff @ g) * diff).sum()), 0.0)
-    reference = max(float(((w_k @ g) * w_k).sum()), 0.0)
+    diff = merged_weight.double() - w_k
+    g = gram.float()
+    diff32 = diff.float()
+    error = max(float(((diff32 @ g) * diff32).sum(dtype=torch.float64)), 0.0)
+    if expert_product is None:
+        w32 = w_k.float()
+        expert_product = w32 @ g
+    reference = float((expert_product.float() * expert_weight.float()).sum(dtype=torch.float64))
+    reference = max(reference, 0.0)
     if reference == 0.0:
         return 0.0 if error == 0.0 else math.inf
     return math.sqrt(error / reference)
@@ -258,11 +362,27 @@ def gaussian_w2(
         sd_b = torch.diagonal(cb).clamp(min=0.0).sqrt()
         cov_term = float((sd_a - sd_b).pow(2).sum())
     else:
-        root_b = _symmetric_sqrt(cb)
-        cross = root_b @ ca @ root_b
-        cross_eigenvalues = torch.linalg.eigvalsh(0.5 * (cross + cross.T)).clamp(min=0.0)
-        cov_term = float(torch.trace(ca) + torch.trace(cb) - 2.0 * cross_eigenvalues.sqrt().sum())
+        cov_term = float(
+            torch.trace(ca) + torch.trace(cb) - 2.0 * _trace_sqrt_product(ca, 0.5 * (cb + cb.T))
+        )
     return math.sqrt(max(mean_term + cov_term, 0.0))
+
+
+def _trace_sqrt_product(cov_a: torch.Tensor, cov_b: torch.Tensor) -> float:
+    """``tr((Σ_b^½ Σ_a Σ_b^½)^½)`` = the sum of the square roots of the eigenvalues of ``Σ_a Σ_b``.
+
+    With ``Σ_b = L Lᵀ`` (Cholesky) those are the eigenvalues of the symmetric ``Lᵀ Σ_a L``:
+    one factorisation and one ``eigvalsh`` instead of a matrix square root. A singular
+    ``Σ_b`` falls back to the square root by ``eigh``.
+    """
+    factor = _cholesky(cov_b)
+    if factor is not None:
+        cross = factor.T @ cov_a @ factor
+    else:
+        root_b = _symmetric_sqrt(cov_b)
+        cross = root_b @ cov_a @ root_b
+    eigenvalues = torch.linalg.eigvalsh(0.5 * (cross + cross.T)).clamp(min=0.0)
+    return float(eigenvalues.sqrt().sum())
 
 
 def covariate_shift_w2(
@@ -273,25 +393,37 @@ def covariate_shift_w2(
 ) -> tuple[float, Literal["full", "diagonal"]]:
     """The merging covariate shift of one task at one group (CoM): W2 between Gaussian fits.
 
-    Full covariances when the input width is at most ``full_covariance_max_dim``, diagonal
-    ones above that. Returns ``(W2, "full" | "diagonal")``.
+    Full covariances when the input width is at most ``full_covariance_max_dim`` and both
+    paths kept their Gram, diagonal ones otherwise. Returns ``(W2, "full" | "diagonal")``.
     """
-    kind: Literal["full", "diagonal"] = (
-        "full" if merged_path.mean.numel() <= full_covariance_max_dim else "diagonal"
+    full = (
+        merged_path.mean.numel() <= full_covariance_max_dim
+        and merged_path.gram is not None
+        and expert_path.gram is not None
     )
-    distance = gaussian_w2(
-        merged_path.mean,
-        merged_path.covariance.double(),
-        expert_path.mean,
-        expert_path.covariance.double(),
-        diagonal=kind == "diagonal",
-    )
-    return distance, kind
+    if full:
+        distance = gaussian_w2(
+            merged_path.mean,
+            merged_path.covariance.double(),
+            expert_path.mean,
+            expert_path.covariance.double(),
+        )
+        return distance, "full"
+    mean_term = float((merged_path.mean.double() - expert_path.mean.double()).pow(2).sum())
+    sd_merged = merged_path.variance.double().sqrt()
+    sd_expert = expert_path.variance.double().sqrt()
+    cov_term = float((sd_merged - sd_expert).pow(2).sum())
+    return math.sqrt(max(mean_term + cov_term, 0.0)), "diagonal"
 
 
 # --------------------------------------------------------------------------------------
 # The group driver shared with Chain of Merges
 # --------------------------------------------------------------------------------------
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """No NaN or Inf in ``tensor``: one float64 sum (a NaN or Inf entry makes it non-finite)."""
+    return bool(torch.isfinite(tensor.sum(dtype=torch.float64)))
 
 
 def _check_statistics(
@@ -301,6 +433,7 @@ def _check_statistics(
     method: str,
     path: str,
     need_normalized: bool,
+    need_gram: bool = True,
 ) -> list[TaskStatistics]:
     n_tasks = len(group.task_names)
     if stats is None:
@@ -321,12 +454,18 @@ def _check_statistics(
             raise CalibrationError(
                 f"{where} were accumulated over {st.count} tokens; give that task calibration data"
             )
-        if tuple(st.gram.shape) != (n_in, n_in) or tuple(st.mean.shape) != (n_in,):
+        if st.gram is None and need_gram:
             raise CalibrationError(
-                f"{where}: Gram {tuple(st.gram.shape)} / mean {tuple(st.mean.shape)} do not fit "
+                f"{where} keep only moments, but the merge needs the full Gram; the executor "
+                "must not apply reference_gram_max_dim to the path a merge uses"
+            )
+        gram_shape = tuple(st.gram.shape) if st.gram is not None else (n_in, n_in)
+        if gram_shape != (n_in, n_in) or tuple(st.mean.shape) != (n_in,):
+            raise CalibrationError(
+                f"{where}: Gram {gram_shape} / mean {tuple(st.mean.shape)} do not fit "
                 f"the group's input width {n_in}"
             )
-        if not torch.isfinite(st.gram).all() or not torch.isfinite(st.mean).all():
+        if (st.gram is not None and not _all_finite(st.gram)) or not _all_finite(st.mean):
             raise CalibrationError(f"{where} contain NaN or Inf (overflowing activations?)")
         if need_normalized:
             if st.gram_normalized is None:
@@ -394,7 +533,7 @@ def _stacked_weights(group: LinearGroup, method: str) -> tuple[list[torch.Tensor
                     f"shape mismatch for {weight_name}: task {task!r} has {tuple(w.shape)}, "
                     f"task {group.task_names[0]!r} has {(n_rows, n_in)}"
                 )
-            if not torch.isfinite(w).all():
+            if not _all_finite(w):
                 raise TensorError(f"{weight_name} of task {task!r} contains NaN or Inf values")
             parts.append(w)
         stacked.append(torch.cat(parts, dim=0))
@@ -442,14 +581,18 @@ def merge_group_least_squares(
     if use_merged_path:
         merged_path: Optional[list[TaskStatistics]] = chosen
         expert_path = (
-            _check_statistics(group.expert_stats, group, n_in, method, "expert-path", False)
+            _check_statistics(
+                group.expert_stats, group, n_in, method, "expert-path", False, need_gram=False
+            )
             if group.expert_stats
             else None
         )
     else:
         expert_path = chosen
         merged_path = (
-            _check_statistics(group.merged_stats, group, n_in, method, "merged-path", False)
+            _check_statistics(
+                group.merged_stats, group, n_in, method, "merged-path", False, need_gram=False
+            )
             if group.merged_stats
             else None
         )
@@ -469,6 +612,7 @@ def merge_group_least_squares(
         ridge=ridge,
         solver=solver,
         name=f"linear group {group.name}",
+        keep_products=not use_normalized_gram,  # W_k G_k of the diagnostic's own Gram
     )
     merged_parts = torch.split(solution.merged_weight, rows, dim=0)
     merged = {
@@ -487,13 +631,17 @@ def merge_group_least_squares(
         tasks[task] = {
             "weight": omegas[k],
             "relative_output_error": relative_output_error(
-                solution.merged_weight, stacked[k], chosen[k].gram
+                solution.merged_weight,
+                stacked[k],
+                chosen[k].gram,  # type: ignore[arg-type]  # checked non-None above
+                solution.products[k] if solution.products is not None else None,
             ),
             "covariate_shift_w2": shift,
         }
     diagnostics: dict[str, Any] = {
         "layer": group.name,
         "condition_number": solution.condition_number,
+        "condition_number_method": solution.condition_number_method,
         "solver": solution.solver,
         "reduce_non_diagonal": float(alpha),
         "ridge": float(ridge),
