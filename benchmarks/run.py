@@ -140,9 +140,19 @@ def _ordered(current: list[dict[str, Any]], earlier: list[dict[str, Any]]) -> li
 
 
 def run_variant(
-    suite: Suite, variant: str, rows: list[MethodRow], out: str, keep_merges: bool
+    suite: Suite,
+    variant: str,
+    rows: list[MethodRow],
+    out: str,
+    keep_merges: bool,
+    *,
+    result_id: Optional[str] = None,
+    title_suffix: str = "",
 ) -> dict[str, Any]:
+    """Build or reuse the models, score the reference rows and every row in ``rows``, and
+    write the table as ``out/<result_id>.{md,json,png}`` (default id: ``<suite>_<variant>``)."""
     title = f"{suite.name} suite" + (f" ({variant} experts)" if len(suite.variants) > 1 else "")
+    title += title_suffix
     if suite.smoke:
         title += " [smoke]"
     t0 = time.perf_counter()
@@ -178,7 +188,7 @@ def run_variant(
     ]
 
     result = {
-        "id": f"{suite.name}_{variant}" + ("_smoke" if suite.smoke else ""),
+        "id": (result_id or f"{suite.name}_{variant}") + ("_smoke" if suite.smoke else ""),
         "title": title,
         "suite": suite.name,
         "variant": variant,

@@ -218,3 +218,23 @@ def test_adding_rows_keeps_earlier_rows_of_the_same_table(tmp_path):
         "pretrained", "expert", "linear", "ace", "regmean"
     ]  # fmt: skip
     assert _earlier_rows(str(path), {"settings": {"steps": 4}, "tasks": ["a"]}, []) == []
+
+
+def test_sweep_rows_set_the_parameter_and_keep_the_rest():
+    from benchmarks.sweep import sweep_rows
+
+    rows = sweep_rows(rows_for(["regmean", "com_propagate"]), "reduce_non_diagonal", [0.5, 1.0])
+    assert [r.key for r in rows] == [
+        "regmean[reduce_non_diagonal=0.5]",
+        "regmean[reduce_non_diagonal=1.0]",
+        "com_propagate[reduce_non_diagonal=0.5]",
+        "com_propagate[reduce_non_diagonal=1.0]",
+    ]
+    assert rows[3].parameters == {
+        "propagate": True,
+        "normalize": False,
+        "task_weighting": "uniform",
+        "reduce_non_diagonal": 1.0,
+    }
+    assert rows[0].method == "regmean" and rows[2].method == "chain_of_merges"
+    assert "reduce_non_diagonal=0.5" in rows[0].label

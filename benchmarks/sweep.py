@@ -1,0 +1,103 @@
+"""Sweep one parameter of some merge methods on a benchmark suite, in one run.
+
+    python benchmarks/sweep.py --suite text --variant full \\
+        --methods regmean chain_of_merges --param reduce_non_diagonal \\
+        --values 0.5 0.8 0.9 0.95 1.0 --threads 1
+
+Every (method row, value) pair is one row of the table ``sweep_<suite>_<variant>_<param>``
+(Markdown, JSON, PNG in ``--out``), next to the pretrained and expert references, with the
+same cached models, data and scoring as ``run.py``. This is how the defaults marked
+"provisional" in ``mergekit-ext methods`` are chosen; the committed tables are the evidence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from dataclasses import replace
+from typing import Any, Optional
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import yaml
+
+from benchmarks.cache import default_cache_dir
+from benchmarks.merging import MethodRow
+from benchmarks.run import SUITES, make_suite, run_variant, select_rows
+
+LOG = logging.getLogger("benchmarks.sweep")
+
+
+def sweep_rows(rows: list[MethodRow], param: str, values: list[Any]) -> list[MethodRow]:
+    """One row per (row, value): the row's parameters with ``param`` set to ``value``."""
+    return [
+        replace(
+            row,
+            key=f"{row.key}[{param}={value}]",
+            label=f"{row.label}, {param}={value}",
+            parameters={**row.parameters, param: value},
+        )
+        for row in rows
+        for value in values
+    ]
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--suite", required=True, choices=SUITES)
+    parser.add_argument("--variant", default=None, help="expert variant (default: the first)")
+    parser.add_argument("--methods", nargs="+", required=True, help="row keys or method names")
+    parser.add_argument("--param", required=True, help="the method parameter to sweep")
+    parser.add_argument(
+        "--values", nargs="+", required=True, help="values (YAML scalars: 0.5, true, diagonal)"
+    )
+    parser.add_argument("--smoke", action="store_true", help="small subsets (a code-path check)")
+    parser.add_argument("--cache-dir", default=default_cache_dir())
+    parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (see run.py)")
+    args = parser.parse_args(argv)
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[var] = str(args.threads)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+    values = [yaml.safe_load(v) for v in args.values]
+    rows = sweep_rows(select_rows(args.methods, smoke=False), args.param, values)
+    suite = make_suite(args.suite, args.cache_dir, args.smoke)
+    variant = args.variant or suite.variants[0]
+    if variant not in suite.variants:
+        raise SystemExit(
+            f"unknown variant {variant!r} of {args.suite}: {', '.join(suite.variants)}"
+        )
+    start = time.perf_counter()
+    result = run_variant(
+        suite,
+        variant,
+        rows,
+        args.out,
+        keep_merges=False,
+        result_id=f"sweep_{args.suite}_{variant}_{args.param}",
+        title_suffix=f", sweep of {args.param}",
+    )
+    print(f"\n{result['title']}: {time.perf_counter() - start:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
