@@ -578,6 +578,7 @@ def summarize_layerwise(section: Mapping[str, Any]) -> dict[str, Any]:
         ("normalized_gram", "normalized Gram"),
         ("solver", "solver"),
         ("covariate_shift_covariance", "W2 covariance"),
+        ("condition_number_method", "condition number"),
     ):
         values = {str(layer.get(key)) for layer in layers if layer.get(key) is not None}
         if values:

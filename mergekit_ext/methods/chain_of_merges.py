@@ -21,11 +21,14 @@ off-diagonal shrink α = 0.95 with a pseudo-inverse solve; ``ridge`` adds
 
 Weights are ``out x in`` (``y = W x``); the executor transposes HF ``Conv1D`` weights.
 
-Diagnostics per group and task: ω_k, the condition number of ``Σ ω G̃``, the relative
-output error ``‖W X − W_k X‖/‖W_k X‖`` (on the Gram the objective used) and, when merged-path
-statistics are present, the merging covariate shift: the Wasserstein-2 distance between
-Gaussian fits of the merged-path and the expert-own-path inputs (full covariance for input
-width ≤ 1024, diagonal above; the record says which under ``covariate_shift_covariance``).
+Diagnostics per group and task: ω_k, the condition number of ``Σ ω G̃`` (exact up to 1024
+inputs, a block power/inverse-iteration estimate above: ``condition_number_method``), the
+relative output error ``‖W X − W_k X‖/‖W_k X‖`` (on the raw Gram of the path the objective
+used) and, when merged-path statistics are present, the merging covariate shift: the
+Wasserstein-2 distance between Gaussian fits of the merged-path and the expert-own-path
+inputs (full covariance for input width ≤ 1024, diagonal above; the record says which under
+``covariate_shift_covariance``). With ``propagate`` the expert path serves only this
+diagnostic, so above that width it keeps means and variances, not Grams.
 """
 
 from __future__ import annotations
