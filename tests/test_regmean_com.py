@@ -299,7 +299,7 @@ def test_com_with_switches_off_equals_regmean(data, params):
     expected = regmean_merge_weights(
         ws,
         [x.T @ x / x.shape[0] for x in merged_xs],
-        params.get("reduce_non_diagonal", 0.95),
+        params.get("reduce_non_diagonal", 1.0),
         ridge=params.get("ridge", 0.0),
     )
     torch.testing.assert_close(prop_w["blk.q.weight"].double(), expected, rtol=0, atol=1e-5)
@@ -346,7 +346,7 @@ def test_diagnostics_values_and_json(data):
     group = make_group(xs, ws, merged_xs)
     merged, diag = ChainOfMergesMethod().merge_linear_group(group, {"solver": "solve"})
     assert diag["layer"] == "blk.qk"
-    assert diag["solver"] == "solve" and diag["reduce_non_diagonal"] == 0.95
+    assert diag["solver"] == "solve" and diag["reduce_non_diagonal"] == 1.0
     assert diag["covariate_shift_covariance"] == "full"
     w = merged["blk.q.weight"].double()
     for task, x, xm, wk in zip(TASKS, xs, merged_xs, ws):
@@ -413,12 +413,14 @@ def test_registration():
         "propagate": True,
         "normalize": False,
         "task_weighting": "uniform",
-        "reduce_non_diagonal": 0.95,
+        "reduce_non_diagonal": 1.0,
         "ridge": 0.0,
         "solver": "pinv",
         "fallback": "mean",
     }
-    assert "provisional" in next(p for p in com.parameters if p.name == "propagate").description
+    docs = {p.name: p.description for p in com.parameters}
+    assert "provisional" in docs["ridge"] and "provisional" not in docs["propagate"]
+    assert "sweep" in docs["reduce_non_diagonal"]
     assert "2212.09849" in ext_method_info("regmean").paper_url
 
 

@@ -664,7 +664,7 @@ class RegMeanParameters(BaseModel):
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    reduce_non_diagonal: float = Field(0.95, ge=0.0, le=1.0)
+    reduce_non_diagonal: float = Field(1.0, ge=0.0, le=1.0)
     ridge: float = Field(0.0, ge=0.0, allow_inf_nan=False)
     solver: Solver = "pinv"
     fallback: Fallback = "mean"
@@ -719,6 +719,11 @@ class RegMeanMethod(LayerwiseMethod):
 
 _FIELDS = RegMeanParameters.model_fields
 PROVISIONAL = " (provisional default until measured on the benchmark, see METHODS.md)"
+# The sweep behind reduce_non_diagonal's default (benchmarks/sweep.py; README, "Benchmark results")
+ALPHA_EVIDENCE = (
+    " (default chosen by benchmarks/sweep.py over 0.5-1.0: 1.0 was best for chain_of_merges "
+    "and regmean on the text and vision suites)"
+)
 
 SHARED_PARAMETER_DOCS: tuple[ParameterDoc, ...] = (
     ParameterDoc(
@@ -736,7 +741,8 @@ SHARED_PARAMETER_DOCS: tuple[ParameterDoc, ...] = (
     ParameterDoc(
         "solver",
         _FIELDS["solver"].default,
-        "pinv (Moore–Penrose pseudo-inverse via eigh) | solve (LU; falls back to pinv when singular)",
+        "pinv (Moore–Penrose pseudo-inverse: a Cholesky solve where it equals the inverse, eigh "
+        "otherwise) | solve (Cholesky or LU; falls back to pinv when singular)",
     ),
     ParameterDoc(
         "fallback",
@@ -760,7 +766,7 @@ INFO = MethodInfo(
     paper='Jin et al., "Dataless Knowledge Fusion by Merging Weights of Language Models", ICLR 2023',
     paper_url="https://arxiv.org/abs/2212.09849",
     parameters=tuple(
-        ParameterDoc(d.name, d.default, d.description + PROVISIONAL)
+        ParameterDoc(d.name, d.default, d.description + ALPHA_EVIDENCE)
         if d.name == "reduce_non_diagonal"
         else d
         for d in SHARED_PARAMETER_DOCS
