@@ -69,7 +69,10 @@ def select_rows(names: Optional[list[str]], smoke: bool) -> list[MethodRow]:
         return rows_for(SMOKE_ROWS if smoke else ROW_KEYS)
     keys: list[str] = []
     for name in names:
-        matches = [r.key for r in ROWS if name in (r.key, r.method)]
+        if name.startswith("row:"):  # exactly one row, even when its key is also a method name
+            matches = [r.key for r in ROWS if r.key == name[4:]]
+        else:
+            matches = [r.key for r in ROWS if name in (r.key, r.method)]
         if not matches:
             raise SystemExit(
                 f"unknown method {name!r}: use a row key ({', '.join(ROW_KEYS)}) or a method name"
@@ -276,7 +279,12 @@ def run_variant(
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--suite", default="all", choices=[*SUITES, "all"])
-    parser.add_argument("--methods", nargs="+", help="row keys or method names (default: all rows)")
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        help="row keys or method names (a method name selects all its rows; row:KEY exactly "
+        "one row); default: all rows",
+    )
     parser.add_argument(
         "--smoke", action="store_true", help="tiny step counts and subsets, few rows"
     )

@@ -238,3 +238,13 @@ def test_sweep_rows_set_the_parameter_and_keep_the_rest():
     }
     assert rows[0].method == "regmean" and rows[2].method == "chain_of_merges"
     assert "reduce_non_diagonal=0.5" in rows[0].label
+
+
+def test_select_rows_by_method_key_or_exact_row():
+    from benchmarks.run import select_rows
+
+    assert [r.key for r in select_rows(["symerge"], smoke=False)] == ["symerge", "symerge_default"]
+    assert [r.key for r in select_rows(["row:symerge"], smoke=False)] == ["symerge"]
+    assert len(select_rows(["chain_of_merges"], smoke=False)) == 4
+    with pytest.raises(SystemExit, match="unknown method"):
+        select_rows(["row:nope"], smoke=False)
