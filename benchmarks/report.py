@@ -63,7 +63,28 @@ def markdown_table(result: dict[str, Any]) -> str:
             ]
         lines.append(f"| {row['label']} | " + " | ".join(cells) + " |")
     lines.append("")
+    for command in result.get("commands", []):
+        lines.append(f"Command: `{command}`  ")
+    versions = result.get("versions")
+    if versions:
+        lines.append("Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()) + "  ")
+    if result.get("commands") or versions:
+        lines.append("")
     return "\n".join(lines)
+
+
+def environment_versions() -> dict[str, str]:
+    """Versions of the packages a result depends on (for the committed tables)."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {"python": platform.python_version()}
+    for package in ("mergekit-ext", "mergekit", "torch", "transformers", "peft", "safetensors"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = "not installed"
+    return found
 
 
 def bar_chart(result: dict[str, Any], path: str) -> None:

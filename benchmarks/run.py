@@ -39,7 +39,7 @@ from benchmarks.merging import (
     rows_for,
     run_merge_process,
 )
-from benchmarks.report import mean, normalized_scores, write_reports
+from benchmarks.report import environment_versions, mean, normalized_scores, write_reports
 from benchmarks.suite_base import Expert, Suite
 
 LOG = logging.getLogger("benchmarks")
@@ -124,17 +124,21 @@ def evaluate_merge(
     return scores
 
 
-def _earlier_rows(path: str, result: dict[str, Any], rows: list[MethodRow]) -> list[dict[str, Any]]:
+def _earlier_rows(
+    path: str, result: dict[str, Any], rows: list[MethodRow]
+) -> tuple[list[dict[str, Any]], list[str]]:
     """Rows of an earlier run of the same table (same settings) that this run does not redo,
-    so that ``--methods`` can add rows to a table instead of replacing it."""
+    so that ``--methods`` can add rows to a table instead of replacing it; and the commands
+    that produced that table."""
     if not os.path.isfile(path):
-        return []
+        return [], []
     with open(path, encoding="utf-8") as fp:
         previous = json.load(fp)
     if previous.get("settings") != result["settings"] or previous.get("tasks") != result["tasks"]:
-        return []
+        return [], []
     redo = {r.key for r in rows} | set(REFERENCE_ROWS)
-    return [r for r in previous.get("rows", []) if r["key"] not in redo]
+    kept = [r for r in previous.get("rows", []) if r["key"] not in redo]
+    return kept, list(previous.get("commands", [])) if kept else []
 
 
 def _ordered(current: list[dict[str, Any]], earlier: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -202,8 +206,14 @@ def run_variant(
         "build_seconds": build_s,
         "total_seconds": None,
         "rows": result_rows,
+        "versions": environment_versions(),
+        "commands": [],
     }
-    earlier = _earlier_rows(os.path.join(out, result["id"] + ".json"), result, rows)
+    earlier, earlier_commands = _earlier_rows(
+        os.path.join(out, result["id"] + ".json"), result, rows
+    )
+    command = "python " + " ".join(sys.argv) if sys.argv and sys.argv[0] else "run_variant()"
+    result["commands"] = [*earlier_commands, command]
     run_root = os.path.join(suite.root, "runs", variant)
     for row in rows:
         result["rows"] = _ordered(result_rows, earlier)

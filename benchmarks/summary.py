@@ -45,7 +45,7 @@ def summary_table(tables: list[dict[str, Any]]) -> str:
         for row in table["rows"]:
             labels.setdefault(row["key"], row["label"])
             value: Optional[float] = row.get("avg_normalized")
-            text = f"{value:.1f}" if value is not None else row.get("status", "–")[:40]
+            text = f"{100 * value:.1f}" if value is not None else row.get("status", "–")[:40]
             cells.setdefault(row["key"], {})[table["id"]] = text
     order = {k: i for i, k in enumerate((*REFERENCE_ROWS, *ROW_KEYS))}
     keys = sorted(cells, key=lambda k: order.get(k, len(order)))

@@ -207,17 +207,19 @@ def test_adding_rows_keeps_earlier_rows_of_the_same_table(tmp_path):
         "settings": settings,
         "tasks": ["a"],
         "rows": [{"key": k, "status": "ok"} for k in ("pretrained", "expert", "linear", "ace")],
+        "commands": ["python benchmarks/run.py --suite text"],
     }
     path = tmp_path / "text_full.json"
     path.write_text(json.dumps(previous))
     result = {"settings": settings, "tasks": ["a"]}
-    kept = _earlier_rows(str(path), result, rows_for(["ace", "regmean"]))
+    kept, commands = _earlier_rows(str(path), result, rows_for(["ace", "regmean"]))
+    assert commands == ["python benchmarks/run.py --suite text"]
     assert [r["key"] for r in kept] == ["linear"]  # ace is redone, references are recomputed
     current = [{"key": k} for k in ("regmean", "expert", "pretrained", "ace")]
     assert [r["key"] for r in _ordered(current, kept)] == [
         "pretrained", "expert", "linear", "ace", "regmean"
     ]  # fmt: skip
-    assert _earlier_rows(str(path), {"settings": {"steps": 4}, "tasks": ["a"]}, []) == []
+    assert _earlier_rows(str(path), {"settings": {"steps": 4}, "tasks": ["a"]}, []) == ([], [])
 
 
 def test_sweep_rows_set_the_parameter_and_keep_the_rest():
