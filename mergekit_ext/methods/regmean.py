@@ -721,8 +721,9 @@ _FIELDS = RegMeanParameters.model_fields
 PROVISIONAL = " (provisional default until measured on the benchmark, see METHODS.md)"
 # The sweep behind reduce_non_diagonal's default (benchmarks/sweep.py; README, "Benchmark results")
 ALPHA_EVIDENCE = (
-    " (default chosen by benchmarks/sweep.py over 0.5-1.0: 1.0 was best for chain_of_merges "
-    "and regmean on the text and vision suites)"
+    " (default chosen by benchmarks/sweep.py: over 0.5, 0.8, 0.9, 0.95, 1.0 it was best for "
+    "chain_of_merges and regmean on the text and vision suites, and equal or better than 0.95 "
+    "on the text-LoRA and LM suites)"
 )
 
 SHARED_PARAMETER_DOCS: tuple[ParameterDoc, ...] = (
