@@ -107,8 +107,19 @@ def main() -> int:
 
     config = render_config(args.config, suite.root, method)
     config_text = yaml.safe_dump(config, sort_keys=False)
+    # The method's parameter defaults and the package version are part of the key: a new
+    # default (or a new release) must not be answered from an old merge.
+    import mergekit_ext
+    from mergekit_ext.methods.registry import describe_method
+
+    defaults = json.dumps(describe_method(method)["parameters"], sort_keys=True, default=str)
     key = hashlib.sha256(
-        (config_text + "".join(e.record["hash"] for e in experts.values())).encode()
+        (
+            config_text
+            + "".join(e.record["hash"] for e in experts.values())
+            + defaults
+            + mergekit_ext.__version__
+        ).encode()
     ).hexdigest()[:16]
     work = os.path.join(suite.root, "demo", method)
     os.makedirs(work, exist_ok=True)
