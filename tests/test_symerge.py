@@ -367,6 +367,31 @@ def test_invariants_during_adaptation(problem_set):
 # ---------------------------------------------------------------------------- causal LM
 
 
+def test_task_layer_lr_is_its_own_adam_group(problem_set):
+    from mergekit_ext.adaptation.trainer import optimizer_groups
+
+    cfg, params = make_config(problem_set, parameters={"seed": 3, "task_layer_lr": 1e-4})
+    session = prepare_symerge(cfg, params)
+    problem, data = session.problem, session.data
+    groups = optimizer_groups(problem, AdaptationSettings(lr=0.5, task_layer_lr=1e-30))
+    assert [g["lr"] for g in groups] == [0.5, 1e-30]
+    assert groups[0]["params"] == [problem.lambdas]
+    assert len(groups[1]["params"]) == sum(len(t.layer) for t in problem.tasks)
+    assert [g["lr"] for g in optimizer_groups(problem, AdaptationSettings(lr=0.5))] == [0.5, 0.5]
+    heads = [{n: p.detach().clone() for n, p in t.layer.items()} for t in problem.tasks]
+    lambdas = problem.lambdas.detach().clone()
+    adapt(
+        problem,
+        data,
+        AdaptationSettings(epochs=2, lr=0.5, task_layer_lr=1e-30, seed=3),
+        progress=False,
+    )
+    assert not torch.equal(problem.lambdas.detach(), lambdas)  # λ moved at lr 0.5 ...
+    for task, before in zip(problem.tasks, heads):  # ... the heads did not at lr 1e-30
+        for name, value in before.items():
+            torch.testing.assert_close(task.layer[name].detach(), value, rtol=0, atol=1e-20)
+
+
 def test_causal_lm_uses_last_block_and_kl(tmp_path):
     base = tiny_models.make_tiny_llama(str(tmp_path / "base"), seed=0)
     experts = tiny_models.make_experts(base, [str(tmp_path / "e0"), str(tmp_path / "e1")])

@@ -189,11 +189,22 @@ def task_loss(
 class AdaptationSettings:
     epochs: int = 100
     lr: float = 1e-2
+    task_layer_lr: Optional[float] = None  # None: ``lr``
     batch_size: int = 32
     clamp: bool = True
     target: Target = "hard"
     confidence_top_p: Optional[float] = None
     seed: int = 0
+
+
+def optimizer_groups(problem: Any, settings: AdaptationSettings) -> list[dict[str, Any]]:
+    """Adam's parameter groups: λ at ``lr``, the task layers at ``task_layer_lr`` (or ``lr``)."""
+    layers = [p for t in problem.tasks for p in t.layer.values()]
+    lr_layers = settings.lr if settings.task_layer_lr is None else settings.task_layer_lr
+    groups: list[dict[str, Any]] = [{"params": [problem.lambdas], "lr": settings.lr}]
+    if layers:
+        groups.append({"params": layers, "lr": lr_layers})
+    return groups
 
 
 @dataclass
@@ -238,7 +249,7 @@ def adapt(
         )
         for k, d in enumerate(data)
     ]
-    optimizer = torch.optim.Adam(problem.trainable_parameters(), lr=settings.lr, betas=(0.9, 0.999))
+    optimizer = torch.optim.Adam(optimizer_groups(problem, settings), betas=(0.9, 0.999))
     log = AdaptationLog(agreement={t.name: [] for t in problem.tasks})
     start = time.perf_counter()
     bar = tqdm(

@@ -77,6 +77,7 @@ class SyMergeParameters(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     lr: float = Field(1e-2, gt=0.0, allow_inf_nan=False)
+    task_layer_lr: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False)
     epochs: int = Field(100, ge=1)
     batch_size: int = Field(32, ge=1)
     init_lambda: float = Field(0.3, allow_inf_nan=False)
@@ -359,6 +360,7 @@ def adapt_session(session: SyMergeSession, *, progress: bool = True) -> dict[str
     settings = AdaptationSettings(
         epochs=p.epochs,
         lr=p.lr,
+        task_layer_lr=p.task_layer_lr,
         batch_size=p.batch_size,
         clamp=p.clamp,
         target=p.target,
@@ -487,7 +489,13 @@ INFO = MethodInfo(
     paper="From Non-Interference to Synergistic Merging via Single-Layer Adaptation (ICML 2026)",
     paper_url="https://arxiv.org/abs/2412.19098",
     parameters=(
-        ParameterDoc("lr", _DEFAULTS.lr, "Adam learning rate for λ and the task layers"),
+        ParameterDoc("lr", _DEFAULTS.lr, "Adam learning rate for λ (and the task layers)"),
+        ParameterDoc(
+            "task_layer_lr",
+            _DEFAULTS.task_layer_lr,
+            "Adam learning rate for the task layers (null: lr); lower it when the task layer is "
+            "a transformer block (causal LMs): at 1e-2 the LM suite's last blocks diverged",
+        ),
         ParameterDoc(
             "epochs",
             _DEFAULTS.epochs,
@@ -525,6 +533,7 @@ INFO = MethodInfo(
 
 _TYPES: dict[str, Any] = {
     "lr": float,
+    "task_layer_lr": float,
     "epochs": int,
     "batch_size": int,
     "init_lambda": float,
