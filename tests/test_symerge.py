@@ -36,10 +36,13 @@ from mergekit_ext.adaptation.trainer import (
 from mergekit_ext.config import parse_config
 from mergekit_ext.errors import CalibrationError, ConfigError, ModelInputError
 from mergekit_ext.methods.symerge import (
+    BLOCK_TASK_LAYER_LR,
     adapt_session,
     prepare_symerge,
+    resolved_task_layer_lr,
     run_symerge,
     save_symerge,
+    task_layers_are_lm_blocks,
 )
 
 TASKS = {"sentiment": ["good", "bad"], "animal": ["dog", "cat", "bird"], "weather": ["rain", "sun"]}
@@ -373,6 +376,12 @@ def test_task_layer_lr_is_its_own_adam_group(problem_set):
     cfg, params = make_config(problem_set, parameters={"seed": 3, "task_layer_lr": 1e-4})
     session = prepare_symerge(cfg, params)
     problem, data = session.problem, session.data
+    assert resolved_task_layer_lr(session.parameters, problem) == 1e-4  # given
+    heads_default = make_config(problem_set, parameters={"seed": 3})[1]
+    from mergekit_ext.methods.symerge import SyMergeParameters
+
+    assert not task_layers_are_lm_blocks(problem)  # classification heads
+    assert resolved_task_layer_lr(SyMergeParameters.model_validate(heads_default), problem) == 1e-2
     groups = optimizer_groups(problem, AdaptationSettings(lr=0.5, task_layer_lr=1e-30))
     assert [g["lr"] for g in groups] == [0.5, 1e-30]
     assert groups[0]["params"] == [problem.lambdas]
@@ -411,6 +420,7 @@ def test_causal_lm_uses_last_block_and_kl(tmp_path):
     section = adapt_session(session, progress=False)
     assert section["output_kinds"] == {"one": "causal_lm", "two": "causal_lm"}
     assert section["task_layers"] == {"one": ["model.layers.1"], "two": ["model.layers.1"]}
+    assert section["settings"]["task_layer_lr"] == BLOCK_TASK_LAYER_LR  # a block, not a head
     assert not any(k.startswith("layers.1.") for k in section["lambda_tensors"])
     assert all(math.isfinite(v) and v >= 0 for v in section["loss"])
     out = str(tmp_path / "out")
