@@ -50,17 +50,6 @@ SIZES: dict[str, dict[str, int]] = {
         sequences=32,
         seq_len=128,
     ),
-    # the full widths with 4 blocks: a timing probe (a few minutes)
-    "probe": dict(
-        hidden_size=1024,
-        intermediate_size=3584,
-        num_hidden_layers=4,
-        num_attention_heads=16,
-        num_key_value_heads=16,
-        vocab_size=32000,
-        sequences=32,
-        seq_len=128,
-    ),
     "small": dict(
         hidden_size=256,
         intermediate_size=704,
@@ -72,6 +61,8 @@ SIZES: dict[str, dict[str, int]] = {
         seq_len=64,
     ),
 }
+# the full widths with 4 blocks: a timing probe (a few minutes)
+SIZES["probe"] = {**SIZES["full"], "num_hidden_layers": 4}
 
 
 # ------------------------------------------------------------------------------------------

@@ -286,6 +286,27 @@ def run_variant(
     return result
 
 
+def configure_process(threads: Optional[int], verbose: bool = False) -> None:
+    """Offline, torch threads (inherited by the merge processes), logging, quiet transformers."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # inherited by the merge processes
+            os.environ[var] = str(threads)
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--suite", default="all", choices=[*SUITES, "all"])
@@ -314,23 +335,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(args.threads)
-        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # inherited by the merge processes
-            os.environ[var] = str(args.threads)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
+    configure_process(args.threads, args.verbose)
 
     rows = select_rows(args.methods, args.smoke)
     suites = SUITES if args.suite == "all" else (args.suite,)

