@@ -208,3 +208,15 @@ def check_calibration_present(cfg: ExtMergeConfig) -> None:
             f"{cfg.method} needs calibration data: add a `calibration:` section (top level, "
             f"or per model: {{path: data.jsonl, field: text}}) for {', '.join(missing)}"
         )
+
+
+def local_input_paths(cfg: ExtMergeConfig, extra: Iterable[str] = ()) -> list[str]:
+    """Every existing local path the merge reads: models, adapters, calibration data, the
+    config file, and ``extra`` (plugin files, caches); an output may not touch any of them."""
+    paths = [path for ref in _referenced(cfg) for path in model_paths(ref)]
+    specs = [cfg.calibration_for(e) for e in cfg.models] + [cfg.calibration_defaults]
+    paths += [str(spec.path) for spec in specs if spec is not None and spec.path]
+    if cfg.path:
+        paths.append(cfg.path)
+    paths += list(extra)
+    return [p for p in dict.fromkeys(paths) if p and os.path.exists(p)]

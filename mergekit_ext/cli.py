@@ -11,12 +11,15 @@ Importing this module imports ``mergekit_ext``, which registers our methods with
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
+import signal
 import sys
+import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
 import click
@@ -30,6 +33,27 @@ from mergekit_ext.methods.registry import all_method_names, describe_method
 LOG = logging.getLogger(__name__)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, handled like Ctrl-C: the temporary output is removed, the exit is non-zero."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """While a merge runs, SIGTERM raises :class:`Terminated` (the previous handler after)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _friendly_errors(verbose_of: Callable[[dict[str, Any]], int]) -> Callable:
     """Print user errors on one line and exit 1; the traceback only with ``-v``."""
 
@@ -40,9 +64,10 @@ def _friendly_errors(verbose_of: Callable[[dict[str, Any]], int]) -> Callable:
                 return f(*args, **kwargs)
             except (click.exceptions.Exit, click.ClickException, click.Abort):
                 raise
-            except KeyboardInterrupt:
-                click.echo("interrupted; no output was written", err=True)
-                sys.exit(130)
+            except KeyboardInterrupt as e:
+                what = "terminated" if isinstance(e, Terminated) else "interrupted"
+                click.echo(f"{what}; no output was written", err=True)
+                sys.exit(143 if isinstance(e, Terminated) else 130)
             except Exception as e:  # noqa: BLE001 - the CLI boundary
                 if verbose_of(kwargs) > 0:
                     traceback.print_exc()
@@ -123,21 +148,23 @@ def run_command(
     for plugin in plugins:
         _import_plugin(plugin)
     cfg = load_config(config_file)
-    result = run_merge_config(
-        cfg,
-        out_path,
-        merge_options,
-        RunOptions(
-            overwrite=overwrite,
-            allow_pickle=allow_pickle,
-            dry_run=dry_run,
-            force=force,
-            task_layers_only=task_layers_only,
-            push_to_hub=push_to_hub,
-            hub_private=hub_private,
-            hub_token=hub_token,
-        ),
-    )
+    with _sigterm_as_interrupt():
+        result = run_merge_config(
+            cfg,
+            out_path,
+            merge_options,
+            RunOptions(
+                overwrite=overwrite,
+                allow_pickle=allow_pickle,
+                dry_run=dry_run,
+                force=force,
+                task_layers_only=task_layers_only,
+                push_to_hub=push_to_hub,
+                hub_private=hub_private,
+                hub_token=hub_token,
+                plugins=plugins,
+            ),
+        )
     if result is not None:
         click.echo(f"merged model written to {result}")
 

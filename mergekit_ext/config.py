@@ -44,6 +44,7 @@ class ExtMergeConfig:
     models: list[ExtModelEntry]
     calibration_defaults: Optional[CalibrationSpec]
     base_dir: str  # folder of the YAML file; relative paths resolve against the CWD like mergekit
+    path: Optional[str] = None  # the YAML file, when read from one
 
     @property
     def method(self) -> str:
@@ -128,6 +129,7 @@ def parse_config(source_text: str, config_path: str = "<string>") -> ExtMergeCon
         base_dir=os.path.dirname(os.path.abspath(config_path))
         if config_path != "<string>"
         else os.getcwd(),
+        path=config_path if config_path != "<string>" else None,
     )
 
 

@@ -35,7 +35,7 @@ import json
 import math
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
 SCHEMA_VERSION = 1
@@ -56,6 +56,16 @@ def _jsonable(value: Any) -> Any:
         return {str(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
+    return value
+
+
+def _map_strings(value: Any, fn: Callable[[str], str]) -> Any:
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, dict):
+        return {fn(str(k)): _map_strings(v, fn) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_map_strings(v, fn) for v in value]
     return value
 
 
@@ -97,10 +107,12 @@ class DiagnosticsRecorder:
         with self._lock:
             self.data[key] = _jsonable(value)
 
-    def write(self, out_dir: str) -> str:
+    def write(self, out_dir: str, redact: Optional[Callable[[str], str]] = None) -> str:
+        """Write the JSON file; ``redact`` rewrites every string (to drop local paths)."""
         path = os.path.join(out_dir, FILENAME)
         with self._lock:
-            text = json.dumps(self.data, indent=2, sort_keys=True, allow_nan=False)
+            data = _map_strings(self.data, redact) if redact is not None else self.data
+            text = json.dumps(data, indent=2, sort_keys=True, allow_nan=False)
         with open(path, "w", encoding="utf-8") as fp:
             fp.write(text + "\n")
         return path

@@ -1,14 +1,17 @@
 """One merge from a parsed config to a finished output folder.
 
-``cli.run`` → :func:`run_merge_config`: validate everything (method, paths, shapes,
-parameters, calibration) → pick the executor by the method's kind (mergekit's own planner
+``cli.run`` → :func:`run_merge_config`: check ``OUT_DIR`` (never an input, the current or
+home directory; ``--overwrite`` only of a mergekit-ext output) and ``--push-to-hub`` → lock
+``OUT_DIR`` → validate everything (method, paths, shapes, parameters, calibration) → pick the executor by the method's kind (mergekit's own planner
 for tensor-local methods, our sequential executor for layerwise methods, the adaptation
 loop for SyMerge) → write weights, ``mergekit_config.yml``, the diagnostics JSON and the
-model card into a temporary folder → rename it into place.
+model card into a temporary folder → check every written tensor for NaN/Inf → rename it
+into place.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import tempfile
@@ -17,11 +20,16 @@ from typing import Any, Optional
 
 from mergekit.options import MergeOptions
 
-from mergekit_ext import checks, diagnostics
+from mergekit_ext import checks, diagnostics, finite
 from mergekit_ext.config import ExtMergeConfig
-from mergekit_ext.errors import MergekitExtError
+from mergekit_ext.errors import MergekitExtError, PublishError
 from mergekit_ext.methods.registry import ext_method_info
-from mergekit_ext.output import atomic_output_dir, check_output_dir
+from mergekit_ext.output import (
+    atomic_output_dir,
+    check_replaceable,
+    exclusive_output,
+    resolve_output,
+)
 
 LOG = logging.getLogger(__name__)
 
@@ -38,6 +46,7 @@ class RunOptions:
     push_to_hub: Optional[str] = None
     hub_private: bool = False
     hub_token: Optional[str] = None
+    plugins: tuple[str, ...] = ()  # --plugin modules or .py files (the files are inputs too)
 
 
 def validate(cfg: ExtMergeConfig, options: MergeOptions, run: RunOptions) -> list[str]:
@@ -55,48 +64,103 @@ def run_merge_config(
 ) -> Optional[str]:
     """Merge ``cfg`` into ``out_path``; returns the output folder (None for a dry run)."""
     run = run or RunOptions()
-    check_output_dir(out_path, run.overwrite)
-    validate(cfg, options, run)
+    extra = [p for p in run.plugins if p.endswith(".py")]
+    extra += [p for p in (options.lora_merge_cache, options.transformers_cache) if p]
+    inputs = checks.local_input_paths(cfg, extra)
+    target = resolve_output(out_path, inputs)
+    check_replaceable(target, run.overwrite, out_path)
+    if run.push_to_hub:
+        from mergekit_ext.hub.publish import check_can_publish
+
+        check_can_publish(run.push_to_hub, run.hub_token)
     info = ext_method_info(cfg.method)
     kind = info.kind if info else "tensorwise"
 
     if run.dry_run:
+        validate(cfg, options, run)
         print(_describe_plan(cfg, options, kind))
         return None
 
-    recorder = diagnostics.DiagnosticsRecorder(
-        cfg.method,
-        parameters=cfg.parameters,
-        seed=options.random_seed,
-        config_sha256=cfg.sha256,
-        versions=_versions(),
-    )
-    with atomic_output_dir(out_path, overwrite=run.overwrite) as tmp:
-        with diagnostics.recording(recorder):
-            if kind == "tensorwise":
-                _run_tensorwise(cfg, tmp, options)
-            elif kind == "layerwise":
-                _run_layerwise(cfg, tmp, options, recorder)
-            elif kind == "adaptation":
-                _run_adaptation(cfg, tmp, options, run, recorder)
-            else:  # pragma: no cover - registry guarantees the kinds
-                raise MergekitExtError(f"unknown method kind {kind!r}")
-        _write_config_copy(cfg, tmp)
-        recorder.write(tmp)
-        if options.write_model_card:
-            from mergekit_ext.hub.card import write_model_card
-
-            write_model_card(
-                tmp, name=os.path.basename(os.path.abspath(out_path)), repo_id=run.push_to_hub
-            )
+    with exclusive_output(target, out_path):
+        validate(cfg, options, run)
+        recorder = diagnostics.DiagnosticsRecorder(
+            cfg.method,
+            parameters=cfg.parameters,
+            seed=options.random_seed,
+            config_sha256=cfg.sha256,
+            versions=_versions(),
+        )
+        with atomic_output_dir(target, overwrite=run.overwrite, shown=out_path) as tmp:
+            with diagnostics.recording(recorder):
+                if kind == "tensorwise":
+                    _run_tensorwise(cfg, tmp, options)
+                elif kind == "layerwise":
+                    _run_layerwise(cfg, tmp, options, recorder)
+                elif kind == "adaptation":
+                    _run_adaptation(cfg, tmp, options, run, recorder)
+                else:  # pragma: no cover - registry guarantees the kinds
+                    raise MergekitExtError(f"unknown method kind {kind!r}")
+            finite.check_output_finite(tmp, _input_models(cfg))
+            _write_metadata(cfg, tmp, target, options, run, recorder)
     if run.push_to_hub:
-        from mergekit_ext.hub.publish import publish_folder
+        _publish(out_path, run)
+    return os.path.abspath(out_path)
 
+
+def _input_models(cfg: ExtMergeConfig) -> list[tuple[str, str]]:
+    """(label, folder) of every local input checkpoint, to trace a NaN back to its source."""
+    found = []
+    for ref in dict.fromkeys(str(m) for m in cfg.merge.referenced_models()):
+        for path in checks.model_paths(ref):
+            if os.path.isdir(path):
+                found.append((path, path))
+    return found
+
+
+def _write_metadata(
+    cfg: ExtMergeConfig,
+    tmp: str,
+    target: str,
+    options: MergeOptions,
+    run: RunOptions,
+    recorder: diagnostics.DiagnosticsRecorder,
+) -> None:
+    """``mergekit_config.yml``, the diagnostics and the card, with no absolute local path.
+
+    The card reads the config as written (it looks up the inputs' licenses); the copy that
+    stays, like every other published file, has the paths in their display form.
+    """
+    from mergekit_ext.hub.card import local_path_redactor
+
+    redact = local_path_redactor(cfg.raw)
+    published = redact(cfg.source_text)
+    recorder.set_header(
+        "config_written_sha256", hashlib.sha256(published.encode("utf-8")).hexdigest()
+    )
+    recorder.write(tmp, redact=redact)
+    if options.write_model_card:
+        from mergekit_ext.hub.card import write_model_card
+
+        _write_config_copy(cfg.source_text, tmp)
+        write_model_card(tmp, name=os.path.basename(target), repo_id=run.push_to_hub)
+    _write_config_copy(published, tmp)
+
+
+def _publish(out_path: str, run: RunOptions) -> None:
+    from mergekit_ext.hub.publish import publish_folder
+
+    assert run.push_to_hub is not None
+    try:
         url = publish_folder(
             out_path, run.push_to_hub, private=run.hub_private, token=run.hub_token
         )
-        LOG.info("published to %s", url)
-    return os.path.abspath(out_path)
+    except PublishError as e:
+        raise PublishError(
+            f"the merge succeeded and is kept at {out_path}, but publishing failed: {e} "
+            f"— publish it later with `mergekit-ext publish {out_path} --repo-id "
+            f"{run.push_to_hub}`"
+        ) from e
+    LOG.info("published to %s", url)
 
 
 def _versions() -> dict[str, str]:
@@ -193,9 +257,9 @@ def _record_result(recorder: diagnostics.DiagnosticsRecorder, method: str, resul
         recorder.record(method, key, value)
 
 
-def _write_config_copy(cfg: ExtMergeConfig, out_dir: str) -> None:
+def _write_config_copy(text: str, out_dir: str) -> None:
     with open(os.path.join(out_dir, "mergekit_config.yml"), "w", encoding="utf-8") as fp:
-        fp.write(cfg.source_text)
+        fp.write(text)
 
 
 def _describe_plan(cfg: ExtMergeConfig, options: MergeOptions, kind: str) -> str:

@@ -25,7 +25,7 @@ import math
 import os
 import re
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -793,6 +793,13 @@ def _shorten_yaml_paths(text: str, raw: Any, cwd: str) -> tuple[str, bool]:
     return text, changed
 
 
+def local_path_redactor(raw: Any, cwd: Optional[str] = None) -> Callable[[str], str]:
+    """A function that replaces the config's absolute local paths in a text by their
+    display form (as the card shows them), for every file a merge may publish."""
+    where = os.path.abspath(cwd or os.getcwd())
+    return lambda text: _shorten_yaml_paths(text, raw, where)[0]
+
+
 def _model_name(out_dir: str, name: Optional[str], repo_id: Optional[str]) -> str:
     if name:
         return name
@@ -1088,7 +1095,9 @@ def build_card_context(
         "config_yaml": shown_yaml,
         "yaml_shortened": shortened,
         "config_sha256": recorded_sha or text_sha,
-        "config_modified": bool(recorded_sha) and recorded_sha != text_sha,
+        "config_modified": bool(recorded_sha)
+        and recorded_sha != text_sha
+        and diag.get("config_written_sha256") != text_sha,
         "seed": diag.get("seed"),
         "calibration": _calibration_rows(diag, cfg, cwd),
         "data_aware": bool(method.get("needs_calibration")),

@@ -443,6 +443,24 @@ def dry_run_report(
     return "\n".join(lines)
 
 
+def check_can_publish(repo_id: str, token: Optional[str] = None) -> None:
+    """What ``publish_folder`` would refuse without asking the Hub, checked before a merge:
+    the repo id, offline mode, and that a token exists (``--token``, HF_TOKEN or a login)."""
+    from huggingface_hub import constants
+
+    validate_repo_id(repo_id)
+    if constants.is_offline_mode():
+        raise PublishError(
+            "--push-to-hub: HF_HUB_OFFLINE is set; unset it to publish, or drop --push-to-hub "
+            "and run `mergekit-ext publish` later"
+        )
+    if not resolve_token(token)[0]:
+        raise PublishError(
+            "--push-to-hub: not logged in to the Hugging Face Hub: run `hf auth login`, set "
+            "HF_TOKEN, or pass --token (a token with write permission); nothing was merged"
+        )
+
+
 def publish_folder(
     out_dir: str,
     repo_id: str,
