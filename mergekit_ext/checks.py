@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import difflib
 import glob
+import hashlib
 import json
 import logging
 import os
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Optional
 
 from mergekit_ext.config import ExtMergeConfig
 from mergekit_ext.errors import ConfigError, ModelInputError
@@ -220,3 +221,78 @@ def local_input_paths(cfg: ExtMergeConfig, extra: Iterable[str] = ()) -> list[st
         paths.append(cfg.path)
     paths += list(extra)
     return [p for p in dict.fromkeys(paths) if p and os.path.exists(p)]
+
+
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+
+
+def _layer_counts(config: dict[str, Any]) -> dict[str, int]:
+    """Layer counts a config.json declares, top level and per sub-model (text/vision)."""
+    counts = {key: config[key] for key in _LAYER_KEYS if isinstance(config.get(key), int)}
+    for sub, value in config.items():
+        if sub.endswith("_config") and isinstance(value, dict):
+            counts.update({f"{sub}.{k}": v for k, v in _layer_counts(value).items()})
+    return counts
+
+
+def check_layer_counts(cfg: ExtMergeConfig) -> None:
+    """With ``models:`` every full input must have as many layers as the others.
+
+    mergekit fails on the first missing tensor with a bare RuntimeError; this names the
+    models and their layer counts before anything loads. (``slices:`` may pick layer ranges
+    from models of different depths, so it is not checked.)
+    """
+    if not cfg.merge.models:
+        return
+    refs = [r for r in _referenced(cfg) if "+" not in r]
+    local = [r for r in refs if os.path.isfile(os.path.join(model_paths(r)[0], "config.json"))]
+    counts = {r: _layer_counts(read_config_json(model_paths(r)[0])) for r in local}
+    if len({tuple(sorted(c.items())) for c in counts.values()}) > 1:
+        listed = "; ".join(
+            f"{r}: {', '.join(f'{k}={v}' for k, v in sorted(c.items())) or 'unknown'}"
+            for r, c in counts.items()
+        )
+        raise ModelInputError(
+            f"the models have different numbers of layers ({listed}); merge models of the same "
+            "depth, or use `slices:` to pick matching layer ranges"
+        )
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer.model", "vocab.json")
+
+
+def _tokenizer_digest(folder: str) -> Optional[str]:
+    for name in _TOKENIZER_FILES:
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            with open(path, "rb") as fp:
+                return f"{name}:{hashlib.sha256(fp.read()).hexdigest()}"
+    return None
+
+
+def warn_tokenizers_differ(cfg: ExtMergeConfig) -> list[str]:
+    """Warn (and return the warnings) when the inputs' tokenizers are not identical.
+
+    Weights of models with different vocabularies do not line up row by row; the data-aware
+    methods refuse them when they tokenize calibration data, the data-free ones only warn.
+    """
+    digests = {}
+    for ref in _referenced(cfg):
+        folder = model_paths(ref)[0]
+        if os.path.isdir(folder):
+            digest = _tokenizer_digest(folder)
+            if digest is not None:
+                digests[ref] = digest
+    if len(set(digests.values())) <= 1:
+        return []
+    groups: dict[str, list[str]] = {}
+    for ref, digest in digests.items():
+        groups.setdefault(digest, []).append(ref)
+    msg = (
+        "the input models' tokenizers differ ("
+        + " vs ".join(", ".join(refs) for refs in groups.values())
+        + "); their embedding rows may mean different tokens: merge models that share one "
+        "tokenizer, or set `tokenizer_source:`/`tokenizer:` in the YAML"
+    )
+    LOG.warning(msg)
+    return [msg]

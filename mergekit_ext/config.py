@@ -14,6 +14,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -25,6 +26,19 @@ from mergekit_ext.calibration.config import CalibrationSpec
 from mergekit_ext.errors import ConfigError
 
 _MODEL_EXTRA_KEYS = ("calibration", "name")
+
+# A task name becomes a folder (SyMerge's ``tasks/<name>``): one plain path component.
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+def check_task_name(name: str, where: str) -> None:
+    """Refuse a task name that is not one safe path component (letters, digits, ``-_.``)."""
+    if _SAFE_NAME.match(name) and name not in (".", ".."):
+        return
+    raise ConfigError(
+        f"{where}: task name {name!r} is not allowed: it names a folder of the output; use "
+        "letters, digits, '-', '_' and '.' only (not '.' or '..', no '/')"
+    )
 
 
 @dataclass
@@ -67,8 +81,11 @@ class ExtMergeConfig:
 
 
 def _task_name(model: str) -> str:
-    path = model.split("+")[-1].rstrip("/")
-    return os.path.basename(path) or path
+    """The default task name: the folder name, made one safe path component."""
+    path = model.split("+")[-1].split("@")[0].rstrip("/")
+    name = os.path.basename(os.path.abspath(path) if path in ("", ".", "..") else path)
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", name or "model")
+    return name if name not in (".", "..") else "model"
 
 
 def parse_config(source_text: str, config_path: str = "<string>") -> ExtMergeConfig:
@@ -86,6 +103,11 @@ def parse_config(source_text: str, config_path: str = "<string>") -> ExtMergeCon
     if raw.get("calibration") is not None:
         defaults = _parse_calibration(raw["calibration"], f"{config_path}: calibration")
 
+    if "models" in raw and not raw["models"] and not raw.get("slices"):
+        raise ConfigError(
+            f"{config_path}: the `models:` list is empty; list the models to merge "
+            "(- model: ./expert-a, ...) and set base_model where the method needs one"
+        )
     entries: list[ExtModelEntry] = []
     mk_raw = {k: v for k, v in raw.items() if k != "calibration"}
     if isinstance(raw.get("models"), list):
@@ -99,11 +121,9 @@ def parse_config(source_text: str, config_path: str = "<string>") -> ExtMergeCon
                 cal = _parse_calibration(
                     m["calibration"], f"{config_path}: models[{i}] ({model}).calibration"
                 )
-            entries.append(
-                ExtModelEntry(
-                    model=model, name=str(m.get("name") or _task_name(model)), calibration=cal
-                )
-            )
+            name = str(m.get("name") or _task_name(model))
+            check_task_name(name, f"{config_path}: models[{i}] ({model}).name")
+            entries.append(ExtModelEntry(model=model, name=name, calibration=cal))
             clean_models.append({k: v for k, v in m.items() if k not in _MODEL_EXTRA_KEYS})
         mk_raw["models"] = clean_models
         names = [e.name for e in entries]

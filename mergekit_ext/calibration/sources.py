@@ -21,6 +21,7 @@ the same spec, seed and tokenizer give identical batches and the same ``sha256``
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import hashlib
 import json
@@ -606,7 +607,8 @@ def check_calibration(spec: CalibrationSpec, *, task: str, modality: str) -> Non
         from datasets import load_from_disk
 
         try:
-            dataset = _choose_split(load_from_disk(path), spec.split, repr(path), task)
+            with _datasets_local_only():
+                dataset = _choose_split(load_from_disk(path), spec.split, repr(path), task)
         except CalibrationError:
             raise
         except Exception as e:
@@ -619,6 +621,20 @@ def check_calibration(spec: CalibrationSpec, *, task: str, modality: str) -> Non
         if not non_empty:
             raise CalibrationError(f"model {task}: calibration file {path!r} is empty")
         _resolve_field(columns, spec, modality, repr(path), task)
+
+
+@contextlib.contextmanager
+def _datasets_local_only() -> Iterator[None]:
+    """``datasets`` offline while it reads a local file: no download-count ping to the Hub
+    (a HEAD request with a 3 s timeout that ``load_dataset("json", ...)`` sends otherwise)."""
+    from datasets import config
+
+    saved = config.HF_HUB_OFFLINE, config.HF_UPDATE_DOWNLOAD_COUNTS
+    config.HF_HUB_OFFLINE, config.HF_UPDATE_DOWNLOAD_COUNTS = True, False
+    try:
+        yield
+    finally:
+        config.HF_HUB_OFFLINE, config.HF_UPDATE_DOWNLOAD_COUNTS = saved
 
 
 def _open(spec: CalibrationSpec, *, task: str, modality: str) -> _Opened:
@@ -668,12 +684,14 @@ def _open(spec: CalibrationSpec, *, task: str, modality: str) -> _Opened:
     if kind == "disk":
         from datasets import load_from_disk
 
-        dataset = _choose_split(load_from_disk(path), spec.split, repr(path), task)
+        with _datasets_local_only():
+            dataset = _choose_split(load_from_disk(path), spec.split, repr(path), task)
     else:
         from datasets import load_dataset
 
         try:
-            dataset = load_dataset(kind, data_files=path, split="train")
+            with _datasets_local_only():
+                dataset = load_dataset(kind, data_files=path, split="train")
         except Exception as e:
             raise CalibrationError(
                 f"model {task}: cannot load calibration file {path!r} as {kind}: {e}"

@@ -49,6 +49,7 @@ from mergekit.io import TensorWriter
 from torch import nn
 from tqdm.auto import tqdm
 
+from mergekit_ext import finite
 from mergekit_ext.calibration.statistics import ActivationStatistics, flatten_tokens
 from mergekit_ext.errors import MergekitExtError, TensorError
 from mergekit_ext.executor.checkpoint import (
@@ -339,6 +340,17 @@ class SequentialExecutor:
         self._check_merged(name, merged, base.shape)
         return self._write(canonical, merged)
 
+    def _check_inputs(
+        self,
+        base: dict[str, torch.Tensor],
+        experts: Sequence[dict[str, torch.Tensor]],
+        where: str,
+    ) -> None:
+        """NaN/Inf in an input fails here, naming it, not later as a non-finite statistic."""
+        finite.check_loaded_finite(base, model=self.base.label, task="base", where=where)
+        for e, tensors in zip(self.experts, experts):
+            finite.check_loaded_finite(tensors, model=e.label, task=e.task, where=where)
+
     @staticmethod
     def _check_merged(name: str, merged: Any, shape: torch.Size) -> None:
         if not isinstance(merged, torch.Tensor):
@@ -399,6 +411,7 @@ class SequentialExecutor:
         for name in self.plan.pre_block:
             base = self.base.load(name, self.device)
             experts = [e.source.load(name, self.device) for e in self.experts]
+            self._check_inputs({name: base}, [{name: w} for w in experts], "the embeddings")
             merged[name] = self._merge_other(name, base, experts)
             del base, experts
             self._release()
@@ -539,6 +552,7 @@ class SequentialExecutor:
             {name: e.source.load(name, self.device, cache) for name in block.tensors}
             for e in self.experts
         ]
+        self._check_inputs(base_block, expert_blocks, f"layer {block.index}")
         local = len(block.prefix)
 
         # Non-linear tensors first: every later forward sees them merged ("norms included").
@@ -656,6 +670,12 @@ class SequentialExecutor:
                     skipped.append(e.label)
                     continue
                 contributing.append(e.source.load(name, self.device))
+                finite.check_loaded_finite(
+                    {shown: contributing[-1]}, model=e.label, task=e.task, where="the final layers"
+                )
+            finite.check_loaded_finite(
+                {shown: base}, model=self.base.label, task="base", where="the final layers"
+            )
             if skipped:
                 self.not_merged.append(
                     {

@@ -18,7 +18,7 @@ from mergekit.merge_methods import TensorGroup, merge_method
 from mergekit.merge_methods.base import BasePolicy, InputContract
 
 from mergekit_ext import diagnostics
-from mergekit_ext.errors import TensorError
+from mergekit_ext.errors import ConfigError, TensorError
 from mergekit_ext.methods.registry import MethodInfo, ParameterDoc, register_method
 
 NormalizeMode = Literal["auto", "always", "never"]
@@ -85,6 +85,8 @@ def ace_merge_tensor(
     Returns the merged weight and its diagnostics. Raises :class:`TensorError` (naming
     ``name``) for fewer than two experts, mismatched shapes or non-finite values.
     """
+    if not 0.0 <= k_frac <= 1.0:  # the full range check of every parameter is the config's
+        raise ConfigError(f"ace: parameter k_frac = {k_frac} is outside its range [0, 1]")
     _check_inputs(base, experts, name)
     if base.ndim != 2:
         raise TensorError(f"ACE's covariance merge needs a 2-D weight; {name} is {base.ndim}-D")

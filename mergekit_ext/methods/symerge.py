@@ -419,6 +419,11 @@ def save_symerge(session: SyMergeSession, out_dir: str, *, task_layers_only: boo
         zip(problem.tasks, session.expert_paths, session.expert_configs)
     ):
         task_dir = os.path.join(out_dir, "tasks", task.name)
+        # Names are checked with the config; this guards callers that build tasks themselves.
+        if os.path.dirname(os.path.normpath(task_dir)) != os.path.normpath(
+            os.path.join(out_dir, "tasks")
+        ):
+            raise ConfigError(f"symerge: task name {task.name!r} is not one folder name")
         tensors = problem.task_checkpoint_tensors(k)
         if task_layers_only:
             modules = task.roles.task_layer_modules + frozen_modules(task.roles)
