@@ -121,7 +121,7 @@ def parse_config(source_text: str, config_path: str = "<string>") -> ExtMergeCon
                 cal = _parse_calibration(
                     m["calibration"], f"{config_path}: models[{i}] ({model}).calibration"
                 )
-            name = str(m.get("name") or _task_name(model))
+            name = _task_name(model) if m.get("name") is None else str(m["name"])
             check_task_name(name, f"{config_path}: models[{i}] ({model}).name")
             entries.append(ExtModelEntry(model=model, name=name, calibration=cal))
             clean_models.append({k: v for k, v in m.items() if k not in _MODEL_EXTRA_KEYS})
