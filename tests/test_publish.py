@@ -15,7 +15,9 @@ Every test checks that the token never appears in anything printed or logged.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import os
 import re
 import shutil
 import socket
@@ -489,3 +491,77 @@ def test_scrub_removes_tokens() -> None:
     text = f"failed with {WRITE_TOKEN} and hf_someOtherToken123456"
     scrubbed = publish_mod._scrub(text, WRITE_TOKEN)
     assert WRITE_TOKEN not in scrubbed and "hf_someOtherToken123456" not in scrubbed
+
+
+# ------------------------------------------------- `run --push-to-hub` (issue #11: 6 and 7)
+
+
+def _run_config(tmp_path: Path, tiny_llama_set) -> Path:
+    """A regmean merge of absolute local paths, calibration data included (both recorded)."""
+    data = tmp_path / "texts.jsonl"
+    data.write_text("".join(f'{{"text": "one two three {i}"}}\n' for i in range(8)))
+    experts = "".join(f"  - model: {e}\n" for e in tiny_llama_set.experts)
+    (tmp_path / "c.yml").write_text(
+        f"merge_method: regmean\nbase_model: {tiny_llama_set.base}\nmodels:\n{experts}"
+        f"calibration: {{path: {data}, samples: 4, max_length: 8}}\ndtype: float32\n"
+    )
+    return tmp_path / "c.yml"
+
+
+def test_run_push_to_hub_uploads_no_local_path(
+    hub: FakeHub, tiny_llama_set, tmp_path: Path, monkeypatch
+) -> None:
+    from mergekit_ext.cli import main
+
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    config = _run_config(tmp_path, tiny_llama_set)
+    out = tmp_path / "merged"
+    result = CliRunner().invoke(
+        main, ["run", str(config), str(out), "--push-to-hub", "alice/m", "--token", WRITE_TOKEN]
+    )
+    assert result.exit_code == 0, result.output
+    assert_files_arrived(hub, "alice/m", out)
+    uploaded = hub.commits("alice/m", "main")[-1].files
+    assert {"mergekit_config.yml", "mergekit_ext_diagnostics.json", "README.md"} <= set(uploaded)
+    # The models and the data live under pytest's base folder, which names the user.
+    local = str(tmp_path.parent).encode()
+    assert local in config.read_bytes()
+    leaks = [path for path, data in uploaded.items() if local in data]
+    assert leaks == []
+    diag = json.loads(uploaded["mergekit_ext_diagnostics.json"])
+    assert diag["calibration"]["expert0"]["source"] == "texts.jsonl"
+
+
+def test_run_push_to_hub_is_checked_before_merging(
+    client_env, tiny_llama_set, tmp_path: Path, monkeypatch
+) -> None:
+    from mergekit_ext.cli import main
+
+    config = _run_config(tmp_path, tiny_llama_set)
+    out = tmp_path / "merged"
+    args = ["run", str(config), str(out), "--push-to-hub", "alice/m"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1
+    assert "not logged in" in result.output and "nothing was merged" in result.output
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    result = CliRunner().invoke(main, [*args, "--token", WRITE_TOKEN])
+    assert result.exit_code == 1 and "HF_HUB_OFFLINE is set" in result.output
+    assert not out.exists() and not any(".partial-" in n for n in os.listdir(tmp_path))
+
+
+def test_run_push_to_hub_failure_keeps_the_merge(
+    hub: FakeHub, tiny_llama_set, tmp_path: Path, monkeypatch
+) -> None:
+    from mergekit_ext.cli import main
+
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    config = _run_config(tmp_path, tiny_llama_set)
+    out = tmp_path / "merged"
+    result = CliRunner().invoke(
+        main, ["run", str(config), str(out), "--push-to-hub", "alice/m", "--token", READ_TOKEN]
+    )
+    assert result.exit_code == 1
+    assert "403" in result.output
+    assert f"the merge succeeded and is kept at {out}" in result.output
+    assert f"mergekit-ext publish {out} --repo-id alice/m" in result.output
+    assert check_complete(str(out)) == []

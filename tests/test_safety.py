@@ -157,6 +157,7 @@ def _invoke(args, monkeypatch=None, cwd=None):
         ("m", "contains the input m/"),
     ],
 )
+@pytest.mark.slow
 def test_overwrite_never_deletes_inputs_or_the_working_folder(work, out, expected):
     """The three reported data-loss commands, as a user types them, in a subprocess."""
     before = _snapshot(work)
@@ -239,6 +240,7 @@ def test_default_task_names_are_made_safe(work, monkeypatch):
 # ------------------------------------------------------- 3. one merge per OUT_DIR at a time
 
 
+@pytest.mark.slow
 def test_two_merges_into_one_out_dir(work):
     env = _env(MKX_TEST_READY=str(work / "ready"), MKX_TEST_GO=str(work / "go"))
     first = _cli("run", "ace.yml", "out", "--plugin", "plugins/pause.py", cwd=work, env=env)
@@ -280,6 +282,7 @@ def test_lock_is_released_after_a_failed_merge(work, monkeypatch):
 # --------------------------------------------------------------- 4. killed merges
 
 
+@pytest.mark.slow
 def test_sigkilled_merge_is_cleaned_up_by_the_next_run(work):
     env = _env(MKX_TEST_READY=str(work / "ready"), MKX_TEST_GO=str(work / "go"))
     killed = _cli("run", "ace.yml", "out", "--plugin", "plugins/pause.py", cwd=work, env=env)
@@ -299,6 +302,7 @@ def test_sigkilled_merge_is_cleaned_up_by_the_next_run(work):
     assert load_file(str(work / "out" / "model.safetensors"))
 
 
+@pytest.mark.slow
 def test_sigterm_is_handled_like_ctrl_c(work):
     env = _env(MKX_TEST_READY=str(work / "ready"), MKX_TEST_GO=str(work / "go"))
     proc = _cli("run", "ace.yml", "out", "--plugin", "plugins/pause.py", cwd=work, env=env)
@@ -474,3 +478,43 @@ def test_ace_k_frac_out_of_range(models, k_frac):
     w0 = torch.zeros(4, 4)
     with pytest.raises(ConfigError, match=r"k_frac = .* outside its range \[0, 1\]"):
         ace_merge_tensor(w0, [w0 + 1, w0 - 1], k_frac=k_frac)
+
+
+# --------------------------------------------- 10. local calibration files: no network
+
+
+def test_local_calibration_files_make_no_network_call(models, tmp_path, monkeypatch):
+    import socket
+
+    import datasets
+    import huggingface_hub.constants as hf_constants
+
+    from mergekit_ext.calibration.config import CalibrationSpec
+    from mergekit_ext.calibration.sources import load_calibration
+
+    base, _ = models
+    # As with HF_HUB_OFFLINE unset: datasets would ping the Hub for its download counts.
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_UPDATE_DOWNLOAD_COUNTS", True)
+    attempts = []
+
+    def refuse(self, address):
+        attempts.append(address)
+        raise ConnectionRefusedError(f"test blocked a connection to {address}")
+
+    def resolve(host, *args, **kwargs):
+        attempts.append(host)
+        raise socket.gaierror(f"test blocked a name lookup of {host}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    (tmp_path / "t.jsonl").write_text("".join(f'{{"text": "a b {i}"}}\n' for i in range(4)))
+    (tmp_path / "t.csv").write_text("text\n" + "".join(f"c d {i}\n" for i in range(4)))
+    datasets.Dataset.from_dict({"text": ["e f", "g h"]}).save_to_disk(str(tmp_path / "disk"))
+    for path in ("t.jsonl", "t.csv", "disk"):
+        spec = CalibrationSpec(path=str(tmp_path / path), samples=2, max_length=8)
+        data = load_calibration(spec, base, task="t")
+        assert data.num_samples == 2
+    assert attempts == []
+    assert datasets.config.HF_HUB_OFFLINE is False  # restored after each local read
