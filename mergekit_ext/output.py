@@ -191,6 +191,11 @@ def exclusive_output(target: str, shown: str) -> Iterator[None]:
         shown: ``OUT_DIR`` as the user wrote it, for the message.
     """
     parent = os.path.dirname(target)
+    created = []  # parent folders made here, removed again if the merge leaves them empty
+    missing = parent
+    while not os.path.exists(missing):
+        created.append(missing)
+        missing = os.path.dirname(missing)
     os.makedirs(parent, exist_ok=True)
     path = _lock_path(target)
     lock = FileLock(path, timeout=0, on_acquired=_record_owner)
@@ -209,6 +214,11 @@ def exclusive_output(target: str, shown: str) -> Iterator[None]:
         with contextlib.suppress(OSError):
             os.unlink(path)
         lock.release()
+        for folder in created:
+            try:
+                os.rmdir(folder)
+            except OSError:
+                break
 
 
 def _apply_umask(path: str) -> None:

@@ -82,6 +82,11 @@ def test_run_ace_writes_expected_merge_and_diagnostics(models, tmp_path):
     assert [m["model"] for m in yaml.safe_load(copied)["models"]] == ["e0", "e1", "e2"]
     assert diag["config_sha256"] == hashlib.sha256(open(config, "rb").read()).hexdigest()
     assert _no_partials(tmp_path) == []
+    # A card rebuilt from the shortened copy says so, and does not call it edited.
+    assert _run(["card", str(out)]).exit_code == 0
+    card = (out / "README.md").read_text()
+    assert "absolute local paths are shortened" in card and "was edited" not in card
+    assert os.path.dirname(base) not in card
 
 
 def test_run_is_deterministic_and_refuses_existing_output(models, tmp_path):

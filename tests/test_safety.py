@@ -185,6 +185,13 @@ def test_output_location_refusals(work, monkeypatch, tmp_path):
         assert expected in result.output, (extra, result.output)
     assert _snapshot(work) == before
     assert _leftovers(work) == []
+    # A failed merge into new nested folders leaves none of them behind.
+    config = yaml.safe_load((work / "ace.yml").read_text())
+    config["parameters"] = {"k_frac": -0.5}
+    (work / "ace.yml").write_text(yaml.safe_dump(config))
+    result = _invoke(["run", "ace.yml", "new/deeper/out"])
+    assert result.exit_code == 1 and "k_frac = -0.5" in result.output
+    assert not (work / "new").exists()
 
 
 def test_overwrite_replaces_only_mergekit_ext_outputs(work, monkeypatch):

@@ -1093,7 +1093,9 @@ def build_card_context(
         "base": next((m for m in inputs if m.role == "base"), None),
         "license": license_decision,
         "config_yaml": shown_yaml,
-        "yaml_shortened": shortened,
+        # A copy the runner already shortened: the hash differs from the recorded original.
+        "yaml_shortened": shortened
+        or (recorded_sha != text_sha and diag.get("config_written_sha256") == text_sha),
         "config_sha256": recorded_sha or text_sha,
         "config_modified": bool(recorded_sha)
         and recorded_sha != text_sha
