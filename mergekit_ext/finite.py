@@ -27,8 +27,16 @@ _PREFIXES = ("model.", "bert.", "roberta.", "vit.", "transformer.", "base_model.
 
 
 def is_finite(tensor: torch.Tensor) -> bool:
-    """True for non-floating tensors and floating tensors without NaN/Inf."""
-    return not tensor.dtype.is_floating_point or bool(torch.isfinite(tensor).all())
+    """True for non-floating tensors and floating tensors without NaN/Inf.
+
+    A NaN or Inf anywhere makes the sum NaN or Inf, so a finite sum (one pass, no boolean
+    tensor) proves the tensor finite; only a non-finite sum, which a huge finite tensor can
+    also give, needs the element-wise test.
+    """
+    if not tensor.dtype.is_floating_point:
+        return True
+    wide = torch.float32 if tensor.dtype == torch.float16 else tensor.dtype  # 65504 is near
+    return bool(torch.isfinite(tensor.sum(dtype=wide))) or bool(torch.isfinite(tensor).all())
 
 
 def check_loaded_finite(

@@ -525,3 +525,19 @@ def test_local_calibration_files_make_no_network_call(models, tmp_path, monkeypa
         assert data.num_samples == 2
     assert attempts == []
     assert datasets.config.HF_HUB_OFFLINE is False  # restored after each local read
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_is_finite_fast_path_is_exact(dtype):
+    from mergekit_ext.finite import is_finite
+
+    big = torch.full((64, 64), torch.finfo(dtype).max / 2, dtype=dtype)  # the sum overflows
+    assert is_finite(big) and is_finite(torch.zeros(3, dtype=dtype))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        t = torch.ones(8, 8, dtype=dtype)
+        t[3, 5] = bad
+        assert not is_finite(t)
+    both = torch.ones(4, dtype=dtype)
+    both[0], both[1] = float("inf"), float("-inf")  # sums to NaN
+    assert not is_finite(both)
+    assert is_finite(torch.tensor([1, 2], dtype=torch.int64))
