@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 
 import pytest
+import tiny_models
 import torch
 import transformers
 import yaml
@@ -22,7 +23,6 @@ from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-import tiny_models
 from mergekit_ext.cli import main
 from mergekit_ext.config import parse_config
 from mergekit_ext.errors import ModelInputError
