@@ -235,7 +235,7 @@ def llama_mix(tmp_path_factory):
         base,
         {
             "model.rotary_emb.inv_freq": inv_freq,  # today's module, a non-persistent buffer
-            "model.layers.0.self_attn.rotary_emb.inv_freq": inv_freq,  # transformers 4.3x
+            "model.layers.0.self_attn.rotary_emb.inv_freq": inv_freq.clone(),  # transformers 4.3x
         },
     )
     assert "lm_head.weight" not in _keys(tied)
@@ -256,12 +256,16 @@ def _llama_config(base, experts, method, tmp_path, **extra) -> dict:
     return config
 
 
-def _expected_head(experts) -> torch.Tensor:
-    """The experts' heads as they run: a tied expert's head is its embedding table."""
+def _head(path: str) -> torch.Tensor:
+    """A model's head as it runs: a tied model's head is its embedding table."""
+    t = load_file(os.path.join(path, "model.safetensors"))
+    return t.get("lm_head.weight", t["model.embed_tokens.weight"])
+
+
+def _expected_head(models) -> torch.Tensor:
     heads = []
-    for e in experts:
-        t = load_file(os.path.join(e, "model.safetensors"))
-        heads.append(t.get("lm_head.weight", t["model.embed_tokens.weight"]))
+    for e in models:
+        heads.append(_head(e))
     return torch.stack(heads).mean(0)
 
 
@@ -273,8 +277,10 @@ def test_llama_inv_freq_and_tied_expert_head(llama_mix, tmp_path, method, caplog
     out = _run(tmp_path, _llama_config(base, experts, method, tmp_path, **extra))
     merged = load_file(os.path.join(out, "model.safetensors"))
     # the tied expert's head is its embedding table, averaged with the untied heads
-    # (linear: mergekit's weighted mean; regmean: its fallback mean for heads)
-    torch.testing.assert_close(merged["lm_head.weight"], _expected_head(experts))
+    # (linear: mergekit's mean, which counts the base as an input; regmean: its fallback
+    # mean over the experts)
+    inputs = [base, *experts] if method == "linear" else experts
+    torch.testing.assert_close(merged["lm_head.weight"], _expected_head(inputs))
     messages = " ".join(r.getMessage() for r in caplog.records)
     assert "does not load" in messages and "rotary_emb.inv_freq" in messages
     assert "ties lm_head.weight to model.embed_tokens.weight" in messages
@@ -297,19 +303,10 @@ def test_symerge_untied_base_with_tied_expert(llama_mix, tmp_path):
     )
     out = _run(tmp_path, config)
     merged = load_file(os.path.join(out, "model.safetensors"))
-    base_head = load_file(os.path.join(base, "model.safetensors"))["lm_head.weight"]
+    base_head = _head(base)
     # λ stays ~init_lambda (lr ~0): θ_0 + 0.5 Σ_k (head_k − θ_0), the tied expert's head
     # being its embedding table
-    expected = base_head + 0.5 * sum(
-        h - base_head
-        for h in (
-            load_file(os.path.join(e, "model.safetensors")).get(
-                "lm_head.weight",
-                load_file(os.path.join(e, "model.safetensors"))["model.embed_tokens.weight"],
-            )
-            for e in experts
-        )
-    )
+    expected = base_head + 0.5 * sum(_head(e) - base_head for e in experts)
     torch.testing.assert_close(merged["lm_head.weight"], expected, rtol=1e-4, atol=1e-4)
 
 
