@@ -229,7 +229,7 @@ def check_checkpoint_classes(cfg: ExtMergeConfig) -> None:
             continue
         key = os.path.realpath(path)
         if key not in seen:
-            seen[key] = _tying_input(path, model_class)
+            seen[key] = _tying_input(path)
         tying = seen[key]
         if ref == base_ref or (base_ref is not None and "+" not in ref and path == base_ref):
             base = tying
@@ -238,8 +238,11 @@ def check_checkpoint_classes(cfg: ExtMergeConfig) -> None:
     model_class.check_tied_weights(base, experts)
 
 
-def _tying_input(path: str, model_class: Any) -> Any:
+def _tying_input(path: str) -> Any:
+    """``path`` read by its own class: logs its unloaded tensors, returns its tying."""
     import transformers
+
+    from mergekit_ext import model_class
 
     try:
         config = transformers.AutoConfig.from_pretrained(path)
