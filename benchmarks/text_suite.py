@@ -19,14 +19,17 @@ import importlib.util
 import json
 import logging
 import os
+import re
+import shutil
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from benchmarks.cache import cached_build
+from benchmarks.cache import cached_build, recipe_hash
 from benchmarks.suite_base import (
     Expert,
     Suite,
@@ -67,6 +70,33 @@ def file_sha256(path: str) -> str:
         for chunk in iter(lambda: fp.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def cut_layers(source: str, out: str, num_layers: int) -> None:
+    """``source`` with only its first ``num_layers`` blocks, copied tensor by tensor.
+
+    Everything else is the shipped files as they are (buffers, key names, dtypes, the
+    config's other fields), not a transformers re-save.
+    """
+    os.makedirs(out, exist_ok=True)
+    for name in os.listdir(source):
+        path = os.path.join(source, name)
+        if os.path.isfile(path) and name not in ("model.safetensors", "config.json"):
+            shutil.copy(path, os.path.join(out, name))
+    with open(os.path.join(source, "config.json"), encoding="utf-8") as fp:
+        config = json.load(fp)
+    config["num_hidden_layers"] = num_layers
+    with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as fp:
+        json.dump(config, fp, indent=2)
+    block = re.compile(r"(?:^|\.)encoder\.layer\.(\d+)\.")
+    with safe_open(os.path.join(source, "model.safetensors"), framework="pt") as f:
+        metadata = f.metadata()
+        tensors = {}
+        for key in f.keys():
+            match = block.search(key)
+            if match is None or int(match.group(1)) < num_layers:
+                tensors[key] = f.get_tensor(key)
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata=metadata)
 
 
 @dataclass(frozen=True)
@@ -141,6 +171,12 @@ class TextSuite(Suite):
     # -- base -----------------------------------------------------------------------
     @memoized
     def base(self) -> tuple[str, dict[str, Any]]:
+        """The packaged checkpoint folder itself, as it ships (smoke: its first layers).
+
+        Never re-saved: the shipped file keeps what users' base models have and experts
+        saved by transformers 5 lack (the ``embeddings.position_ids`` buffer, a config of
+        transformers 4.8), so every merge of the suite meets that mix.
+        """
         source = minilm_folder()
         recipe = {
             "kind": "text-base",
@@ -148,15 +184,18 @@ class TextSuite(Suite):
             "sha256": file_sha256(os.path.join(source, "model.safetensors")),
             "num_layers": self.settings.num_layers,
         }
+        if self.settings.num_layers is None:
+            return source, {
+                "hash": recipe_hash(recipe),
+                "recipe": recipe,
+                "build_seconds": 0.0,
+                "reused": True,
+            }
+        recipe["cut"] = "shipped tensors"  # (older smoke bases were re-saved by transformers)
+        layers = self.settings.num_layers
 
         def build(out: str) -> None:
-            import transformers
-
-            overrides = {}
-            if self.settings.num_layers is not None:
-                overrides["num_hidden_layers"] = self.settings.num_layers
-            transformers.BertModel.from_pretrained(source, **overrides).save_pretrained(out)
-            transformers.AutoTokenizer.from_pretrained(source).save_pretrained(out)
+            cut_layers(source, out, layers)
 
         folder = os.path.join(self.root, "base")
         return folder, cached_build(folder, recipe, build)

@@ -296,3 +296,50 @@ def warn_tokenizers_differ(cfg: ExtMergeConfig) -> list[str]:
     )
     LOG.warning(msg)
     return [msg]
+def check_checkpoint_classes(cfg: ExtMergeConfig) -> None:
+    """Read each local input as its own transformers class would (see :mod:`model_class`).
+
+    Logs, per model, the tensors its class does not load (old buffers such as
+    ``embeddings.position_ids``: every executor ignores them for merging) and refuses
+    inputs whose tied weights cannot be merged (:func:`model_class.check_tied_weights`).
+    """
+    from mergekit_ext import model_class
+
+    base_ref = str(cfg.merge.base_model) if cfg.merge.base_model else None
+    seen: dict[str, model_class.TyingInput] = {}
+    base: model_class.TyingInput | None = None
+    experts: list[model_class.TyingInput] = []
+    for ref in _referenced(cfg):
+        path = model_paths(ref)[0]  # base+LoRA: the full model under the adapter
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            continue
+        key = os.path.realpath(path)
+        if key not in seen:
+            seen[key] = _tying_input(path)
+        tying = seen[key]
+        if ref == base_ref or (base_ref is not None and "+" not in ref and path == base_ref):
+            base = tying
+        else:
+            experts.append(model_class.TyingInput(ref, tying.tied, tying.keys))
+    model_class.check_tied_weights(base, experts)
+
+
+def _tying_input(path: str) -> Any:
+    """``path`` read by its own class: logs its unloaded tensors, returns its tying."""
+    import transformers
+
+    from mergekit_ext import model_class
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(path)
+        model = model_class.meta_model(config)
+    except Exception as e:  # a class we cannot build offline: nothing to decide from
+        LOG.debug("%s: cannot build its transformers class (%s); tensors taken as listed", path, e)
+        return model_class.TyingInput(path, {}, frozenset())
+    module_keys = model_class.rename_to_module_keys(model, tensor_shapes(path))
+    model_class.log_unloaded(
+        path, model_class.unloaded_keys(model, module_keys), type(model).__name__
+    )
+    return model_class.TyingInput(
+        path, model_class.tied_weights(model), frozenset(model.state_dict())
+    )

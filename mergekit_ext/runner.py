@@ -55,6 +55,7 @@ def validate(cfg: ExtMergeConfig, options: MergeOptions, run: RunOptions) -> lis
     checks.check_model_paths(cfg, allow_pickle=run.allow_pickle)
     checks.check_compatible(cfg, allow_crimes=options.allow_crimes)
     checks.check_layer_counts(cfg)
+    checks.check_checkpoint_classes(cfg)
     warnings = checks.check_parameter_names(cfg)
     warnings += checks.warn_tokenizers_differ(cfg)
     checks.check_calibration_present(cfg)

@@ -43,8 +43,8 @@ def default_method() -> str:
     return "chain_of_merges" if "chain_of_merges" in all_method_names() else "ace"
 
 
-def render_config(template_path: str, root: str, method: str) -> dict:
-    """The YAML with absolute paths under ``root`` and ``method`` as merge method."""
+def render_config(template_path: str, root: str, method: str, base_dir: str) -> dict:
+    """The YAML with absolute paths under ``root``, ``base_dir`` as base model and ``method``."""
     import mergekit_ext  # noqa: F401
     from mergekit_ext.methods.registry import ext_method_info
 
@@ -55,7 +55,7 @@ def render_config(template_path: str, root: str, method: str) -> dict:
         config.pop("parameters", None)  # the template's parameters belong to its own method
     info = ext_method_info(method)
     uses_data = bool(info and info.needs_calibration)
-    config["base_model"] = os.path.join(root, config["base_model"])
+    config["base_model"] = base_dir
     for entry in config["models"]:
         entry["model"] = os.path.join(root, entry["model"])
         if uses_data:
@@ -105,7 +105,7 @@ def main() -> int:
         suite.calibration(task)
     LOG.info("experts ready after %.0fs", time.perf_counter() - start)
 
-    config = render_config(args.config, suite.root, method)
+    config = render_config(args.config, suite.root, method, base_dir)
     config_text = yaml.safe_dump(config, sort_keys=False)
     # The method's parameter defaults and the package version are part of the key: a new
     # default (or a new release) must not be answered from an old merge.

@@ -33,6 +33,7 @@ from mergekit.io import LazyTensorLoader, ShardedTensorIndex
 from safetensors import safe_open
 from torch import nn
 
+from mergekit_ext import model_class
 from mergekit_ext.errors import ModelInputError
 from mergekit_ext.executor.families import ModelFamily
 
@@ -75,12 +76,7 @@ def build_skeleton(config: transformers.PretrainedConfig) -> nn.Module:
     """
     from accelerate import init_empty_weights
 
-    architectures = getattr(config, "architectures", None) or []
-    cls = None
-    for name in architectures:
-        cls = getattr(transformers, name, None)
-        if cls is not None:
-            break
+    cls = model_class.model_class(config)
     with init_empty_weights(include_buffers=False):
         if cls is not None:
             model = cls(config)
@@ -94,28 +90,14 @@ def _rename_to_module_keys(
     model: nn.Module, checkpoint_keys: list[str], where: str
 ) -> dict[str, str]:
     """``{checkpoint key: module key}`` by transformers' own load-time renaming."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import (
-        WeightConverter,
-        WeightRenaming,
-        rename_source_key,
-    )
-
-    transforms = get_model_conversion_mapping(model, add_legacy=True)
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    meta_state = model.state_dict()
-    prefix = getattr(model, "base_model_prefix", None) or None
-    out: dict[str, str] = {}
-    for key in checkpoint_keys:
-        renamed, converter = rename_source_key(key, renamings, converters, prefix, meta_state)
-        if converter is not None:
-            raise ModelInputError(
-                f"{where}: checkpoint tensor {key} is fused/split by transformers at load time "
-                f"({converter}); the sequential executor supports renamed tensors only"
-            )
-        out[key] = renamed
-    return out
+    fused = model_class.fused_keys(model, checkpoint_keys)
+    if fused:
+        key, converter = next(iter(fused.items()))
+        raise ModelInputError(
+            f"{where}: checkpoint tensor {key} is fused/split by transformers at load time "
+            f"({converter}); the sequential executor supports renamed tensors only"
+        )
+    return model_class.rename_to_module_keys(model, checkpoint_keys)
 
 
 @dataclass
@@ -131,6 +113,11 @@ class ModelSource:
     checkpoint_key: dict[str, str]  # canonical -> checkpoint key
     shapes: dict[str, tuple[int, ...]]  # canonical -> shape
     dtypes: dict[str, str]  # canonical -> safetensors dtype string ("F32", "BF16", ...)
+    # checkpoint keys the class does not load (old buffers): never merged, the base's copied
+    unloaded: list[str] = field(default_factory=list)
+    # canonical of a weight the class ties but the checkpoint does not store -> the canonical
+    # it shares (an ``lm_head`` tied to the embeddings): read as that tensor
+    tied: dict[str, str] = field(default_factory=dict)
     _loader: Optional[LazyTensorLoader] = field(default=None, repr=False)
 
     @property
@@ -145,6 +132,13 @@ class ModelSource:
     def names(self) -> list[str]:
         return list(self.checkpoint_key)
 
+    def provides(self, canonical: str) -> bool:
+        """Stored, or tied to a stored tensor (:attr:`tied`)."""
+        return canonical in self.checkpoint_key or canonical in self.tied
+
+    def shape(self, canonical: str) -> tuple[int, ...]:
+        return self.shapes[self.tied.get(canonical, canonical)]
+
     def load(
         self,
         canonical: str,
@@ -156,6 +150,8 @@ class ModelSource:
         ``cache`` (keyed by folder and name) shares a tensor between sources reading the
         same checkpoint, e.g. the base model and LoRA experts built on it.
         """
+        if canonical not in self.checkpoint_key:
+            canonical = self.tied.get(canonical, canonical)
         cache_key = (self.path, canonical)
         if cache is not None and cache_key in cache:
             return cache[cache_key]
@@ -175,6 +171,12 @@ class ModelSource:
                 "is listed but cannot be read"
             ) from None
         return _compute_tensor(tensor, device)
+
+    def read_checkpoint_key(self, key: str) -> torch.Tensor:
+        """One tensor as stored (dtype and all), by checkpoint key, on the CPU."""
+        if self._loader is None:
+            self._loader = LazyTensorLoader(ShardedTensorIndex.from_disk(self.path))
+        return self._loader.get_tensor(key)
 
     def release(self) -> None:
         """Close the open shard (tensors already returned stay valid)."""
@@ -235,10 +237,14 @@ def open_model(label: str, path: str, family: Optional[ModelFamily], *, what: st
     backbone_path = own_family.backbone_path(skeleton)
     shapes_by_key, dtypes_by_key = _header_shapes(path, what)
     module_keys = _rename_to_module_keys(skeleton, list(shapes_by_key), what)
+    unloaded = model_class.unloaded_keys(skeleton, module_keys)
+    LOG.debug("%s: not loaded by %s: %s", label, type(skeleton).__name__, unloaded)
     checkpoint_key: dict[str, str] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     dtypes: dict[str, str] = {}
     for key, module_key in module_keys.items():
+        if key in unloaded:
+            continue
         canonical = canonical_name(module_key, backbone_path)
         if canonical in checkpoint_key:
             raise ModelInputError(
@@ -248,6 +254,11 @@ def open_model(label: str, path: str, family: Optional[ModelFamily], *, what: st
         checkpoint_key[canonical] = key
         shapes[canonical] = shapes_by_key[key]
         dtypes[canonical] = dtypes_by_key[key]
+    tied = {}
+    for target, source in model_class.tied_weights(skeleton).items():
+        target, source = (canonical_name(k, backbone_path) for k in (target, source))
+        if target not in checkpoint_key and source in checkpoint_key:
+            tied[target] = source
     return ModelSource(
         label=label,
         path=path,
@@ -258,6 +269,8 @@ def open_model(label: str, path: str, family: Optional[ModelFamily], *, what: st
         checkpoint_key=checkpoint_key,
         shapes=shapes,
         dtypes=dtypes,
+        unloaded=unloaded,
+        tied=tied,
     )
 
 

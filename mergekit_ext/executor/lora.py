@@ -104,11 +104,25 @@ class LoraModelSource:
     def backbone(self):
         return self.base.backbone
 
+    @property
+    def unloaded(self) -> list[str]:
+        return self.base.unloaded
+
+    @property
+    def tied(self) -> dict[str, str]:
+        return self.base.tied
+
     def has(self, canonical: str) -> bool:
         return canonical in self.shapes
 
     def names(self) -> list[str]:
         return list(self.shapes)
+
+    def provides(self, canonical: str) -> bool:
+        return canonical in self.shapes or canonical in self.base.tied
+
+    def shape(self, canonical: str) -> tuple[int, ...]:
+        return self.shapes.get(canonical) or self.base.shape(canonical)
 
     def load(
         self,
@@ -125,6 +139,9 @@ class LoraModelSource:
         if delta is not None:
             tensor = tensor + self.delta_weight(delta, device)
         return tensor
+
+    def read_checkpoint_key(self, key: str) -> torch.Tensor:
+        return self.base.read_checkpoint_key(key)
 
     def release(self) -> None:
         self.base.release()

@@ -198,6 +198,11 @@ class MergePlan:
             f"non-block tensors: {len(self.pre_block)} before the blocks, {len(self.post_block)} after"
             f" (fallback merge); expert-only tensors not merged: {len(self.expert_only)}"
         )
+        if self.base.unloaded:
+            lines.append(
+                f"tensors {type(self.base.skeleton).__name__} does not load (copied from the "
+                f"base model): {', '.join(self.base.unloaded)}"
+            )
         lines.append(
             f"output dtype: {str(self.out_dtype).replace('torch.', '') if self.out_dtype else 'as the base model'}"
         )
@@ -381,20 +386,23 @@ def build_plan(
         )
 
     # Shapes: every backbone tensor of the base must exist with the same shape in each
-    # expert where the forward pass needs it (blocks, embeddings); heads may differ.
+    # expert where the forward pass needs it (blocks, embeddings); heads may differ. Tensors
+    # a class does not load (old buffers) are no part of any source's names.
     needed = in_blocks | set(pre_block)
     expert_only: dict[str, list[str]] = {}
     for e in experts:
         for name in names:
             shape = base.shapes[name]
-            if not e.source.has(name):
+            if not e.source.provides(name):
                 if name in needed:
                     raise ModelInputError(
                         f"tensor {base.checkpoint_key[name]} of the base model is missing from "
-                        f"{e.label}; the experts must share the base model's architecture"
+                        f"{e.label}, whose class {type(e.source.skeleton).__name__} loads it; "
+                        "the data-aware merge runs every block and embedding of each expert: "
+                        "give the expert's complete checkpoint"
                     )
                 continue
-            other = tuple(e.source.shapes[name])
+            other = tuple(e.source.shape(name))
             if other != tuple(shape) and not name.startswith(HEAD_PREFIX):
                 raise ModelInputError(
                     f"shape mismatch for tensor {base.checkpoint_key[name]}: {list(shape)} in the base "

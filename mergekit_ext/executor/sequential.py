@@ -302,6 +302,7 @@ class SequentialExecutor:
             for block in progress:
                 self._merge_block(block, progress)
             self._merge_post_block()
+            self._copy_unloaded()
         self.writer.finalize()
         self._write_support_files()
         return {
@@ -662,11 +663,12 @@ class SequentialExecutor:
         for name in self.plan.post_block:
             shown = self.plan.output_name(name)
             base = self.base.load(name, self.device)
-            contributing, skipped = [], []
+            contributing, skipped, absent = [], [], []
             for e in self.experts:
-                if not e.source.has(name):
+                if not e.source.provides(name):
+                    absent.append(e.label)
                     continue
-                if tuple(e.source.shapes[name]) != tuple(base.shape):
+                if tuple(e.source.shape(name)) != tuple(base.shape):
                     skipped.append(e.label)
                     continue
                 contributing.append(e.source.load(name, self.device))
@@ -676,6 +678,9 @@ class SequentialExecutor:
             finite.check_loaded_finite(
                 {shown: base}, model=self.base.label, task="base", where="the final layers"
             )
+            if absent:
+                # A head or pooler an expert does not have: merged over the experts that do.
+                LOG.info("%s: not in %s; merged without them", shown, ", ".join(absent))
             if skipped:
                 self.not_merged.append(
                     {
@@ -693,6 +698,16 @@ class SequentialExecutor:
                 self._merge_other(name, base, contributing)
             del base, contributing
             self._release()
+
+    def _copy_unloaded(self) -> None:
+        """The base's tensors that its class does not load (old buffers), unchanged.
+
+        They take no part in the merge (the experts may lack them: transformers 5 does not
+        save them); copying keeps the output's tensors those of the base model.
+        """
+        for key in self.base.unloaded:
+            self.writer.save_tensor(key, self.base.read_checkpoint_key(key).contiguous())
+        self._release()
 
     def _write_support_files(self) -> None:
         """config.json (the base's, with the output dtype) and tokenizer/processor files."""

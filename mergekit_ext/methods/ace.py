@@ -15,7 +15,7 @@ from typing import Literal, Optional
 
 import torch
 from mergekit.merge_methods import TensorGroup, merge_method
-from mergekit.merge_methods.base import BasePolicy, InputContract
+from mergekit.merge_methods.base import BasePolicy, InputContract, OptionalTensorPolicy
 
 from mergekit_ext import diagnostics
 from mergekit_ext.errors import ConfigError, TensorError
@@ -194,6 +194,9 @@ def is_linear_weight(
     pretty_name="ACE (Adaptive Covariance Estimation)",
     reference_url="https://arxiv.org/abs/2603.02945",
     contract=InputContract(base=BasePolicy.REQUIRED, min_inputs=2),
+    # an optional tensor only the base has (an old buffer such as embeddings.position_ids
+    # that experts saved by transformers 5 lack) is taken from the base, as mergekit does
+    optional_tensor_policy=OptionalTensorPolicy.PASSTHROUGH_BASE_SINGLETON,
 )
 def ace_merge(
     group: TensorGroup,

@@ -36,7 +36,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from mergekit_ext import checks
+from mergekit_ext import checks, model_class
 from mergekit_ext.adaptation import export, memory
 from mergekit_ext.adaptation.problem import (
     SyMergeProblem,
@@ -172,6 +172,33 @@ def _load(cls: type, path: str, device: str) -> nn.Module:
     return model.to(device).eval()
 
 
+def untie_like(model: nn.Module, base_tied: Mapping[str, str]) -> None:
+    """Give ``model`` its own copy of each weight it ties but the base keeps separate.
+
+    An expert that ties ``lm_head`` to its embeddings runs with its embeddings as head; as
+    a separate tensor (a copy of them) that head is a task vector against the base's own
+    ``lm_head`` like any other. The base ties nothing the experts keep separate
+    (:func:`mergekit_ext.model_class.check_tied_weights` refuses that before loading).
+    """
+    untied = False
+    for target, source in model_class.tied_weights(model).items():
+        if target in base_tied:
+            continue
+        untied = True
+        parent, _, leaf = target.rpartition(".")
+        module = model.get_submodule(parent) if parent else model
+        shared = model.get_parameter(source)
+        setattr(module, leaf, nn.Parameter(shared.detach().clone(), requires_grad=False))
+        LOG.info(
+            "%s: %s untied from %s (the base keeps it separate)",
+            type(model).__name__,
+            target,
+            source,
+        )
+    if untied:  # and saved task checkpoints keep it separate
+        model.config.tie_word_embeddings = False
+
+
 def _meta_model(cls: type, path: str) -> nn.Module:
     """The model's structure without weights (to validate ``task_layer`` before loading)."""
     config = cls.config_class.from_pretrained(path)
@@ -278,9 +305,11 @@ def prepare_symerge(
     data_loaded = time.perf_counter()
 
     base = _load(base_cls, base_path, device)
+    base_tied = model_class.tied_weights(base)
     skeletons, expert_tensors, kinds = [], [], []
     for k, (cls, path) in enumerate(zip(expert_classes, expert_paths)):
         expert = _load(cls, path, device)
+        untie_like(expert, base_tied)
 
         def forward(
             batch: Mapping[str, torch.Tensor],

@@ -1,0 +1,173 @@
+"""What a model's own transformers class makes of a checkpoint, decided from the class itself.
+
+Real checkpoints differ in more than weights. A checkpoint saved by an older transformers
+stores buffers the current class never loads (BERT's ``embeddings.position_ids``, Llama's
+``rotary_emb.inv_freq``, GPT-2's ``attn.bias``); transformers 5 no longer saves them. One
+causal LM ties ``lm_head`` to its input embeddings and saves it once, another stores both.
+Comparing tensor names across inputs would call such models incompatible; they are not.
+
+- :func:`unloaded_keys`: checkpoint keys that ``from_pretrained`` would not load into the
+  class: after transformers' own load-time renaming they are no key of the class's
+  ``state_dict()`` (non-persistent buffers, keys the class does not have). They are ignored
+  for merging.
+- :func:`tied_weights`: the weights the class ties for this config (``lm_head.weight`` →
+  ``model.embed_tokens.weight`` when ``tie_word_embeddings``), from transformers'
+  ``get_expanded_tied_weights_keys``.
+- :func:`check_tied_weights`: the rule for inputs that disagree on tying (see there).
+
+Nothing here reads a weight: configs, safetensors headers and a model built on the meta
+device only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import transformers
+from torch import nn
+
+from mergekit_ext.errors import ModelInputError
+
+LOG = logging.getLogger(__name__)
+
+
+def model_class(config: transformers.PretrainedConfig) -> Optional[type]:
+    """The transformers class named by ``config.architectures`` (None when none is known)."""
+    for name in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
+    return None
+
+
+def meta_model(config: transformers.PretrainedConfig) -> nn.Module:
+    """The model's own class (``AutoModel`` when its config names none) on the meta device."""
+    cls = model_class(config)
+    with torch.device("meta"):
+        if cls is not None:
+            return cls(config)
+        return transformers.AutoModel.from_config(config)
+
+
+def rename_to_module_keys(model: nn.Module, checkpoint_keys: Iterable[str]) -> dict[str, str]:
+    """``{checkpoint key: module key}`` by transformers' own load-time renaming.
+
+    Keys that transformers fuses or splits at load time (``WeightConverter``) are absent
+    from the result; :func:`fused_keys` lists them.
+    """
+    out: dict[str, str] = {}
+    for key, renamed, converter in _renamed(model, checkpoint_keys):
+        if converter is None:
+            out[key] = renamed
+    return out
+
+
+def fused_keys(model: nn.Module, checkpoint_keys: Iterable[str]) -> dict[str, str]:
+    """``{checkpoint key: converter}`` for the keys transformers fuses or splits at load time."""
+    return {
+        key: str(converter)
+        for key, _, converter in _renamed(model, checkpoint_keys)
+        if converter is not None
+    }
+
+
+def _renamed(model: nn.Module, checkpoint_keys: Iterable[str]):
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (
+        WeightConverter,
+        WeightRenaming,
+        rename_source_key,
+    )
+
+    transforms = get_model_conversion_mapping(model, add_legacy=True)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    meta_state = model.state_dict()
+    prefix = getattr(model, "base_model_prefix", None) or None
+    for key in checkpoint_keys:
+        renamed, converter = rename_source_key(key, renamings, converters, prefix, meta_state)
+        yield key, renamed, converter
+
+
+def unloaded_keys(model: nn.Module, module_keys: Mapping[str, str]) -> list[str]:
+    """The checkpoint keys (of ``{checkpoint key: module key}``) the class does not load.
+
+    A key is loaded when its module key is a key of ``model.state_dict()``: non-persistent
+    buffers (``position_ids``, ``inv_freq``) are not in it, nor are tensors of modules the
+    class does not have; ``from_pretrained`` skips both ("unexpected keys").
+    """
+    state = set(model.state_dict())
+    return sorted(key for key, module_key in module_keys.items() if module_key not in state)
+
+
+def tied_weights(model: nn.Module) -> dict[str, str]:
+    """``{tied module key: the module key it shares}`` for this model's config (empty: none)."""
+    getter = getattr(model, "get_expanded_tied_weights_keys", None)
+    if getter is None:
+        return {}
+    return dict(getter(all_submodels=True))
+
+
+def log_unloaded(label: str, keys: Sequence[str], cls_name: str) -> None:
+    """The one log line for a model's unloaded tensors."""
+    if keys:
+        shown = ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+        LOG.info(
+            "%s: %d tensor(s) that %s does not load are ignored for merging: %s",
+            label,
+            len(keys),
+            cls_name,
+            shown,
+        )
+
+
+@dataclass(frozen=True)
+class TyingInput:
+    """One input model's tying, for :func:`check_tied_weights`."""
+
+    label: str
+    tied: Mapping[str, str]  # tied module key -> module key it shares
+    keys: frozenset[str]  # every module key of its class (tied or not)
+
+
+def check_tied_weights(base: Optional[TyingInput], experts: Sequence[TyingInput]) -> None:
+    """Refuse inputs whose tying cannot be merged; log how the others are handled.
+
+    - Every input ties a weight, or none does: nothing to do.
+    - The base keeps a weight separate (``lm_head``) that some experts tie: those experts'
+      weight *is* the one they share (their embeddings, as transformers runs them), and it
+      is merged as such; the merged model keeps it separate, as the base does.
+    - The base ties a weight that some experts keep separate: refused. The merged model
+      would take the base's config, tie the weight and silently drop those experts' own.
+    """
+    if base is None:
+        return
+    for target, source in base.tied.items():
+        separate = [e.label for e in experts if target in e.keys and target not in e.tied]
+        if separate:
+            tying = [e.label for e in experts if target in e.tied]
+            raise ModelInputError(
+                f"{target} is tied to {source} in the base model {base.label}"
+                + (f" and in {', '.join(tying)}" if tying else "")
+                + f" but is a separate tensor in {', '.join(separate)}; the merged model would "
+                "tie it as the base does and lose those experts' own "
+                f"{target}. Use a base that keeps {target} separate (tie_word_embeddings: "
+                "false in its config.json, with the tensor saved), or experts that tie it too"
+            )
+    for e in experts:
+        for target, source in e.tied.items():
+            if base.tied.get(target) != source and target in base.keys:
+                LOG.info(
+                    "%s ties %s to %s (the base model %s keeps it separate): its %s is merged "
+                    "as %s",
+                    e.label,
+                    target,
+                    source,
+                    base.label,
+                    target,
+                    source,
+                )
