@@ -296,6 +296,8 @@ def warn_tokenizers_differ(cfg: ExtMergeConfig) -> list[str]:
     )
     LOG.warning(msg)
     return [msg]
+
+
 def check_checkpoint_classes(cfg: ExtMergeConfig) -> None:
     """Read each local input as its own transformers class would (see :mod:`model_class`).
 
