@@ -17,10 +17,11 @@ from typing import Any, Optional
 
 from mergekit.options import MergeOptions
 
-from mergekit_ext import checks, diagnostics
+from mergekit_ext import checks, diagnostics, tokenization
 from mergekit_ext.config import ExtMergeConfig
 from mergekit_ext.errors import MergekitExtError
 from mergekit_ext.methods.registry import ext_method_info
+from mergekit_ext.model_paths import resolve_model_folder
 from mergekit_ext.output import atomic_output_dir, check_output_dir
 
 LOG = logging.getLogger(__name__)
@@ -43,8 +44,11 @@ class RunOptions:
 def validate(cfg: ExtMergeConfig, options: MergeOptions, run: RunOptions) -> list[str]:
     """All checks that need no weights; returns the warnings."""
     checks.check_method(cfg.method)
+    info = ext_method_info(cfg.method)
+    data_aware = info is not None and info.kind != "tensorwise"
+    checks.check_models_list(cfg)
     checks.check_model_paths(cfg, allow_pickle=run.allow_pickle)
-    checks.check_compatible(cfg, allow_crimes=options.allow_crimes)
+    checks.check_compatible(cfg, allow_crimes=options.allow_crimes, shapes=data_aware)
     warnings = checks.check_parameter_names(cfg)
     checks.check_calibration_present(cfg)
     return warnings
@@ -59,6 +63,12 @@ def run_merge_config(
     validate(cfg, options, run)
     info = ext_method_info(cfg.method)
     kind = info.kind if info else "tensorwise"
+    # mergekit's executor writes the tokenizer of tensor-wise merges itself.
+    out_tokenizer = (
+        None
+        if kind == "tensorwise"
+        else tokenization.plan_output_tokenizer(cfg.merge, options, cfg.method)
+    )
 
     if run.dry_run:
         print(_describe_plan(cfg, options, kind))
@@ -81,6 +91,14 @@ def run_merge_config(
                 _run_adaptation(cfg, tmp, options, run, recorder)
             else:  # pragma: no cover - registry guarantees the kinds
                 raise MergekitExtError(f"unknown method kind {kind!r}")
+            if out_tokenizer is not None:
+                tokenization.write_output_tokenizer(
+                    out_tokenizer,
+                    _donor_folder(cfg, options),
+                    tmp,
+                    copy_tokenizer=options.copy_tokenizer,
+                    trust_remote_code=options.trust_remote_code,
+                )
         _write_config_copy(cfg, tmp)
         recorder.write(tmp)
         if options.write_model_card:
@@ -97,6 +115,14 @@ def run_merge_config(
         )
         LOG.info("published to %s", url)
     return os.path.abspath(out_path)
+
+
+def _donor_folder(cfg: ExtMergeConfig, options: MergeOptions) -> str:
+    """The folder of the model whose tokenizer the output takes (mergekit's donor)."""
+    donor = str(cfg.merge.base_model or cfg.merge.referenced_models()[0])
+    return resolve_model_folder(
+        checks.model_paths(donor)[0], what=f"model {donor}", cache_dir=options.transformers_cache
+    )
 
 
 def _versions() -> dict[str, str]:

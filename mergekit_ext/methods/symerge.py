@@ -126,9 +126,9 @@ def _local_path(ref: str) -> str:
                 "its base first (peft's merge_and_unload) and give that folder"
             )
         return path
-    from huggingface_hub import snapshot_download
+    from mergekit_ext.model_paths import resolve_model_folder
 
-    return snapshot_download(path)  # honours HF_HUB_OFFLINE and the local cache
+    return resolve_model_folder(path, what=f"model {ref}")
 
 
 def _model_class(path: str, config: Mapping[str, Any], trust_remote_code: bool) -> type:
