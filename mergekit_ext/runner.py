@@ -88,7 +88,7 @@ def run_merge_config(
             elif kind == "layerwise":
                 _run_layerwise(cfg, tmp, options, recorder)
             elif kind == "adaptation":
-                _run_adaptation(cfg, tmp, options, run, recorder)
+                _run_adaptation(cfg, tmp, options, run, recorder, body_path=out_path)
             else:  # pragma: no cover - registry guarantees the kinds
                 raise MergekitExtError(f"unknown method kind {kind!r}")
             if out_tokenizer is not None:
@@ -195,6 +195,7 @@ def _run_adaptation(
     options: MergeOptions,
     run: RunOptions,
     recorder: diagnostics.DiagnosticsRecorder,
+    body_path: str,
 ) -> None:
     info = ext_method_info(cfg.method)
     assert info is not None and info.implementation is not None
@@ -206,6 +207,7 @@ def _run_adaptation(
         force=run.force,
         task_layers_only=run.task_layers_only,
         trust_remote_code=options.trust_remote_code,
+        body_path=body_path,
     )
     _record_result(recorder, cfg.method, result)
 
