@@ -5,13 +5,11 @@
 - ``out_dir/tasks/<name>/``: a complete checkpoint of the expert's class (merged body +
   the adapted task layer + the expert's config and tokenizer), loadable in one
   ``AutoModelFor...from_pretrained`` call; or, with ``task_layers_only``, a PEFT adapter
-  whose ``modules_to_save`` hold the adapted layer (and any task-specific head), loaded over
-  ``out_dir`` with ``PeftModel.from_pretrained``. The expert's ``config.json`` is saved
+  whose ``modules_to_save`` hold the adapted layer (and any task-specific head) and whose
+  ``base_model_name_or_path`` names the merged body. The expert's ``config.json`` is saved
   beside the adapter, because a headless base's config lacks the head (labels)::
 
-      config = AutoConfig.from_pretrained("out/tasks/sst2")
-      model = AutoModelForSequenceClassification.from_pretrained("out", config=config)
-      model = PeftModel.from_pretrained(model, "out/tasks/sst2")
+      model = AutoPeftModelForSequenceClassification.from_pretrained("out/tasks/sst2", num_labels=2)
 """
 
 from __future__ import annotations
