@@ -329,10 +329,13 @@ def test_peft_adapter_names_the_merged_body_for_auto_peft_model(problem_set, tmp
             assert torch.equal(model(**batch).logits, in_memory), task.name
 
 
-def test_cli_adapters_name_the_output_folder_as_given(problem_set, tmp_path, monkeypatch):
+def test_run_adapters_name_the_output_folder_and_chat_template_is_written(
+    problem_set, tmp_path, monkeypatch
+):
     import mergekit_ext
 
     cfg, _ = make_config(problem_set, parameters={"epochs": 1, "seed": 0})
+    cfg = parse_config(cfg.source_text + "chat_template: chatml\n")
     monkeypatch.chdir(tmp_path)
     mergekit_ext.run_merge(
         cfg,
@@ -343,6 +346,7 @@ def test_cli_adapters_name_the_output_folder_as_given(problem_set, tmp_path, mon
     for task in TASKS:
         with open(os.path.join("merged", "tasks", task, "adapter_config.json")) as fp:
             assert json.load(fp)["base_model_name_or_path"] == "merged"
+    assert "<|im_start|>" in transformers.AutoTokenizer.from_pretrained("merged").chat_template
 
 
 def test_same_seed_gives_identical_bytes(problem_set, tmp_path):
