@@ -121,6 +121,33 @@ def rows_for(keys: Sequence[str]) -> list[MethodRow]:
     return [by_key[k] for k in keys]
 
 
+def row_recipe(row: MethodRow) -> dict[str, Any]:
+    """What a result row ran, so that a table can be reproduced from its JSON alone.
+
+    ``parameters`` / ``model_parameters`` are the YAML's (shared / on every model entry);
+    ``defaults`` the method's own values for every other parameter, as registered now.
+    ``base_model`` and ``inputs`` say which models the YAML names (see :func:`build_config`).
+    """
+    from mergekit_ext.methods.registry import all_method_names, describe_method
+
+    given = {**row.parameters, **row.model_parameters}
+    defaults: dict[str, Any] = {}
+    if row.method in all_method_names():
+        defaults = {
+            p["name"]: p["default"]
+            for p in describe_method(row.method)["parameters"]
+            if not p["required"] and p["name"] not in given
+        }
+    return {
+        "merge_method": row.method,
+        "parameters": dict(row.parameters),
+        "model_parameters": dict(row.model_parameters),
+        "defaults": defaults,
+        "base_model": row.base == "required",
+        "inputs": row.inputs,
+    }
+
+
 def availability(row: MethodRow) -> Optional[str]:
     """None when ``row`` can run now, else the reason it cannot (for the table)."""
     import mergekit_ext  # noqa: F401  (registers our methods)
@@ -153,19 +180,34 @@ def build_config(
     dtype: str = "float32",
 ) -> dict[str, Any]:
     """The merge YAML (as a dict) for ``row``; ``experts`` maps task name to folder."""
+    return config_from_recipe(row_recipe(row), base, experts, calibration, dtype)
+
+
+def config_from_recipe(
+    recipe: dict[str, Any],
+    base: str,
+    experts: dict[str, str],
+    calibration: Optional[dict[str, dict[str, Any]]],
+    dtype: str = "float32",
+) -> dict[str, Any]:
+    """The merge YAML (as a dict) of a result row's recipe (:func:`row_recipe`)."""
     models = []
     for task, folder in experts.items():
         entry: dict[str, Any] = {"model": folder, "name": task}
-        if row.model_parameters:
-            entry["parameters"] = dict(row.model_parameters)
+        if recipe["model_parameters"]:
+            entry["parameters"] = dict(recipe["model_parameters"])
         if calibration is not None:
             entry["calibration"] = dict(calibration[task])
         models.append(entry)
-    config: dict[str, Any] = {"merge_method": row.method, "models": models, "dtype": dtype}
-    if row.base == "required":
+    config: dict[str, Any] = {
+        "merge_method": recipe["merge_method"],
+        "models": models,
+        "dtype": dtype,
+    }
+    if recipe["base_model"]:
         config["base_model"] = base
-    if row.parameters:
-        config["parameters"] = dict(row.parameters)
+    if recipe["parameters"]:
+        config["parameters"] = dict(recipe["parameters"])
     return config
 
 

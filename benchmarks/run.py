@@ -36,6 +36,7 @@ from benchmarks.merging import (
     availability,
     build_config,
     needs_calibration,
+    row_recipe,
     rows_for,
     run_merge_process,
 )
@@ -190,8 +191,17 @@ def run_variant(
             expert_scores,
             pretrained,
             eval_seconds=round(pre_eval, 1),
+            merge_method=None,
         ),
-        _row("expert", "expert alone (ceiling)", metric, expert_scores, expert_scores, pretrained),
+        _row(
+            "expert",
+            "expert alone (ceiling)",
+            metric,
+            expert_scores,
+            expert_scores,
+            pretrained,
+            merge_method=None,
+        ),
     ]
 
     result = {
@@ -221,7 +231,9 @@ def run_variant(
         reason = availability(row)
         if reason is not None:
             LOG.info("%s: %s", row.key, reason)
-            result_rows.append(_row(row.key, row.label, metric, None, None, None, status=reason))
+            result_rows.append(
+                _row(row.key, row.label, metric, None, None, None, status=reason, **row_recipe(row))
+            )
             continue
         calibration = (
             {task: suite.calibration(task) for task in suite.tasks}
@@ -251,6 +263,7 @@ def run_variant(
                     None,
                     status=run.status,
                     log=run.log_path,
+                    **row_recipe(row),
                 )
             )
             continue
@@ -273,6 +286,7 @@ def run_variant(
                 wall_seconds=round(run.wall_seconds, 2),
                 peak_rss_mb=round(run.peak_rss_mb, 1),
                 eval_seconds=round(time.perf_counter() - t, 1),
+                **row_recipe(row),
             )
         )
         LOG.info("%s: %s", row.key, scores)

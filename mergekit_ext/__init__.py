@@ -1,6 +1,7 @@
 """mergekit-ext: new model-merging methods for mergekit.
 
 Importing this package registers every mergekit-ext method with mergekit's registry.
+:func:`run_merge` merges a mergekit(-ext) YAML with any method, as ``mergekit-ext run``.
 """
 
 __version__ = "0.1.0"
@@ -9,5 +10,17 @@ from mergekit_ext import (
     architectures as architectures,  # noqa: E402,F401  (registers architectures)
 )
 from mergekit_ext import methods as methods  # noqa: E402  (registers the methods)
+from mergekit_ext.api import as_config, run_merge  # noqa: E402
+from mergekit_ext.config import ExtMergeConfig, load_config, parse_config  # noqa: E402
+from mergekit_ext.runner import RunOptions  # noqa: E402
 
-__all__ = ["__version__", "methods"]
+__all__ = [
+    "ExtMergeConfig",
+    "RunOptions",
+    "__version__",
+    "as_config",
+    "load_config",
+    "methods",
+    "parse_config",
+    "run_merge",
+]

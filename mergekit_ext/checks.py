@@ -18,6 +18,7 @@ from typing import Any, Optional
 from mergekit_ext.config import ExtMergeConfig
 from mergekit_ext.errors import ConfigError, ModelInputError
 from mergekit_ext.methods.registry import all_method_names, ext_method_info
+from mergekit_ext.model_paths import cached_snapshot, hub_offline
 
 LOG = logging.getLogger(__name__)
 
@@ -48,16 +49,12 @@ def model_paths(ref: str) -> list[str]:
 
 
 def check_model_paths(cfg: ExtMergeConfig, allow_pickle: bool) -> None:
-    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
     for ref in _referenced(cfg):
         for path in model_paths(ref):
             if looks_like_hub_id(path):
-                if offline:
-                    raise ModelInputError(
-                        f"model {path!r} is not a local folder and HF_HUB_OFFLINE is set; "
-                        "download it first or give a local path"
-                    )
-                continue
+                path = hub_model_folder(path, ref)
+                if path is None:
+                    continue  # downloaded (with a progress bar) when the merge opens it
             if not os.path.isdir(path):
                 raise ModelInputError(
                     f"model path not found: {path!r} (referenced as {ref!r}); check the path "
@@ -78,6 +75,18 @@ def check_model_paths(cfg: ExtMergeConfig, allow_pickle: bool) -> None:
                 raise ModelInputError(f"model {path!r} has no .safetensors weights")
             if not os.path.exists(os.path.join(path, "config.json")):
                 raise ModelInputError(f"model {path!r} has no config.json")
+
+
+def hub_model_folder(repo_id: str, ref: str) -> Optional[str]:
+    """The cached folder of a Hub model, None to download it, an error when offline."""
+    folder = cached_snapshot(repo_id)
+    if folder is None and hub_offline():
+        raise ModelInputError(
+            f"model {repo_id!r} (referenced as {ref!r}) is not a local folder nor in the "
+            "Hugging Face cache, and HF_HUB_OFFLINE is set: download it first "
+            f"(`hf download {repo_id}`), or unset HF_HUB_OFFLINE"
+        )
+    return folder
 
 
 def _referenced(cfg: ExtMergeConfig) -> list[str]:
@@ -103,8 +112,12 @@ def tensor_shapes(path: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_compatible(cfg: ExtMergeConfig, allow_crimes: bool) -> None:
-    """Same architecture and the same tensor shapes across all full (non-LoRA) inputs."""
+def check_compatible(cfg: ExtMergeConfig, allow_crimes: bool, shapes: bool = True) -> None:
+    """Same architecture and (with ``shapes``) the same tensor shapes across all full inputs.
+
+    The shape check is for the data-aware methods; mergekit's tensor-wise methods follow
+    mergekit's own rules (``tokenizer_source`` resizes embeddings, slices pick layers).
+    """
     refs = [r for r in _referenced(cfg) if "+" not in r]
     local = [r for r in refs if os.path.isdir(model_paths(r)[0])]
     local = [r for r in local if os.path.exists(os.path.join(r, "config.json"))]
@@ -123,6 +136,8 @@ def check_compatible(cfg: ExtMergeConfig, allow_crimes: bool) -> None:
                     f"{base_cfg.get('model_type')!r}, {ref} is {other.get('model_type')!r}; "
                     "merge models that share one architecture (or pass --allow-crimes)"
                 )
+    if not shapes:
+        return
     base_shapes = _strip_prefixes(tensor_shapes(base_ref))
     for ref in local:
         if ref == base_ref:
@@ -188,6 +203,25 @@ def _parameter_sites(cfg: ExtMergeConfig) -> Iterable[tuple[str, Iterable[str]]]
         for j, src in enumerate((s or {}).get("sources") or []):
             if isinstance(src, dict) and isinstance(src.get("parameters"), dict):
                 yield f"slices[{i}].sources[{j}].parameters", src["parameters"].keys()
+
+
+def check_models_list(cfg: ExtMergeConfig) -> None:
+    """Data-aware methods merge whole models listed under ``models:``.
+
+    ``slices:`` / ``modules:`` (frankenmerges, per-module layer ranges) stack or pick layers
+    one tensor at a time, which only mergekit's tensor-wise methods do.
+    """
+    info = ext_method_info(cfg.method)
+    if info is None or info.kind == "tensorwise":
+        return
+    for key in ("slices", "modules"):
+        if cfg.raw.get(key):
+            raise ConfigError(
+                f"`{key}:` is not supported by {cfg.method} ({info.kind} method): it merges "
+                "whole models listed under `models:` (with `base_model:`). Write the models "
+                f"as a `models:` list, or use a tensor-wise method (linear, slerp, ties, "
+                f"passthrough, ...) for a {key}-based merge"
+            )
 
 
 def check_calibration_present(cfg: ExtMergeConfig) -> None:

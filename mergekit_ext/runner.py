@@ -20,10 +20,11 @@ from typing import Any, Optional
 
 from mergekit.options import MergeOptions
 
-from mergekit_ext import checks, diagnostics, finite
+from mergekit_ext import checks, diagnostics, finite, tokenization
 from mergekit_ext.config import ExtMergeConfig
 from mergekit_ext.errors import MergekitExtError, PublishError
 from mergekit_ext.methods.registry import ext_method_info
+from mergekit_ext.model_paths import resolve_model_folder
 from mergekit_ext.output import (
     atomic_output_dir,
     check_replaceable,
@@ -52,8 +53,11 @@ class RunOptions:
 def validate(cfg: ExtMergeConfig, options: MergeOptions, run: RunOptions) -> list[str]:
     """All checks that need no weights; returns the warnings."""
     checks.check_method(cfg.method)
+    info = ext_method_info(cfg.method)
+    data_aware = info is not None and info.kind != "tensorwise"
+    checks.check_models_list(cfg)
     checks.check_model_paths(cfg, allow_pickle=run.allow_pickle)
-    checks.check_compatible(cfg, allow_crimes=options.allow_crimes)
+    checks.check_compatible(cfg, allow_crimes=options.allow_crimes, shapes=data_aware)
     checks.check_layer_counts(cfg)
     checks.check_checkpoint_classes(cfg)
     warnings = checks.check_parameter_names(cfg)
@@ -78,6 +82,12 @@ def run_merge_config(
         check_can_publish(run.push_to_hub, run.hub_token)
     info = ext_method_info(cfg.method)
     kind = info.kind if info else "tensorwise"
+    # mergekit's executor writes the tokenizer of tensor-wise merges itself.
+    out_tokenizer = (
+        None
+        if kind == "tensorwise"
+        else tokenization.plan_output_tokenizer(cfg.merge, options, cfg.method)
+    )
 
     if run.dry_run:
         validate(cfg, options, run)
@@ -100,9 +110,17 @@ def run_merge_config(
                 elif kind == "layerwise":
                     _run_layerwise(cfg, tmp, options, recorder)
                 elif kind == "adaptation":
-                    _run_adaptation(cfg, tmp, options, run, recorder)
+                    _run_adaptation(cfg, tmp, options, run, recorder, body_path=out_path)
                 else:  # pragma: no cover - registry guarantees the kinds
                     raise MergekitExtError(f"unknown method kind {kind!r}")
+                if out_tokenizer is not None:
+                    tokenization.write_output_tokenizer(
+                        out_tokenizer,
+                        _donor_folder(cfg, options),
+                        tmp,
+                        copy_tokenizer=options.copy_tokenizer,
+                        trust_remote_code=options.trust_remote_code,
+                    )
             finite.check_output_finite(tmp, _input_models(cfg))
             _write_metadata(cfg, tmp, target, options, run, recorder)
     if run.push_to_hub:
@@ -164,6 +182,14 @@ def _publish(out_path: str, run: RunOptions) -> None:
             f"{run.push_to_hub}`"
         ) from e
     LOG.info("published to %s", url)
+
+
+def _donor_folder(cfg: ExtMergeConfig, options: MergeOptions) -> str:
+    """The folder of the model whose tokenizer the output takes (mergekit's donor)."""
+    donor = str(cfg.merge.base_model or cfg.merge.referenced_models()[0])
+    return resolve_model_folder(
+        checks.model_paths(donor)[0], what=f"model {donor}", cache_dir=options.transformers_cache
+    )
 
 
 def _versions() -> dict[str, str]:
@@ -236,6 +262,7 @@ def _run_adaptation(
     options: MergeOptions,
     run: RunOptions,
     recorder: diagnostics.DiagnosticsRecorder,
+    body_path: str,
 ) -> None:
     info = ext_method_info(cfg.method)
     assert info is not None and info.implementation is not None
@@ -247,6 +274,7 @@ def _run_adaptation(
         force=run.force,
         task_layers_only=run.task_layers_only,
         trust_remote_code=options.trust_remote_code,
+        body_path=body_path,
     )
     _record_result(recorder, cfg.method, result)
 

@@ -148,6 +148,10 @@ def test_smoke_run_all_suites(tmp_path):
                 assert "scores" not in row
                 assert row["status"].startswith(("not available", "error"))
         assert rows["linear"]["status"] == "ok", rows["linear"]["status"]
+        assert rows["pretrained"]["merge_method"] is None
+        assert rows["linear"]["merge_method"] == "linear"
+        assert rows["regmean"]["merge_method"] == "regmean"
+        assert rows["regmean"]["defaults"]["reduce_non_diagonal"] == 1.0
         assert rows["linear"]["wall_seconds"] > 0 and rows["linear"]["peak_rss_mb"] > 50
         if result["metric"] == "loss":
             assert rows["pretrained"]["avg_normalized"] == pytest.approx(0.0)
@@ -240,6 +244,30 @@ def test_sweep_rows_set_the_parameter_and_keep_the_rest():
     }
     assert rows[0].method == "regmean" and rows[2].method == "chain_of_merges"
     assert "reduce_non_diagonal=0.5" in rows[0].label
+
+
+def test_committed_results_record_each_rows_method_and_parameters():
+    import glob
+
+    from benchmarks.backfill_recipes import method_row
+    from benchmarks.merging import REFERENCE_ROWS, config_from_recipe
+
+    experts = {"t1": "/e/1", "t2": "/e/2"}
+    cal = {t: {"path": f"/c/{t}.jsonl"} for t in experts}
+    paths = sorted(glob.glob(os.path.join(REPO_ROOT, "benchmarks", "results", "*.json")))
+    assert paths
+    for path in paths:
+        with open(path, encoding="utf-8") as fp:
+            table = json.load(fp)
+        for row in table["rows"]:
+            where = f"{os.path.basename(path)}: {row['key']}"
+            if row["key"] in REFERENCE_ROWS:
+                assert row["merge_method"] is None, where
+                continue
+            assert isinstance(row["parameters"], dict) and isinstance(row["defaults"], dict), where
+            # the YAML rebuilt from the JSON row alone is the one the benchmark ran
+            expected = build_config(method_row(row["key"]), "/base", experts, cal)
+            assert config_from_recipe(row, "/base", experts, cal) == expected, where
 
 
 def test_select_rows_by_method_key_or_exact_row():

@@ -304,6 +304,51 @@ def test_peft_adapter_variant_reproduces_predictions(problem_set, tmp_path):
             assert torch.equal(model(**batch).logits, in_memory), task.name
 
 
+def test_peft_adapter_names_the_merged_body_for_auto_peft_model(problem_set, tmp_path):
+    from peft import AutoPeftModelForSequenceClassification
+
+    cfg, params = make_config(problem_set, parameters={"epochs": 3, "seed": 0})
+    session = prepare_symerge(cfg, params)
+    adapt_session(session, progress=False)
+    out = str(tmp_path / "merged")
+    os.makedirs(out)
+    save_symerge(session, out, task_layers_only=True)
+    batch = encode(problem_set, sentences("animal", 20, seed=80)[0])
+    for k, task in enumerate(session.problem.tasks):
+        folder = os.path.join(out, "tasks", task.name)
+        with open(os.path.join(folder, "adapter_config.json"), encoding="utf-8") as fp:
+            assert json.load(fp)["base_model_name_or_path"] == out  # not the expert's path
+        with torch.no_grad():
+            in_memory = output_tensor(session.problem.forward(k, batch))
+        # the body's config has the base's 2 labels; a task with another count says so
+        labels = transformers.AutoConfig.from_pretrained(folder).num_labels
+        model = AutoPeftModelForSequenceClassification.from_pretrained(
+            folder, num_labels=labels
+        ).eval()
+        with torch.no_grad():
+            assert torch.equal(model(**batch).logits, in_memory), task.name
+
+
+def test_run_adapters_name_the_output_folder_and_chat_template_is_written(
+    problem_set, tmp_path, monkeypatch
+):
+    import mergekit_ext
+
+    cfg, _ = make_config(problem_set, parameters={"epochs": 1, "seed": 0})
+    cfg = parse_config(cfg.source_text + "chat_template: chatml\n")
+    monkeypatch.chdir(tmp_path)
+    mergekit_ext.run_merge(
+        cfg,
+        "merged",
+        {"write_model_card": False},
+        mergekit_ext.RunOptions(task_layers_only=True),
+    )
+    for task in TASKS:
+        with open(os.path.join("merged", "tasks", task, "adapter_config.json")) as fp:
+            assert json.load(fp)["base_model_name_or_path"] == "merged"
+    assert "<|im_start|>" in transformers.AutoTokenizer.from_pretrained("merged").chat_template
+
+
 def test_same_seed_gives_identical_bytes(problem_set, tmp_path):
     outputs = []
     for run in ("a", "b"):

@@ -5,19 +5,18 @@
 - ``out_dir/tasks/<name>/``: a complete checkpoint of the expert's class (merged body +
   the adapted task layer + the expert's config and tokenizer), loadable in one
   ``AutoModelFor...from_pretrained`` call; or, with ``task_layers_only``, a PEFT adapter
-  whose ``modules_to_save`` hold the adapted layer (and any task-specific head), loaded over
-  ``out_dir`` with ``PeftModel.from_pretrained``. The expert's ``config.json`` is saved
+  whose ``modules_to_save`` hold the adapted layer (and any task-specific head) and whose
+  ``base_model_name_or_path`` names the merged body. The expert's ``config.json`` is saved
   beside the adapter, because a headless base's config lacks the head (labels)::
 
-      config = AutoConfig.from_pretrained("out/tasks/sst2")
-      model = AutoModelForSequenceClassification.from_pretrained("out", config=config)
-      model = PeftModel.from_pretrained(model, "out/tasks/sst2")
+      model = AutoPeftModelForSequenceClassification.from_pretrained("out/tasks/sst2", num_labels=2)
 """
 
 from __future__ import annotations
 
 import copy
 import fnmatch
+import json
 import logging
 import os
 import shutil
@@ -84,13 +83,15 @@ def save_peft_adapter(
     modules_to_save: Sequence[str],
     out_dir: str,
     dtype: torch.dtype,
+    base_model_name_or_path: str,
 ) -> None:
     """Save the task-specific modules of a task model as a PEFT ``modules_to_save`` adapter.
 
     PEFT's dummy target (``target_modules="dummy-target-modules"``) makes an adapter that
-    adds nothing but the saved modules. ``base_model_name_or_path`` is left empty: the
-    output folder is renamed into place (and may be published), so no path written now
-    would stay valid; load the adapter over ``out_dir`` as in the module docstring.
+    adds nothing but the saved modules. ``base_model_name_or_path`` names the merged body
+    (the output folder as the user gave it, or its Hub id once published), which
+    ``AutoPeftModel...from_pretrained`` loads under the adapter; PEFT's ``save_pretrained``
+    would otherwise fill in the path of the expert the task module was built from.
     """
     from peft import LoraConfig, get_peft_model
     from peft.utils.constants import DUMMY_TARGET_MODULES
@@ -100,8 +101,19 @@ def save_peft_adapter(
     model = _filled_copy(module, tensors, dtype)
     config = LoraConfig(target_modules=DUMMY_TARGET_MODULES, modules_to_save=list(modules_to_save))
     peft_model = get_peft_model(model, config)
-    peft_model.peft_config["default"].base_model_name_or_path = None
     peft_model.save_pretrained(out_dir)
+    set_adapter_base(out_dir, base_model_name_or_path)
     readme = os.path.join(out_dir, "README.md")
     if os.path.exists(readme):  # PEFT's card template; the merge's card describes the tasks
         os.remove(readme)
+
+
+def set_adapter_base(adapter_dir: str, base_model_name_or_path: str) -> None:
+    """Point the adapter in ``adapter_dir`` at ``base_model_name_or_path`` (the merged body)."""
+    path = os.path.join(adapter_dir, "adapter_config.json")
+    with open(path, encoding="utf-8") as fp:
+        config = json.load(fp)
+    config["base_model_name_or_path"] = base_model_name_or_path
+    with open(path, "w", encoding="utf-8") as fp:
+        json.dump(config, fp, indent=2, sort_keys=True)
+        fp.write("\n")

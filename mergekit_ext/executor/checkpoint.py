@@ -36,36 +36,11 @@ from torch import nn
 from mergekit_ext import model_class
 from mergekit_ext.errors import ModelInputError
 from mergekit_ext.executor.families import ModelFamily
+from mergekit_ext.model_paths import resolve_model_folder as resolve_model_folder
 
 LOG = logging.getLogger(__name__)
 
 HEAD_PREFIX = "@"
-
-
-def resolve_model_folder(
-    path: str, *, what: str, cache_dir: Optional[str] = None, revision: Optional[str] = None
-) -> str:
-    """A local folder for ``path``: a folder, or a Hub id already in the local cache.
-
-    Nothing is downloaded (the executor never touches the network).
-    """
-    if os.path.isdir(path):
-        return path
-    if "@" in path:
-        path, revision = path.split("@", 1)
-        if os.path.isdir(path):
-            return path
-    try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(
-            path, revision=revision, cache_dir=cache_dir, local_files_only=True
-        )
-    except Exception:
-        raise ModelInputError(
-            f"{what}: model path not found: {path!r}; give a local folder (relative paths "
-            "resolve against the current directory) or download the Hub model first"
-        ) from None
 
 
 def build_skeleton(config: transformers.PretrainedConfig) -> nn.Module:

@@ -133,8 +133,9 @@ def executor_only_method(info: MethodInfo, parameter_types: dict[str, Any]) -> M
 
     mergekit's registry needs a ``MergeMethod`` so that ``mergekit-ext methods`` and YAML
     validation see the method and its parameters. Such a method cannot run one tensor at a
-    time, so mergekit's own executor (``mergekit-yaml``) gets a clear error telling the user
-    to run it with ``mergekit-ext run`` and a ``calibration:`` section.
+    time, so mergekit's own executor (``mergekit-yaml``, ``mergekit.merge.run_merge``) gets a
+    clear error while planning, before it writes anything, pointing to ``mergekit-ext run``
+    and :func:`mergekit_ext.run_merge`.
 
     ``parameter_types`` maps each parameter to its Python type (``float``, ``bool``,
     ``Literal[...]``, ``Optional[list[float]]`` ...); defaults come from ``info.parameters``.
@@ -171,15 +172,23 @@ def executor_only_method(info: MethodInfo, parameter_types: dict[str, Any]) -> M
         ),
     )
 
+    message = (
+        f"merge method {info.name!r} needs data and runs on mergekit-ext's own executor, not "
+        "on mergekit's (mergekit's `run_merge` / `mergekit-yaml` merge one tensor at a time and "
+        "drop the YAML's `calibration:` section): run the same YAML with `mergekit-ext run "
+        "CONFIG OUT`, or from Python with `mergekit_ext.run_merge(CONFIG, OUT)`"
+    )
+
     class _ExecutorOnly(GroupMergeMethod):
         def __init__(self) -> None:
             self.spec = spec
 
+        # mergekit's planner validates every tensor's inputs before it writes anything:
+        # the earliest point at which mergekit calls a method.
+        def validate_inputs(self, *args: Any, **kwargs: Any) -> None:
+            raise MergekitExtError(message)
+
         def merge_group(self, group: TensorGroup, /, **parameters: Any):  # type: ignore[override]
-            raise MergekitExtError(
-                f"merge method {info.name!r} needs calibration data and runs on mergekit-ext's "
-                "sequential executor, not one tensor at a time: run it with `mergekit-ext run` "
-                "and a `calibration:` section in the YAML"
-            )
+            raise MergekitExtError(message)
 
     return _ExecutorOnly()

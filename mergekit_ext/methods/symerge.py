@@ -126,9 +126,9 @@ def _local_path(ref: str) -> str:
                 "its base first (peft's merge_and_unload) and give that folder"
             )
         return path
-    from huggingface_hub import snapshot_download
+    from mergekit_ext.model_paths import resolve_model_folder
 
-    return snapshot_download(path)  # honours HF_HUB_OFFLINE and the local cache
+    return resolve_model_folder(path, what=f"model {ref}")
 
 
 def _model_class(path: str, config: Mapping[str, Any], trust_remote_code: bool) -> type:
@@ -436,8 +436,18 @@ def resolved_task_layer_lr(p: SyMergeParameters, problem: Any) -> float:
     return BLOCK_TASK_LAYER_LR if task_layers_are_lm_blocks(problem) else p.lr
 
 
-def save_symerge(session: SyMergeSession, out_dir: str, *, task_layers_only: bool = False) -> None:
-    """Write the merged body into ``out_dir`` and each task into ``out_dir/tasks/<name>``."""
+def save_symerge(
+    session: SyMergeSession,
+    out_dir: str,
+    *,
+    task_layers_only: bool = False,
+    body_path: Optional[str] = None,
+) -> None:
+    """Write the merged body into ``out_dir`` and each task into ``out_dir/tasks/<name>``.
+
+    ``body_path``: how the task adapters (``task_layers_only``) name the merged body, i.e.
+    where ``out_dir`` ends up (default ``out_dir``).
+    """
     started = time.perf_counter()
     problem = session.problem
     export.save_checkpoint(
@@ -456,7 +466,9 @@ def save_symerge(session: SyMergeSession, out_dir: str, *, task_layers_only: boo
         tensors = problem.task_checkpoint_tensors(k)
         if task_layers_only:
             modules = task.roles.task_layer_modules + frozen_modules(task.roles)
-            export.save_peft_adapter(task.module, tensors, modules, task_dir, _dtype(config))
+            export.save_peft_adapter(
+                task.module, tensors, modules, task_dir, _dtype(config), body_path or out_dir
+            )
         else:
             export.save_checkpoint(task.module, tensors, task_dir, _dtype(config))
             export.copy_processing_files(path, task_dir)
@@ -472,6 +484,7 @@ def run_symerge(
     force: bool = False,
     task_layers_only: bool = False,
     trust_remote_code: bool = False,
+    body_path: Optional[str] = None,
 ) -> dict:
     """Run SyMerge for ``cfg`` and write the outputs into ``out_dir`` (which may exist).
 
@@ -483,7 +496,7 @@ def run_symerge(
         cfg, parameters, device=device, force=force, trust_remote_code=trust_remote_code
     )
     section = adapt_session(session)
-    save_symerge(session, out_dir, task_layers_only=task_layers_only)
+    save_symerge(session, out_dir, task_layers_only=task_layers_only, body_path=body_path)
     session.timing["total_s"] = time.perf_counter() - started
     section["timing"] = dict(session.timing)
     section["calibration"] = session.calibration

@@ -1,0 +1,67 @@
+"""Add each row's recipe (:func:`benchmarks.merging.row_recipe`: ``merge_method``, the YAML's
+parameters and the method's defaults) to result tables written before rows recorded it.
+
+The tables in ``benchmarks/results/`` were run with the row definitions of
+``merging.ROWS`` as they are now (unchanged since those runs); a sweep row
+``key[param=value]`` is that row with one parameter set, as ``sweep.sweep_rows`` builds it.
+Rows that already carry ``merge_method`` are left as they are.
+
+    python -m benchmarks.backfill_recipes benchmarks/results/*.json
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from typing import Any, Optional
+
+import yaml
+
+from benchmarks.merging import REFERENCE_ROWS, MethodRow, row_recipe, rows_for
+from benchmarks.sweep import sweep_rows
+
+_SWEEP_KEY = re.compile(r"^(?P<key>[^\[]+)\[(?P<param>[^=\]]+)=(?P<value>[^\]]*)\]$")
+
+
+def method_row(key: str) -> Optional[MethodRow]:
+    """The :class:`MethodRow` a result row key names (None for the reference rows)."""
+    if key in REFERENCE_ROWS:
+        return None
+    match = _SWEEP_KEY.match(key)
+    if match is None:
+        return rows_for([key])[0]
+    (base,) = rows_for([match["key"]])
+    (row,) = sweep_rows([base], match["param"], [yaml.safe_load(match["value"])])
+    if row.key != key:
+        raise ValueError(f"sweep key {key!r} does not round-trip (got {row.key!r})")
+    return row
+
+
+def backfill(table: dict[str, Any]) -> int:
+    """Add the recipe to every row of ``table`` lacking one; returns how many changed."""
+    changed = 0
+    for result_row in table["rows"]:
+        if "merge_method" in result_row:
+            continue
+        row = method_row(result_row["key"])
+        result_row.update(row_recipe(row) if row is not None else {"merge_method": None})
+        changed += 1
+    return changed
+
+
+def main(paths: list[str]) -> int:
+    for path in paths:
+        with open(path, encoding="utf-8") as fp:
+            table = json.load(fp)
+        changed = backfill(table)
+        if changed:
+            with open(path, "w", encoding="utf-8") as fp:
+                json.dump(table, fp, indent=2)
+                fp.write("\n")
+        print(f"{path}: {changed} row(s) given their recipe")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
