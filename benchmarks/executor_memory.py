@@ -35,8 +35,6 @@ import zlib
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 NUM_EXPERTS = 3
 SIZES: dict[str, dict[str, int]] = {

@@ -19,7 +19,6 @@ import hashlib
 import importlib.util
 import logging
 import os
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,11 +107,8 @@ class LMSuite(Suite):
             recipe: dict[str, Any] = {"kind": "lm-base", "source": s.base, "seed": 0}
 
             def build(out: str) -> None:
-                sys.path.insert(0, os.path.join(REPO_ROOT, "tests"))
-                try:
-                    from tiny_models import make_tiny_llama
-                finally:
-                    sys.path.pop(0)
+                from mergekit_ext.testing import make_tiny_llama
+
                 make_tiny_llama(out, seed=0, layers=2)
 
         else:

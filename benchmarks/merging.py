@@ -1,10 +1,7 @@
 """The methods the benchmark compares, their YAML configs, and running them in a subprocess.
 
 Every merge runs as its own process through the real command line (``mergekit-ext run
-CONFIG OUT``), so that its wall time and peak resident memory are its own. Until
-``mergekit_ext.cli`` exists, the process runs ``benchmarks/_run_merge.py`` instead
-(``import mergekit_ext`` then ``mergekit.merge.run_merge``), which can run only
-tensor-at-a-time methods.
+CONFIG OUT``), so that its wall time and peak resident memory are its own.
 
 A method that is not registered, raises ``NotImplementedError`` or says it is "not
 available yet" is reported as not available, never as a number.
@@ -12,7 +9,6 @@ available yet" is reported as not available, never as a number.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import shutil
@@ -151,7 +147,7 @@ def row_recipe(row: MethodRow) -> dict[str, Any]:
 def availability(row: MethodRow) -> Optional[str]:
     """None when ``row`` can run now, else the reason it cannot (for the table)."""
     import mergekit_ext  # noqa: F401  (registers our methods)
-    from mergekit_ext.methods.registry import all_method_names, describe_method, ext_method_info
+    from mergekit_ext.methods.registry import all_method_names, describe_method
 
     if row.method not in all_method_names():
         return f"not available (method {row.method!r} not registered yet)"
@@ -159,9 +155,6 @@ def availability(row: MethodRow) -> Optional[str]:
     missing = sorted(set(row.parameters) - known)
     if missing:
         return f"not available ({row.method} has no parameter(s) {missing} yet)"
-    info = ext_method_info(row.method)
-    if info is not None and info.kind != "tensorwise" and not cli_available():
-        return "not available (needs `mergekit-ext run`: mergekit_ext/cli.py not there yet)"
     return None
 
 
@@ -211,23 +204,8 @@ def config_from_recipe(
     return config
 
 
-def cli_available() -> bool:
-    return importlib.util.find_spec("mergekit_ext.cli") is not None
-
-
 def merge_command(config_path: str, out_dir: str) -> list[str]:
-    if cli_available():
-        return [
-            sys.executable,
-            "-m",
-            "mergekit_ext",
-            "run",
-            config_path,
-            out_dir,
-            "--random-seed",
-            "0",
-        ]
-    return [sys.executable, os.path.join(HERE, "_run_merge.py"), config_path, out_dir]
+    return [sys.executable, "-m", "mergekit_ext", "run", config_path, out_dir, "--random-seed", "0"]
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Offline merging benchmark on real pretrained models and real data shipped in packages.
 
-    python benchmarks/run.py --suite text|lm|vision|all [--methods ROW ...] [--smoke]
+    python -m benchmarks.run --suite text|lm|vision|all [--methods ROW ...] [--smoke]
                              [--cache-dir DIR] [--out benchmarks/results]
 
 For each suite (and variant: the text suite has ``full`` and ``lora`` experts) it builds
@@ -22,9 +22,6 @@ import shutil
 import sys
 import time
 from typing import Any, Optional
-
-if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.cache import default_cache_dir
 from benchmarks.merging import (

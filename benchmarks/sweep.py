@@ -1,6 +1,6 @@
 """Sweep one parameter of some merge methods on a benchmark suite, in one run.
 
-    python benchmarks/sweep.py --suite text --variant full \\
+    python -m benchmarks.sweep --suite text --variant full \\
         --methods regmean chain_of_merges --param reduce_non_diagonal \\
         --values 0.5 0.8 0.9 0.95 1.0 --threads 1
 
@@ -19,9 +19,6 @@ import sys
 import time
 from dataclasses import replace
 from typing import Any, Optional
-
-if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import yaml
 

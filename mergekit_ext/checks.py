@@ -192,6 +192,43 @@ def check_parameter_names(cfg: ExtMergeConfig) -> list[str]:
     return warnings
 
 
+def check_parameter_values(cfg: ExtMergeConfig) -> None:
+    """Validate the values of mergekit-ext's methods' parameters before anything loads.
+
+    Each method declares its parameters once, with types and ranges
+    (``methods/parameters.py``); a value outside them is a ``ConfigError`` that names the
+    field, the value and the allowed range, never a silent clamp. Our methods read only the
+    global ``parameters:`` section; a value given per model is checked the same way.
+    """
+    info = ext_method_info(cfg.method)
+    if info is None:  # mergekit's own methods: mergekit validates their values
+        return
+    info.parse_parameters(cfg.parameters)
+    known = info.parameter_names
+    for where, names in _parameter_sites(cfg):
+        if where == "parameters":
+            continue
+        site = _site_values(cfg, where)
+        given = {n: site[n] for n in names if n in known and _is_scalar(site[n])}
+        try:
+            info.parse_parameters(given)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from e
+
+
+def _is_scalar(value: Any) -> bool:
+    return isinstance(value, (int, float, str, bool)) or value is None
+
+
+def _site_values(cfg: ExtMergeConfig, where: str) -> dict[str, Any]:
+    raw = cfg.raw
+    if where.startswith("models["):
+        return raw["models"][int(where[len("models[") : where.index("]")])]["parameters"]
+    i = int(where[len("slices[") : where.index("]")])
+    j = int(where[where.index("sources[") + len("sources[") : where.rindex("]")])
+    return raw["slices"][i]["sources"][j]["parameters"]
+
+
 def _parameter_sites(cfg: ExtMergeConfig) -> Iterable[tuple[str, Iterable[str]]]:
     raw = cfg.raw
     if isinstance(raw.get("parameters"), dict):

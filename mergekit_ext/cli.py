@@ -220,6 +220,8 @@ def methods_command(name: Optional[str], as_json: bool) -> None:
         for p in d["parameters"]:
             default = "required" if p["required"] else f"default {p['default']!r}"
             scope = "" if p["scope"] == "shared" else f", per {p['scope'].replace('_', '-')}"
+            if p.get("allowed") and " | " not in p["allowed"]:  # choices are in the description
+                scope += f", in {p['allowed']}"
             desc = f" — {p['description']}" if p["description"] else ""
             click.echo(f"    {p['name']} ({default}{scope}){desc}")
 
@@ -231,10 +233,7 @@ def _register_hub_commands() -> None:
     main.add_command(publish_command, "publish")
 
 
-try:
-    _register_hub_commands()
-except ImportError as _e:  # pragma: no cover - only while the hub package is incomplete
-    LOG.debug("hub commands unavailable: %s", _e)
+_register_hub_commands()
 
 
 if __name__ == "__main__":

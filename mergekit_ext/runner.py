@@ -53,6 +53,7 @@ class RunOptions:
 def validate(cfg: ExtMergeConfig, options: MergeOptions, run: RunOptions) -> list[str]:
     """All checks that need no weights; returns the warnings."""
     checks.check_method(cfg.method)
+    checks.check_parameter_values(cfg)  # pure config: before any path is looked at
     info = ext_method_info(cfg.method)
     data_aware = info is not None and info.kind != "tensorwise"
     checks.check_models_list(cfg)

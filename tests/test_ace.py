@@ -1,4 +1,4 @@
-"""ACE (mergekit_ext.methods.ace) against hand-derived closed forms, following METHODS.md § ACE.
+"""ACE (mergekit_ext.methods.ace) against hand-derived closed forms, following docs/methods.md § ACE.
 
 The hand case used throughout (K = 2 experts, 2x2 weights):
 
@@ -50,18 +50,18 @@ GAMMA = 0.5
 #
 # Not normalizing, eps = 1 (so ε_k = 1):
 #   Σ_1 + I = diag(3, 1), Σ_2 + I = diag(1, 9); their sum = diag(4, 10).
-#   Σ_k Σ_k² = diag(4, 0) + diag(0, 64) = diag(4, 64); column means: [ (4+0)/2, (0+64)/2 ] = [2, 32]
-#   C_agg = [2, 32] added to every row: A = [[6, 32], [2, 42]], det A = 252 - 64 = 188,
-#   A⁻¹ = (1/188) [[42, -32], [-2, 6]].
+#   C_agg is the row of column means of the SUM of the covariances: Σ_1 + Σ_2 = diag(2, 8),
+#   column means [(2+0)/2, (0+8)/2] = [1, 4], added to every row: A = [[5, 4], [1, 14]],
+#   det A = 70 - 4 = 66, A⁻¹ = (1/66) [[14, -4], [-1, 5]].
 #   B = C_1 diag(3, 1) + C_2 diag(1, 9) = [[3, 0], [-3, 0]] + [[0, 18], [0, -18]] = [[3, 18], [-3, -18]].
-#   M row 1 = [3, 18] A⁻¹ = [3·42 - 18·2, -3·32 + 18·6] / 188 = [90, 12] / 188 = [45/94, 3/47].
-M_PLAIN = _rows([Fraction(45, 94), Fraction(3, 47)])
-A_PLAIN = torch.tensor([[6.0, 32.0], [2.0, 42.0]], dtype=F64)
+#   M row 1 = [3, 18] A⁻¹ = [3·14 - 18·1, -3·4 + 18·5] / 66 = [24, 78] / 66 = [4/11, 13/11].
+M_PLAIN = _rows([Fraction(4, 11), Fraction(13, 11)])
+A_PLAIN = torch.tensor([[5.0, 4.0], [1.0, 14.0]], dtype=F64)
 #
 # Normalizing, eps = 1: t_1 = tr S_1 = 2, t_2 = 8.
 #   Σ_1 = diag(1, 0), Σ_2 = diag(0, 1); ε_1 = 1/2, ε_2 = 1/8.
 #   Σ_1 + ε_1 I = diag(3/2, 1/2), Σ_2 + ε_2 I = diag(1/8, 9/8); their sum = diag(13/8, 13/8).
-#   Σ_k Σ_k² = I; column means [1/2, 1/2]; divided by mean τ = (2 + 8)/2 = 5: C_agg = [1/10, 1/10].
+#   Σ_1 + Σ_2 = I; column means [1/2, 1/2]; divided by mean τ = (2 + 8)/2 = 5: C_agg = [1/10, 1/10].
 #   A = [[13/8 + 1/10, 1/10], [1/10, 13/8 + 1/10]] = (1/40) [[69, 4], [4, 69]];
 #   eigenvalues (69 ± 4)/40, so cond(A) = 73/65; A⁻¹ = 40/(69² - 16) [[69, -4], [-4, 69]] = (40/4745) [...].
 #   B = C_1 diag(3/2, 1/2) + C_2 diag(1/8, 9/8) = [[3/2, 9/4], [-3/2, -9/4]].
@@ -166,20 +166,20 @@ def test_centring_is_over_rows() -> None:
 
 def test_singular_system_falls_back_to_pseudo_inverse() -> None:
     # eps = 0, both task vectors only in input column 0: Δ_1 = [[1,0],[-1,0]], Δ_2 = 2 Δ_1.
-    # S_1 = diag(2, 0), S_2 = diag(8, 0); Σ S_k = diag(10, 0); Σ S_k² = diag(68, 0) → C_agg = [34, 0].
-    # A = [[44, 0], [34, 0]] is singular (zero column). B = C_1 S_1 + C_2 S_2 = [[18, 0], [-18, 0]].
-    # A⁺ = (1/(44² + 34²)) [[44, 34], [0, 0]] = (1/3092) [...]; M row 1 = [18·44, 18·34] / 3092
-    #    = [198/773, 153/773].
+    # S_1 = diag(2, 0), S_2 = diag(8, 0); Σ S_k = diag(10, 0) → C_agg = [5, 0].
+    # A = [[15, 0], [5, 0]] is singular (zero column). B = C_1 S_1 + C_2 S_2 = [[18, 0], [-18, 0]].
+    # A⁺ = (1/(15² + 5²)) [[15, 5], [0, 0]] = (1/250) [...]; M row 1 = [18·15, 18·5] / 250
+    #    = [27/25, 9/25].
     experts = [W0 + DELTA_1, W0 + 2 * DELTA_1]
     merged, diag = ace_merge_tensor(W0, experts, eps=0.0, normalize="never")
-    expected = W0 + _rows([Fraction(198, 773), Fraction(153, 773)])
+    expected = W0 + _rows([Fraction(27, 25), Fraction(9, 25)])
     torch.testing.assert_close(merged, expected, rtol=0, atol=1e-12)
     assert torch.isfinite(merged).all()
     assert diag.condition_number > 1e12
 
 
 def _reference_ace(base, experts, eps, k_frac, normalizing):
-    """METHODS.md § ACE transcribed literally, one loop per formula (no shared code with ace.py)."""
+    """docs/methods.md § ACE transcribed literally, one loop per formula (no shared code with ace.py)."""
     n_in = base.shape[1]
     deltas = [e - base for e in experts]
     taus = [float((d * d).sum()) for d in deltas]
@@ -193,7 +193,7 @@ def _reference_ace(base, experts, eps, k_frac, normalizing):
         eps_k.append(eps / t if normalizing else eps)
     eye = torch.eye(n_in, dtype=F64)
     a = sum(s + e * eye for s, e in zip(sigmas, eps_k))
-    c_agg = sum(s @ s for s in sigmas).mean(dim=0, keepdim=True)
+    c_agg = sum(sigmas).mean(dim=0, keepdim=True)  # column means of the sum of covariances
     if normalizing:
         c_agg = c_agg / (sum(taus) / len(taus))
     a = a + c_agg

@@ -81,7 +81,7 @@ def merge(tiny, method: str, out: str, parameters=None, model_parameters=None) -
 
 
 def is_ace_linear(name: str, tensor: torch.Tensor) -> bool:
-    """METHODS.md § ACE: 2-D linear maps get the covariance merge; embedding tables and the
+    """docs/methods.md § ACE: 2-D linear maps get the covariance merge; embedding tables and the
     vocabulary head (lookup tables whose input axis is the vocabulary) get the mean."""
     return tensor.ndim == 2 and "embed" not in name and "lm_head" not in name
 

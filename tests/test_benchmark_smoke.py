@@ -1,6 +1,6 @@
 """The offline benchmark: building blocks checked on their own, then one ``--smoke`` run.
 
-The smoke run (``benchmarks/run.py --suite all --smoke``) uses the real data shipped in the
+The smoke run (``python -m benchmarks.run --suite all --smoke``) uses the real data shipped in the
 ``bench`` extra's packages (and Debian's dataset-fashion-mnist), the real all-MiniLM-L6-v2
 cut to one layer, a tiny random Llama (tests/tiny_models.py) for the LM suite and a tiny
 ViT pretrained for a few steps; every code path of the full benchmark runs, merges
@@ -123,7 +123,7 @@ def test_smoke_run_all_suites(tmp_path):
     cache, out = tmp_path / "cache", tmp_path / "results"
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     proc = subprocess.run(
-        [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "run.py"), "--suite", "all",
+        [sys.executable, "-m", "benchmarks.run", "--suite", "all",
          "--smoke", "--keep-merges", "--cache-dir", str(cache), "--out", str(out)],
         capture_output=True, text=True, timeout=900, env=env, cwd=REPO_ROOT,
     )  # fmt: skip

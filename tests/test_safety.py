@@ -281,7 +281,8 @@ def test_lock_is_released_after_a_failed_merge(work, monkeypatch):
     (work / "bad.yml").write_text(yaml.safe_dump(config))
     result = _invoke(["run", "bad.yml", "out"], monkeypatch, cwd=work)
     assert result.exit_code == 1
-    assert "k_frac = 7.5 is outside its range [0, 1]" in result.output
+    assert "parameters.k_frac = 7.5 is not valid" in result.output
+    assert "(allowed: [0, 1])" in result.output
     assert not (work / "out").exists() and not (work / ".out.lock").exists()
     assert _invoke(["run", "ace.yml", "out"]).exit_code == 0
 
@@ -477,14 +478,55 @@ def test_differing_tokenizers_warn(models, tmp_path, caplog):
     assert not [r for r in caplog.records if "tokenizers differ" in r.message]
 
 
-@pytest.mark.parametrize("k_frac", [7.5, -0.5])
-def test_ace_k_frac_out_of_range(models, k_frac):
-    from mergekit_ext.errors import ConfigError
-    from mergekit_ext.methods.ace import ace_merge_tensor
+def _out_of_range_values(field) -> list[float]:
+    """Values just outside each bound the field declares (empty for an unbounded field)."""
+    bad = []
+    for m in field.metadata:
+        for attr, step in (("ge", -0.5), ("gt", 0.0), ("le", 0.5), ("lt", 0.0)):
+            bound = getattr(m, attr, None)
+            if bound is not None:
+                bad.append(bound + step if step else bound)
+    return bad
 
-    w0 = torch.zeros(4, 4)
-    with pytest.raises(ConfigError, match=r"k_frac = .* outside its range \[0, 1\]"):
-        ace_merge_tensor(w0, [w0 + 1, w0 - 1], k_frac=k_frac)
+
+def test_every_numeric_parameter_of_every_method_is_range_checked():
+    from mergekit_ext.errors import ConfigError
+    from mergekit_ext.methods import ext_methods
+
+    checked = 0
+    for info in ext_methods():
+        for name, field in info.parameters_model.model_fields.items():
+            for value in _out_of_range_values(field):
+                with pytest.raises(ConfigError, match=rf"{info.name}: parameters\.{name} = "):
+                    info.parse_parameters({name: value})
+                checked += 1
+            if field.annotation in (int, float):  # a string is never a number
+                with pytest.raises(ConfigError, match=rf"parameters\.{name} = 'x'"):
+                    info.parse_parameters({name: "x"})
+    assert checked >= 10  # k_frac, eps, ridge (three methods), lr, epochs, batch_size ...
+
+
+@pytest.mark.parametrize(
+    ("parameters", "message"),
+    [
+        ({"k_frac": -0.5}, r"ace: parameters\.k_frac = -0\.5 is not valid.*\(allowed: \[0, 1\]\)"),
+        ({"eps": 0}, r"parameters\.eps = 0 .*\(allowed: \(0, inf\)\)"),
+        (
+            {"normalize": "sometimes"},
+            r"parameters\.normalize = 'sometimes'.*auto \| always \| never",
+        ),
+    ],
+)
+def test_ace_parameters_are_checked_before_anything_loads(work, monkeypatch, parameters, message):
+    import re
+
+    config = yaml.safe_load((work / "ace.yml").read_text())
+    config["parameters"] = parameters
+    config["base_model"] = str(work / "missing-model")  # would fail later if loading started
+    (work / "bad.yml").write_text(yaml.safe_dump(config))
+    result = _invoke(["run", "bad.yml", "out"], monkeypatch, cwd=work)
+    assert result.exit_code == 1
+    assert re.search(message, result.output), result.output
 
 
 # --------------------------------------------- 10. local calibration files: no network

@@ -9,7 +9,7 @@ A :class:`~mergekit_ext.calibration.config.CalibrationSpec` names the data of on
 - ``dataset``: a Hugging Face Hub dataset (only online);
 - ``source``: a custom source registered with :func:`register_source`.
 
-Conventions (``METHODS.md``, "Calibration conventions"): one sample is one text (or
+Conventions (``docs/methods.md``, "Calibration conventions"): one sample is one text (or
 image), tokenized with the tokenizer's defaults (special tokens included) and truncated to
 ``max_length``; ``pack: true`` instead cuts the concatenated token stream into windows of
 ``max_length`` and then ``samples`` counts windows. ``samples: N`` takes N samples after a

@@ -147,7 +147,7 @@ class MergePlan:
     cfg: ExtMergeConfig
     options: MergeOptions
     method: LayerwiseMethod
-    parameters: dict[str, Any]
+    parameters: Any  # the method's typed parameters (method.parameters_model), parsed once
     request: StatisticsRequest
     family: ModelFamily
     base: Source
@@ -323,6 +323,7 @@ def build_plan(
         raise ConfigError(
             f"{method.name} needs base_model (the pretrained model the experts share) in the YAML"
         )
+    parameters = method.parse(parameters)
     request = method.statistics_request(parameters)
     cache_dir = options.transformers_cache
     opened = _Opened(cache_dir)
@@ -382,7 +383,7 @@ def build_plan(
             "%s: the text tower of this CLIP model is merged with the fallback (%s); only the "
             "vision tower is merged with calibration data",
             base.label,
-            parameters.get("fallback", "mean"),
+            getattr(parameters, "fallback", "mean"),
         )
 
     # Shapes: every backbone tensor of the base must exist with the same shape in each
@@ -432,7 +433,7 @@ def build_plan(
         cfg=cfg,
         options=options,
         method=method,
-        parameters=dict(parameters),
+        parameters=parameters,
         request=request,
         family=family,
         base=base,

@@ -2,8 +2,8 @@
 
 "Data-Free Model Merging with Adaptive Covariance Estimation", arXiv 2603.02945 (CVPR 2026);
 reference code: github.com/unravel-xu/ACE-Merging (``src/merge/strategy.py::ace_merging``).
-The computation follows ``METHODS.md`` (section ACE) step by step; equation numbers in the
-comments refer to those steps.
+The computation is written down in ``docs/methods.md`` (section ACE) step by step; the step
+numbers in the comments refer to it.
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 import torch
-from mergekit.merge_methods import TensorGroup, merge_method
+from mergekit.merge_methods import TensorGroup
 from mergekit.merge_methods.base import BasePolicy, InputContract, OptionalTensorPolicy
+from pydantic import Field
 
 from mergekit_ext import diagnostics
-from mergekit_ext.errors import ConfigError, TensorError
-from mergekit_ext.methods.registry import MethodInfo, ParameterDoc, register_method
+from mergekit_ext.errors import TensorError
+from mergekit_ext.methods.parameters import MethodParameters
+from mergekit_ext.methods.registry import MethodInfo, register_method, tensorwise_method
 
 NormalizeMode = Literal["auto", "always", "never"]
 _TINY = 1e-12
@@ -85,8 +87,8 @@ def ace_merge_tensor(
     Returns the merged weight and its diagnostics. Raises :class:`TensorError` (naming
     ``name``) for fewer than two experts, mismatched shapes or non-finite values.
     """
-    if not 0.0 <= k_frac <= 1.0:  # the full range check of every parameter is the config's
-        raise ConfigError(f"ace: parameter k_frac = {k_frac} is outside its range [0, 1]")
+    if not 0.0 <= k_frac <= 1.0:  # ACEParameters checks YAML values; this guards direct calls
+        raise ValueError(f"ace: k_frac = {k_frac} is outside its range [0, 1]")
     _check_inputs(base, experts, name)
     if base.ndim != 2:
         raise TensorError(f"ACE's covariance merge needs a 2-D weight; {name} is {base.ndim}-D")
@@ -119,8 +121,10 @@ def ace_merge_tensor(
     # Step 3: A = Σ (Σ_k + ε_k I) + C_agg ; B = Σ C_k (Σ_k + ε_k I).
     regularised = [cov + r * eye for cov, r in zip(covs, ridges)]
     a = torch.stack(regularised).sum(0)
-    second_moment = torch.stack([cov @ cov for cov in covs]).sum(0)
-    collective_prior = second_moment.mean(dim=0, keepdim=True)  # 1 x in, added to every row
+    # C_agg: column means of the SUM over tasks of the (unregularised) covariances, as the
+    # authors' code computes it (mean(sum(Sigmas), dim=0)), a 1 x in row added to every row
+    covariance_sum = torch.stack(covs).sum(0)
+    collective_prior = covariance_sum.mean(dim=0, keepdim=True)
     if normalizing:
         mean_energy = float(torch.stack([d.pow(2).sum() for d in deltas]).mean())
         collective_prior = collective_prior / (mean_energy + _TINY)
@@ -189,39 +193,47 @@ def is_linear_weight(
     return not any(marker in lowered for marker in _EMBEDDING_MARKERS)
 
 
-@merge_method(
-    name="ace",
-    pretty_name="ACE (Adaptive Covariance Estimation)",
-    reference_url="https://arxiv.org/abs/2603.02945",
-    contract=InputContract(base=BasePolicy.REQUIRED, min_inputs=2),
-    # an optional tensor only the base has (an old buffer such as embeddings.position_ids
-    # that experts saved by transformers 5 lack) is taken from the base, as mergekit does
-    optional_tensor_policy=OptionalTensorPolicy.PASSTHROUGH_BASE_SINGLETON,
-)
-def ace_merge(
-    group: TensorGroup,
-    eps: float = 1e-2,
-    k_frac: float = 0.3,
-    gamma_threshold: float = 0.3,
-    normalize: NormalizeMode = "auto",
-    scale: float = 1.0,
-) -> torch.Tensor:
-    """mergekit adapter: one tensor group → :func:`ace_merge_tensor` (or the simple mean)."""
+class ACEParameters(MethodParameters):
+    """ACE's parameters (``docs/methods.md``, section ACE)."""
+
+    eps: float = Field(
+        1e-2, gt=0.0, allow_inf_nan=False, description="ridge ε added to each task covariance"
+    )
+    k_frac: float = Field(
+        0.3,
+        ge=0.0,
+        le=1.0,
+        description="fraction of singular directions boosted by the spectral refinement",
+    )
+    gamma_threshold: float = Field(
+        0.3,
+        ge=0.0,
+        allow_inf_nan=False,
+        description="normalize the covariances when the heterogeneity γ exceeds this",
+    )
+    normalize: NormalizeMode = Field(
+        "auto", description="auto | always | never: override the γ test"
+    )
+    scale: float = Field(1.0, allow_inf_nan=False, description="merged W = W_0 + scale · M")
+
+
+def ace_kernel(group: TensorGroup, parameters: ACEParameters) -> torch.Tensor:
+    """mergekit kernel: one tensor group → :func:`ace_merge_tensor` (or the simple mean)."""
     name = group.metadata.name or "<tensor>"
     if group.base is None:
         raise TensorError(f"ACE needs base_model (the pretrained model); none given for {name}")
     base = group.base.tensor
     experts = [e.tensor for e in group.non_base]
     if not is_linear_weight(name, base, group.metadata.vocabulary_axis):
-        return ace_merge_simple(base, experts, scale=scale, name=name)
+        return ace_merge_simple(base, experts, scale=parameters.scale, name=name)
     merged, diag = ace_merge_tensor(
         base,
         experts,
-        eps=eps,
-        k_frac=k_frac,
-        gamma_threshold=gamma_threshold,
-        normalize=normalize,
-        scale=scale,
+        eps=parameters.eps,
+        k_frac=parameters.k_frac,
+        gamma_threshold=parameters.gamma_threshold,
+        normalize=parameters.normalize,
+        scale=parameters.scale,
         name=name,
     )
     diagnostics.record_item("ace", "tensors", name, diag.as_dict())
@@ -235,17 +247,15 @@ INFO = MethodInfo(
     needs_calibration=False,
     paper="Data-Free Model Merging with Adaptive Covariance Estimation (CVPR 2026)",
     paper_url="https://arxiv.org/abs/2603.02945",
-    parameters=(
-        ParameterDoc("eps", 1e-2, "ridge ε added to each task covariance"),
-        ParameterDoc(
-            "k_frac", 0.3, "fraction of singular directions boosted by the spectral refinement"
-        ),
-        ParameterDoc(
-            "gamma_threshold", 0.3, "normalize covariances when heterogeneity γ exceeds this"
-        ),
-        ParameterDoc("normalize", "auto", "auto | always | never: override the γ test"),
-        ParameterDoc("scale", 1.0, "merged W = W_0 + scale · M"),
-    ),
+    parameters_model=ACEParameters,
 )
 
+ace_merge = tensorwise_method(
+    INFO,
+    ace_kernel,
+    contract=InputContract(base=BasePolicy.REQUIRED, min_inputs=2),
+    # an optional tensor only the base has (an old buffer such as embeddings.position_ids
+    # that experts saved by transformers 5 lack) is taken from the base, as mergekit does
+    optional_tensor_policy=OptionalTensorPolicy.PASSTHROUGH_BASE_SINGLETON,
+)
 register_method(INFO, ace_merge)

@@ -2,7 +2,7 @@
 
 "Rethinking Layer-wise Model Merging through Chain of Merges", arXiv 2508.21421
 (NeurIPS 2026); no public code. CoM is RegMean (``regmean.py``) plus three changes, each
-behind its own switch so that the paper's ablation can be run (``METHODS.md``, section
+behind its own switch so that the paper's ablation can be run (``docs/methods.md``, section
 "Chain of Merges"):
 
 1. ``propagate``: the Gram of layer l for task k comes from task k's calibration data run
@@ -36,35 +36,24 @@ diagnostic, so above that width it keeps means and variances, not Grams.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import torch
+from pydantic import Field
 
 from mergekit_ext.methods.layerwise import (
     LayerwiseMethod,
     LinearGroup,
     StatisticsRequest,
     TaskStatistics,
-    fallback_merge,
 )
-from mergekit_ext.methods.registry import (
-    MethodInfo,
-    ParameterDoc,
-    executor_only_method,
-    register_method,
-)
+from mergekit_ext.methods.registry import MethodInfo, executor_only_method, register_method
 from mergekit_ext.methods.regmean import (
-    ALPHA_EVIDENCE,
     FULL_COVARIANCE_W2_MAX_DIM,
-    PROVISIONAL,
-    SHARED_PARAMETER_DOCS,
-    SHARED_PARAMETER_TYPES,
     RegMeanParameters,
     covariate_shift_w2,
     gaussian_w2,
     merge_group_least_squares,
-    parse_parameters,
     regmean_merge_weights,
     regmean_solve,
     relative_output_error,
@@ -109,20 +98,34 @@ def _correlation_weight_of(stats: TaskStatistics) -> float:
 class ChainOfMergesParameters(RegMeanParameters):
     """CoM's parameters: RegMean's plus the three ablation switches."""
 
-    propagate: bool = True
-    normalize: bool = False
-    task_weighting: TaskWeighting = "uniform"
+    propagate: bool = Field(
+        True,
+        description="Grams from each task's data run through the already merged layers (removes "
+        "the merging covariate shift); false uses each expert's own forward pass like RegMean "
+        "(on, at α = 0.95: +0.3 / +3.8 / +16.3 points normalized over RegMean on the text / LM "
+        "/ vision suites)",
+    )
+    normalize: bool = Field(
+        False,
+        description="form the Grams from unit-L2-norm input vectors (correlation-like, better "
+        "conditioned); off: it lowered the LM suite's score (89.5% -> 88.4%) and was within "
+        "0.1 point on text and vision",
+    )
+    task_weighting: TaskWeighting = Field(
+        "uniform",
+        description="uniform (ω_k = 1) | correlation (ω_k = Σ_{p<q} |G_k[p,q]| of the layer's "
+        "normalized Gram); uniform: correlation weighting did not help on the LM and text suites",
+    )
 
 
 class ChainOfMergesMethod(LayerwiseMethod):
     """Chain of Merges on the sequential executor."""
 
     name = "chain_of_merges"
+    parameters_model = ChainOfMergesParameters
 
-    def statistics_request(self, parameters: Mapping[str, Any]) -> StatisticsRequest:
-        p: ChainOfMergesParameters = parse_parameters(
-            ChainOfMergesParameters, parameters, self.name
-        )
+    def statistics_request(self, parameters: Any) -> StatisticsRequest:
+        p = self.parse(parameters)
         # The correlation weight needs the normalized Gram even when the merge itself uses
         # the raw one. The expert path stays on: without propagation it is the merge's data,
         # with it the reference of the covariate-shift diagnostic, which is diagonal above
@@ -135,11 +138,9 @@ class ChainOfMergesMethod(LayerwiseMethod):
         )
 
     def merge_linear_group(
-        self, group: LinearGroup, parameters: Mapping[str, Any]
+        self, group: LinearGroup, parameters: Any
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        p: ChainOfMergesParameters = parse_parameters(
-            ChainOfMergesParameters, parameters, self.name
-        )
+        p = self.parse(parameters)
         correlation = p.task_weighting == "correlation"
         return merge_group_least_squares(
             group,
@@ -154,20 +155,6 @@ class ChainOfMergesMethod(LayerwiseMethod):
             task_weighting_label=p.task_weighting,
         )
 
-    def merge_other(
-        self,
-        name: str,
-        base: Optional[torch.Tensor],
-        experts: Sequence[torch.Tensor],
-        parameters: Mapping[str, Any],
-    ) -> torch.Tensor:
-        p: ChainOfMergesParameters = parse_parameters(
-            ChainOfMergesParameters, parameters, self.name
-        )
-        return fallback_merge(name, base, experts, p.fallback)
-
-
-_FIELDS = ChainOfMergesParameters.model_fields
 
 INFO = MethodInfo(
     name="chain_of_merges",
@@ -176,50 +163,8 @@ INFO = MethodInfo(
     needs_calibration=True,
     paper='"Rethinking Layer-wise Model Merging through Chain of Merges" (NeurIPS 2026)',
     paper_url="https://arxiv.org/abs/2508.21421",
-    parameters=(
-        ParameterDoc(
-            "propagate",
-            _FIELDS["propagate"].default,
-            "Grams from each task's data run through the already merged layers (removes the "
-            "merging covariate shift); false uses each expert's own forward pass like RegMean "
-            "(on, at α = 0.95: +0.3 / +3.8 / +16.3 points normalized over RegMean on the text / LM / "
-            "vision suites)",
-        ),
-        ParameterDoc(
-            "normalize",
-            _FIELDS["normalize"].default,
-            "form the Grams from unit-L2-norm input vectors (correlation-like, better "
-            "conditioned); off: it lowered the LM suite's score (89.5% -> 88.4%) and was within "
-            "0.1 point on text and vision",
-        ),
-        ParameterDoc(
-            "task_weighting",
-            _FIELDS["task_weighting"].default,
-            "uniform (ω_k = 1) | correlation (ω_k = Σ_{p<q} |G_k[p,q]| of the layer's "
-            "normalized Gram); uniform: correlation weighting did not help on the LM and text "
-            "suites",
-        ),
-        *(
-            ParameterDoc(d.name, d.default, d.description + ALPHA_EVIDENCE)
-            if d.name == "reduce_non_diagonal"
-            else ParameterDoc(d.name, d.default, d.description + PROVISIONAL)
-            if d.name == "ridge"
-            else d
-            for d in SHARED_PARAMETER_DOCS
-        ),
-    ),
+    parameters_model=ChainOfMergesParameters,
     implementation=ChainOfMergesMethod(),
 )
 
-register_method(
-    INFO,
-    executor_only_method(
-        INFO,
-        {
-            "propagate": bool,
-            "normalize": bool,
-            "task_weighting": TaskWeighting,
-            **SHARED_PARAMETER_TYPES,
-        },
-    ),
-)
+register_method(INFO, executor_only_method(INFO))

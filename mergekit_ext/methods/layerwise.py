@@ -20,6 +20,8 @@ from typing import Any, Optional
 
 import torch
 
+from mergekit_ext.methods.parameters import MethodParameters
+
 
 @dataclass
 class TaskStatistics:
@@ -113,16 +115,26 @@ class StatisticsRequest:
 
 
 class LayerwiseMethod(ABC):
-    """A data-aware merge method run by the sequential executor."""
+    """A data-aware merge method run by the sequential executor.
+
+    ``parameters_model`` is the method's one parameter declaration; the planner parses the
+    YAML into it once and every call below receives that typed object (a plain mapping is
+    parsed on the spot, for direct calls).
+    """
 
     name: str
+    parameters_model: type[MethodParameters] = MethodParameters
+
+    def parse(self, parameters: Any) -> Any:
+        """``parameters`` as this method's typed model (``ConfigError`` naming a bad field)."""
+        return self.parameters_model.parse(parameters, self.name)
 
     @abstractmethod
-    def statistics_request(self, parameters: Mapping[str, Any]) -> StatisticsRequest: ...
+    def statistics_request(self, parameters: Any) -> StatisticsRequest: ...
 
     @abstractmethod
     def merge_linear_group(
-        self, group: LinearGroup, parameters: Mapping[str, Any]
+        self, group: LinearGroup, parameters: Any
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Return ``({weight name: merged weight}, diagnostics for this group)``."""
 
@@ -131,10 +143,11 @@ class LayerwiseMethod(ABC):
         name: str,
         base: Optional[torch.Tensor],
         experts: Sequence[torch.Tensor],
-        parameters: Mapping[str, Any],
+        parameters: Any,
     ) -> torch.Tensor:
         """Merge a tensor that is not an input-hooked linear weight (the fallback merge)."""
-        return fallback_merge(name, base, experts, parameters.get("fallback", "mean"))
+        how = getattr(self.parse(parameters), "fallback", "mean")
+        return fallback_merge(name, base, experts, how)
 
 
 def fallback_merge(

@@ -2,7 +2,7 @@
 
 "Model Merging by Output-Space Projection", Evans, Etheridge, Roberts, Tanner,
 arXiv 2605.29101 (2026), https://arxiv.org/abs/2605.29101. No public reference code; the
-computation follows ``METHODS.md`` (section "QP / output-space projection").
+computation follows ``docs/methods.md`` (section "QP / output-space projection").
 
 Notation (PyTorch ``y = W x``, ``W`` is ``out x in``): ``W_0`` the base weight, ``W_k``
 expert k's, ``Δ_k = W_k − W_0`` its task vector (the *updates*), ``K`` experts. Task ``t``
@@ -42,32 +42,28 @@ paper's optimal basis). Task arithmetic ``d_k = λ·1`` is a feasible point in e
 In the method, the expert of task t is expert t, so ``R_t = −Δ_t``; the pure functions also
 accept separate residual maps (e.g. trimmed task vectors as updates, full experts as targets).
 With ``propagate`` the ``x_j`` are the inputs along the already merged path and the residuals
-``(W_0 − W_t) x_j`` are recomputed on them (``METHODS.md``), i.e. ``G_t`` is the merged-path Gram.
+``(W_0 − W_t) x_j`` are recomputed on them (``docs/methods.md``), i.e. ``G_t`` is the merged-path Gram.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 import torch
+from pydantic import Field, field_validator
 
 from mergekit_ext.errors import ConfigError, TensorError
 from mergekit_ext.methods.layerwise import (
     LayerwiseMethod,
     LinearGroup,
     StatisticsRequest,
-    fallback_merge,
 )
-from mergekit_ext.methods.registry import (
-    MethodInfo,
-    ParameterDoc,
-    executor_only_method,
-    register_method,
-)
+from mergekit_ext.methods.parameters import MethodParameters
+from mergekit_ext.methods.registry import MethodInfo, executor_only_method, register_method
 
 LOG = logging.getLogger(__name__)
 
@@ -546,92 +542,45 @@ def qp_merge_weight(
 # The executor-facing method
 # --------------------------------------------------------------------------------------
 
-INFO_PARAMETERS = (
-    ParameterDoc(
-        "basis",
+
+class QPParameters(MethodParameters):
+    """QP / output-space projection's parameters (``docs/methods.md``, section QP)."""
+
+    basis: Literal["diagonal", "residual_eigen"] = Field(
         "residual_eigen",
-        "diagonal | residual_eigen: output basis U (identity rows, or eigenvectors of the "
-        "residual energy matrix S in descending order, the paper's optimal basis)",
-    ),
-    ParameterDoc(
-        "ridge",
-        1e-6,
-        "relative ridge: μ = ridge · mean diagonal of the K×K normal matrices, added to each",
-    ),
-    ParameterDoc(
-        "bounds",
-        None,
-        "optional [lo, hi] box on every coefficient d (a true QP); null = unconstrained",
-    ),
-    ParameterDoc(
-        "propagate",
-        True,
-        "inputs (and residuals) along the already merged layers (merged-path statistics)",
-    ),
-    ParameterDoc(
-        "diagnose_both_bases",
-        False,
-        "also solve in the other basis and report its J and captured energy",
-    ),
-    ParameterDoc(
-        "fallback",
-        "mean",
-        "mean | base | task_arithmetic: merge of tensors that are not input-hooked linears",
-    ),
-)
-
-_DEFAULTS = {p.name: p.default for p in INFO_PARAMETERS}
-
-
-@dataclass(frozen=True)
-class QPParameters:
-    basis: str
-    ridge: float
-    bounds: Optional[tuple[float, float]]
-    propagate: bool
-    diagnose_both_bases: bool
-    fallback: str
-
-
-def resolve_parameters(parameters: Mapping[str, Any]) -> QPParameters:
-    """Defaults filled in and every field checked (``ConfigError`` naming the field)."""
-    unknown = set(parameters) - set(_DEFAULTS)
-    if unknown:
-        LOG.debug("qp_projection ignores parameters %s", sorted(unknown))
-    values = {name: parameters.get(name, default) for name, default in _DEFAULTS.items()}
-    for name, value in values.items():  # None means "use the default" except for bounds
-        if value is None and name != "bounds":
-            values[name] = _DEFAULTS[name]
-    if values["basis"] not in BASES:
-        raise ConfigError(
-            f"qp_projection parameter basis must be one of {', '.join(BASES)}; got {values['basis']!r}"
-        )
-    if values["fallback"] not in FALLBACKS:
-        raise ConfigError(
-            f"qp_projection parameter fallback must be one of {', '.join(FALLBACKS)}; got {values['fallback']!r}"
-        )
-    try:
-        ridge = float(values["ridge"])
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(
-            f"qp_projection parameter ridge must be a number; got {values['ridge']!r}"
-        ) from exc
-    if ridge < 0 or not math.isfinite(ridge):
-        raise ConfigError(f"qp_projection parameter ridge must be finite and >= 0; got {ridge}")
-    bounds = None if values["bounds"] is None else _check_bounds(values["bounds"])
-    for flag in ("propagate", "diagnose_both_bases"):
-        if not isinstance(values[flag], bool):
-            raise ConfigError(
-                f"qp_projection parameter {flag} must be true or false; got {values[flag]!r}"
-            )
-    return QPParameters(
-        basis=values["basis"],
-        ridge=ridge,
-        bounds=bounds,
-        propagate=values["propagate"],
-        diagnose_both_bases=values["diagnose_both_bases"],
-        fallback=values["fallback"],
+        description="diagonal | residual_eigen: output basis U (identity rows, or eigenvectors "
+        "of the residual energy matrix S in descending order, the paper's optimal basis)",
     )
+    ridge: float = Field(
+        1e-6,
+        ge=0.0,
+        allow_inf_nan=False,
+        description="relative ridge: μ = ridge · mean diagonal of the K×K normal matrices, "
+        "added to each",
+    )
+    bounds: Optional[tuple[float, float]] = Field(
+        None,
+        description="optional [lo, hi] box on every coefficient d (a true QP); null = unconstrained",
+    )
+    propagate: bool = Field(
+        True,
+        description="inputs (and residuals) along the already merged layers (merged-path statistics)",
+    )
+    diagnose_both_bases: bool = Field(
+        False, description="also solve in the other basis and report its J and captured energy"
+    )
+    fallback: Literal["mean", "base", "task_arithmetic"] = Field(
+        "mean",
+        description="mean | base | task_arithmetic: merge of tensors that are not input-hooked "
+        "linears",
+    )
+
+    @field_validator("bounds")
+    @classmethod
+    def _ordered(cls, bounds: Optional[tuple[float, float]]) -> Optional[tuple[float, float]]:
+        if bounds is not None and not bounds[0] <= bounds[1]:
+            raise ValueError(f"bounds must be [lo, hi] with lo <= hi; got {list(bounds)}")
+        return bounds
 
 
 class QPProjectionMethod(LayerwiseMethod):
@@ -644,15 +593,16 @@ class QPProjectionMethod(LayerwiseMethod):
     """
 
     name = "qp_projection"
+    parameters_model = QPParameters
 
-    def statistics_request(self, parameters: Mapping[str, Any]) -> StatisticsRequest:
-        resolved = resolve_parameters(parameters)
+    def statistics_request(self, parameters: Any) -> StatisticsRequest:
+        resolved = self.parse(parameters)
         return StatisticsRequest(propagate=resolved.propagate, expert_path=not resolved.propagate)
 
     def merge_linear_group(
-        self, group: LinearGroup, parameters: Mapping[str, Any]
+        self, group: LinearGroup, parameters: Any
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        resolved = resolve_parameters(parameters)
+        resolved = self.parse(parameters)
         stats = group.merged_stats if resolved.propagate else group.expert_stats
         if stats is None:
             raise TensorError(
@@ -686,15 +636,6 @@ class QPProjectionMethod(LayerwiseMethod):
                 weights_diag[weight_name]["J0"],
             )
         return merged, {"layer": group.name, "weights": weights_diag}
-
-    def merge_other(
-        self,
-        name: str,
-        base: Optional[torch.Tensor],
-        experts: Sequence[torch.Tensor],
-        parameters: Mapping[str, Any],
-    ) -> torch.Tensor:
-        return fallback_merge(name, base, experts, resolve_parameters(parameters).fallback)
 
 
 # --------------------------------------------------------------------------------------
@@ -763,21 +704,8 @@ INFO = MethodInfo(
     needs_calibration=True,
     paper="Model Merging by Output-Space Projection (Evans, Etheridge, Roberts, Tanner, 2026)",
     paper_url="https://arxiv.org/abs/2605.29101",
-    parameters=INFO_PARAMETERS,
+    parameters_model=QPParameters,
     implementation=QPProjectionMethod(),
 )
 
-register_method(
-    INFO,
-    executor_only_method(
-        INFO,
-        {
-            "basis": Literal["diagonal", "residual_eigen"],
-            "ridge": float,
-            "bounds": Optional[list[float]],
-            "propagate": bool,
-            "diagnose_both_bases": bool,
-            "fallback": Literal["mean", "base", "task_arithmetic"],
-        },
-    ),
-)
+register_method(INFO, executor_only_method(INFO))

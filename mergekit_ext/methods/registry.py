@@ -4,19 +4,25 @@ mergekit knows a method by its :class:`~mergekit.merge_methods.MergeMethodSpec` 
 parameters). We also need to know whether a method needs calibration data, which
 executor runs it, and which paper it implements; :class:`MethodInfo` holds that.
 
-Adding a method: one new module in ``mergekit_ext/methods/`` that builds a
-``MethodInfo`` and a mergekit ``MergeMethod``, plus one line in
+Adding a method: one new module in ``mergekit_ext/methods/`` that declares its parameters
+(one :class:`~mergekit_ext.methods.parameters.MethodParameters` model), builds a
+``MethodInfo`` and registers it (:func:`tensorwise_method` or :func:`executor_only_method`
+derive mergekit's side from the same model), plus one line in
 ``mergekit_ext/methods/__init__.py`` that imports it.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 import mergekit.merge_methods as mk_methods
+import torch
 from mergekit.merge_methods.base import MergeMethod
+
+from mergekit_ext.methods.parameters import MethodParameters, ParameterDoc
 
 LOG = logging.getLogger(__name__)
 
@@ -27,13 +33,6 @@ MethodKind = Literal["tensorwise", "layerwise", "adaptation"]
 
 
 @dataclass(frozen=True)
-class ParameterDoc:
-    name: str
-    default: Any
-    description: str
-
-
-@dataclass(frozen=True)
 class MethodInfo:
     name: str
     pretty_name: str
@@ -41,13 +40,22 @@ class MethodInfo:
     needs_calibration: bool
     paper: str
     paper_url: str
-    parameters: tuple[ParameterDoc, ...] = field(default_factory=tuple)
+    # The one declaration of the method's parameters (see methods/parameters.py).
+    parameters_model: type[MethodParameters] = MethodParameters
     # For layerwise/adaptation methods: the object the executor calls (see methods/layerwise.py).
     implementation: Optional[Any] = None
 
     @property
+    def parameters(self) -> tuple[ParameterDoc, ...]:
+        return self.parameters_model.docs()
+
+    @property
     def parameter_names(self) -> set[str]:
-        return {p.name for p in self.parameters}
+        return set(self.parameters_model.model_fields)
+
+    def parse_parameters(self, values: Any) -> MethodParameters:
+        """The YAML's ``parameters:`` validated into the typed model (``ConfigError`` if not)."""
+        return self.parameters_model.parse(values, self.name)
 
 
 _INFOS: dict[str, MethodInfo] = {}
@@ -96,6 +104,7 @@ def describe_method(name: str) -> dict[str, Any]:
                 "required": p.required,
                 "default": doc.default if doc is not None else _plain(default),
                 "description": doc.description if doc is not None else (p.description or ""),
+                "allowed": doc.allowed if doc is not None else "",
             }
         )
     for p in docs.values():  # parameters that only our executor reads
@@ -107,6 +116,7 @@ def describe_method(name: str) -> dict[str, Any]:
                     "required": False,
                     "default": p.default,
                     "description": p.description,
+                    "allowed": p.allowed,
                 }
             )
     return {
@@ -128,7 +138,44 @@ def _plain(value: Any) -> Any:
     return repr(value)
 
 
-def executor_only_method(info: MethodInfo, parameter_types: dict[str, Any]) -> MergeMethod:
+def tensorwise_method(
+    info: MethodInfo,
+    kernel: Callable[[Any, Any], torch.Tensor],
+    **spec_options: Any,
+) -> MergeMethod:
+    """A mergekit group method whose parameters come from ``info.parameters_model``.
+
+    mergekit's ``@merge_method`` reads parameters from a kernel's signature; ours are
+    declared once in the pydantic model instead, so the spec is built from the model and
+    the kernel receives the typed parameters: ``kernel(group, parameters)``.
+    ``spec_options`` go to mergekit's ``MergeMethodSpec`` (contract, optional-tensor policy).
+    """
+    from mergekit.merge_methods.base import (
+        FunctionalGroupMergeMethod,
+        MergeMethodSpec,
+        TensorGroup,
+    )
+
+    spec = MergeMethodSpec(
+        name=info.name,
+        pretty_name=info.pretty_name,
+        reference_url=info.paper_url,
+        parameters=info.parameters_model.mergekit_specs(),
+        **spec_options,
+    )
+    parsed: dict[tuple[tuple[str, Any], ...], MethodParameters] = {}
+
+    def run(group: TensorGroup, **values: Any) -> torch.Tensor:
+        # mergekit calls once per tensor with the same values: parse once per distinct set
+        key = tuple(sorted((k, repr(v)) for k, v in values.items()))
+        if key not in parsed:
+            parsed[key] = info.parse_parameters(values)
+        return kernel(group, parsed[key])
+
+    return FunctionalGroupMergeMethod(spec, run)
+
+
+def executor_only_method(info: MethodInfo) -> MergeMethod:
     """The mergekit-side face of a layerwise/adaptation method.
 
     mergekit's registry needs a ``MergeMethod`` so that ``mergekit-ext methods`` and YAML
@@ -136,42 +183,24 @@ def executor_only_method(info: MethodInfo, parameter_types: dict[str, Any]) -> M
     time, so mergekit's own executor (``mergekit-yaml``, ``mergekit.merge.run_merge``) gets a
     clear error while planning, before it writes anything, pointing to ``mergekit-ext run``
     and :func:`mergekit_ext.run_merge`.
-
-    ``parameter_types`` maps each parameter to its Python type (``float``, ``bool``,
-    ``Literal[...]``, ``Optional[list[float]]`` ...); defaults come from ``info.parameters``.
     """
     from mergekit.merge_methods.base import (
         BasePolicy,
         GroupMergeMethod,
         InputContract,
         MergeMethodSpec,
-        ParameterScope,
-        ParameterSpec,
         TensorGroup,
     )
 
     from mergekit_ext.errors import MergekitExtError
 
-    defaults = {p.name: p.default for p in info.parameters}
-    missing = set(parameter_types) ^ set(defaults)
-    if missing:
-        raise ValueError(f"{info.name}: parameter types and docs disagree on {sorted(missing)}")
     spec = MergeMethodSpec(
         name=info.name,
         pretty_name=info.pretty_name,
         reference_url=info.paper_url,
         contract=InputContract(base=BasePolicy.REQUIRED, min_inputs=2),
-        parameters=tuple(
-            ParameterSpec(
-                name=name,
-                value_type=ty,
-                scope=ParameterScope.SHARED,
-                default=defaults[name],
-            )
-            for name, ty in parameter_types.items()
-        ),
+        parameters=info.parameters_model.mergekit_specs(),
     )
-
     message = (
         f"merge method {info.name!r} needs data and runs on mergekit-ext's own executor, not "
         "on mergekit's (mergekit's `run_merge` / `mergekit-yaml` merge one tensor at a time and "

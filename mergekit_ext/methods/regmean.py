@@ -3,7 +3,7 @@
 Jin et al., "Dataless Knowledge Fusion by Merging Weights of Language Models", ICLR 2023,
 https://arxiv.org/abs/2212.09849. For a linear layer ``y = W x`` (PyTorch ``out x in``),
 RegMean solves ``min_W Σ_k ω_k ‖W X_k − W_k X_k‖² / N_k`` (eq. 2 of the paper, with our
-per-task means, see ``METHODS.md``), whose solution is (eq. 3)::
+per-task means, see ``docs/methods.md``), whose solution is (eq. 3)::
 
     W = (Σ_k ω_k W_k G̃_k) (Σ_k ω_k G̃_k)⁻¹,   G_k = (1/N_k) Σ_x x xᵀ,
     G̃_k = α G_k + (1 − α) diag(G_k)            (the off-diagonal shrink, ``reduce_non_diagonal``)
@@ -25,27 +25,22 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
-from mergekit_ext.errors import CalibrationError, ConfigError, TensorError
+from mergekit_ext.errors import CalibrationError, TensorError
 from mergekit_ext.methods.layerwise import (
     LayerwiseMethod,
     LinearGroup,
     StatisticsRequest,
     TaskStatistics,
-    fallback_merge,
 )
-from mergekit_ext.methods.registry import (
-    MethodInfo,
-    ParameterDoc,
-    executor_only_method,
-    register_method,
-)
+from mergekit_ext.methods.parameters import MethodParameters
+from mergekit_ext.methods.registry import MethodInfo, executor_only_method, register_method
 
 LOG = logging.getLogger(__name__)
 
@@ -661,43 +656,56 @@ def merge_group_least_squares(
 # --------------------------------------------------------------------------------------
 
 
-class RegMeanParameters(BaseModel):
-    """RegMean's parameters (global ``parameters:`` of the YAML)."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    reduce_non_diagonal: float = Field(1.0, ge=0.0, le=1.0)
-    ridge: float = Field(0.0, ge=0.0, allow_inf_nan=False)
-    solver: Solver = "pinv"
-    fallback: Fallback = "mean"
+# The sweep behind reduce_non_diagonal's default (benchmarks/sweep.py; README, "Benchmark results")
+ALPHA_EVIDENCE = (
+    " (default chosen by benchmarks/sweep.py: over 0.5, 0.8, 0.9, 0.95, 1.0 it was best for "
+    "chain_of_merges and regmean on the text and vision suites, and equal or better than 0.95 "
+    "on the text-LoRA and LM suites)"
+)
 
 
-def parse_parameters(model: type[BaseModel], parameters: Mapping[str, Any], method: str) -> Any:
-    """Validate ``parameters`` against ``model`` (defaults for absent or null values)."""
-    given = {k: v for k, v in (parameters or {}).items() if v is not None}
-    try:
-        return model.model_validate(given)
-    except ValidationError as e:
-        first = e.errors()[0]
-        field = ".".join(str(x) for x in first["loc"])
-        raise ConfigError(
-            f"{method}: parameters.{field} = {given.get(field)!r}: {first['msg']}"
-        ) from e
+class RegMeanParameters(MethodParameters):
+    """RegMean's parameters, shared by every least-squares method (``docs/methods.md``)."""
+
+    reduce_non_diagonal: float = Field(
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description="α of the off-diagonal shrink G̃ = α G + (1 − α) diag(G); 1 keeps the Gram, "
+        "0 gives a per-column average weighted by diag(G)" + ALPHA_EVIDENCE,
+    )
+    ridge: float = Field(
+        0.0,
+        ge=0.0,
+        allow_inf_nan=False,
+        description="Tikhonov term toward the experts' mean: adds ridge · mean(diag(Σ ω G̃)) · I "
+        "to the inverted matrix (and the matching term to the numerator)",
+    )
+    solver: Solver = Field(
+        "pinv",
+        description="pinv (Moore–Penrose pseudo-inverse: a Cholesky solve where it equals the "
+        "inverse, eigh otherwise) | solve (Cholesky or LU; falls back to pinv when singular)",
+    )
+    fallback: Fallback = Field(
+        "mean",
+        description="merge of biases, norms, embeddings and heads: mean | base | task_arithmetic",
+    )
 
 
 class RegMeanMethod(LayerwiseMethod):
     """RegMean on the sequential executor: Grams of each expert's OWN forward pass."""
 
     name = "regmean"
+    parameters_model = RegMeanParameters
 
-    def statistics_request(self, parameters: Mapping[str, Any]) -> StatisticsRequest:
-        parse_parameters(RegMeanParameters, parameters, self.name)
+    def statistics_request(self, parameters: Any) -> StatisticsRequest:
+        self.parse(parameters)
         return StatisticsRequest(propagate=False, expert_path=True, normalized_gram=False)
 
     def merge_linear_group(
-        self, group: LinearGroup, parameters: Mapping[str, Any]
+        self, group: LinearGroup, parameters: Any
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        p: RegMeanParameters = parse_parameters(RegMeanParameters, parameters, self.name)
+        p = self.parse(parameters)
         return merge_group_least_squares(
             group,
             method=self.name,
@@ -708,58 +716,6 @@ class RegMeanMethod(LayerwiseMethod):
             use_normalized_gram=False,
         )
 
-    def merge_other(
-        self,
-        name: str,
-        base: Optional[torch.Tensor],
-        experts: Sequence[torch.Tensor],
-        parameters: Mapping[str, Any],
-    ) -> torch.Tensor:
-        p: RegMeanParameters = parse_parameters(RegMeanParameters, parameters, self.name)
-        return fallback_merge(name, base, experts, p.fallback)
-
-
-_FIELDS = RegMeanParameters.model_fields
-PROVISIONAL = " (provisional default until measured on the benchmark, see METHODS.md)"
-# The sweep behind reduce_non_diagonal's default (benchmarks/sweep.py; README, "Benchmark results")
-ALPHA_EVIDENCE = (
-    " (default chosen by benchmarks/sweep.py: over 0.5, 0.8, 0.9, 0.95, 1.0 it was best for "
-    "chain_of_merges and regmean on the text and vision suites, and equal or better than 0.95 "
-    "on the text-LoRA and LM suites)"
-)
-
-SHARED_PARAMETER_DOCS: tuple[ParameterDoc, ...] = (
-    ParameterDoc(
-        "reduce_non_diagonal",
-        _FIELDS["reduce_non_diagonal"].default,
-        "α of the off-diagonal shrink G̃ = α G + (1 − α) diag(G); 1 keeps the Gram, 0 gives "
-        "a per-column average weighted by diag(G)",
-    ),
-    ParameterDoc(
-        "ridge",
-        _FIELDS["ridge"].default,
-        "Tikhonov term toward the experts' mean: adds ridge · mean(diag(Σ ω G̃)) · I to the "
-        "inverted matrix (and the matching term to the numerator)",
-    ),
-    ParameterDoc(
-        "solver",
-        _FIELDS["solver"].default,
-        "pinv (Moore–Penrose pseudo-inverse: a Cholesky solve where it equals the inverse, eigh "
-        "otherwise) | solve (Cholesky or LU; falls back to pinv when singular)",
-    ),
-    ParameterDoc(
-        "fallback",
-        _FIELDS["fallback"].default,
-        "merge of biases, norms, embeddings and heads: mean | base | task_arithmetic",
-    ),
-)
-
-SHARED_PARAMETER_TYPES: dict[str, Any] = {
-    "reduce_non_diagonal": float,
-    "ridge": float,
-    "solver": Solver,
-    "fallback": Fallback,
-}
 
 INFO = MethodInfo(
     name="regmean",
@@ -768,13 +724,8 @@ INFO = MethodInfo(
     needs_calibration=True,
     paper='Jin et al., "Dataless Knowledge Fusion by Merging Weights of Language Models", ICLR 2023',
     paper_url="https://arxiv.org/abs/2212.09849",
-    parameters=tuple(
-        ParameterDoc(d.name, d.default, d.description + ALPHA_EVIDENCE)
-        if d.name == "reduce_non_diagonal"
-        else d
-        for d in SHARED_PARAMETER_DOCS
-    ),
+    parameters_model=RegMeanParameters,
     implementation=RegMeanMethod(),
 )
 
-register_method(INFO, executor_only_method(INFO, SHARED_PARAMETER_TYPES))
+register_method(INFO, executor_only_method(INFO))

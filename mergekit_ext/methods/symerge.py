@@ -3,7 +3,7 @@
 "From Non-Interference to Synergistic Merging via Single-Layer Adaptation", arXiv 2412.19098
 (ICML 2026); public reference code: github.com/AIM-SKKU/SyMerge (``src/main_symerge.py``).
 
-On unlabeled data of each task, learn jointly (METHODS.md, section SyMerge):
+On unlabeled data of each task, learn jointly (``docs/methods.md``, section SyMerge):
 
 - per-tensor, per-task coefficients of the shared body, ``θ_p = θ_0,p + Σ_k λ[p,k] Δ_k,p``
   (AdaMerging's layer-wise parametrisation; init ``init_lambda``, clamped to [0, 1] after
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from torch import nn
 
 from mergekit_ext import checks, model_class
@@ -60,13 +60,8 @@ from mergekit_ext.adaptation.trainer import (
 )
 from mergekit_ext.config import ExtMergeConfig, ExtModelEntry
 from mergekit_ext.errors import CalibrationError, ConfigError, ModelInputError
-from mergekit_ext.methods.registry import (
-    MethodInfo,
-    ParameterDoc,
-    executor_only_method,
-    register_method,
-)
-from mergekit_ext.methods.regmean import parse_parameters
+from mergekit_ext.methods.parameters import MethodParameters
+from mergekit_ext.methods.registry import MethodInfo, executor_only_method, register_method
 
 LOG = logging.getLogger(__name__)
 
@@ -76,22 +71,54 @@ LOG = logging.getLogger(__name__)
 BLOCK_TASK_LAYER_LR = 1e-4
 
 
-class SyMergeParameters(BaseModel):
-    """SyMerge's parameters (global ``parameters:`` of the YAML)."""
+class SyMergeParameters(MethodParameters):
+    """SyMerge's parameters (``docs/methods.md``, section SyMerge)."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    lr: float = Field(1e-2, gt=0.0, allow_inf_nan=False)
-    task_layer_lr: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False)
-    epochs: int = Field(100, ge=1)
-    batch_size: int = Field(32, ge=1)
-    init_lambda: float = Field(0.3, allow_inf_nan=False)
-    clamp: bool = True
-    target: Literal["hard", "soft"] = "hard"
-    confidence_top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
-    task_layer: str = "head"
-    seed: int = 0
-    heldout_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    lr: float = Field(
+        1e-2,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="Adam learning rate for λ (and the task layers)",
+    )
+    task_layer_lr: Optional[float] = Field(
+        None,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="Adam learning rate for the task layers; null: 1e-4 for a causal LM's block "
+        "task layer (at 1e-2 the LM suite's last blocks diverged: -66% of the gain kept; at 1e-4 "
+        "81.7%), lr otherwise",
+    )
+    epochs: int = Field(
+        100,
+        ge=1,
+        description="epochs; each takes one batch and one step per task (the reference uses 500)",
+    )
+    batch_size: int = Field(32, ge=1, description="samples per step")
+    init_lambda: float = Field(
+        0.3, allow_inf_nan=False, description="initial λ (task arithmetic's coefficient)"
+    )
+    clamp: bool = Field(True, description="clamp λ to [0, 1] after every step")
+    target: Literal["hard", "soft"] = Field(
+        "hard",
+        description="hard: cross-entropy to the expert's argmax (reference filter) | soft: KL to "
+        "its softmax",
+    )
+    confidence_top_p: Optional[float] = Field(
+        None,
+        gt=0.0,
+        le=1.0,
+        description="learn only from this fraction of each batch where the expert is most confident",
+    )
+    task_layer: str = Field(
+        "head", description="head | last_block | a module name: the layer adapted per task"
+    )
+    seed: int = Field(0, description="seed of the data split, batches and task order")
+    heldout_fraction: float = Field(
+        0.1,
+        ge=0.0,
+        lt=1.0,
+        description="share of each task's data held back to measure agreement with the expert",
+    )
 
 
 # ---------------------------------------------------------------------------- inputs
@@ -254,7 +281,7 @@ def prepare_symerge(
     from mergekit_ext.calibration.sources import check_calibration, load_calibration
 
     started = time.perf_counter()
-    p: SyMergeParameters = parse_parameters(SyMergeParameters, parameters, "symerge")
+    p = SyMergeParameters.parse(parameters, "symerge")
     base_ref, entries = _experts(cfg)
     names = [e.name for e in entries]
     base_path = _local_path(base_ref)
@@ -553,8 +580,6 @@ def _diagnostics(
 
 # ---------------------------------------------------------------------------- registration
 
-_DEFAULTS = SyMergeParameters()
-
 INFO = MethodInfo(
     name="symerge",
     pretty_name="SyMerge (test-time adaptation)",
@@ -562,62 +587,8 @@ INFO = MethodInfo(
     needs_calibration=True,
     paper="From Non-Interference to Synergistic Merging via Single-Layer Adaptation (ICML 2026)",
     paper_url="https://arxiv.org/abs/2412.19098",
-    parameters=(
-        ParameterDoc("lr", _DEFAULTS.lr, "Adam learning rate for λ (and the task layers)"),
-        ParameterDoc(
-            "task_layer_lr",
-            _DEFAULTS.task_layer_lr,
-            "Adam learning rate for the task layers; null: 1e-4 for a causal LM's block task "
-            "layer (at 1e-2 the LM suite's last blocks diverged: -66% of the gain kept; at 1e-4 "
-            "81.7%), lr otherwise",
-        ),
-        ParameterDoc(
-            "epochs",
-            _DEFAULTS.epochs,
-            "epochs; each takes one batch and one step per task (the reference uses 500)",
-        ),
-        ParameterDoc("batch_size", _DEFAULTS.batch_size, "samples per step"),
-        ParameterDoc(
-            "init_lambda", _DEFAULTS.init_lambda, "initial λ (task arithmetic's coefficient)"
-        ),
-        ParameterDoc("clamp", _DEFAULTS.clamp, "clamp λ to [0, 1] after every step"),
-        ParameterDoc(
-            "target",
-            _DEFAULTS.target,
-            "hard: cross-entropy to the expert's argmax (reference filter) | soft: KL to its softmax",
-        ),
-        ParameterDoc(
-            "confidence_top_p",
-            _DEFAULTS.confidence_top_p,
-            "learn only from this fraction of each batch where the expert is most confident",
-        ),
-        ParameterDoc(
-            "task_layer",
-            _DEFAULTS.task_layer,
-            "head | last_block | a module name: the layer adapted per task",
-        ),
-        ParameterDoc("seed", _DEFAULTS.seed, "seed of the data split, batches and task order"),
-        ParameterDoc(
-            "heldout_fraction",
-            _DEFAULTS.heldout_fraction,
-            "share of each task's data held back to measure agreement with the expert",
-        ),
-    ),
+    parameters_model=SyMergeParameters,
     implementation=run_symerge,
 )
 
-_TYPES: dict[str, Any] = {
-    "lr": float,
-    "task_layer_lr": float,
-    "epochs": int,
-    "batch_size": int,
-    "init_lambda": float,
-    "clamp": bool,
-    "target": Literal["hard", "soft"],
-    "confidence_top_p": Optional[float],
-    "task_layer": str,
-    "seed": int,
-    "heldout_fraction": float,
-}
-
-register_method(INFO, executor_only_method(INFO, _TYPES))
+register_method(INFO, executor_only_method(INFO))

@@ -1,0 +1,150 @@
+"""One declaration per method parameter: a pydantic model from which everything is derived.
+
+Each method declares its parameters once, as a :class:`MethodParameters` subclass whose
+fields carry the default, the type, the allowed range (``ge``/``le``/``gt``/``lt``) and the
+description (``Field(description=...)``). From that one declaration come:
+
+- the ``mergekit-ext methods`` listing and the card's parameter table (:meth:`docs`);
+- mergekit's :class:`~mergekit.merge_methods.base.ParameterSpec` tuple, so mergekit's own
+  validation sees the same types and ranges (:meth:`mergekit_specs`);
+- validation with a message that names the field, the value and the range, run on the
+  YAML before anything loads (:meth:`parse`), whose typed result the executor hands to the
+  method (parsed once per merge, not per tensor).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic.fields import FieldInfo
+
+from mergekit_ext.errors import ConfigError
+
+P = TypeVar("P", bound="MethodParameters")
+
+
+@dataclass(frozen=True)
+class ParameterDoc:
+    """One parameter as users see it (``methods`` listing, card table)."""
+
+    name: str
+    default: Any
+    description: str
+    allowed: str = ""  # e.g. "[0, 1]" or "pinv | solve"; empty when any value of the type goes
+
+
+def describe_allowed(field: FieldInfo) -> str:
+    """The allowed values of ``field`` in words: an interval from its bounds, or the choices."""
+    lo, hi, lo_open, hi_open = None, None, False, False
+    for m in field.metadata:
+        for attr, is_open in (("ge", False), ("gt", True)):
+            if getattr(m, attr, None) is not None:
+                lo, lo_open = getattr(m, attr), is_open
+        for attr, is_open in (("le", False), ("lt", True)):
+            if getattr(m, attr, None) is not None:
+                hi, hi_open = getattr(m, attr), is_open
+    if lo is None and hi is None:
+        choices = _literal_choices(field.annotation)
+        return " | ".join(str(c) for c in choices) if choices else ""
+    left = "(" if lo_open or lo is None else "["
+    right = ")" if hi_open or hi is None else "]"
+    return (
+        f"{left}{'-inf' if lo is None else f'{lo:g}'}, {'inf' if hi is None else f'{hi:g}'}{right}"
+    )
+
+
+def _literal_choices(annotation: Any) -> list[Any]:
+    from typing import Literal, Union, get_args, get_origin
+
+    origin = get_origin(annotation)
+    if origin is Literal:
+        return list(get_args(annotation))
+    if origin is Union:
+        return [c for arg in get_args(annotation) for c in _literal_choices(arg)]
+    return []
+
+
+class MethodParameters(BaseModel):
+    """Base of every method's parameter model: frozen, unknown keys ignored.
+
+    Unknown keys are ignored here because ``checks.check_parameter_names`` already warns
+    about them with a did-you-mean hint (mergekit's methods ignore them too).
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    @classmethod
+    def parse(cls: type[P], values: Mapping[str, Any] | None, method: str) -> P:
+        """Validate ``values`` (absent or null: the default).
+
+        Args:
+            values: the YAML's ``parameters:`` mapping (or a subset of it).
+            method: the method's name, for the message.
+
+        Returns:
+            The typed, frozen parameters.
+
+        Raises:
+            ConfigError: naming the field, the value given and what is allowed.
+        """
+        if isinstance(values, cls):
+            return values
+        given = {k: v for k, v in (values or {}).items() if v is not None}
+        try:
+            return cls.model_validate(given)
+        except ValidationError as e:
+            first = e.errors()[0]
+            name = str(first["loc"][0]) if first["loc"] else ""
+            field = cls.model_fields.get(name)
+            allowed = describe_allowed(field) if field is not None else ""
+            where = f" (allowed: {allowed})" if allowed else ""
+            raise ConfigError(
+                f"{method}: parameters.{name} = {given.get(name)!r} is not valid: "
+                f"{first['msg'].lower()}{where}; fix it in the YAML's parameters: section"
+            ) from e
+
+    @classmethod
+    def docs(cls) -> tuple[ParameterDoc, ...]:
+        """Every parameter with its default, description and allowed values."""
+        return tuple(
+            ParameterDoc(
+                name,
+                _plain(field.get_default(call_default_factory=True)),
+                field.description or "",
+                describe_allowed(field),
+            )
+            for name, field in cls.model_fields.items()
+        )
+
+    @classmethod
+    def mergekit_specs(cls) -> tuple[Any, ...]:
+        """mergekit ``ParameterSpec`` s (shared scope) with the same types and constraints."""
+        from mergekit.merge_methods.base import ParameterScope, ParameterSpec
+
+        specs = []
+        for name, field in cls.model_fields.items():
+            value_type: Any = field.annotation
+            if field.metadata:
+                value_type = Annotated[(value_type, *field.metadata)]
+            specs.append(
+                ParameterSpec(
+                    name=name,
+                    value_type=value_type,
+                    scope=ParameterScope.SHARED,
+                    default=field.get_default(call_default_factory=True),
+                    description=field.description,
+                )
+            )
+        return tuple(specs)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, tuple):
+        return list(value)
+    return value

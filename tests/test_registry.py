@@ -1,0 +1,114 @@
+"""The method registry: one parameter declaration per method, everything derived from it."""
+
+from __future__ import annotations
+
+import mergekit.merge_methods as mk_methods
+import pytest
+from pydantic import ValidationError
+
+from mergekit_ext.errors import ConfigError, MergekitExtError
+from mergekit_ext.methods import ext_methods
+from mergekit_ext.methods.parameters import MethodParameters, describe_allowed
+from mergekit_ext.methods.registry import describe_method
+
+EXPECTED = {"ace", "regmean", "chain_of_merges", "qp_projection", "symerge"}
+
+
+def test_every_method_is_registered_with_mergekit_and_with_us():
+    names = {info.name for info in ext_methods()}
+    assert EXPECTED <= names
+    for info in ext_methods():
+        assert issubclass(info.parameters_model, MethodParameters)
+        assert mk_methods.get(info.name).spec.name == info.name
+        if info.kind != "tensorwise":  # the executor's object uses the same declaration
+            assert getattr(info.implementation, "parameters_model", None) in (
+                None,
+                info.parameters_model,
+            )
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_listing_mergekit_spec_and_model_agree(name):
+    info = next(i for i in ext_methods() if i.name == name)
+    fields = info.parameters_model.model_fields
+    listed = {p["name"]: p for p in describe_method(name)["parameters"]}
+    spec = {p.name: p for p in mk_methods.get(name).spec.parameters}
+    assert set(listed) == set(fields) == set(spec)
+    defaults = info.parameters_model()
+    for field_name, field in fields.items():
+        assert field.description, f"{name}.{field_name} has no description"
+        default = getattr(defaults, field_name)
+        assert spec[field_name].default == default
+        listed_default = listed[field_name]["default"]
+        assert listed_default == (list(default) if isinstance(default, tuple) else default)
+        assert listed[field_name]["allowed"] == describe_allowed(field)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_mergekit_validation_enforces_the_same_ranges(name):
+    info = next(i for i in ext_methods() if i.name == name)
+    spec = {p.name: p for p in mk_methods.get(name).spec.parameters}
+    for field_name, field in info.parameters_model.model_fields.items():
+        for m in field.metadata:
+            for attr, outside in (("ge", -1.0), ("le", 1.0), ("gt", 0.0), ("lt", 0.0)):
+                bound = getattr(m, attr, None)
+                if bound is None:
+                    continue
+                bad = bound + outside
+                with pytest.raises(ValidationError):
+                    spec[field_name].validate(bad)
+                with pytest.raises(ConfigError, match=rf"parameters\.{field_name} = "):
+                    info.parse_parameters({field_name: bad})
+
+
+def test_parse_gives_defaults_for_null_and_returns_typed_objects_unchanged():
+    info = next(i for i in ext_methods() if i.name == "qp_projection")
+    parsed = info.parse_parameters({"ridge": None, "bounds": [0, 1]})
+    assert parsed.ridge == 1e-6 and parsed.bounds == (0.0, 1.0)
+    assert info.parse_parameters(parsed) is parsed
+    with pytest.raises(ConfigError, match=r"bounds must be \[lo, hi\] with lo <= hi"):
+        info.parse_parameters({"bounds": [1, 0]})
+
+
+def test_describe_allowed_words():
+    from pydantic import Field
+
+    class P(MethodParameters):
+        a: float = Field(0.5, ge=0, le=1)
+        b: float = Field(1.0, gt=0)
+        c: float = 0.0
+
+    f = P.model_fields
+    assert describe_allowed(f["a"]) == "[0, 1]"
+    assert describe_allowed(f["b"]) == "(0, inf)"
+    assert describe_allowed(f["c"]) == ""
+
+
+@pytest.mark.parametrize("name", ["regmean", "chain_of_merges", "qp_projection", "symerge"])
+def test_executor_only_methods_refuse_mergekits_executor_before_writing(name):
+    method = mk_methods.get(name)
+    with pytest.raises(MergekitExtError, match=r"mergekit-ext run"):
+        method.validate_inputs()
+
+
+def test_ace_kernel_parses_each_parameter_set_once(monkeypatch):
+    import torch
+    from mergekit.merge_methods.base import TensorGroup
+
+    from mergekit_ext.methods import ace
+
+    calls = []
+    original = ace.ACEParameters.parse.__func__
+
+    def counting(cls, values, method):
+        calls.append(dict(values or {}))
+        return original(cls, values, method)
+
+    monkeypatch.setattr(ace.ACEParameters, "parse", classmethod(counting))
+    base = torch.zeros(3)
+    experts = [torch.ones(3), 2 * torch.ones(3)]
+    for i in range(5):
+        group = TensorGroup.from_tensors([base, *experts], base_index=0, name=f"n{i}.bias")
+        ace.ace_merge.merge_group(group, scale=0.5)
+    # the kernel factory memoises per distinct value set; a fresh kernel is built per method
+    assert len(calls) <= 1
