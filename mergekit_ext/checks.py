@@ -9,7 +9,6 @@ from __future__ import annotations
 import difflib
 import glob
 import hashlib
-import json
 import logging
 import os
 from collections.abc import Iterable
@@ -18,7 +17,13 @@ from typing import Any, Optional
 from mergekit_ext.config import ExtMergeConfig
 from mergekit_ext.errors import ConfigError, ModelInputError
 from mergekit_ext.methods.registry import all_method_names, ext_method_info
-from mergekit_ext.model_paths import cached_snapshot, hub_offline
+from mergekit_ext.model_paths import (
+    cached_snapshot,
+    hub_offline,
+    model_paths,
+    read_config_json,
+    tensor_shapes,
+)
 
 LOG = logging.getLogger(__name__)
 
@@ -41,11 +46,6 @@ def looks_like_hub_id(path: str) -> bool:
         return False
     parts = path.split("/")
     return len(parts) == 2 and all(parts)
-
-
-def model_paths(ref: str) -> list[str]:
-    """The folders a model reference points to: ``base+lora`` gives two."""
-    return [p.split("@")[0] for p in ref.split("+")]
 
 
 def check_model_paths(cfg: ExtMergeConfig, allow_pickle: bool) -> None:
@@ -92,24 +92,6 @@ def hub_model_folder(repo_id: str, ref: str) -> Optional[str]:
 def _referenced(cfg: ExtMergeConfig) -> list[str]:
     refs = [str(m) for m in cfg.merge.referenced_models()]
     return list(dict.fromkeys(refs))
-
-
-def read_config_json(path: str) -> dict[str, Any]:
-    with open(os.path.join(path, "config.json"), encoding="utf-8") as fp:
-        return json.load(fp)
-
-
-def tensor_shapes(path: str) -> dict[str, tuple[int, ...]]:
-    """Tensor names and shapes of a safetensors checkpoint, from the file headers only."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-        with open(file, "rb") as fp:
-            n = int.from_bytes(fp.read(8), "little")
-            header = json.loads(fp.read(n))
-        for name, info in header.items():
-            if name != "__metadata__":
-                shapes[name] = tuple(info["shape"])
-    return shapes
 
 
 def check_compatible(cfg: ExtMergeConfig, allow_crimes: bool, shapes: bool = True) -> None:

@@ -5,9 +5,11 @@ a clear error when offline and not cached).
 
 from __future__ import annotations
 
+import glob
+import json
 import logging
 import os
-from typing import Optional
+from typing import Any, Optional
 
 from mergekit_ext.errors import ModelInputError
 
@@ -16,6 +18,47 @@ LOG = logging.getLogger(__name__)
 # What the executors read from a model repository: configs, safetensors weights, tokenizer
 # and processor files, chat templates. Pickled weights are never downloaded.
 DOWNLOAD_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken")
+
+# Tokenizer files a merge copies from its donor model (mergekit's list, plus vocabularies of
+# WordPiece/BPE tokenizers); replaced as a whole when the tokenizer is rewritten.
+TOKENIZER_FILES = (
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.json",
+    "tokenizer.model",
+    "added_tokens.json",
+    "merges.txt",
+    "vocab.txt",
+    "vocab.json",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def model_paths(ref: str) -> list[str]:
+    """The folders a model reference points to: ``base+lora`` gives two."""
+    return [p.split("@")[0] for p in ref.split("+")]
+
+
+def read_config_json(path: str) -> dict[str, Any]:
+    """A model folder's ``config.json``."""
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as fp:
+        return json.load(fp)
+
+
+def tensor_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of a safetensors checkpoint, from the file headers only."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with open(file, "rb") as fp:
+            n = int.from_bytes(fp.read(8), "little")
+            header = json.loads(fp.read(n))
+        for name, info in header.items():
+            if name != "__metadata__":
+                shapes[name] = tuple(info["shape"])
+    return shapes
 
 
 def hub_offline() -> bool:

@@ -21,25 +21,9 @@ from mergekit.config import MergeConfiguration
 from mergekit.options import MergeOptions
 
 from mergekit_ext.errors import ConfigError
+from mergekit_ext.model_paths import TOKENIZER_FILES
 
 LOG = logging.getLogger(__name__)
-
-# Tokenizer files the executors copy from the donor model (mergekit's list, plus vocabularies
-# of WordPiece/BPE tokenizers); replaced as a whole when the tokenizer is rewritten.
-TOKENIZER_FILES = (
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.json",
-    "tokenizer.model",
-    "added_tokens.json",
-    "merges.txt",
-    "vocab.txt",
-    "vocab.json",
-    "spiece.model",
-    "sentencepiece.bpe.model",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 
 
 @dataclass

@@ -25,6 +25,7 @@ from mergekit_ext.methods.ace import (
     ace_merge_simple,
     ace_merge_tensor,
     heterogeneity,
+    log_energy_spread,
     top_energy_share,
 )
 
@@ -356,3 +357,41 @@ def test_adapter_requires_a_base_model() -> None:
     group = TensorGroup.from_tensors(EXPERTS, name="layers.1.v.weight")
     with pytest.raises(TensorError, match=r"base_model.*layers\.1\.v\.weight"):
         ace_merge.merge_group(group)
+
+
+# ---- the scale-invariant heterogeneity rule ----------------------------------------------
+
+
+def test_log_energy_spread_is_scale_invariant_and_gamma_is_not() -> None:
+    gen = torch.Generator().manual_seed(1)
+    deltas = [s * torch.randn(6, 4, generator=gen, dtype=F64) for s in (0.01, 0.05, 0.2)]
+    spread = log_energy_spread(deltas)
+    for c in (1e-3, 0.5, 7.0):
+        assert log_energy_spread([c * d for d in deltas]) == pytest.approx(spread, rel=1e-10)
+    # γ moves with the absolute size: that is why the paper's rule never fires on real experts
+    assert heterogeneity([1e-3 * d for d in deltas]) < heterogeneity(deltas) / 2
+    # hand case: ‖Δ_1‖² = 2, ‖Δ_2‖² = 8 → l = (log 2, 3 log 2), unbiased variance 2 (log 2)²
+    assert log_energy_spread([DELTA_1, DELTA_2]) == pytest.approx(2 * math.log(2) ** 2, rel=1e-12)
+
+
+@pytest.mark.parametrize(("threshold", "normalized"), [(0.9, True), (1.0, False)])
+def test_scale_invariant_rule_decides_normalization(threshold: float, normalized: bool) -> None:
+    # spread of the hand case: 2 (log 2)² ≈ 0.961
+    for c in (1e-4, 1.0):  # the decision does not change with the task vectors' size
+        experts = [W0 + c * DELTA_1, W0 + c * DELTA_2]
+        _, diag = ace_merge_tensor(
+            W0, experts, eps=1.0, heterogeneity_rule="scale_invariant", spread_threshold=threshold
+        )
+        assert diag.normalized is normalized
+        assert diag.as_dict()["heterogeneity"] == "scale_invariant"
+        assert diag.as_dict()["log_energy_spread"] == pytest.approx(2 * math.log(2) ** 2)
+    # the paper's rule on the small copies: γ ≈ 0.004 never exceeds its 0.3 threshold
+    _, paper = ace_merge_tensor(W0, [W0 + 1e-4 * DELTA_1, W0 + 1e-4 * DELTA_2], eps=1.0)
+    assert paper.normalized is False and paper.gamma < 0.01
+
+
+def test_scale_invariant_normalized_merge_equals_always() -> None:
+    merged, _ = ace_merge_tensor(
+        W0, EXPERTS, eps=1.0, heterogeneity_rule="scale_invariant", spread_threshold=0.5
+    )
+    torch.testing.assert_close(merged, W0 + M_NORM, rtol=0, atol=1e-12)

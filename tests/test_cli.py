@@ -246,12 +246,14 @@ def test_methods_lists_mergekit_and_ours():
         "eps": 0.01,
         "k_frac": 0.3,
         "gamma_threshold": 0.3,
+        "heterogeneity": "paper",
+        "spread_threshold": 0.5,
         "normalize": "auto",
         "scale": 1.0,
     }
     assert "arxiv.org/abs/2603.02945" in ace["paper_url"]
     text = _run(["methods", "ace"]).output
-    assert "k_frac (default 0.3)" in text
+    assert "k_frac (default 0.3, in [0, 1])" in text
     assert _run(["methods", "acee"]).exit_code != 0
 
 

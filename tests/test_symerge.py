@@ -25,6 +25,14 @@ from mergekit_ext.adaptation.losses import (
     kl_to_teacher,
     self_labelling_loss,
 )
+from mergekit_ext.adaptation.run import (
+    BLOCK_TASK_LAYER_LR,
+    adapt_session,
+    prepare_symerge,
+    resolved_task_layer_lr,
+    save_symerge,
+    task_layers_are_lm_blocks,
+)
 from mergekit_ext.adaptation.trainer import (
     AdaptationSettings,
     adapt,
@@ -35,15 +43,7 @@ from mergekit_ext.adaptation.trainer import (
 )
 from mergekit_ext.config import parse_config
 from mergekit_ext.errors import CalibrationError, ConfigError, ModelInputError
-from mergekit_ext.methods.symerge import (
-    BLOCK_TASK_LAYER_LR,
-    adapt_session,
-    prepare_symerge,
-    resolved_task_layer_lr,
-    run_symerge,
-    save_symerge,
-    task_layers_are_lm_blocks,
-)
+from mergekit_ext.methods.symerge import SyMergeParameters, run_symerge
 
 TASKS = {"sentiment": ["good", "bad"], "animal": ["dog", "cat", "bird"], "weather": ["rain", "sun"]}
 MARKERS = {w for labels in TASKS.values() for w in labels}
@@ -126,7 +126,7 @@ def make_config(ps, *, tasks=tuple(TASKS), experts=None, data=True, parameters=N
             lines += [
                 f"    calibration: {{path: {ps['data'][task]}, samples: 200, max_length: 16, batch_size: 64}}"
             ]
-    return parse_config("\n".join(lines) + "\n"), dict(parameters or {})
+    return parse_config("\n".join(lines) + "\n"), SyMergeParameters.parse(parameters, "symerge")
 
 
 MAIN_PARAMETERS = {"epochs": 30, "seed": 0, "heldout_fraction": 0.25}
@@ -423,7 +423,6 @@ def test_task_layer_lr_is_its_own_adam_group(problem_set):
     problem, data = session.problem, session.data
     assert resolved_task_layer_lr(session.parameters, problem) == 1e-4  # given
     heads_default = make_config(problem_set, parameters={"seed": 3})[1]
-    from mergekit_ext.methods.symerge import SyMergeParameters
 
     assert not task_layers_are_lm_blocks(problem)  # classification heads
     assert resolved_task_layer_lr(SyMergeParameters.model_validate(heads_default), problem) == 1e-2
@@ -461,7 +460,7 @@ def test_causal_lm_uses_last_block_and_kl(tmp_path):
         f"calibration: {{path: {data}, samples: 40, max_length: 12, batch_size: 8}}\n"
         f"models:\n  - model: {experts[0]}\n    name: one\n  - model: {experts[1]}\n    name: two\n"
     )
-    session = prepare_symerge(parse_config(text), {"epochs": 3, "batch_size": 8})
+    session = prepare_symerge(parse_config(text), SyMergeParameters(epochs=3, batch_size=8))
     section = adapt_session(session, progress=False)
     assert section["output_kinds"] == {"one": "causal_lm", "two": "causal_lm"}
     assert section["task_layers"] == {"one": ["model.layers.1"], "two": ["model.layers.1"]}
@@ -556,12 +555,12 @@ def test_module_name_task_layer_as_peft_adapter(problem_set, tmp_path):
 def test_memory_estimate_refusal(problem_set, monkeypatch):
     monkeypatch.setattr(memory, "available_memory_bytes", lambda device="cpu": 10_000)
     cfg, params = make_config(problem_set)
-    with pytest.raises(memory.MemoryEstimateError, match="--force"):
+    with pytest.raises(memory.AdaptationMemoryError, match="--force"):
         prepare_symerge(cfg, params)
-    estimate = memory.MemoryEstimate({"base": 20_000})
+    estimate = memory.AdaptationMemory({"base": 20_000})
     memory.check_memory(estimate, 10_000, force=True, device="cpu")  # force: a warning only
     # the parameter-side terms follow the formula: (K + 3) copies of the base, float32
-    est = memory.estimate_memory(
+    est = memory.estimate_adaptation_memory(
         base_parameters=1000,
         expert_parameters=[1100, 1100],
         config={"hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2},
@@ -589,7 +588,7 @@ def test_headless_experts_learn_dense_outputs_with_l1(tiny_bert_set, tmp_path):
         f"calibration: {{path: {data}, samples: 48, max_length: 10}}\nmodels:\n{models}"
     )
     session = prepare_symerge(
-        parse_config(text), {"epochs": 10, "batch_size": 16, "heldout_fraction": 0.25}
+        parse_config(text), SyMergeParameters(epochs=10, batch_size=16, heldout_fraction=0.25)
     )
     section = adapt_session(session, progress=False)
     tasks = section["tasks"]

@@ -22,8 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from mergekit_ext.checks import tensor_shapes
 from mergekit_ext.errors import MergekitExtError
+from mergekit_ext.model_paths import tensor_shapes
 
 LOG = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ FLOAT32 = 4
 GIB = 2**30
 
 
-class MemoryEstimateError(MergekitExtError):
+class AdaptationMemoryError(MergekitExtError):
     """The adaptation would not fit the machine's available memory."""
 
 
@@ -73,7 +73,7 @@ def activation_bytes(
 
 
 @dataclass
-class MemoryEstimate:
+class AdaptationMemory:
     parts: dict[str, int]
 
     @property
@@ -85,7 +85,7 @@ class MemoryEstimate:
         return f"{self.total / GIB:.2f} GiB ({items})"
 
 
-def estimate_memory(
+def estimate_adaptation_memory(
     *,
     base_parameters: int,
     expert_parameters: Sequence[int],
@@ -94,7 +94,7 @@ def estimate_memory(
     batch_size: int,
     causal_lm: bool,
     teacher_cache_bytes: Optional[int],
-) -> MemoryEstimate:
+) -> AdaptationMemory:
     """The peak memory of a SyMerge run (see the module docstring for the terms).
 
     ``teacher_cache_bytes`` None means the teacher runs per batch (one reconstructed expert).
@@ -111,7 +111,7 @@ def estimate_memory(
         "activations": activation_bytes(config, seq_len, batch_size, causal_lm),
         "teacher": teacher_cache_bytes if teacher_cache_bytes is not None else FLOAT32 * largest,
     }
-    return MemoryEstimate(parts)
+    return AdaptationMemory(parts)
 
 
 def available_memory_bytes(device: str = "cpu") -> int:
@@ -134,7 +134,7 @@ def available_memory_bytes(device: str = "cpu") -> int:
     return 1 << 62  # unknown: do not refuse
 
 
-def check_memory(estimate: MemoryEstimate, available: int, *, force: bool, device: str) -> None:
+def check_memory(estimate: AdaptationMemory, available: int, *, force: bool, device: str) -> None:
     """Refuse (unless ``force``) when the estimate exceeds the available memory."""
     if estimate.total <= available:
         LOG.info(
@@ -148,7 +148,7 @@ def check_memory(estimate: MemoryEstimate, available: int, *, force: bool, devic
     if force:
         LOG.warning("%s; continuing because force=True", message)
         return
-    raise MemoryEstimateError(
+    raise AdaptationMemoryError(
         message + ": use fewer or smaller experts, a smaller batch_size or max_length, another "
         "device (--device cuda), or pass --force (force=True) to try anyway"
     )

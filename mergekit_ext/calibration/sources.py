@@ -376,7 +376,7 @@ class _DatasetRows:
 
 
 @dataclass
-class _Opened:
+class _OpenedSource:
     rows: _Rows
     kind: Literal["raw", "tokens", "pixels"]  # raw examples, token id rows, pixel tensors
     base_dir: str  # relative image paths resolve against it
@@ -637,7 +637,7 @@ def _datasets_local_only() -> Iterator[None]:
         config.HF_HUB_OFFLINE, config.HF_UPDATE_DOWNLOAD_COUNTS = saved
 
 
-def _open(spec: CalibrationSpec, *, task: str, modality: str) -> _Opened:
+def _open(spec: CalibrationSpec, *, task: str, modality: str) -> _OpenedSource:
     """Open the (already checked) source as fetchable rows."""
     if spec.source:
         fn = get_source(spec.source)
@@ -658,7 +658,7 @@ def _open(spec: CalibrationSpec, *, task: str, modality: str) -> _Opened:
                     f"model {task}: item {missing[0]} of source {spec.source!r} has no {field!r} key"
                 )
             items = [item[field] for item in items]
-        return _Opened(_ListRows(items), "raw", os.getcwd(), f"source:{spec.source}")
+        return _OpenedSource(_ListRows(items), "raw", os.getcwd(), f"source:{spec.source}")
     if spec.dataset:
         from datasets import load_dataset
 
@@ -673,12 +673,12 @@ def _open(spec: CalibrationSpec, *, task: str, modality: str) -> _Opened:
         where = f"Hub dataset {spec.dataset!r}"
         field = _resolve_field(dataset.column_names, spec, modality, where, task)
         description = "/".join(x for x in (spec.dataset, spec.subset) if x) + f" [{split}]"
-        return _Opened(_DatasetRows(dataset, field), "raw", os.getcwd(), f"hub:{description}")
+        return _OpenedSource(_DatasetRows(dataset, field), "raw", os.getcwd(), f"hub:{description}")
     path = str(spec.path)
     kind = _path_kind(spec, task)
     base_dir = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     if kind == "images":
-        return _Opened(_ListRows(_image_files(path)), "raw", base_dir, path)
+        return _OpenedSource(_ListRows(_image_files(path)), "raw", base_dir, path)
     if kind == "safetensors":
         return _open_safetensors(path, spec, modality, task)
     if kind == "disk":
@@ -697,10 +697,10 @@ def _open(spec: CalibrationSpec, *, task: str, modality: str) -> _Opened:
                 f"model {task}: cannot load calibration file {path!r} as {kind}: {e}"
             ) from e
     field = _resolve_field(dataset.column_names, spec, modality, repr(path), task)
-    return _Opened(_DatasetRows(dataset, field), "raw", base_dir, path)
+    return _OpenedSource(_DatasetRows(dataset, field), "raw", base_dir, path)
 
 
-def _open_safetensors(path: str, spec: CalibrationSpec, modality: str, task: str) -> _Opened:
+def _open_safetensors(path: str, spec: CalibrationSpec, modality: str, task: str) -> _OpenedSource:
     from safetensors.torch import load_file
 
     _safetensors_keys(path, modality, task)
@@ -709,7 +709,7 @@ def _open_safetensors(path: str, spec: CalibrationSpec, modality: str, task: str
         pixels = tensors["pixel_values"]
         if not pixels.dtype.is_floating_point:
             raise CalibrationError(f"model {task}: pixel_values in {path!r} must be floating point")
-        return _Opened(_ListRows(list(pixels.to(torch.float32))), "pixels", "", path)
+        return _OpenedSource(_ListRows(list(pixels.to(torch.float32))), "pixels", "", path)
     input_ids = tensors["input_ids"]
     if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
         raise CalibrationError(
@@ -722,7 +722,7 @@ def _open_safetensors(path: str, spec: CalibrationSpec, modality: str, task: str
         raise CalibrationError(f"model {task}: attention_mask in {path!r} must hold only 0 and 1")
     # keep the real tokens of each row, in order: left- or right-padded rows become right padded
     rows = [ids[m.bool()].to(torch.int64).tolist() for ids, m in zip(input_ids, mask)]
-    return _Opened(_ListRows(rows), "tokens", "", path)
+    return _OpenedSource(_ListRows(rows), "tokens", "", path)
 
 
 # ----------------------------------------------------------------------------------------
@@ -831,7 +831,7 @@ def _is_text(item: Any, spec: CalibrationSpec, task: str, source: str) -> bool:
 
 
 def _text_samples(
-    opened: _Opened,
+    opened: _OpenedSource,
     spec: CalibrationSpec,
     task: str,
     encode: Callable[[Any], list[int]],
@@ -932,7 +932,7 @@ def _image_bytes(item: Any, image: PIL.Image.Image) -> bytes:
 
 
 def _image_batches(
-    opened: _Opened, spec: CalibrationSpec, task: str, model_path: str, hasher: _Hasher
+    opened: _OpenedSource, spec: CalibrationSpec, task: str, model_path: str, hasher: _Hasher
 ) -> tuple[list[dict[str, torch.Tensor]], int]:
     selected: list[Any] = []
     for item in _shuffled(opened.rows, spec.seed):

@@ -61,7 +61,7 @@ def build_skeleton(config: transformers.PretrainedConfig) -> nn.Module:
     return model
 
 
-def _rename_to_module_keys(
+def rename_to_module_keys(
     model: nn.Module, checkpoint_keys: list[str], where: str
 ) -> dict[str, str]:
     """``{checkpoint key: module key}`` by transformers' own load-time renaming."""
@@ -145,7 +145,7 @@ class ModelSource:
                 f"model {self.label}: tensor {self.checkpoint_key.get(canonical, canonical)} "
                 "is listed but cannot be read"
             ) from None
-        return _compute_tensor(tensor, device)
+        return compute_tensor(tensor, device)
 
     def read_checkpoint_key(self, key: str) -> torch.Tensor:
         """One tensor as stored (dtype and all), by checkpoint key, on the CPU."""
@@ -159,7 +159,7 @@ class ModelSource:
             self._loader.flush()
 
 
-def _compute_tensor(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+def compute_tensor(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if tensor.dtype.is_floating_point:
         return tensor.to(device=device, dtype=torch.float32)
     return tensor.to(device=device)
@@ -211,7 +211,7 @@ def open_model(label: str, path: str, family: Optional[ModelFamily], *, what: st
     skeleton = build_skeleton(config)
     backbone_path = own_family.backbone_path(skeleton)
     shapes_by_key, dtypes_by_key = _header_shapes(path, what)
-    module_keys = _rename_to_module_keys(skeleton, list(shapes_by_key), what)
+    module_keys = rename_to_module_keys(skeleton, list(shapes_by_key), what)
     unloaded = model_class.unloaded_keys(skeleton, module_keys)
     LOG.debug("%s: not loaded by %s: %s", label, type(skeleton).__name__, unloaded)
     checkpoint_key: dict[str, str] = {}
@@ -272,20 +272,6 @@ def adapter_base_path(adapter_path: str) -> Optional[str]:
         return json.load(fp).get("base_model_name_or_path")
 
 
-TOKENIZER_FILES = (
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.json",
-    "tokenizer.model",
-    "added_tokens.json",
-    "merges.txt",
-    "vocab.txt",
-    "vocab.json",
-    "spiece.model",
-    "sentencepiece.bpe.model",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 TAGALONG_FILES = (
     "generation_config.json",
     "preprocessor_config.json",

@@ -31,9 +31,9 @@ from safetensors import safe_open
 from mergekit_ext.errors import ModelInputError
 from mergekit_ext.executor.checkpoint import (
     ModelSource,
-    _compute_tensor,
-    _rename_to_module_keys,
     canonical_name,
+    compute_tensor,
+    rename_to_module_keys,
 )
 
 LOG = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ class LoraModelSource:
     ) -> torch.Tensor:
         """The expert's full tensor: the base tensor (or the adapter's whole copy) + delta."""
         if canonical in self.replacements:
-            tensor = _compute_tensor(self._adapter_tensor(self.replacements[canonical]), device)
+            tensor = compute_tensor(self._adapter_tensor(self.replacements[canonical]), device)
         else:
             tensor = self.base.load(canonical, device, cache)
         delta = self.deltas.get(canonical)
@@ -218,7 +218,7 @@ def open_lora_expert(
     def to_canonical(module_param: str, adapter_key: str) -> str:
         canonical = base_module_to_canonical.get(module_param)
         if canonical is None:  # adapter trained on checkpoint-named modules (older transformers)
-            renamed = _rename_to_module_keys(base.skeleton, [module_param], what)[module_param]
+            renamed = rename_to_module_keys(base.skeleton, [module_param], what)[module_param]
             canonical = base_module_to_canonical.get(renamed)
             if canonical is None:
                 candidate = canonical_name(renamed, base.backbone_path)

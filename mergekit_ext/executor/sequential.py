@@ -52,12 +52,7 @@ from tqdm.auto import tqdm
 from mergekit_ext import finite
 from mergekit_ext.calibration.statistics import ActivationStatistics, flatten_tokens
 from mergekit_ext.errors import MergekitExtError, TensorError
-from mergekit_ext.executor.checkpoint import (
-    HEAD_PREFIX,
-    TAGALONG_FILES,
-    TOKENIZER_FILES,
-    build_skeleton,
-)
+from mergekit_ext.executor.checkpoint import HEAD_PREFIX, TAGALONG_FILES, build_skeleton
 from mergekit_ext.executor.families import GroupSpec
 from mergekit_ext.executor.plan import (
     BlockLayout,
@@ -66,6 +61,7 @@ from mergekit_ext.executor.plan import (
     safetensors_dtype,
 )
 from mergekit_ext.methods.layerwise import LinearGroup, TaskStatistics
+from mergekit_ext.model_paths import TOKENIZER_FILES
 
 LOG = logging.getLogger(__name__)
 

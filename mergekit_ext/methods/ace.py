@@ -24,6 +24,7 @@ from mergekit_ext.methods.parameters import MethodParameters
 from mergekit_ext.methods.registry import MethodInfo, register_method, tensorwise_method
 
 NormalizeMode = Literal["auto", "always", "never"]
+HeterogeneityRule = Literal["paper", "scale_invariant"]
 _TINY = 1e-12
 
 
@@ -33,10 +34,14 @@ class AceTensorDiagnostics:
     normalized: bool
     condition_number: float
     top5_energy_share: float
+    log_energy_spread: float = float("nan")
+    heterogeneity: str = "paper"
 
     def as_dict(self) -> dict:
         return {
             "gamma": self.gamma,
+            "log_energy_spread": self.log_energy_spread,
+            "heterogeneity": self.heterogeneity,
             "normalized": self.normalized,
             "condition_number": self.condition_number,
             "top5_energy_share": self.top5_energy_share,
@@ -48,6 +53,20 @@ def heterogeneity(task_vectors: Sequence[torch.Tensor]) -> float:
     energies = torch.stack([tv.double().pow(2).sum() for tv in task_vectors])
     log_energy = torch.log(energies + _TINY)
     return float(log_energy.var(unbiased=True) / (log_energy.mean() ** 2 + _TINY))
+
+
+def log_energy_spread(task_vectors: Sequence[torch.Tensor]) -> float:
+    """Scale-invariant heterogeneity: ``Var_k(log ‖Δ_k‖²_F)`` (unbiased).
+
+    Multiplying every ``Δ_k`` by ``c`` adds ``2 log c`` to every log energy and leaves the
+    variance unchanged, unlike the paper's ``γ``, whose denominator ``Mean(l)²`` makes it
+    vanish for small task vectors (real fine-tunes: ``‖Δ‖² ≪ 1``, ``|l|`` large) and explode
+    near ``‖Δ‖ = 1``. A spread of ``s`` means the experts' energies differ by a factor of
+    about ``exp(√s)`` (one standard deviation in log energy).
+    """
+    energies = torch.stack([tv.double().pow(2).sum() for tv in task_vectors])
+    # a floor, not an offset: an added 1e-12 would break the invariance for small task vectors
+    return float(torch.log(energies.clamp_min(1e-30)).var(unbiased=True))
 
 
 def top_energy_share(matrix: torch.Tensor, fraction: float = 0.05) -> float:
@@ -80,6 +99,8 @@ def ace_merge_tensor(
     gamma_threshold: float = 0.3,
     normalize: NormalizeMode = "auto",
     scale: float = 1.0,
+    heterogeneity_rule: HeterogeneityRule = "paper",
+    spread_threshold: float = 0.5,
     name: str = "<tensor>",
 ) -> tuple[torch.Tensor, Optional[AceTensorDiagnostics]]:
     """Merge one 2-D linear weight (``out x in``) with ACE; float64 math, cast back at the end.
@@ -100,12 +121,20 @@ def ace_merge_tensor(
 
     # Step 1: heterogeneity of the task-vector energies decides normalization.
     gamma = heterogeneity(deltas)
+    spread = log_energy_spread(deltas)
+    if heterogeneity_rule not in ("paper", "scale_invariant"):
+        raise ValueError(
+            f"ACE heterogeneity must be paper or scale_invariant; got {heterogeneity_rule!r}"
+        )
     if normalize == "always":
         normalizing = True
     elif normalize == "never":
         normalizing = False
     elif normalize == "auto":
-        normalizing = gamma > gamma_threshold
+        if heterogeneity_rule == "paper":
+            normalizing = gamma > gamma_threshold
+        else:
+            normalizing = spread > spread_threshold
     else:
         raise TensorError(f"ACE normalize must be auto, always or never; got {normalize!r}")
 
@@ -148,7 +177,9 @@ def ace_merge_tensor(
 
     # Step 6: W = W_0 + scale · M.
     merged = (w0 + scale * merged_update).to(out_dtype)
-    return merged, AceTensorDiagnostics(gamma, normalizing, condition_number, top5)
+    return merged, AceTensorDiagnostics(
+        gamma, normalizing, condition_number, top5, spread, heterogeneity_rule
+    )
 
 
 def ace_merge_simple(
@@ -211,6 +242,17 @@ class ACEParameters(MethodParameters):
         allow_inf_nan=False,
         description="normalize the covariances when the heterogeneity γ exceeds this",
     )
+    heterogeneity: HeterogeneityRule = Field(
+        "paper",
+        description="paper: normalize when γ = Var(log τ)/Mean(log τ)² > gamma_threshold (depends "
+        "on the task vectors' absolute size) | scale_invariant: when Var(log τ) > spread_threshold",
+    )
+    spread_threshold: float = Field(
+        0.5,
+        ge=0.0,
+        allow_inf_nan=False,
+        description="threshold of the scale-invariant rule on Var_k(log ‖Δ_k‖²)",
+    )
     normalize: NormalizeMode = Field(
         "auto", description="auto | always | never: override the γ test"
     )
@@ -234,6 +276,8 @@ def ace_kernel(group: TensorGroup, parameters: ACEParameters) -> torch.Tensor:
         gamma_threshold=parameters.gamma_threshold,
         normalize=parameters.normalize,
         scale=parameters.scale,
+        heterogeneity_rule=parameters.heterogeneity,
+        spread_threshold=parameters.spread_threshold,
         name=name,
     )
     diagnostics.record_item("ace", "tensors", name, diag.as_dict())

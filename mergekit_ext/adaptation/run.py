@@ -1,0 +1,511 @@
+"""SyMerge's orchestration: inputs, memory check, models, adaptation, saving.
+
+The method file (:mod:`mergekit_ext.methods.symerge`) declares the parameters and registers
+the method; this module does the work it describes (``docs/methods.md``, section SyMerge).
+Every function takes the already validated ``SyMergeParameters``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from torch import nn
+
+from mergekit_ext import model_class, model_paths
+from mergekit_ext.adaptation import export, memory
+from mergekit_ext.adaptation.problem import (
+    SyMergeProblem,
+    build_problem,
+    forward_keys,
+    free_parameters,
+    model_inputs,
+)
+from mergekit_ext.adaptation.structure import frozen_modules, resolve_task_layer
+from mergekit_ext.adaptation.trainer import (
+    AdaptationLog,
+    AdaptationSettings,
+    TaskData,
+    adapt,
+    evaluate,
+    num_samples,
+    output_kind,
+    split_heldout,
+    stack_batches,
+    teacher_outputs,
+)
+from mergekit_ext.config import ExtMergeConfig, ExtModelEntry
+from mergekit_ext.errors import CalibrationError, ConfigError, ModelInputError
+
+if TYPE_CHECKING:  # the parameters are declared in the method file, which imports this one
+    from mergekit_ext.methods.symerge import SyMergeParameters
+
+LOG = logging.getLogger(__name__)
+
+# Adam lr of a causal LM's task layer (its last block) when ``task_layer_lr`` is not given:
+# at the λ lr of 1e-2 the LM suite's last blocks diverged (−66% of the experts' gain kept
+# after 10 epochs); at 1e-4 it kept 81.7%. Other task layers keep ``lr`` (measured there).
+BLOCK_TASK_LAYER_LR = 1e-4
+
+
+# ---------------------------------------------------------------------------- inputs
+
+
+def _experts(cfg: ExtMergeConfig) -> tuple[str, list[ExtModelEntry]]:
+    if cfg.merge.base_model is None:
+        raise ConfigError("symerge needs base_model (the pretrained model the experts share)")
+    base = str(cfg.merge.base_model)
+    experts = [
+        e
+        for e in cfg.models
+        if e.model != base and os.path.abspath(e.model) != os.path.abspath(base)
+    ]
+    if not experts:
+        raise ConfigError("symerge needs at least one expert besides base_model under models:")
+    return base, experts
+
+
+def _local_path(ref: str) -> str:
+    paths = model_paths.model_paths(ref)
+    if len(paths) != 1:
+        raise ModelInputError(
+            f"symerge needs full checkpoints; {ref!r} is a base+LoRA reference: merge the "
+            "adapter into its base first (e.g. peft's merge_and_unload) and give that folder"
+        )
+    path = paths[0]
+    if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, "adapter_config.json")):
+            raise ModelInputError(
+                f"symerge needs full checkpoints; {path!r} is a PEFT adapter: merge it into "
+                "its base first (peft's merge_and_unload) and give that folder"
+            )
+        return path
+    from mergekit_ext.model_paths import resolve_model_folder
+
+    return resolve_model_folder(path, what=f"model {ref}")
+
+
+def _model_class(path: str, config: Mapping[str, Any], trust_remote_code: bool) -> type:
+    import transformers
+
+    arch = (config.get("architectures") or [None])[0]
+    if arch is None:
+        raise ModelInputError(
+            f"{path}/config.json names no architectures; cannot pick a model class"
+        )
+    cls = getattr(transformers, arch, None)
+    if cls is not None:
+        return cls
+    reference = next(
+        (ref for ref in (config.get("auto_map") or {}).values() if str(ref).endswith("." + arch)),
+        None,
+    )
+    if reference is None or not trust_remote_code:
+        raise ModelInputError(
+            f"{path}: architecture {arch} is not part of transformers"
+            + ("; it needs trust_remote_code (--trust-remote-code)" if reference else "")
+        )
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    return get_class_from_dynamic_module(reference, path)
+
+
+def _modality(cls: type) -> str:
+    name = getattr(cls, "main_input_name", "input_ids")
+    if name == "pixel_values":
+        return "image"
+    if name == "input_ids":
+        return "text"
+    raise ModelInputError(
+        f"symerge: {cls.__name__} reads {name!r}; only text and image models are supported"
+    )
+
+
+def _load(cls: type, path: str, device: str) -> nn.Module:
+    model = cls.from_pretrained(path, dtype=torch.float32)
+    return model.to(device).eval()
+
+
+def untie_like(model: nn.Module, base_tied: Mapping[str, str]) -> None:
+    """Give ``model`` its own copy of each weight it ties but the base keeps separate.
+
+    An expert that ties ``lm_head`` to its embeddings runs with its embeddings as head; as
+    a separate tensor (a copy of them) that head is a task vector against the base's own
+    ``lm_head`` like any other. The base ties nothing the experts keep separate
+    (:func:`mergekit_ext.model_class.check_tied_weights` refuses that before loading).
+    """
+    untied = False
+    for target, source in model_class.tied_weights(model).items():
+        if target in base_tied:
+            continue
+        untied = True
+        parent, _, leaf = target.rpartition(".")
+        module = model.get_submodule(parent) if parent else model
+        shared = model.get_parameter(source)
+        setattr(module, leaf, nn.Parameter(shared.detach().clone(), requires_grad=False))
+        LOG.info(
+            "%s: %s untied from %s (the base keeps it separate)",
+            type(model).__name__,
+            target,
+            source,
+        )
+    if untied:  # and saved task checkpoints keep it separate
+        model.config.tie_word_embeddings = False
+
+
+def _meta_model(cls: type, path: str) -> nn.Module:
+    """The model's structure without weights (to validate ``task_layer`` before loading)."""
+    config = cls.config_class.from_pretrained(path)
+    with torch.device("meta"):
+        return cls(config)
+
+
+def _dtype(config: Mapping[str, Any]) -> torch.dtype:
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    dtype = getattr(torch, str(name).replace("torch.", ""), None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+
+
+def _num_outputs(config: Mapping[str, Any], seq_len: int, causal_lm: bool) -> int:
+    if causal_lm:
+        return seq_len * int(config.get("vocab_size") or 32000)
+    labels = config.get("id2label")
+    if labels:
+        return len(labels)
+    return seq_len * int(config.get("hidden_size") or 768)
+
+
+# ---------------------------------------------------------------------------- entry point
+
+
+@dataclass
+class SyMergeSession:
+    """Everything a SyMerge run holds between preparing, adapting and saving."""
+
+    parameters: SyMergeParameters
+    problem: SyMergeProblem
+    data: list[TaskData]
+    base_path: str
+    base_config: dict[str, Any]
+    expert_paths: list[str]
+    expert_configs: list[dict[str, Any]]
+    calibration: dict[str, dict[str, Any]]
+    estimate: memory.AdaptationMemory
+    teacher_cached: bool
+    device: str
+    timing: dict[str, float] = field(default_factory=dict)
+
+
+def prepare_symerge(
+    cfg: ExtMergeConfig,
+    parameters: SyMergeParameters,
+    *,
+    device: str = "cpu",
+    force: bool = False,
+    trust_remote_code: bool = False,
+) -> SyMergeSession:
+    """Validate, estimate memory, load the data and the models, cache the teachers' outputs."""
+    from mergekit_ext.calibration.sources import check_calibration, load_calibration
+
+    started = time.perf_counter()
+    p = parameters
+    base_ref, entries = _experts(cfg)
+    names = [e.name for e in entries]
+    base_path = _local_path(base_ref)
+    expert_paths = [_local_path(e.model) for e in entries]
+    base_config = model_paths.read_config_json(base_path)
+    expert_configs = [model_paths.read_config_json(path) for path in expert_paths]
+    base_cls = _model_class(base_path, base_config, trust_remote_code)
+    expert_classes = [
+        _model_class(path, c, trust_remote_code) for path, c in zip(expert_paths, expert_configs)
+    ]
+    modality = _modality(base_cls)
+
+    # Everything that needs no weights: data, task layers, memory.
+    specs = []
+    for entry in entries:
+        spec = cfg.calibration_for(entry)
+        if spec is None or not spec.has_data:
+            raise CalibrationError(
+                f"symerge: task {entry.name} ({entry.model}) has no adaptation data; add "
+                "`calibration: {path: ...}` to its model entry or a top-level `calibration:`"
+            )
+        check_calibration(spec, task=entry.name, modality=modality)
+        specs.append(spec)
+    for cls, path, name in zip(expert_classes, expert_paths, names):
+        resolve_task_layer(_meta_model(cls, path), p.task_layer, name)
+    estimate, cache_teacher = _check_memory(
+        p, base_path, base_config, expert_paths, expert_configs, expert_classes, specs,
+        modality=modality, device=device, force=force,
+    )  # fmt: skip
+
+    # The data, then the models one expert at a time: its teacher outputs, then its tensors.
+    pad_id = int(base_config.get("pad_token_id") or 0)
+    calibration, data = {}, []
+    for k, (spec, entry, path) in enumerate(zip(specs, entries, expert_paths)):
+        loaded = load_calibration(
+            spec, path, task=entry.name, modality=modality, trust_remote_code=trust_remote_code
+        )
+        calibration[entry.name] = loaded.summary()
+        inputs = stack_batches(loaded.batches, pad_id)
+        n = num_samples(inputs)
+        if n < 2:
+            raise CalibrationError(
+                f"symerge: task {entry.name} has {n} adaptation sample(s); give it at least 2"
+            )
+        generator = torch.Generator().manual_seed(p.seed + 1000 + k)
+        adapt_index, heldout_index = split_heldout(n, p.heldout_fraction, generator)
+        data.append(TaskData(entry.name, inputs, adapt_index, heldout_index))
+    data_loaded = time.perf_counter()
+
+    base = _load(base_cls, base_path, device)
+    base_tied = model_class.tied_weights(base)
+    skeletons, expert_tensors, kinds = [], [], []
+    for k, (cls, path) in enumerate(zip(expert_classes, expert_paths)):
+        expert = _load(cls, path, device)
+        untie_like(expert, base_tied)
+
+        def forward(
+            batch: Mapping[str, torch.Tensor],
+            expert: nn.Module = expert,
+            accepts: Optional[frozenset[str]] = forward_keys(expert),
+        ) -> Any:
+            return expert(**model_inputs(expert, batch, accepts))
+
+        if cache_teacher:
+            data[k].teacher = teacher_outputs(forward, data[k].inputs, p.batch_size, device)
+            probe = data[k].teacher[:1]
+        else:
+            first = {key: v[:1] for key, v in data[k].inputs.items()}
+            probe = teacher_outputs(forward, first, 1, device)
+        kinds.append(output_kind(expert, probe))
+        expert_tensors.append(free_parameters(expert))
+        skeletons.append(expert)
+    problem = build_problem(
+        base,
+        skeletons,
+        expert_tensors,
+        names,
+        task_layer=p.task_layer,
+        init_lambda=p.init_lambda,
+        expert_labels=[e.model for e in entries],
+    )
+    for task, kind in zip(problem.tasks, kinds):
+        task.kind = kind
+    timing = {
+        "load_data_s": data_loaded - started,
+        "load_models_and_teacher_s": time.perf_counter() - data_loaded,
+    }
+    return SyMergeSession(
+        p, problem, data, base_path, base_config, expert_paths, expert_configs,
+        calibration, estimate, cache_teacher, device, timing,
+    )  # fmt: skip
+
+
+def _check_memory(
+    p: SyMergeParameters,
+    base_path: str,
+    base_config: Mapping[str, Any],
+    expert_paths: Sequence[str],
+    expert_configs: Sequence[Mapping[str, Any]],
+    expert_classes: Sequence[type],
+    specs: Sequence[Any],
+    *,
+    modality: str,
+    device: str,
+    force: bool,
+) -> tuple[memory.AdaptationMemory, bool]:
+    """Estimate from the headers; cache the teacher outputs unless only per-batch fits."""
+    causal = [cls.__name__.endswith("ForCausalLM") for cls in expert_classes]
+    seq_len = max(memory.tokens_per_sample(base_config, modality, s.max_length) for s in specs)
+    cache_bytes = memory.FLOAT32 * sum(
+        s.samples * _num_outputs(c, seq_len, lm) for s, c, lm in zip(specs, expert_configs, causal)
+    )
+    common = dict(
+        base_parameters=memory.checkpoint_parameter_count(base_path),
+        expert_parameters=[memory.checkpoint_parameter_count(path) for path in expert_paths],
+        config=base_config,
+        seq_len=seq_len,
+        batch_size=p.batch_size,
+        causal_lm=any(causal),
+    )
+    available = memory.available_memory_bytes(device)
+    estimate = memory.estimate_adaptation_memory(**common, teacher_cache_bytes=cache_bytes)
+    cache_teacher = True
+    if estimate.total > available:
+        per_batch = memory.estimate_adaptation_memory(**common, teacher_cache_bytes=None)
+        if per_batch.total < estimate.total:
+            estimate, cache_teacher = per_batch, False
+    memory.check_memory(estimate, available, force=force, device=device)
+    return estimate, cache_teacher
+
+
+def adapt_session(session: SyMergeSession, *, progress: bool = True) -> dict[str, Any]:
+    """Measure task arithmetic, adapt, measure again; returns the diagnostics section."""
+    p, problem, data = session.parameters, session.problem, session.data
+    started = time.perf_counter()
+    before = evaluate(problem, data, "heldout", batch_size=p.batch_size, device=session.device)
+    settings = AdaptationSettings(
+        epochs=p.epochs,
+        lr=p.lr,
+        task_layer_lr=resolved_task_layer_lr(p, problem),
+        batch_size=p.batch_size,
+        clamp=p.clamp,
+        target=p.target,
+        confidence_top_p=p.confidence_top_p,
+        seed=p.seed,
+    )
+    log = adapt(problem, data, settings, device=session.device, progress=progress)
+    after = evaluate(problem, data, "heldout", batch_size=p.batch_size, device=session.device)
+    for task in problem.tasks:
+        metric = "accuracy" if task.kind != "dense" else "l1"
+        LOG.info(
+            "symerge %s: held-out %s vs its expert: task arithmetic %s -> adapted %s",
+            task.name,
+            metric,
+            before[task.name][metric],
+            after[task.name][metric],
+        )
+    session.timing["adapt_s"] = log.seconds
+    session.timing["evaluate_s"] = time.perf_counter() - started - log.seconds
+    return _diagnostics(session, log, before, after)
+
+
+def task_layers_are_lm_blocks(problem: Any) -> bool:
+    """True when some task is a causal LM whose task layer lies inside the body (a block)."""
+    return any(
+        t.kind == "causal_lm"
+        and (
+            not t.roles.prefix
+            or any(m.startswith(t.roles.prefix) for m in t.roles.task_layer_modules)
+        )
+        for t in problem.tasks
+    )
+
+
+def resolved_task_layer_lr(p: SyMergeParameters, problem: Any) -> float:
+    """``task_layer_lr`` if given; else BLOCK_TASK_LAYER_LR for a causal LM's block, else ``lr``."""
+    if p.task_layer_lr is not None:
+        return p.task_layer_lr
+    return BLOCK_TASK_LAYER_LR if task_layers_are_lm_blocks(problem) else p.lr
+
+
+def save_symerge(
+    session: SyMergeSession,
+    out_dir: str,
+    *,
+    task_layers_only: bool = False,
+    body_path: Optional[str] = None,
+) -> None:
+    """Write the merged body into ``out_dir`` and each task into ``out_dir/tasks/<name>``.
+
+    ``body_path``: how the task adapters (``task_layers_only``) name the merged body, i.e.
+    where ``out_dir`` ends up (default ``out_dir``).
+    """
+    started = time.perf_counter()
+    problem = session.problem
+    export.save_checkpoint(
+        problem.base, problem.base_checkpoint_tensors(), out_dir, _dtype(session.base_config)
+    )
+    export.copy_processing_files(session.base_path, out_dir)
+    for k, (task, path, config) in enumerate(
+        zip(problem.tasks, session.expert_paths, session.expert_configs)
+    ):
+        task_dir = os.path.join(out_dir, "tasks", task.name)
+        # Names are checked with the config; this guards callers that build tasks themselves.
+        if os.path.dirname(os.path.normpath(task_dir)) != os.path.normpath(
+            os.path.join(out_dir, "tasks")
+        ):
+            raise ConfigError(f"symerge: task name {task.name!r} is not one folder name")
+        tensors = problem.task_checkpoint_tensors(k)
+        if task_layers_only:
+            modules = task.roles.task_layer_modules + frozen_modules(task.roles)
+            export.save_peft_adapter(
+                task.module, tensors, modules, task_dir, _dtype(config), body_path or out_dir
+            )
+        else:
+            export.save_checkpoint(task.module, tensors, task_dir, _dtype(config))
+            export.copy_processing_files(path, task_dir)
+    session.timing["save_s"] = time.perf_counter() - started
+
+
+def run_symerge(
+    cfg: ExtMergeConfig,
+    out_dir: str,
+    parameters: SyMergeParameters,
+    *,
+    device: str = "cpu",
+    force: bool = False,
+    task_layers_only: bool = False,
+    trust_remote_code: bool = False,
+    body_path: Optional[str] = None,
+) -> dict:
+    """Run SyMerge for ``cfg`` and write the outputs into ``out_dir`` (which may exist).
+
+    Returns the diagnostics section (see :func:`_diagnostics`) with a ``calibration``
+    entry per task, which the runner moves into the diagnostics header.
+    """
+    started = time.perf_counter()
+    session = prepare_symerge(
+        cfg, parameters, device=device, force=force, trust_remote_code=trust_remote_code
+    )
+    section = adapt_session(session)
+    save_symerge(session, out_dir, task_layers_only=task_layers_only, body_path=body_path)
+    session.timing["total_s"] = time.perf_counter() - started
+    section["timing"] = dict(session.timing)
+    section["calibration"] = session.calibration
+    return section
+
+
+def _nan_to_none(values: Sequence[float]) -> list[Optional[float]]:
+    return [None if math.isnan(v) else v for v in values]
+
+
+def _diagnostics(
+    session: SyMergeSession,
+    log: AdaptationLog,
+    before: Mapping[str, Mapping[str, Optional[float]]],
+    after: Mapping[str, Mapping[str, Optional[float]]],
+) -> dict[str, Any]:
+    """The ``symerge`` section of the diagnostics JSON.
+
+    ``lambda`` is the K x P matrix (row k: task ``tasks[k]``, column p: tensor
+    ``lambda_tensors[p]``); ``heldout_accuracy`` the share of held-back samples (positions
+    for per-token outputs) on which the adapted model's argmax equals its expert's;
+    ``task_arithmetic_heldout_accuracy`` the same at the starting point (λ = init_lambda,
+    the experts' own task layers). Dense outputs report ``heldout_l1`` instead.
+    """
+    problem = session.problem
+    tasks = [t.name for t in problem.tasks]
+    section: dict[str, Any] = {
+        "tasks": tasks,
+        "lambda_tensors": list(problem.shared_keys),
+        "lambda": problem.lambdas.detach().T.cpu().tolist(),
+        "loss": list(log.loss),
+        "loss_task": list(log.loss_task),
+        "agreement": {t: _nan_to_none(v) for t, v in log.agreement.items()},
+        "heldout_accuracy": {t: after[t]["accuracy"] for t in tasks},
+        "task_arithmetic_heldout_accuracy": {t: before[t]["accuracy"] for t in tasks},
+        "task_layers": {t.name: list(t.roles.task_layer_modules) for t in problem.tasks},
+        "output_kinds": {t.name: t.kind for t in problem.tasks},
+        "samples": {
+            d.name: {"adaptation": len(d.adapt_index), "heldout": len(d.heldout_index)}
+            for d in session.data
+        },
+        "settings": {
+            **session.parameters.model_dump(),
+            "task_layer_lr": resolved_task_layer_lr(session.parameters, problem),
+        },
+        "teacher_cached": session.teacher_cached,
+        "memory_estimate_bytes": dict(session.estimate.parts),
+    }
+    if any(t.kind == "dense" for t in problem.tasks):
+        section["heldout_l1"] = {t: after[t]["l1"] for t in tasks}
+        section["task_arithmetic_heldout_l1"] = {t: before[t]["l1"] for t in tasks}
+    return section
