@@ -704,7 +704,7 @@ def test_com_reference_path_keeps_moments_only_above_the_width_limit(
 ):
     """CoM's expert path is a W2 reference: wide groups get moments, not Grams, and W2 is
     diagonal there; narrow groups keep full Grams and a full-covariance W2."""
-    from mergekit_ext.methods import chain_of_merges, regmean
+    from mergekit_ext.methods import chain_of_merges, least_squares
 
     seen: dict[str, LinearGroup] = {}
     merge = chain_of_merges.ChainOfMergesMethod.merge_linear_group
@@ -715,7 +715,7 @@ def test_com_reference_path_keeps_moments_only_above_the_width_limit(
 
     hidden = 32  # the tiny Llama: hidden 32 (q/k/v, gate/up inputs), wider o and down inputs
     monkeypatch.setattr(chain_of_merges, "FULL_COVARIANCE_W2_MAX_DIM", hidden)
-    monkeypatch.setattr(regmean, "FULL_COVARIANCE_W2_MAX_DIM", hidden)
+    monkeypatch.setattr(least_squares, "FULL_COVARIANCE_W2_MAX_DIM", hidden)
     monkeypatch.setattr(chain_of_merges.ChainOfMergesMethod, "merge_linear_group", spy)
     cfg = _config(
         "chain_of_merges",

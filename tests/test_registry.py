@@ -112,3 +112,48 @@ def test_ace_kernel_parses_each_parameter_set_once(monkeypatch):
         ace.ace_merge.merge_group(group, scale=0.5)
     # the kernel factory memoises per distinct value set; a fresh kernel is built per method
     assert len(calls) <= 1
+
+
+def test_a_new_method_gets_its_card_section_through_its_report(tmp_path):
+    """The card loops over registered methods: a new one needs no edit in hub/."""
+    from pydantic import Field
+
+    from mergekit_ext.hub.card import _diagnostic_sections
+    from mergekit_ext.methods.registry import (
+        MethodInfo,
+        MethodReport,
+        register_method,
+        tensorwise_method,
+    )
+    from mergekit_ext.reporting import Plot, new_figure, save_figure
+
+    class HookParameters(MethodParameters):
+        strength: float = Field(2.0, ge=0, description="how strong")
+
+    def summarize(section, parameters):
+        return {"tensors": len(section["tensors"]), "strength": parameters.strength}
+
+    def plot(section, images_dir, parameters):
+        fig, (ax,) = new_figure()
+        ax.plot([1, 2, 3])
+        return [Plot(save_figure(fig, images_dir, "hook.png"), "hook", "a test plot")]
+
+    info = MethodInfo(
+        name="registry_test_hook",
+        pretty_name="Hook test",
+        kind="tensorwise",
+        needs_calibration=False,
+        paper="",
+        paper_url="",
+        parameters_model=HookParameters,
+        report=MethodReport("Hook test", summarize, plot),
+    )
+    register_method(info, tensorwise_method(info, lambda group, p: group.tensors[0] * p.strength))
+    assert describe_method("registry_test_hook")["parameters"][0]["allowed"] == "[0, inf)"
+    diag = {"sections": {"registry_test_hook": {"tensors": {"a": {}, "b": {}}}, "unknown": {}}}
+    sections = {s["key"]: s for s in _diagnostic_sections(diag, str(tmp_path), {"strength": 3})}
+    hook = sections["registry_test_hook"]
+    assert hook["title"] == "Hook test" and hook["summary"] == {"tensors": 2, "strength": 3.0}
+    assert hook["rows"] == [("tensors", 2), ("strength", 3.0)]  # no template: a plain table
+    assert (tmp_path / "images" / "hook.png").read_bytes()[:4] == b"\x89PNG"
+    assert sections["unknown"]["summary"] == {} and sections["unknown"]["plots"] == []

@@ -10,16 +10,14 @@ import torch
 
 from mergekit_ext import diagnostics
 from mergekit_ext.errors import CalibrationError, ConfigError, TensorError
-from mergekit_ext.methods import regmean as regmean_module
+from mergekit_ext.methods import least_squares as least_squares_module
 from mergekit_ext.methods.chain_of_merges import (
     ChainOfMergesMethod,
     correlation_task_weight,
 )
 from mergekit_ext.methods.layerwise import LinearGroup, StatisticsRequest, TaskStatistics
-from mergekit_ext.methods.registry import ext_method_info
-from mergekit_ext.methods.regmean import (
+from mergekit_ext.methods.least_squares import (
     FULL_COVARIANCE_W2_MAX_DIM,
-    RegMeanMethod,
     covariate_shift_w2,
     estimate_condition_number,
     gaussian_w2,
@@ -28,6 +26,8 @@ from mergekit_ext.methods.regmean import (
     relative_output_error,
     shrink_off_diagonal,
 )
+from mergekit_ext.methods.registry import ext_method_info
+from mergekit_ext.methods.regmean import RegMeanMethod
 
 IN, OUT = 6, 4
 TASKS = ("alpha", "beta", "gamma")
@@ -513,7 +513,7 @@ def test_pinv_solver_takes_the_cholesky_path_only_when_pinv_equals_the_inverse(m
     torch.testing.assert_close(exact.merged_weight, direct, rtol=1e-9, atol=1e-10)
     assert exact.condition_number == pytest.approx(float(torch.linalg.cond(system)), rel=1e-9)
 
-    monkeypatch.setattr(regmean_module, "EXACT_CONDITION_MAX_DIM", 8)  # estimate above 8
+    monkeypatch.setattr(least_squares_module, "EXACT_CONDITION_MAX_DIM", 8)  # estimate above 8
     estimated = regmean_solve(ws, grams, 0.9)
     assert estimated.condition_number_method == "estimate" and estimated.solver == "pinv"
     torch.testing.assert_close(estimated.merged_weight, direct, rtol=1e-9, atol=1e-10)

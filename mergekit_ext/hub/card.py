@@ -24,7 +24,6 @@ import logging
 import math
 import os
 import re
-import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -35,6 +34,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from mergekit_ext import diagnostics as diagnostics_mod
 from mergekit_ext.errors import ConfigError, MergekitExtError
+from mergekit_ext.reporting import IMAGES_DIR
 
 LOG = logging.getLogger(__name__)
 
@@ -82,13 +82,6 @@ _EXACT_ARCHITECTURES: dict[str, tuple[str, Optional[str], str]] = {
     ),
     "CLIPTextModel": ("encoder", "feature-extraction", "CLIPTextModel"),
     "CLIPTextModelWithProjection": ("encoder", "feature-extraction", "CLIPTextModelWithProjection"),
-}
-_SECTION_TITLES = {
-    "ace": "ACE",
-    "chain_of_merges": "Chain of Merges",
-    "regmean": "RegMean",
-    "qp_projection": "QP output-space projection",
-    "symerge": "SyMerge",
 }
 
 
@@ -482,206 +475,6 @@ def eval_results_to_card(
     return out
 
 
-# ----------------------------------------------------------------- diagnostics summaries
-
-
-def _stats(values: Sequence[float]) -> dict[str, float]:
-    finite = [v for v in values if math.isfinite(v)]
-    if not finite:
-        return {"n": 0, "min": math.nan, "median": math.nan, "mean": math.nan, "max": math.nan}
-    return {
-        "n": len(finite),
-        "min": min(finite),
-        "median": statistics.median(finite),
-        "mean": statistics.fmean(finite),
-        "max": max(finite),
-    }
-
-
-def summarize_ace(section: Mapping[str, Any], gamma_threshold: float) -> dict[str, Any]:
-    from mergekit_ext.hub.plots import as_float, tensor_kind
-
-    tensors: Mapping[str, Mapping[str, Any]] = section.get("tensors") or {}
-    kinds: dict[str, list[Mapping[str, Any]]] = {}
-    for name, rec in tensors.items():
-        kinds.setdefault(tensor_kind(name), []).append(rec)
-    conds = {name: as_float(rec.get("condition_number")) for name, rec in tensors.items()}
-    finite_conds = {k: v for k, v in conds.items() if math.isfinite(v)}
-    worst = max(finite_conds, key=finite_conds.__getitem__) if finite_conds else None
-    n_norm = sum(bool(r.get("normalized")) for r in tensors.values())
-    return {
-        "n_tensors": len(tensors),
-        "n_normalized": n_norm,
-        "normalized_share": n_norm / len(tensors) if tensors else math.nan,
-        "gamma_threshold": gamma_threshold,
-        "gamma": _stats([as_float(r.get("gamma")) for r in tensors.values()]),
-        "condition_number": _stats(list(conds.values())),
-        "worst_condition_tensor": worst,
-        "top5_energy_share": _stats(
-            [as_float(r.get("top5_energy_share")) for r in tensors.values()]
-        ),
-        "kinds": [
-            {
-                "kind": kind,
-                "count": len(recs),
-                "normalized_share": sum(bool(r.get("normalized")) for r in recs) / len(recs),
-                "gamma_median": _stats([as_float(r.get("gamma")) for r in recs])["median"],
-                "condition_median": _stats([as_float(r.get("condition_number")) for r in recs])[
-                    "median"
-                ],
-                "top5_median": _stats([as_float(r.get("top5_energy_share")) for r in recs])[
-                    "median"
-                ],
-            }
-            for kind, recs in sorted(kinds.items())
-        ],
-    }
-
-
-def summarize_layerwise(section: Mapping[str, Any]) -> dict[str, Any]:
-    from mergekit_ext.hub.plots import as_float, layer_tasks
-
-    layers: Sequence[Mapping[str, Any]] = section.get("layers") or []
-    tasks = layer_tasks(layers)
-    rows = []
-    for task in tasks:
-        shares, shifts, errors = [], [], []
-        worst_layer, worst_shift = None, -math.inf
-        for layer in layers:
-            per_task = layer.get("tasks") or {}
-            rec = per_task.get(task) or {}
-            total = sum(
-                v
-                for v in (as_float((r or {}).get("weight")) for r in per_task.values())
-                if math.isfinite(v)
-            )
-            w = as_float(rec.get("weight"))
-            shares.append(w / total if total > 0 and math.isfinite(w) else math.nan)
-            s = as_float(rec.get("covariate_shift_w2"))
-            shifts.append(s)
-            if math.isfinite(s) and s > worst_shift:
-                worst_shift, worst_layer = s, layer.get("layer")
-            errors.append(as_float(rec.get("relative_output_error")))
-        rows.append(
-            {
-                "task": task,
-                "weight_share": _stats(shares)["mean"],
-                "shift": _stats(shifts),
-                "worst_shift_layer": worst_layer,
-                "error": _stats(errors),
-            }
-        )
-    settings: dict[str, Any] = {}
-    for key, label in (
-        ("statistics", "statistics"),
-        ("task_weighting", "task weighting"),
-        ("normalized_gram", "normalized Gram"),
-        ("solver", "solver"),
-        ("covariate_shift_covariance", "W2 covariance"),
-        ("condition_number_method", "condition number"),
-    ):
-        values = {str(layer.get(key)) for layer in layers if layer.get(key) is not None}
-        if values:
-            settings[label] = ", ".join(sorted(values))
-    return {
-        "n_layers": len(layers),
-        "tasks": rows,
-        "settings": settings,
-        "shift_measured": any(math.isfinite(v) for r in rows for v in (r["shift"]["max"],)),
-        "condition_number": _stats([as_float(layer.get("condition_number")) for layer in layers]),
-    }
-
-
-def summarize_qp(section: Mapping[str, Any]) -> dict[str, Any]:
-    from mergekit_ext.hub.plots import as_float, qp_layer_energy, task_arithmetic_energies
-
-    layers: Sequence[Mapping[str, Any]] = section.get("layers") or []
-    bases: set[str] = set()
-    j0 = j_opt = 0.0
-    j_ta: dict[str, list[float]] = {}
-    other_j: list[float] = []
-    other_bases: set[str] = set()
-    n_weights = 0
-    worst = (None, math.inf)
-    for layer in layers:
-        for name, w in (layer.get("weights") or {}).items():
-            n_weights += 1
-            if w.get("basis"):
-                bases.add(str(w["basis"]))
-            a, b = as_float(w.get("J0")), as_float(w.get("J_opt"))
-            if math.isfinite(a) and math.isfinite(b):
-                j0, j_opt = j0 + a, j_opt + b
-            for label, j in task_arithmetic_energies(w).items():
-                j_ta.setdefault(label, []).append(j)
-            ob = w.get("other_basis")
-            if isinstance(ob, Mapping):
-                other_j.append(as_float(ob.get("J_opt")))
-                if ob.get("basis"):
-                    other_bases.add(str(ob["basis"]))
-            captured = as_float(w.get("captured_energy"))
-            if math.isfinite(captured) and captured < worst[1]:
-                worst = (name, captured)
-    per_layer = [qp_layer_energy(layer)["captured"] for layer in layers]
-    ta_rows = [
-        {"label": label.strip() or "λ as recorded", "captured": 1.0 - sum(js) / j0}
-        for label, js in j_ta.items()
-        if j0 > 0 and len(js) == n_weights and all(math.isfinite(j) for j in js)
-    ]
-    other_complete = j0 > 0 and other_j and len(other_j) == n_weights
-    return {
-        "n_layers": len(layers),
-        "n_weights": n_weights,
-        "bases": sorted(bases),
-        "captured_total": 1.0 - j_opt / j0 if j0 > 0 else math.nan,
-        "task_arithmetic": ta_rows,
-        "other_basis": ", ".join(sorted(other_bases)) or None,
-        "captured_other_basis": 1.0 - sum(other_j) / j0
-        if other_complete and all(math.isfinite(j) for j in other_j)
-        else math.nan,
-        "captured_per_layer": _stats(per_layer),
-        "worst_weight": worst[0],
-        "worst_weight_captured": worst[1] if worst[0] is not None else math.nan,
-        "J0_total": j0,
-        "J_opt_total": j_opt,
-    }
-
-
-def summarize_symerge(section: Mapping[str, Any]) -> dict[str, Any]:
-    from mergekit_ext.hub.plots import as_float
-
-    loss = [as_float(v) for v in section.get("loss") or []]
-    tasks = list(section.get("tasks") or [])
-    agreement = section.get("agreement") or {}
-    heldout = section.get("heldout_accuracy") or {}
-    lam = section.get("lambda") or []
-    for task in list(agreement) + list(heldout):
-        if task not in tasks:
-            tasks.append(task)
-    rows = []
-    for k, task in enumerate(tasks):
-        curve = [as_float(v) for v in agreement.get(task) or []]
-        # lambda is K x P: one row per task (see methods/symerge.py)
-        row = lam[k] if k < len(lam) and isinstance(lam[k], (list, tuple)) else []
-        column = [as_float(v) for v in row]
-        rows.append(
-            {
-                "task": task,
-                "agreement_first": curve[0] if curve else math.nan,
-                "agreement_last": curve[-1] if curve else math.nan,
-                "heldout_accuracy": as_float(heldout.get(task)) if task in heldout else math.nan,
-                "lambda": _stats(column),
-            }
-        )
-    return {
-        "steps": len(loss),
-        "loss_first": loss[0] if loss else math.nan,
-        "loss_last": loss[-1] if loss else math.nan,
-        "loss_min": _stats(loss)["min"],
-        "n_lambda_tensors": len(lam[0]) if lam and isinstance(lam[0], (list, tuple)) else 0,
-        "tasks": rows,
-    }
-
-
 # --------------------------------------------------------------------------- rendering
 
 
@@ -917,37 +710,52 @@ def _describe_method(name: str) -> dict[str, Any]:
 
 
 def _diagnostic_sections(
-    diag: Mapping[str, Any], out_dir: str, gamma_threshold: float
+    diag: Mapping[str, Any], out_dir: str, raw_parameters: Mapping[str, Any]
 ) -> list[dict[str, Any]]:
-    from mergekit_ext.hub.plots import render_plots
+    """One card section per method section of the diagnostics, through each method's report.
 
-    sections = diag.get("sections") or {}
-    if not sections:
-        return []
-    plots = render_plots(sections, out_dir, gamma_threshold=gamma_threshold)
-    summarizers = {
-        "ace": lambda s: summarize_ace(s, gamma_threshold),
-        "chain_of_merges": summarize_layerwise,
-        "regmean": summarize_layerwise,
-        "qp_projection": summarize_qp,
-        "symerge": summarize_symerge,
-    }
+    The card never dispatches on a method's name: a registered method brings its own title,
+    summary, plots and (optionally) template (``MethodInfo.report``).
+    """
+    from mergekit_ext.methods import ext_method_info
+
+    images_dir = os.path.join(out_dir, IMAGES_DIR)
     result = []
-    for key in ("ace", "chain_of_merges", "regmean", "qp_projection", "symerge"):
-        if key in sections:
+    for key in sorted(diag.get("sections") or {}):
+        section = diag["sections"][key]
+        info = ext_method_info(key)
+        report = info.report if info is not None else None
+        if report is None or not isinstance(section, Mapping):
             result.append(
-                {
-                    "key": key,
-                    "kind": "layerwise" if key in ("chain_of_merges", "regmean") else key,
-                    "title": _SECTION_TITLES[key],
-                    "summary": summarizers[key](sections[key]),
-                    "plots": plots.get(key, []),
-                }
+                {"key": key, "template": None, "title": key, "summary": {}, "plots": [], "rows": []}
             )
-    others = sorted(k for k in sections if k not in _SECTION_TITLES)
-    for key in others:
-        result.append({"key": key, "kind": "other", "title": key, "summary": {}, "plots": []})
+            continue
+        try:
+            parameters = info.parse_parameters(raw_parameters)
+        except MergekitExtError:  # a card for a merge made with other parameters: defaults
+            parameters = info.parse_parameters({})
+        summary = report.summarize(section, parameters)
+        plots = report.plot(section, images_dir, parameters) if report.plot else []
+        result.append(
+            {
+                "key": key,
+                "template": report.template,
+                "title": report.title,
+                "summary": summary,
+                "plots": plots,
+                "rows": _plain_rows(summary) if report.template is None else [],
+            }
+        )
     return result
+
+
+def _plain_rows(summary: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """The top-level numbers and words of a summary, for methods without a template."""
+    return [
+        (str(k).replace("_", " "), v)
+        for k, v in summary.items()
+        if isinstance(v, (int, float, str, bool)) or v is None
+    ]
 
 
 def _task_folders(out_dir: str, diag: Mapping[str, Any]) -> list[dict[str, str]]:
@@ -1060,9 +868,7 @@ def build_card_context(
         **extra,
     )
 
-    parameters = cfg.parameters
-    gamma_threshold = float(parameters.get("gamma_threshold", 0.3)) if cfg.method == "ace" else 0.3
-    sections = _diagnostic_sections(diag, out_dir, gamma_threshold) if render_images else []
+    sections = _diagnostic_sections(diag, out_dir, cfg.parameters) if render_images else []
     shown_yaml, shortened = _shorten_yaml_paths(config_text.rstrip("\n"), cfg.raw, cwd)
     text_sha = hashlib.sha256(config_text.encode("utf-8")).hexdigest()
     recorded_sha = diag.get("config_sha256")

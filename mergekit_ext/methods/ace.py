@@ -21,7 +21,13 @@ from pydantic import Field
 from mergekit_ext import diagnostics
 from mergekit_ext.errors import TensorError
 from mergekit_ext.methods.parameters import MethodParameters
-from mergekit_ext.methods.registry import MethodInfo, register_method, tensorwise_method
+from mergekit_ext.methods.registry import (
+    MethodInfo,
+    MethodReport,
+    register_method,
+    tensorwise_method,
+)
+from mergekit_ext.methods.reports.ace import plot_ace, summarize_ace
 
 NormalizeMode = Literal["auto", "always", "never"]
 HeterogeneityRule = Literal["paper", "scale_invariant"]
@@ -292,6 +298,7 @@ INFO = MethodInfo(
     paper="Data-Free Model Merging with Adaptive Covariance Estimation (CVPR 2026)",
     paper_url="https://arxiv.org/abs/2603.02945",
     parameters_model=ACEParameters,
+    report=MethodReport("ACE", summarize_ace, plot_ace, template="ace"),
 )
 
 ace_merge = tensorwise_method(

@@ -36,6 +36,7 @@ diagnostic, so above that width it keeps means and variances, not Grams.
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -47,35 +48,22 @@ from mergekit_ext.methods.layerwise import (
     StatisticsRequest,
     TaskStatistics,
 )
-from mergekit_ext.methods.registry import MethodInfo, executor_only_method, register_method
-from mergekit_ext.methods.regmean import (
+from mergekit_ext.methods.least_squares import (
     FULL_COVARIANCE_W2_MAX_DIM,
     RegMeanParameters,
-    covariate_shift_w2,
-    gaussian_w2,
     merge_group_least_squares,
-    regmean_merge_weights,
-    regmean_solve,
-    relative_output_error,
-    shrink_off_diagonal,
 )
+from mergekit_ext.methods.registry import (
+    MethodInfo,
+    MethodReport,
+    executor_only_method,
+    register_method,
+)
+from mergekit_ext.methods.reports.least_squares import plot_layerwise, summarize_layerwise
 
 LOG = logging.getLogger(__name__)
 
 TaskWeighting = Literal["correlation", "uniform"]
-
-__all__ = [
-    "FULL_COVARIANCE_W2_MAX_DIM",
-    "ChainOfMergesMethod",
-    "ChainOfMergesParameters",
-    "correlation_task_weight",
-    "covariate_shift_w2",
-    "gaussian_w2",
-    "regmean_merge_weights",
-    "regmean_solve",
-    "relative_output_error",
-    "shrink_off_diagonal",
-]
 
 
 def correlation_task_weight(normalized_gram: torch.Tensor) -> float:
@@ -165,6 +153,12 @@ INFO = MethodInfo(
     paper_url="https://arxiv.org/abs/2508.21421",
     parameters_model=ChainOfMergesParameters,
     implementation=ChainOfMergesMethod(),
+    report=MethodReport(
+        "Chain of Merges",
+        summarize_layerwise,
+        partial(plot_layerwise, "chain_of_merges", "Chain of Merges"),
+        template="least_squares",
+    ),
 )
 
 register_method(INFO, executor_only_method(INFO))

@@ -63,7 +63,13 @@ from mergekit_ext.methods.layerwise import (
     StatisticsRequest,
 )
 from mergekit_ext.methods.parameters import MethodParameters
-from mergekit_ext.methods.registry import MethodInfo, executor_only_method, register_method
+from mergekit_ext.methods.registry import (
+    MethodInfo,
+    MethodReport,
+    executor_only_method,
+    register_method,
+)
+from mergekit_ext.methods.reports.qp import plot_qp, summarize_qp
 
 LOG = logging.getLogger(__name__)
 
@@ -706,6 +712,9 @@ INFO = MethodInfo(
     paper_url="https://arxiv.org/abs/2605.29101",
     parameters_model=QPParameters,
     implementation=QPProjectionMethod(),
+    report=MethodReport(
+        "QP output-space projection", summarize_qp, plot_qp, template="qp_projection"
+    ),
 )
 
 register_method(INFO, executor_only_method(INFO))

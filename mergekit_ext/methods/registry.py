@@ -33,6 +33,25 @@ MethodKind = Literal["tensorwise", "layerwise", "adaptation"]
 
 
 @dataclass(frozen=True)
+class MethodReport:
+    """How a method's diagnostics appear on the model card.
+
+    - ``title``: the card section's heading;
+    - ``summarize(section, parameters)``: the method's diagnostics section (the JSON) and its
+      typed parameters → the numbers the template shows;
+    - ``plot(section, images_dir, parameters)``: draws the figures into ``images_dir`` and
+      returns their :class:`~mergekit_ext.reporting.Plot` records (None: no plots);
+    - ``template``: ``model_cards/sections/<template>.md.j2`` renders the summary; None shows
+      it as a plain table of its top-level numbers, so a new method needs no template.
+    """
+
+    title: str
+    summarize: Callable[[Any, Any], dict[str, Any]]
+    plot: Optional[Callable[[Any, str, Any], list[Any]]] = None
+    template: Optional[str] = None
+
+
+@dataclass(frozen=True)
 class MethodInfo:
     name: str
     pretty_name: str
@@ -44,6 +63,8 @@ class MethodInfo:
     parameters_model: type[MethodParameters] = MethodParameters
     # For layerwise/adaptation methods: the object the executor calls (see methods/layerwise.py).
     implementation: Optional[Any] = None
+    # Its model-card section and plots (None: the card lists the section without a summary).
+    report: Optional[MethodReport] = None
 
     @property
     def parameters(self) -> tuple[ParameterDoc, ...]:

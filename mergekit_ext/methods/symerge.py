@@ -31,7 +31,13 @@ from pydantic import Field
 from mergekit_ext.adaptation import run
 from mergekit_ext.config import ExtMergeConfig
 from mergekit_ext.methods.parameters import MethodParameters
-from mergekit_ext.methods.registry import MethodInfo, executor_only_method, register_method
+from mergekit_ext.methods.registry import (
+    MethodInfo,
+    MethodReport,
+    executor_only_method,
+    register_method,
+)
+from mergekit_ext.methods.reports.symerge import plot_symerge, summarize_symerge
 
 
 class SyMergeParameters(MethodParameters):
@@ -100,6 +106,7 @@ INFO = MethodInfo(
     paper_url="https://arxiv.org/abs/2412.19098",
     parameters_model=SyMergeParameters,
     implementation=run_symerge,
+    report=MethodReport("SyMerge", summarize_symerge, plot_symerge, template="symerge"),
 )
 
 register_method(INFO, executor_only_method(INFO))

@@ -1,0 +1,682 @@
+"""Least-squares merging of linear layers on input Grams: the math RegMean and CoM share.
+
+For a linear layer ``y = W x`` (PyTorch ``out x in``) with per-task input Grams
+``G_k = (1/N_k) Σ_x x xᵀ``, the merge minimises ``Σ_k ω_k ‖W X_k − W_k X_k‖² / N_k``
+(RegMean, Jin et al., ICLR 2023, eq. 2 with per-task means), whose solution is (eq. 3)::
+
+    W = (Σ_k ω_k W_k G̃_k) (Σ_k ω_k G̃_k)⁻¹,
+    G̃_k = α G_k + (1 − α) diag(G_k)            (the off-diagonal shrink, ``reduce_non_diagonal``)
+
+``regmean.py`` uses it with ω_k = 1 and each expert's own Grams; ``chain_of_merges.py``
+with the Grams of the already merged layers and optional task weights. The equations and
+the choices behind them are in ``docs/methods.md``.
+
+Orientation: every weight here is ``out x in``. HF ``Conv1D`` weights (GPT-2) are stored
+``in x out``; the sequential executor transposes them before calling a method and back after.
+Pure tensor math (float64 internally, cast back at the end): nothing here loads files,
+runs models or registers a method.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
+
+import torch
+from pydantic import Field
+
+from mergekit_ext.errors import CalibrationError, TensorError
+from mergekit_ext.methods.layerwise import LinearGroup, TaskStatistics
+from mergekit_ext.methods.parameters import MethodParameters
+
+LOG = logging.getLogger(__name__)
+
+Solver = Literal["pinv", "solve"]
+Fallback = Literal["mean", "base", "task_arithmetic"]
+
+# Above this input width the covariate-shift W2 uses diagonal covariances (an in x in
+# eigendecomposition per task and group would dominate the merge's cost).
+FULL_COVARIANCE_W2_MAX_DIM = 1024
+# Up to this size the condition number of Σ ω G̃ comes from all its eigenvalues; above it,
+# from block power / inverse iterations on its Cholesky factor (an estimate from below).
+EXACT_CONDITION_MAX_DIM = 1024
+# The pseudo-inverse is computed as a Cholesky solve when cond(Σ ω G̃) · n · eps is below
+# this: then no eigenvalue is near pinv's cut-off n · eps · max|λ| and pinv = inverse.
+_CHOLESKY_PINV_MARGIN = 1e-3
+_CONDITION_ITERATIONS = 10
+_CONDITION_BLOCK = 8
+
+
+# --------------------------------------------------------------------------------------
+# Pure tensor functions
+# --------------------------------------------------------------------------------------
+
+
+def shrink_off_diagonal(gram: torch.Tensor, alpha: float) -> torch.Tensor:
+    """RegMean's off-diagonal shrink ``G̃ = α G + (1 − α) diag(G)`` (Jin et al., §3.2).
+
+    ``alpha = 1`` keeps the Gram; ``alpha = 0`` keeps only its diagonal, which turns the
+    merge into a per-input-column average of the experts weighted by ``G[j, j]``.
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"reduce_non_diagonal (alpha) must be in [0, 1]; got {alpha}")
+    return alpha * gram + (1.0 - alpha) * torch.diag_embed(torch.diagonal(gram))
+
+
+@dataclass
+class RegMeanSolution:
+    """The merged weight and how it was solved."""
+
+    merged_weight: torch.Tensor
+    condition_number: float  # of the matrix inverted: Σ ω G̃ (+ ridge term)
+    solver: str  # "pinv", "solve", or "pinv (solve failed: singular)"
+    condition_number_method: str = "exact"  # "exact" (all eigenvalues) | "estimate"
+    products: Optional[list[torch.Tensor]] = None  # W_k G_k per task, when asked for
+
+
+def _pinv_tolerance(eigenvalues: torch.Tensor, n: int) -> float:
+    """Eigenvalues at or below ``n · eps · max|λ|`` count as zero (``torch.linalg.pinv``'s rule)."""
+    return n * torch.finfo(eigenvalues.dtype).eps * float(eigenvalues.abs().max())
+
+
+def _symmetric_pinv(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Moore–Penrose pseudo-inverse of a symmetric matrix via ``eigh``, and its eigenvalues."""
+    eigenvalues, eigenvectors = torch.linalg.eigh(matrix)
+    keep = eigenvalues.abs() > _pinv_tolerance(eigenvalues, matrix.shape[0])
+    inverse = torch.where(keep, 1.0 / eigenvalues, torch.zeros_like(eigenvalues))
+    return (eigenvectors * inverse) @ eigenvectors.T, eigenvalues
+
+
+def _condition_number(eigenvalues: torch.Tensor) -> float:
+    """2-norm condition number ``max|λ| / min|λ|`` of a symmetric matrix.
+
+    inf when the matrix is numerically singular (its smallest eigenvalue is one the
+    pseudo-inverse treats as zero).
+    """
+    magnitude = eigenvalues.abs()
+    smallest = float(magnitude.min())
+    if smallest <= _pinv_tolerance(eigenvalues, eigenvalues.numel()):
+        return math.inf
+    return float(magnitude.max()) / smallest
+
+
+def _cholesky(matrix: torch.Tensor) -> Optional[torch.Tensor]:
+    """The lower Cholesky factor of a symmetric matrix, or None when it is not positive definite."""
+    factor, info = torch.linalg.cholesky_ex(matrix)
+    if int(info) != 0 or not bool(torch.isfinite(factor).all()):
+        return None
+    return factor
+
+
+def estimate_condition_number(
+    matrix: torch.Tensor,
+    cholesky: torch.Tensor,
+    *,
+    iterations: int = _CONDITION_ITERATIONS,
+    block: int = _CONDITION_BLOCK,
+) -> float:
+    """``λ_max / λ_min`` of a symmetric positive definite matrix, estimated cheaply.
+
+    Block subspace iteration (``block`` seeded random vectors, ``iterations`` steps) on the
+    matrix for ``λ_max`` and on its inverse (two triangular solves with ``cholesky``) for
+    ``λ_min``, each finished by a Rayleigh–Ritz step. Ritz values lie inside the spectrum,
+    so the estimate is never above the true condition number. O(iterations · block · n²)
+    instead of the O(n³) of an eigendecomposition; deterministic.
+    """
+    n = matrix.shape[0]
+    width = min(block, n)
+    generator = torch.Generator().manual_seed(0)
+    start = torch.randn(n, width, generator=generator, dtype=torch.float64)
+    start = start.to(device=matrix.device, dtype=matrix.dtype)
+
+    def extreme_ritz(apply: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        basis = torch.linalg.qr(start).Q
+        for _ in range(iterations):
+            basis = torch.linalg.qr(apply(basis)).Q
+        projected = basis.T @ matrix @ basis
+        return torch.linalg.eigvalsh(0.5 * (projected + projected.T))
+
+    largest = float(extreme_ritz(lambda q: matrix @ q).max())
+    smallest = float(extreme_ritz(lambda q: torch.cholesky_solve(q, cholesky)).min())
+    if smallest <= 0.0:
+        return math.inf
+    return largest / smallest
+
+
+def _condition(system: torch.Tensor, cholesky: Optional[torch.Tensor]) -> tuple[float, str]:
+    """``(condition number, "exact" | "estimate")`` of ``system``."""
+    if cholesky is None or system.shape[0] <= EXACT_CONDITION_MAX_DIM:
+        return _condition_number(torch.linalg.eigvalsh(system)), "exact"
+    return estimate_condition_number(system, cholesky), "estimate"
+
+
+def regmean_solve(
+    expert_weights: Sequence[torch.Tensor],
+    grams: Sequence[torch.Tensor],
+    alpha: float,
+    *,
+    task_weights: Optional[Sequence[float]] = None,
+    ridge: float = 0.0,
+    solver: Solver = "pinv",
+    name: str = "<weight>",
+    keep_products: bool = False,
+) -> RegMeanSolution:
+    """``W = (Σ_k ω_k W_k G̃_k)(Σ_k ω_k G̃_k)⁻¹`` with diagnostics (RegMean eq. 3; CoM eq. for ω).
+
+    - ``expert_weights``: one ``out x in`` weight per task; ``grams``: one ``in x in`` input
+      Gram per task (means over tokens); ``task_weights``: ω_k (default 1 each).
+    - ``ridge`` > 0 is Tikhonov regularisation toward the ω-weighted mean of the experts:
+      with ``λ = ridge · mean(diag(A)) / Σ_k ω_k``, ``A = Σ_k ω_k G̃_k``, it solves
+      ``min_W Σ_k ω_k (‖W X_k − W_k X_k‖²/N_k + λ ‖W − W_k‖²_F)``, i.e. the inverted matrix is
+      ``A + ridge · mean(diag(A)) · I`` and the numerator gains ``λ Σ_k ω_k W_k``
+      (so a huge ridge gives the weighted mean of the experts, not zero).
+    - ``solver``: ``pinv`` (Moore–Penrose pseudo-inverse, the CoM paper's choice) or
+      ``solve`` (falls back to pinv with a warning when the matrix is singular). ``pinv`` is
+      computed as a Cholesky solve when ``Σ ω G̃`` is positive definite and its condition
+      number is far from pinv's cut-off (then the two are the same matrix), by ``eigh``
+      otherwise.
+    - ``keep_products``: also return each ``W_k G_k`` (for diagnostics that reuse them).
+
+    The Grams, ``Σ ω G̃`` and the solve are float64; the products ``W_k G_k`` are float32
+    GEMMs for float32 weights (float64 for float64 weights). The result has the dtype of
+    ``expert_weights[0]``.
+    """
+    n_tasks = len(expert_weights)
+    if n_tasks == 0:
+        raise TensorError(f"RegMean needs at least one expert weight for {name}; got none")
+    if len(grams) != n_tasks:
+        raise TensorError(f"{name}: {n_tasks} expert weights but {len(grams)} input Grams")
+    weights = [1.0] * n_tasks if task_weights is None else [float(w) for w in task_weights]
+    if len(weights) != n_tasks:
+        raise TensorError(f"{name}: {n_tasks} expert weights but {len(weights)} task weights")
+    if any(not math.isfinite(w) or w < 0.0 for w in weights) or sum(weights) <= 0.0:
+        raise TensorError(
+            f"{name}: task weights must be finite, non-negative and not all zero; got {weights}"
+        )
+    if ridge < 0.0 or not math.isfinite(ridge):
+        raise ValueError(f"ridge must be a finite number >= 0; got {ridge}")
+    if solver not in ("pinv", "solve"):
+        raise ValueError(f"solver must be pinv or solve; got {solver!r}")
+
+    out_dtype = expert_weights[0].dtype
+    # float32 GEMMs for float32 (or narrower) weights: their own rounding is of that order
+    product_dtype = torch.float64 if out_dtype == torch.float64 else torch.float32
+    shape = tuple(expert_weights[0].shape)
+    if len(shape) != 2:
+        raise TensorError(f"RegMean merges 2-D linear weights; {name} has shape {shape}")
+    n_in = shape[1]
+    for k, (w, g) in enumerate(zip(expert_weights, grams)):
+        if tuple(w.shape) != shape:
+            raise TensorError(
+                f"shape mismatch for {name}: task {k} has {tuple(w.shape)}, task 0 has {shape}"
+            )
+        if tuple(g.shape) != (n_in, n_in):
+            raise TensorError(
+                f"{name}: the input Gram of task {k} is {tuple(g.shape)}, expected "
+                f"({n_in}, {n_in}) for an out x in weight of shape {shape}"
+            )
+
+    numerator = torch.zeros(shape, dtype=torch.float64)
+    system = torch.zeros((n_in, n_in), dtype=torch.float64)
+    system_diagonal = torch.zeros(n_in, dtype=torch.float64)
+    products: list[torch.Tensor] = []
+    for w, g, omega in zip(expert_weights, grams, weights):
+        # W_k G̃_k = α W_k G_k + (1 − α) W_k diag(G_k): one GEMM, no shrunk copy of G_k.
+        product = w.to(product_dtype) @ g.to(product_dtype)
+        diagonal = torch.diagonal(g).double()
+        numerator.add_(product.double(), alpha=omega * alpha)
+        numerator.add_(w.double() * diagonal, alpha=omega * (1.0 - alpha))
+        system.add_(g.double(), alpha=omega * alpha)
+        system_diagonal.add_(diagonal, alpha=omega * (1.0 - alpha))
+        if keep_products:
+            products.append(product)
+        del product
+    torch.diagonal(system).add_(system_diagonal)
+    system = 0.5 * (system + system.T)  # exact symmetry for eigh
+    if ridge > 0.0:
+        strength = ridge * float(torch.diagonal(system).mean())
+        torch.diagonal(system).add_(strength)
+        weighted_experts = sum(omega * w.double() for w, omega in zip(expert_weights, weights))
+        numerator += (strength / sum(weights)) * weighted_experts
+
+    n_eps = n_in * torch.finfo(torch.float64).eps
+    cholesky = _cholesky(system)
+    condition, condition_method = _condition(system, cholesky)
+    used = solver
+    merged: Optional[torch.Tensor] = None
+    if solver == "solve":
+        try:
+            if cholesky is not None:
+                merged = torch.cholesky_solve(numerator.T, cholesky).T
+            else:
+                merged = torch.linalg.solve(system, numerator.T).T
+        except RuntimeError:  # torch.linalg.LinAlgError subclasses RuntimeError
+            merged = None
+        if merged is None or not torch.isfinite(merged).all():
+            LOG.warning("%s: Σ ω G̃ is singular; solving with the pseudo-inverse instead", name)
+            used = "pinv (solve failed: singular)"
+            merged = None
+    elif cholesky is not None and condition * n_eps < _CHOLESKY_PINV_MARGIN:
+        # No eigenvalue is anywhere near pinv's cut-off: the pseudo-inverse is the inverse,
+        # and a Cholesky solve gives it at a fraction of an eigendecomposition's cost.
+        merged = torch.cholesky_solve(numerator.T, cholesky).T
+    if merged is None:
+        pinv, eigenvalues = _symmetric_pinv(system)
+        merged = numerator @ pinv
+        condition, condition_method = _condition_number(eigenvalues), "exact"
+    return RegMeanSolution(
+        merged.to(out_dtype), condition, used, condition_method, products if keep_products else None
+    )
+
+
+def regmean_merge_weights(
+    expert_weights: Sequence[torch.Tensor],
+    grams: Sequence[torch.Tensor],
+    alpha: float,
+    *,
+    task_weights: Optional[Sequence[float]] = None,
+    ridge: float = 0.0,
+    solver: Solver = "pinv",
+) -> torch.Tensor:
+    """``W = (Σ_k ω_k W_k G̃_k)(Σ_k ω_k G̃_k)⁻¹``; see :func:`regmean_solve` for the details."""
+    return regmean_solve(
+        expert_weights, grams, alpha, task_weights=task_weights, ridge=ridge, solver=solver
+    ).merged_weight
+
+
+def relative_output_error(
+    merged_weight: torch.Tensor,
+    expert_weight: torch.Tensor,
+    gram: torch.Tensor,
+    expert_product: Optional[torch.Tensor] = None,
+) -> float:
+    """``‖W X − W_k X‖_F / ‖W_k X‖_F`` from the Gram ``G = X Xᵀ / N`` alone (CoM's diagnostic).
+
+    ``= sqrt(tr((W − W_k) G (W − W_k)ᵀ) / tr(W_k G W_kᵀ))``; 0 when both are zero, inf when
+    only the expert's output is zero. The difference is formed in float64, the
+    ``out x in x in`` products in float32 (a diagnostic: ~1e-7 relative), the traces summed
+    in float64. ``expert_product`` = ``W_k G`` when the caller has it (saves one product).
+    """
+    w_k = expert_weight.double()
+    diff = merged_weight.double() - w_k
+    g = gram.float()
+    diff32 = diff.float()
+    error = max(float(((diff32 @ g) * diff32).sum(dtype=torch.float64)), 0.0)
+    if expert_product is None:
+        w32 = w_k.float()
+        expert_product = w32 @ g
+    reference = float((expert_product.float() * expert_weight.float()).sum(dtype=torch.float64))
+    reference = max(reference, 0.0)
+    if reference == 0.0:
+        return 0.0 if error == 0.0 else math.inf
+    return math.sqrt(error / reference)
+
+
+def _symmetric_sqrt(matrix: torch.Tensor) -> torch.Tensor:
+    """Principal square root of a symmetric PSD matrix via eigh (negative rounding → 0)."""
+    eigenvalues, eigenvectors = torch.linalg.eigh(0.5 * (matrix + matrix.T))
+    return (eigenvectors * eigenvalues.clamp(min=0.0).sqrt()) @ eigenvectors.T
+
+
+def gaussian_w2(
+    mean_a: torch.Tensor,
+    cov_a: torch.Tensor,
+    mean_b: torch.Tensor,
+    cov_b: torch.Tensor,
+    *,
+    diagonal: bool = False,
+) -> float:
+    """Wasserstein-2 distance between ``N(μ_a, Σ_a)`` and ``N(μ_b, Σ_b)``.
+
+    Full: ``W2² = ‖μ_a − μ_b‖² + tr(Σ_a + Σ_b − 2 (Σ_b^½ Σ_a Σ_b^½)^½)`` (the symmetric
+    square roots via eigh). ``diagonal=True`` keeps only the variances:
+    ``W2² = ‖μ_a − μ_b‖² + Σ_i (σ_a,i − σ_b,i)²``. This is the merging covariate shift of
+    CoM when a = the inputs the merged model sees, b = those the unmerged expert sees.
+    """
+    ca, cb = cov_a.double(), cov_b.double()
+    if diagonal:
+        return _diagonal_w2(mean_a, torch.diagonal(ca), mean_b, torch.diagonal(cb))
+    mean_term = float((mean_a.double() - mean_b.double()).pow(2).sum())
+    cov_term = float(
+        torch.trace(ca) + torch.trace(cb) - 2.0 * _trace_sqrt_product(ca, 0.5 * (cb + cb.T))
+    )
+    return math.sqrt(max(mean_term + cov_term, 0.0))
+
+
+def _diagonal_w2(
+    mean_a: torch.Tensor, var_a: torch.Tensor, mean_b: torch.Tensor, var_b: torch.Tensor
+) -> float:
+    """W2 between diagonal Gaussians: ``sqrt(‖μ_a − μ_b‖² + Σ_i (σ_a,i − σ_b,i)²)``."""
+    mean_term = float((mean_a.double() - mean_b.double()).pow(2).sum())
+    sd_a = var_a.double().clamp(min=0.0).sqrt()
+    sd_b = var_b.double().clamp(min=0.0).sqrt()
+    return math.sqrt(max(mean_term + float((sd_a - sd_b).pow(2).sum()), 0.0))
+
+
+def _trace_sqrt_product(cov_a: torch.Tensor, cov_b: torch.Tensor) -> float:
+    """``tr((Σ_b^½ Σ_a Σ_b^½)^½)`` = the sum of the square roots of the eigenvalues of ``Σ_a Σ_b``.
+
+    With ``Σ_b = L Lᵀ`` (Cholesky) those are the eigenvalues of the symmetric ``Lᵀ Σ_a L``:
+    one factorisation and one ``eigvalsh`` instead of a matrix square root. A singular
+    ``Σ_b`` falls back to the square root by ``eigh``.
+    """
+    factor = _cholesky(cov_b)
+    if factor is not None:
+        cross = factor.T @ cov_a @ factor
+    else:
+        root_b = _symmetric_sqrt(cov_b)
+        cross = root_b @ cov_a @ root_b
+    eigenvalues = torch.linalg.eigvalsh(0.5 * (cross + cross.T)).clamp(min=0.0)
+    return float(eigenvalues.sqrt().sum())
+
+
+def covariate_shift_w2(
+    merged_path: TaskStatistics,
+    expert_path: TaskStatistics,
+    *,
+    full_covariance_max_dim: int = FULL_COVARIANCE_W2_MAX_DIM,
+) -> tuple[float, Literal["full", "diagonal"]]:
+    """The merging covariate shift of one task at one group (CoM): W2 between Gaussian fits.
+
+    Full covariances when the input width is at most ``full_covariance_max_dim`` and both
+    paths kept their Gram, diagonal ones otherwise. Returns ``(W2, "full" | "diagonal")``.
+    """
+    full = (
+        merged_path.mean.numel() <= full_covariance_max_dim
+        and merged_path.gram is not None
+        and expert_path.gram is not None
+    )
+    if full:
+        distance = gaussian_w2(
+            merged_path.mean,
+            merged_path.covariance.double(),
+            expert_path.mean,
+            expert_path.covariance.double(),
+        )
+        return distance, "full"
+    distance = _diagonal_w2(
+        merged_path.mean, merged_path.variance, expert_path.mean, expert_path.variance
+    )
+    return distance, "diagonal"
+
+
+# --------------------------------------------------------------------------------------
+# The group driver shared with Chain of Merges
+# --------------------------------------------------------------------------------------
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """No NaN or Inf in ``tensor``: one float64 sum (a NaN or Inf entry makes it non-finite)."""
+    return bool(torch.isfinite(tensor.sum(dtype=torch.float64)))
+
+
+def _check_statistics(
+    stats: Optional[Sequence[TaskStatistics]],
+    group: LinearGroup,
+    n_in: int,
+    method: str,
+    path: str,
+    need_normalized: bool,
+    need_gram: bool = True,
+) -> list[TaskStatistics]:
+    n_tasks = len(group.task_names)
+    if stats is None:
+        raise CalibrationError(
+            f"{method}: no {path} statistics for linear group {group.name}; the executor must "
+            "compute them (check the method's statistics_request and the calibration data)"
+        )
+    if len(stats) != n_tasks:
+        raise CalibrationError(
+            f"{method}: linear group {group.name} has {n_tasks} tasks but {len(stats)} sets of "
+            f"{path} statistics"
+        )
+    for task, st in zip(group.task_names, stats):
+        where = f"{method}: {path} statistics of task {task!r} for linear group {group.name}"
+        if st is None:
+            raise CalibrationError(f"{where} are missing")
+        if st.count <= 0:
+            raise CalibrationError(
+                f"{where} were accumulated over {st.count} tokens; give that task calibration data"
+            )
+        if st.gram is None and need_gram:
+            raise CalibrationError(
+                f"{where} keep only moments, but the merge needs the full Gram; the executor "
+                "must not apply reference_gram_max_dim to the path a merge uses"
+            )
+        gram_shape = tuple(st.gram.shape) if st.gram is not None else (n_in, n_in)
+        if gram_shape != (n_in, n_in) or tuple(st.mean.shape) != (n_in,):
+            raise CalibrationError(
+                f"{where}: Gram {gram_shape} / mean {tuple(st.mean.shape)} do not fit "
+                f"the group's input width {n_in}"
+            )
+        if (st.gram is not None and not _all_finite(st.gram)) or not _all_finite(st.mean):
+            raise CalibrationError(f"{where} contain NaN or Inf (overflowing activations?)")
+        if need_normalized:
+            if st.gram_normalized is None:
+                raise CalibrationError(
+                    f"{where} lack the Gram of unit-norm inputs (gram_normalized); the executor "
+                    "must honour StatisticsRequest(normalized_gram=True)"
+                )
+            if tuple(st.gram_normalized.shape) != (n_in, n_in):
+                raise CalibrationError(
+                    f"{where}: gram_normalized is {tuple(st.gram_normalized.shape)}, expected "
+                    f"({n_in}, {n_in})"
+                )
+    return list(stats)
+
+
+def _stacked_weights(group: LinearGroup, method: str) -> tuple[list[torch.Tensor], list[int], int]:
+    """Each task's group weights concatenated along ``out`` (they share the input)."""
+    if not group.weights:
+        raise TensorError(f"{method}: linear group {group.name} lists no weights")
+    n_tasks = len(group.task_names)
+    if n_tasks == 0 or len(group.experts) != n_tasks:
+        raise TensorError(
+            f"{method}: linear group {group.name} has {len(group.experts)} expert weight sets "
+            f"for {n_tasks} task names; need one per task and at least one"
+        )
+    n_in: Optional[int] = None
+    rows: list[int] = []
+    for weight_name in group.weights:
+        reference = group.experts[0].get(weight_name)
+        if reference is None:
+            raise TensorError(
+                f"{method}: task {group.task_names[0]!r} has no tensor {weight_name} "
+                f"(linear group {group.name})"
+            )
+        if reference.ndim != 2:
+            raise TensorError(
+                f"{method}: {weight_name} (linear group {group.name}) is "
+                f"{tuple(reference.shape)}, not a 2-D out x in linear weight"
+            )
+        if n_in is None:
+            n_in = reference.shape[1]
+        elif reference.shape[1] != n_in:
+            raise TensorError(
+                f"{method}: the weights of linear group {group.name} must share an input width; "
+                f"{weight_name} has {reference.shape[1]}, {group.weights[0]} has {n_in}"
+            )
+        rows.append(reference.shape[0])
+        base = group.base.get(weight_name) if group.base is not None else None
+        if base is not None and base.shape != reference.shape:
+            raise TensorError(
+                f"shape mismatch for {weight_name}: the base model has {tuple(base.shape)}, "
+                f"task {group.task_names[0]!r} has {tuple(reference.shape)}"
+            )
+    stacked = []
+    for task, expert in zip(group.task_names, group.experts):
+        parts = []
+        for weight_name, n_rows in zip(group.weights, rows):
+            w = expert.get(weight_name)
+            if w is None:
+                raise TensorError(
+                    f"{method}: task {task!r} has no tensor {weight_name} (linear group {group.name})"
+                )
+            if tuple(w.shape) != (n_rows, n_in):
+                raise TensorError(
+                    f"shape mismatch for {weight_name}: task {task!r} has {tuple(w.shape)}, "
+                    f"task {group.task_names[0]!r} has {(n_rows, n_in)}"
+                )
+            if not _all_finite(w):
+                raise TensorError(f"{weight_name} of task {task!r} contains NaN or Inf values")
+            parts.append(w)
+        stacked.append(torch.cat(parts, dim=0))
+    assert n_in is not None
+    return stacked, rows, n_in
+
+
+def merge_group_least_squares(
+    group: LinearGroup,
+    *,
+    method: str,
+    alpha: float,
+    ridge: float,
+    solver: Solver,
+    use_merged_path: bool,
+    use_normalized_gram: bool,
+    task_weight: Optional[Callable[[TaskStatistics], float]] = None,
+    task_weight_needs_normalized_gram: bool = False,
+    task_weighting_label: str = "uniform",
+    full_covariance_max_dim: int = FULL_COVARIANCE_W2_MAX_DIM,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Merge one :class:`LinearGroup` by (weighted) RegMean; shared by RegMean and CoM.
+
+    - ``use_merged_path``: Grams from ``group.merged_stats`` (CoM ``propagate``) instead of
+      ``group.expert_stats`` (RegMean).
+    - ``use_normalized_gram``: solve with ``gram_normalized`` (CoM ``normalize``).
+    - ``task_weight``: ω_k from the task's statistics on the chosen path (None: ω_k = 1);
+      ``task_weight_needs_normalized_gram`` when it reads ``gram_normalized``.
+
+    The relative output error is measured on the raw Gram of the chosen path (the inputs
+    the objective used); the covariate shift W2 whenever ``merged_stats`` are present.
+    """
+    stacked, rows, n_in = _stacked_weights(group, method)
+    path = "merged-path" if use_merged_path else "expert-path"
+    # Statistics the objective uses; the expert path is checked too when W2 needs it.
+    chosen = _check_statistics(
+        group.merged_stats if use_merged_path else group.expert_stats,
+        group,
+        n_in,
+        method,
+        path,
+        need_normalized=use_normalized_gram or task_weight_needs_normalized_gram,
+    )
+    # W2 compares the two paths of the same task; either may be absent (then no W2).
+    if use_merged_path:
+        merged_path: Optional[list[TaskStatistics]] = chosen
+        expert_path = (
+            _check_statistics(
+                group.expert_stats, group, n_in, method, "expert-path", False, need_gram=False
+            )
+            if group.expert_stats
+            else None
+        )
+    else:
+        expert_path = chosen
+        merged_path = (
+            _check_statistics(
+                group.merged_stats, group, n_in, method, "merged-path", False, need_gram=False
+            )
+            if group.merged_stats
+            else None
+        )
+
+    omegas = [float(task_weight(st)) if task_weight else 1.0 for st in chosen]
+    if sum(omegas) <= 0.0:
+        raise TensorError(
+            f"{method}: all task weights are zero for linear group {group.name} ({omegas}); "
+            "use task_weighting: uniform"
+        )
+    grams = [st.gram_normalized if use_normalized_gram else st.gram for st in chosen]
+    solution = regmean_solve(
+        stacked,
+        grams,  # type: ignore[arg-type]  # checked non-None above
+        alpha,
+        task_weights=omegas,
+        ridge=ridge,
+        solver=solver,
+        name=f"linear group {group.name}",
+        keep_products=not use_normalized_gram,  # W_k G_k of the diagnostic's own Gram
+    )
+    merged_parts = torch.split(solution.merged_weight, rows, dim=0)
+    merged = {
+        weight_name: part.to(group.experts[0][weight_name].dtype).contiguous()
+        for weight_name, part in zip(group.weights, merged_parts)
+    }
+
+    tasks: dict[str, dict[str, Any]] = {}
+    shift_kind: Optional[str] = None
+    for k, task in enumerate(group.task_names):
+        shift: Optional[float] = None
+        if merged_path is not None and expert_path is not None:
+            shift, shift_kind = covariate_shift_w2(
+                merged_path[k], expert_path[k], full_covariance_max_dim=full_covariance_max_dim
+            )
+        tasks[task] = {
+            "weight": omegas[k],
+            "relative_output_error": relative_output_error(
+                solution.merged_weight,
+                stacked[k],
+                chosen[k].gram,  # type: ignore[arg-type]  # checked non-None above
+                solution.products[k] if solution.products is not None else None,
+            ),
+            "covariate_shift_w2": shift,
+        }
+    diagnostics: dict[str, Any] = {
+        "layer": group.name,
+        "condition_number": solution.condition_number,
+        "condition_number_method": solution.condition_number_method,
+        "solver": solution.solver,
+        "reduce_non_diagonal": float(alpha),
+        "ridge": float(ridge),
+        "statistics": "merged_path" if use_merged_path else "expert_path",
+        "normalized_gram": bool(use_normalized_gram),
+        "task_weighting": task_weighting_label,
+        "covariate_shift_covariance": shift_kind,
+        "tasks": tasks,
+    }
+    return merged, diagnostics
+
+
+# --------------------------------------------------------------------------------------
+# The parameters every least-squares method shares
+# --------------------------------------------------------------------------------------
+
+
+# The sweep behind reduce_non_diagonal's default (benchmarks/sweep.py; README, "Benchmark results")
+ALPHA_EVIDENCE = (
+    " (default chosen by benchmarks/sweep.py: over 0.5, 0.8, 0.9, 0.95, 1.0 it was best for "
+    "chain_of_merges and regmean on the text and vision suites, and equal or better than 0.95 "
+    "on the text-LoRA and LM suites)"
+)
+
+
+class RegMeanParameters(MethodParameters):
+    """RegMean's parameters, shared by every least-squares method (``docs/methods.md``)."""
+
+    reduce_non_diagonal: float = Field(
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description="α of the off-diagonal shrink G̃ = α G + (1 − α) diag(G); 1 keeps the Gram, "
+        "0 gives a per-column average weighted by diag(G)" + ALPHA_EVIDENCE,
+    )
+    ridge: float = Field(
+        0.0,
+        ge=0.0,
+        allow_inf_nan=False,
+        description="Tikhonov term toward the experts' mean: adds ridge · mean(diag(Σ ω G̃)) · I "
+        "to the inverted matrix (and the matching term to the numerator)",
+    )
+    solver: Solver = Field(
+        "pinv",
+        description="pinv (Moore–Penrose pseudo-inverse: a Cholesky solve where it equals the "
+        "inverse, eigh otherwise) | solve (Cholesky or LU; falls back to pinv when singular)",
+    )
+    fallback: Fallback = Field(
+        "mean",
+        description="merge of biases, norms, embeddings and heads: mean | base | task_arithmetic",
+    )

@@ -1,0 +1,136 @@
+"""ACE's card section: heterogeneity, normalization share, conditioning."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from mergekit_ext.reporting import (
+    Plot,
+    as_float,
+    finite,
+    new_figure,
+    save_figure,
+    summary_stats,
+    tensor_kind,
+)
+
+
+def heterogeneity_rule(parameters: Any) -> tuple[str, str, float]:
+    """(record key, label, threshold) of the rule that decided normalization."""
+    if getattr(parameters, "heterogeneity", "paper") == "scale_invariant":
+        return "log_energy_spread", "Var(log τ)", float(parameters.spread_threshold)
+    return "gamma", "γ", float(getattr(parameters, "gamma_threshold", 0.3))
+
+
+def summarize_ace(section: Mapping[str, Any], parameters: Any) -> dict[str, Any]:
+    """Counts, the heterogeneity statistic, conditioning and spectra, overall and per kind."""
+    key, label, threshold = heterogeneity_rule(parameters)
+    tensors: Mapping[str, Mapping[str, Any]] = section.get("tensors") or {}
+    kinds: dict[str, list[Mapping[str, Any]]] = {}
+    for name, rec in tensors.items():
+        kinds.setdefault(tensor_kind(name), []).append(rec)
+    conds = {name: as_float(rec.get("condition_number")) for name, rec in tensors.items()}
+    finite_conds = {k: v for k, v in conds.items() if math.isfinite(v)}
+    worst = max(finite_conds, key=finite_conds.__getitem__) if finite_conds else None
+    n_norm = sum(bool(r.get("normalized")) for r in tensors.values())
+    return {
+        "n_tensors": len(tensors),
+        "n_normalized": n_norm,
+        "normalized_share": n_norm / len(tensors) if tensors else math.nan,
+        "rule": getattr(parameters, "heterogeneity", "paper"),
+        "statistic_label": label,
+        "threshold": threshold,
+        "statistic": summary_stats([as_float(r.get(key)) for r in tensors.values()]),
+        "condition_number": summary_stats(list(conds.values())),
+        "worst_condition_tensor": worst,
+        "top5_energy_share": summary_stats(
+            [as_float(r.get("top5_energy_share")) for r in tensors.values()]
+        ),
+        "kinds": [
+            {
+                "kind": kind,
+                "count": len(recs),
+                "normalized_share": sum(bool(r.get("normalized")) for r in recs) / len(recs),
+                "statistic_median": summary_stats([as_float(r.get(key)) for r in recs])["median"],
+                "condition_median": summary_stats(
+                    [as_float(r.get("condition_number")) for r in recs]
+                )["median"],
+                "top5_median": summary_stats([as_float(r.get("top5_energy_share")) for r in recs])[
+                    "median"
+                ],
+            }
+            for kind, recs in sorted(kinds.items())
+        ],
+    }
+
+
+def plot_ace(section: Mapping[str, Any], images_dir: str, parameters: Any) -> list[Plot]:
+    """Heterogeneity distribution (normalized vs not, with the threshold), normalization share."""
+    key, label, gamma_threshold = heterogeneity_rule(parameters)
+    tensors: Mapping[str, Mapping[str, Any]] = section.get("tensors") or {}
+    if not tensors:
+        return []
+    plots: list[Plot] = []
+
+    gammas_norm = finite([as_float(t.get(key)) for t in tensors.values() if t.get("normalized")])
+    gammas_raw = finite([as_float(t.get(key)) for t in tensors.values() if not t.get("normalized")])
+    fig, (ax,) = new_figure()
+    everything = gammas_norm + gammas_raw
+    if everything:
+        lo, hi = min(everything), max(everything)
+        if lo == hi:
+            lo, hi = lo - 0.5, hi + 0.5
+        bins = [lo + (hi - lo) * i / 30 for i in range(31)]
+        ax.hist(
+            [gammas_raw, gammas_norm],
+            bins=bins,
+            stacked=True,
+            label=["not normalized", "normalized"],
+            color=["#4C72B0", "#DD8452"],
+        )
+    ax.axvline(gamma_threshold, color="black", linestyle="--", linewidth=1)
+    ax.annotate(
+        f"threshold {gamma_threshold:g}",
+        xy=(gamma_threshold, 1),
+        xycoords=("data", "axes fraction"),
+        xytext=(3, -12),
+        textcoords="offset points",
+        fontsize=8,
+    )
+    ax.set_xlabel(f"heterogeneity {label} of the task-vector energies")
+    ax.set_ylabel("tensors")
+    ax.set_title(f"ACE: {label} over {len(tensors)} linear weights")
+    ax.legend(fontsize=8)
+    plots.append(
+        Plot(
+            save_figure(fig, images_dir, "ace_gamma.png"),
+            f"ACE {label} distribution",
+            f"Heterogeneity {label} per linear weight; weights above the threshold had their "
+            "task covariances trace-normalized.",
+        )
+    )
+
+    kinds: dict[str, list[bool]] = {}
+    for name, record in tensors.items():
+        kinds.setdefault(tensor_kind(name), []).append(bool(record.get("normalized")))
+    names = sorted(kinds)
+    shares = [sum(kinds[k]) / len(kinds[k]) for k in names]
+    fig, (ax,) = new_figure(height=max(2.4, 0.28 * len(names) + 1.2))
+    ax.barh(range(len(names)), shares, color="#DD8452")
+    ax.set_yticks(range(len(names)))
+    ax.set_yticklabels([f"{k}  (n={len(kinds[k])})" for k in names], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1)
+    ax.set_xlabel("share of weights normalized")
+    ax.set_title("ACE: normalization share per kind of weight")
+    plots.append(
+        Plot(
+            save_figure(fig, images_dir, "ace_normalization.png"),
+            "ACE normalization share",
+            "Fraction of the weights of each kind (layer index shown as `*`) whose "
+            "covariances were normalized.",
+        )
+    )
+    return plots

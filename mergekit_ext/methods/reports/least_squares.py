@@ -1,0 +1,165 @@
+"""The card section of the least-squares methods (RegMean, Chain of Merges): per-layer
+task weights, covariate shift, output error and conditioning."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from mergekit_ext.reporting import (
+    Plot,
+    as_float,
+    finite,
+    layer_ticks,
+    new_figure,
+    save_figure,
+    summary_stats,
+)
+
+
+def _task_series(layers: Sequence[Mapping[str, Any]], tasks: Sequence[str], key: str) -> dict:
+    return {
+        task: [as_float(((layer.get("tasks") or {}).get(task) or {}).get(key)) for layer in layers]
+        for task in tasks
+    }
+
+
+def layer_tasks(layers: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Task names in first-seen order across the layers."""
+    seen: dict[str, None] = {}
+    for layer in layers:
+        for task in layer.get("tasks") or {}:
+            seen.setdefault(task, None)
+    return list(seen)
+
+
+def plot_layerwise(
+    section_name: str,
+    title: str,
+    section: Mapping[str, Any],
+    images_dir: str,
+    parameters: Any = None,
+) -> list[Plot]:
+    """Per-layer covariate shift and output error, and per-layer task weights."""
+    layers: Sequence[Mapping[str, Any]] = section.get("layers") or []
+    if not layers:
+        return []
+    names = [str(layer.get("layer", i)) for i, layer in enumerate(layers)]
+    tasks = layer_tasks(layers)
+    x = list(range(len(layers)))
+    plots: list[Plot] = []
+
+    shift = _task_series(layers, tasks, "covariate_shift_w2")
+    error = _task_series(layers, tasks, "relative_output_error")
+    fig, (ax_shift, ax_err) = new_figure(rows=2)
+    for task in tasks:
+        ax_shift.plot(x, shift[task], marker=".", label=task)
+        ax_err.plot(x, error[task], marker=".", label=task)
+    ax_shift.set_ylabel("W2 distance")
+    ax_shift.set_title(f"{title}: covariate shift of each task's inputs (merged vs expert)")
+    ax_err.set_ylabel("‖W X − W_k X‖ / ‖W_k X‖")
+    ax_err.set_title("relative output error per task")
+    for ax in (ax_shift, ax_err):
+        layer_ticks(ax, names)
+        ax.grid(alpha=0.3)
+    ax_shift.legend(fontsize=7, ncol=min(4, max(1, len(tasks))))
+    ax_err.set_xlabel("linear group (forward order)")
+    plots.append(
+        Plot(
+            save_figure(fig, images_dir, f"{section_name}_covariate_shift.png"),
+            f"{title} covariate shift",
+            "Wasserstein-2 distance between Gaussian fits of the inputs the merged model "
+            "sees and those each unmerged expert sees, and the relative output error, per layer.",
+        )
+    )
+
+    weights = _task_series(layers, tasks, "weight")
+    totals = [sum(weights[t][i] for t in tasks if math.isfinite(weights[t][i])) for i in x]
+    shares = {
+        t: [weights[t][i] / totals[i] if totals[i] > 0 else math.nan for i in x] for t in tasks
+    }
+    conds = [as_float(layer.get("condition_number")) for layer in layers]
+    fig, (ax_w, ax_c) = new_figure(rows=2)
+    bottom = [0.0] * len(x)
+    for task in tasks:
+        values = [v if math.isfinite(v) else 0.0 for v in shares[task]]
+        ax_w.bar(x, values, bottom=bottom, label=task, width=0.9)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax_w.set_ylim(0, 1)
+    ax_w.set_ylabel("share of Σ ω")
+    ax_w.set_title(f"{title}: task weights ω_k per layer")
+    ax_w.legend(fontsize=7, ncol=min(4, max(1, len(tasks))))
+    finite_conds = [c if math.isfinite(c) and c > 0 else math.nan for c in conds]
+    ax_c.plot(x, finite_conds, marker=".", color="#55A868")
+    if finite(finite_conds):
+        ax_c.set_yscale("log")
+    ax_c.set_ylabel("condition number")
+    ax_c.set_title("condition number of the merged Gram Σ ω G̃")
+    ax_c.set_xlabel("linear group (forward order)")
+    for ax in (ax_w, ax_c):
+        layer_ticks(ax, names)
+    ax_c.grid(alpha=0.3)
+    plots.append(
+        Plot(
+            save_figure(fig, images_dir, f"{section_name}_task_weights.png"),
+            f"{title} task weights",
+            "Each task's share of the weights ω per layer, and the condition number of the "
+            "weighted Gram matrix that is inverted.",
+        )
+    )
+    return plots
+
+
+def summarize_layerwise(section: Mapping[str, Any], parameters: Any = None) -> dict[str, Any]:
+    layers: Sequence[Mapping[str, Any]] = section.get("layers") or []
+    tasks = layer_tasks(layers)
+    rows = []
+    for task in tasks:
+        shares, shifts, errors = [], [], []
+        worst_layer, worst_shift = None, -math.inf
+        for layer in layers:
+            per_task = layer.get("tasks") or {}
+            rec = per_task.get(task) or {}
+            total = sum(
+                v
+                for v in (as_float((r or {}).get("weight")) for r in per_task.values())
+                if math.isfinite(v)
+            )
+            w = as_float(rec.get("weight"))
+            shares.append(w / total if total > 0 and math.isfinite(w) else math.nan)
+            s = as_float(rec.get("covariate_shift_w2"))
+            shifts.append(s)
+            if math.isfinite(s) and s > worst_shift:
+                worst_shift, worst_layer = s, layer.get("layer")
+            errors.append(as_float(rec.get("relative_output_error")))
+        rows.append(
+            {
+                "task": task,
+                "weight_share": summary_stats(shares)["mean"],
+                "shift": summary_stats(shifts),
+                "worst_shift_layer": worst_layer,
+                "error": summary_stats(errors),
+            }
+        )
+    settings: dict[str, Any] = {}
+    for key, label in (
+        ("statistics", "statistics"),
+        ("task_weighting", "task weighting"),
+        ("normalized_gram", "normalized Gram"),
+        ("solver", "solver"),
+        ("covariate_shift_covariance", "W2 covariance"),
+        ("condition_number_method", "condition number"),
+    ):
+        values = {str(layer.get(key)) for layer in layers if layer.get(key) is not None}
+        if values:
+            settings[label] = ", ".join(sorted(values))
+    return {
+        "n_layers": len(layers),
+        "tasks": rows,
+        "settings": settings,
+        "shift_measured": any(math.isfinite(v) for r in rows for v in (r["shift"]["max"],)),
+        "condition_number": summary_stats(
+            [as_float(layer.get("condition_number")) for layer in layers]
+        ),
+    }

@@ -1,0 +1,116 @@
+"""What every method's card section and plots are built from: plot records, figures, numbers.
+
+A method describes its diagnostics for the model card through
+:class:`~mergekit_ext.methods.registry.MethodReport` (a summary for the card's template and
+its plots); the helpers here are shared by those reports. Figures use matplotlib's Agg
+canvas through :class:`matplotlib.figure.Figure`, never ``pyplot``: no global backend, no
+GUI, safe on headless machines. PNGs are written without the "Software" metadata entry so
+that the same diagnostics give the same bytes. matplotlib is imported only when a figure
+is drawn.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+IMAGES_DIR = "images"
+_DPI = 110
+_MAX_TICK_LABELS = 12
+
+
+@dataclass(frozen=True)
+class Plot:
+    """One image of the card: ``path`` is relative to the output folder (POSIX separators)."""
+
+    path: str
+    title: str
+    caption: str
+
+
+def as_float(value: Any) -> float:
+    """A diagnostics number as float: ``None`` (NaN in the JSON) → nan, ``"inf"`` → inf."""
+    if value is None:
+        return math.nan
+    if isinstance(value, str):
+        lowered = value.strip().lower()
+        if lowered in ("inf", "+inf", "infinity"):
+            return math.inf
+        if lowered in ("-inf", "-infinity"):
+            return -math.inf
+        try:
+            return float(lowered)
+        except ValueError:
+            return math.nan
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def short_layer_name(name: str) -> str:
+    """``model.layers.3.self_attn.qkv`` → ``3.self_attn.qkv`` (tick labels stay short)."""
+    match = re.search(r"(?:^|\.)(\d+)\.(.*)$", name)
+    if match:
+        return f"{match.group(1)}.{match.group(2)}"
+    return name.rsplit(".", 2)[-1] if name.count(".") > 2 else name
+
+
+def tensor_kind(name: str) -> str:
+    """Tensor name with its layer index replaced by ``*``: one row per kind of weight."""
+    return re.sub(r"\.\d+\.", ".*.", name)
+
+
+def new_figure(rows: int = 1, height: float = 3.2) -> tuple[Any, list[Any]]:
+    """A figure with ``rows`` stacked axes (Agg canvas, constrained layout)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7.5, height * rows), dpi=_DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = [fig.add_subplot(rows, 1, i + 1) for i in range(rows)]
+    return fig, axes
+
+
+def save_figure(fig: Any, images_dir: str, filename: str) -> str:
+    """Write ``fig`` as ``images_dir/filename`` (PNG); returns the card-relative path."""
+    os.makedirs(images_dir, exist_ok=True)
+    path = os.path.join(images_dir, filename)
+    fig.savefig(path, format="png", metadata={"Software": None})
+    return f"{IMAGES_DIR}/{filename}"
+
+
+def layer_ticks(ax: Any, names: Sequence[str]) -> None:
+    """At most a dozen shortened layer names as x tick labels."""
+    n = len(names)
+    if n == 0:
+        return
+    step = max(1, math.ceil(n / _MAX_TICK_LABELS))
+    positions = list(range(0, n, step))
+    ax.set_xticks(positions)
+    ax.set_xticklabels(
+        [short_layer_name(names[i]) for i in positions], rotation=45, ha="right", fontsize=7
+    )
+
+
+def finite(values: Sequence[float]) -> list[float]:
+    return [v for v in values if math.isfinite(v)]
+
+
+def summary_stats(values: Sequence[float]) -> dict[str, float]:
+    """n, min, median, mean and max of the finite values (NaN when there are none)."""
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return {"n": 0, "min": math.nan, "median": math.nan, "mean": math.nan, "max": math.nan}
+    return {
+        "n": len(finite),
+        "min": min(finite),
+        "median": statistics.median(finite),
+        "mean": statistics.fmean(finite),
+        "max": max(finite),
+    }
