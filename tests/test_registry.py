@@ -85,7 +85,7 @@ def test_describe_allowed_words():
 
 
 @pytest.mark.parametrize("name", ["regmean", "chain_of_merges", "qp_projection", "symerge"])
-def test_executor_only_methods_refuse_mergekits_executor_before_writing(name):
+def test_data_aware_methods_refuse_mergekits_executor_before_writing(name):
     method = mk_methods.get(name)
     with pytest.raises(MergekitExtError, match=r"mergekit-ext run"):
         method.validate_inputs()

@@ -58,8 +58,7 @@ BLOCK_TASK_LAYER_LR = 1e-4
 
 
 def _experts(cfg: ExtMergeConfig) -> tuple[str, list[ExtModelEntry]]:
-    if cfg.merge.base_model is None:
-        raise ConfigError("symerge needs base_model (the pretrained model the experts share)")
+    cfg.check_data_aware("symerge")
     base = str(cfg.merge.base_model)
     experts = [
         e

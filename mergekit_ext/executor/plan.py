@@ -290,14 +290,9 @@ def _expert_entries(cfg: ExtMergeConfig) -> list[tuple[ExtModelEntry, ModelRefer
     return out
 
 
-def _calibration_spec(cfg: ExtMergeConfig, entry: ExtModelEntry, method: str) -> CalibrationSpec:
+def _calibration_spec(cfg: ExtMergeConfig, entry: ExtModelEntry) -> CalibrationSpec:
     spec = cfg.calibration_for(entry)
-    if spec is None or not spec.has_data:
-        raise CalibrationError(
-            f"model {entry.model} (task {entry.name!r}) has no calibration data, which {method} "
-            "needs: add `calibration: {path: data.jsonl, field: text}` to its entry (or a "
-            "top-level `calibration:` default)"
-        )
+    assert spec is not None and spec.has_data  # ExtMergeConfig.check_data_aware
     return spec
 
 
@@ -319,10 +314,7 @@ def build_plan(
             f"{getattr(method, 'name', method)!r} is not a layerwise method; the sequential "
             "executor runs LayerwiseMethod implementations"
         )
-    if cfg.merge.base_model is None:
-        raise ConfigError(
-            f"{method.name} needs base_model (the pretrained model the experts share) in the YAML"
-        )
+    cfg.check_data_aware(method.name)
     parameters = method.parse(parameters)
     request = method.statistics_request(parameters)
     cache_dir = options.transformers_cache
@@ -340,7 +332,7 @@ def build_plan(
     experts: list[Expert] = []
     for entry, ref in entries:
         what = f"model {entry.model}"
-        spec = _calibration_spec(cfg, entry, method.name)
+        spec = _calibration_spec(cfg, entry)
         source, data_path = opened.reference(ref, entry.model, family, what)
         check_calibration(spec, task=entry.name, modality=family.modality)
         experts.append(Expert(entry.name, entry.model, source, data_path, spec))

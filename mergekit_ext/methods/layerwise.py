@@ -20,49 +20,16 @@ from typing import Any, Optional
 
 import torch
 
+from mergekit_ext.calibration.statistics import TaskStatistics
 from mergekit_ext.methods.parameters import MethodParameters
 
-
-@dataclass
-class TaskStatistics:
-    """Statistics of the inputs a linear group sees on one task's calibration data.
-
-    All are means over the task's (non-padding) tokens or patches, accumulated in float64:
-
-    - ``gram``: ``(1/N) sum_x x x^T`` (in x in); None when only moments were requested
-      (``StatisticsRequest.reference_gram_max_dim``)
-    - ``gram_normalized``: the same over ``x / ||x||`` (CoM's ``normalize``); None when
-      not requested
-    - ``mean``: ``(1/N) sum_x x`` (in,)
-    - ``count``: N, the number of tokens
-    - ``second_moment``: ``(1/N) sum_x x ⊙ x`` (in,), the diagonal of ``gram``; derived
-      from ``gram`` when not given
-    """
-
-    gram: Optional[torch.Tensor]
-    mean: torch.Tensor
-    count: int
-    gram_normalized: Optional[torch.Tensor] = None
-    second_moment: Optional[torch.Tensor] = None
-
-    def __post_init__(self) -> None:
-        if self.second_moment is None:
-            if self.gram is None:
-                raise ValueError("TaskStatistics needs a gram or a second_moment")
-            self.second_moment = torch.diagonal(self.gram).clone()
-
-    @property
-    def covariance(self) -> torch.Tensor:
-        """``gram − mean meanᵀ`` (needs the full Gram)."""
-        if self.gram is None:
-            raise ValueError("these statistics keep only moments; the covariance needs the Gram")
-        return self.gram - torch.outer(self.mean, self.mean)
-
-    @property
-    def variance(self) -> torch.Tensor:
-        """Per-feature variance ``second_moment − mean²`` (clamped at 0)."""
-        assert self.second_moment is not None
-        return (self.second_moment - self.mean.square()).clamp_min(0.0)
+__all__ = [
+    "LayerwiseMethod",
+    "LinearGroup",
+    "StatisticsRequest",
+    "TaskStatistics",
+    "fallback_merge",
+]
 
 
 @dataclass

@@ -66,7 +66,7 @@ from mergekit_ext.methods.parameters import MethodParameters
 from mergekit_ext.methods.registry import (
     MethodInfo,
     MethodReport,
-    executor_only_method,
+    data_aware_method,
     register_method,
 )
 from mergekit_ext.methods.reports.qp import plot_qp, summarize_qp
@@ -717,4 +717,4 @@ INFO = MethodInfo(
     ),
 )
 
-register_method(INFO, executor_only_method(INFO))
+register_method(INFO, data_aware_method(INFO))

@@ -18,7 +18,7 @@ from mergekit_ext.methods.least_squares import RegMeanParameters, merge_group_le
 from mergekit_ext.methods.registry import (
     MethodInfo,
     MethodReport,
-    executor_only_method,
+    data_aware_method,
     register_method,
 )
 from mergekit_ext.methods.reports.least_squares import plot_layerwise, summarize_layerwise
@@ -66,4 +66,4 @@ INFO = MethodInfo(
     ),
 )
 
-register_method(INFO, executor_only_method(INFO))
+register_method(INFO, data_aware_method(INFO))

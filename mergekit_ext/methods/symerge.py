@@ -34,7 +34,7 @@ from mergekit_ext.methods.parameters import MethodParameters
 from mergekit_ext.methods.registry import (
     MethodInfo,
     MethodReport,
-    executor_only_method,
+    data_aware_method,
     register_method,
 )
 from mergekit_ext.methods.reports.symerge import plot_symerge, summarize_symerge
@@ -109,4 +109,4 @@ INFO = MethodInfo(
     report=MethodReport("SyMerge", summarize_symerge, plot_symerge, template="symerge"),
 )
 
-register_method(INFO, executor_only_method(INFO))
+register_method(INFO, data_aware_method(INFO))
