@@ -36,7 +36,6 @@ diagnostic, so above that width it keeps means and variances, not Grams.
 from __future__ import annotations
 
 import logging
-from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -55,11 +54,10 @@ from mergekit_ext.methods.least_squares import (
 )
 from mergekit_ext.methods.registry import (
     MethodInfo,
-    MethodReport,
     data_aware_method,
     register_method,
 )
-from mergekit_ext.methods.reports.least_squares import plot_layerwise, summarize_layerwise
+from mergekit_ext.methods.reports.least_squares import least_squares_report
 
 LOG = logging.getLogger(__name__)
 
@@ -153,12 +151,7 @@ INFO = MethodInfo(
     paper_url="https://arxiv.org/abs/2508.21421",
     parameters_model=ChainOfMergesParameters,
     implementation=ChainOfMergesMethod(),
-    report=MethodReport(
-        "Chain of Merges",
-        summarize_layerwise,
-        partial(plot_layerwise, "chain_of_merges", "Chain of Merges"),
-        template="least_squares",
-    ),
+    report=least_squares_report("chain_of_merges", "Chain of Merges"),
 )
 
 register_method(INFO, data_aware_method(INFO))

@@ -8,7 +8,6 @@ pass (the math is in ``least_squares.py``; ``docs/methods.md`` has the equations
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 import torch
@@ -17,11 +16,10 @@ from mergekit_ext.methods.layerwise import LayerwiseMethod, LinearGroup, Statist
 from mergekit_ext.methods.least_squares import RegMeanParameters, merge_group_least_squares
 from mergekit_ext.methods.registry import (
     MethodInfo,
-    MethodReport,
     data_aware_method,
     register_method,
 )
-from mergekit_ext.methods.reports.least_squares import plot_layerwise, summarize_layerwise
+from mergekit_ext.methods.reports.least_squares import least_squares_report
 
 
 class RegMeanMethod(LayerwiseMethod):
@@ -58,12 +56,7 @@ INFO = MethodInfo(
     paper_url="https://arxiv.org/abs/2212.09849",
     parameters_model=RegMeanParameters,
     implementation=RegMeanMethod(),
-    report=MethodReport(
-        "RegMean",
-        summarize_layerwise,
-        partial(plot_layerwise, "regmean", "RegMean"),
-        template="least_squares",
-    ),
+    report=least_squares_report("regmean", "RegMean"),
 )
 
 register_method(INFO, data_aware_method(INFO))
