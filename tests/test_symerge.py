@@ -42,7 +42,7 @@ from mergekit_ext.adaptation.trainer import (
     stack_batches,
 )
 from mergekit_ext.config import parse_config
-from mergekit_ext.errors import CalibrationError, ConfigError, ModelInputError
+from mergekit_ext.errors import ConfigError, ModelInputError
 from mergekit_ext.methods.symerge import SyMergeParameters, run_symerge
 
 TASKS = {"sentiment": ["good", "bad"], "animal": ["dog", "cat", "bird"], "weather": ["rain", "sun"]}
@@ -511,7 +511,7 @@ def test_expert_with_another_body_shape_is_refused(problem_set, tmp_path):
 
 def test_task_without_data_is_refused(problem_set):
     cfg, params = make_config(problem_set, data=False)
-    with pytest.raises(CalibrationError, match="task sentiment .* no adaptation data"):
+    with pytest.raises(ConfigError, match="symerge needs calibration data: add a `calibration:`"):
         prepare_symerge(cfg, params)
 
 

@@ -171,9 +171,16 @@ def _dtype(config: Mapping[str, Any]) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
 
 
-def _num_outputs(config: Mapping[str, Any], seq_len: int, causal_lm: bool) -> int:
+def _num_outputs(
+    config: Mapping[str, Any], seq_len: int, causal_lm: bool, top_k: Optional[int]
+) -> int:
+    """float32-sized numbers cached per sample for the teacher's outputs."""
     if causal_lm:
-        return seq_len * int(config.get("vocab_size") or 32000)
+        vocab = int(config.get("vocab_size") or 32000)
+        if top_k is None:
+            return seq_len * vocab
+        # top-k log-probabilities (float32) and token ids (int64, two floats' worth), the rest
+        return seq_len * (3 * min(top_k, vocab) + 1)
     labels = config.get("id2label")
     if labels:
         return len(labels)
@@ -230,11 +237,7 @@ def prepare_symerge(
     specs = []
     for entry in entries:
         spec = cfg.calibration_for(entry)
-        if spec is None or not spec.has_data:
-            raise CalibrationError(
-                f"symerge: task {entry.name} ({entry.model}) has no adaptation data; add "
-                "`calibration: {path: ...}` to its model entry or a top-level `calibration:`"
-            )
+        assert spec is not None and spec.has_data  # ExtMergeConfig.check_data_aware
         check_calibration(spec, task=entry.name, modality=modality)
         specs.append(spec)
     for cls, path, name in zip(expert_classes, expert_paths, names):
@@ -278,7 +281,15 @@ def prepare_symerge(
             return expert(**model_inputs(expert, batch, accepts))
 
         if cache_teacher:
-            data[k].teacher = teacher_outputs(forward, data[k].inputs, p.batch_size, device)
+            causal = cls.__name__.endswith("ForCausalLM")
+            data[k].teacher = teacher_outputs(
+                forward,
+                data[k].inputs,
+                p.batch_size,
+                device,
+                top_k=p.teacher_top_k if causal else None,
+                vocab_size=int(expert_configs[k].get("vocab_size") or 0),
+            )
             probe = data[k].teacher[:1]
         else:
             first = {key: v[:1] for key, v in data[k].inputs.items()}
@@ -324,7 +335,8 @@ def _check_memory(
     causal = [cls.__name__.endswith("ForCausalLM") for cls in expert_classes]
     seq_len = max(memory.tokens_per_sample(base_config, modality, s.max_length) for s in specs)
     cache_bytes = memory.FLOAT32 * sum(
-        s.samples * _num_outputs(c, seq_len, lm) for s, c, lm in zip(specs, expert_configs, causal)
+        s.samples * _num_outputs(c, seq_len, lm, p.teacher_top_k)
+        for s, c, lm in zip(specs, expert_configs, causal)
     )
     common = dict(
         base_parameters=memory.checkpoint_parameter_count(base_path),
@@ -333,6 +345,7 @@ def _check_memory(
         seq_len=seq_len,
         batch_size=p.batch_size,
         causal_lm=any(causal),
+        logit_rows=p.logit_chunk_tokens if p.teacher_top_k is not None else None,
     )
     available = memory.available_memory_bytes(device)
     estimate = memory.estimate_adaptation_memory(**common, teacher_cache_bytes=cache_bytes)
@@ -349,7 +362,6 @@ def adapt_session(session: SyMergeSession, *, progress: bool = True) -> dict[str
     """Measure task arithmetic, adapt, measure again; returns the diagnostics section."""
     p, problem, data = session.parameters, session.problem, session.data
     started = time.perf_counter()
-    before = evaluate(problem, data, "heldout", batch_size=p.batch_size, device=session.device)
     settings = AdaptationSettings(
         epochs=p.epochs,
         lr=p.lr,
@@ -359,9 +371,13 @@ def adapt_session(session: SyMergeSession, *, progress: bool = True) -> dict[str
         target=p.target,
         confidence_top_p=p.confidence_top_p,
         seed=p.seed,
+        teacher_top_k=p.teacher_top_k,
+        logit_chunk_tokens=p.logit_chunk_tokens,
     )
+    measure = dict(batch_size=p.batch_size, device=session.device, settings=settings)
+    before = evaluate(problem, data, "heldout", **measure)
     log = adapt(problem, data, settings, device=session.device, progress=progress)
-    after = evaluate(problem, data, "heldout", batch_size=p.batch_size, device=session.device)
+    after = evaluate(problem, data, "heldout", **measure)
     for task in problem.tasks:
         metric = "accuracy" if task.kind != "dense" else "l1"
         LOG.info(

@@ -82,6 +82,19 @@ class SyMergeParameters(MethodParameters):
         "head", description="head | last_block | a module name: the layer adapted per task"
     )
     seed: int = Field(0, description="seed of the data split, batches and task order")
+    teacher_top_k: Optional[int] = Field(
+        64,
+        ge=1,
+        description="causal LMs: keep each position's teacher distribution as its k most likely "
+        "tokens plus one bucket for the rest, and fit the student's KL to that (memory grows "
+        "with k, not the vocabulary); null keeps the full distribution",
+    )
+    logit_chunk_tokens: int = Field(
+        512,
+        ge=1,
+        description="causal LMs with teacher_top_k: positions whose logits are formed at a time "
+        "(recomputed in the backward pass), so memory grows with this, not batch x length",
+    )
     heldout_fraction: float = Field(
         0.1,
         ge=0.0,
