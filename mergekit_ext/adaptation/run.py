@@ -265,6 +265,9 @@ def prepare_symerge(
         adapt_index, heldout_index = split_heldout(n, p.heldout_fraction, generator)
         data.append(TaskData(entry.name, inputs, adapt_index, heldout_index))
     data_loaded = time.perf_counter()
+    # θ_0 of the adaptation: the base (task arithmetic) or a data-aware body merged first,
+    # before any model is loaded here (the executor streams one block at a time)
+    body_tensors = merge_body(cfg, p, base_cls, device) if p.body != "task_arithmetic" else None
 
     base = _load(base_cls, base_path, device)
     base_tied = model_class.tied_weights(base)
@@ -297,14 +300,17 @@ def prepare_symerge(
         kinds.append(output_kind(expert, probe))
         expert_tensors.append(free_parameters(expert))
         skeletons.append(expert)
+    if body_tensors is not None:
+        free_parameters(base)  # the skeleton saves the result; the body's merge is θ_0
     problem = build_problem(
         base,
         skeletons,
         expert_tensors,
         names,
         task_layer=p.task_layer,
-        init_lambda=p.init_lambda,
+        init_lambda=resolved_init_lambda(p),
         expert_labels=[e.model for e in entries],
+        base_tensors=body_tensors,
     )
     for task, kind in zip(problem.tasks, kinds):
         task.kind = kind
@@ -402,6 +408,41 @@ def task_layers_are_lm_blocks(problem: Any) -> bool:
         )
         for t in problem.tasks
     )
+
+
+def resolved_init_lambda(p: SyMergeParameters) -> float:
+    """``init_lambda``, or its default for the body: 0.3 for task arithmetic, else 0 (so that
+    epoch 0 is exactly the body's merge)."""
+    if p.init_lambda is not None:
+        return p.init_lambda
+    return 0.3 if p.body == "task_arithmetic" else 0.0
+
+
+def merge_body(
+    cfg: ExtMergeConfig, p: SyMergeParameters, base_cls: type, device: str
+) -> dict[str, torch.Tensor]:
+    """The data-aware merge SyMerge adapts around (``body``), as the base class's tensors.
+
+    Runs ``p.body`` (RegMean or Chain of Merges) with ``p.body_parameters`` on the same YAML
+    and calibration data through the sequential executor, into a temporary folder that is
+    removed afterwards, and loads it with the base model's class (so names are the ones the
+    base's skeleton uses, whatever the checkpoint layout).
+    """
+    import tempfile
+
+    from mergekit.options import MergeOptions
+
+    from mergekit_ext.executor import run_layerwise_merge
+    from mergekit_ext.methods.registry import ext_method_info
+
+    info = ext_method_info(p.body)
+    assert info is not None and info.implementation is not None
+    LOG.info("symerge: merging the body with %s first", p.body)
+    with tempfile.TemporaryDirectory(prefix="symerge-body-") as folder:
+        run_layerwise_merge(
+            cfg, folder, MergeOptions(), info.implementation, dict(p.body_parameters), device=device
+        )
+        return free_parameters(_load(base_cls, folder, device))
 
 
 def resolved_task_layer_lr(p: SyMergeParameters, problem: Any) -> float:
@@ -507,6 +548,9 @@ def _diagnostics(
         "agreement": {t: _nan_to_none(v) for t, v in log.agreement.items()},
         "heldout_accuracy": {t: after[t]["accuracy"] for t in tasks},
         "task_arithmetic_heldout_accuracy": {t: before[t]["accuracy"] for t in tasks},
+        # the starting point: task arithmetic at init_lambda, or the data-aware body's merge
+        "body": session.parameters.body,
+        "start_heldout_accuracy": {t: before[t]["accuracy"] for t in tasks},
         "task_layers": {t.name: list(t.roles.task_layer_modules) for t in problem.tasks},
         "output_kinds": {t.name: t.kind for t in problem.tasks},
         "samples": {
@@ -516,6 +560,7 @@ def _diagnostics(
         "settings": {
             **session.parameters.model_dump(),
             "task_layer_lr": resolved_task_layer_lr(session.parameters, problem),
+            "init_lambda": resolved_init_lambda(session.parameters),
         },
         "teacher_cached": session.teacher_cached,
         "memory_estimate_bytes": dict(session.estimate.parts),

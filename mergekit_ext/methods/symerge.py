@@ -63,8 +63,21 @@ class SyMergeParameters(MethodParameters):
         description="epochs; each takes one batch and one step per task (the reference uses 500)",
     )
     batch_size: int = Field(32, ge=1, description="samples per step")
-    init_lambda: float = Field(
-        0.3, allow_inf_nan=False, description="initial λ (task arithmetic's coefficient)"
+    init_lambda: Optional[float] = Field(
+        None,
+        allow_inf_nan=False,
+        description="initial λ; null: 0.3 (task arithmetic's coefficient) with the "
+        "task_arithmetic body, 0 with a data-aware body (epoch 0 is then that body's merge)",
+    )
+    body: Literal["task_arithmetic", "regmean", "chain_of_merges"] = Field(
+        "task_arithmetic",
+        description="the merge SyMerge adapts around: task_arithmetic adapts θ_0 + Σ λ_k Δ_k; "
+        "regmean | chain_of_merges first merge the body with that method (same calibration "
+        "data, body_parameters) and adapt W_body + Σ λ_k (W_k − W_body)",
+    )
+    body_parameters: dict[str, Any] = Field(
+        default_factory=dict,
+        description="parameters of the body's merge method (e.g. {propagate: true})",
     )
     clamp: bool = Field(True, description="clamp λ to [0, 1] after every step")
     target: Literal["hard", "soft"] = Field(
