@@ -207,3 +207,33 @@ def test_memory_estimate_follows_k_and_the_chunk() -> None:
     assert memory.activation_bytes(config, 4, 2, True, logit_rows=512) == memory.activation_bytes(
         config, 4, 2, True
     )  # fewer positions than a chunk: nothing changes
+
+
+def test_micro_batches_give_the_whole_batch_step(tmp_path) -> None:
+    """Micro-batches of 3 samples, their gradients weighted by positions: the same Adam steps
+    as the whole batch of 8 at once (up to float32 summation order)."""
+    base, experts, data = _llama_with_data(tmp_path)
+    whole_session, whole = _run(base, experts, data, micro_batch_size=8)
+    micro_session, micro = _run(base, experts, data, micro_batch_size=3)
+    assert whole["settings"]["micro_batch_size"] == 8 and micro["settings"]["micro_batch_size"] == 3
+    assert micro["loss"] == pytest.approx(whole["loss"], rel=1e-5)
+    torch.testing.assert_close(
+        micro_session.problem.lambdas.detach(),
+        whole_session.problem.lambdas.detach(),
+        atol=1e-5,
+        rtol=0,
+    )
+
+
+def test_default_micro_batch_bounds_the_activations() -> None:
+    from mergekit_ext.adaptation.run import MICRO_BATCH_ACTIVATIONS_BYTES, resolved_micro_batch_size
+
+    smollm = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
+              "vocab_size": 49152}  # fmt: skip
+    p = SyMergeParameters(batch_size=32)
+    size = resolved_micro_batch_size(p, smollm, 128)
+    assert 1 <= size < 32
+    assert memory.activation_bytes(smollm, 128, size, True, 512) <= MICRO_BATCH_ACTIVATIONS_BYTES
+    tiny = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100}
+    assert resolved_micro_batch_size(p, tiny, 16) == 32  # small models: the whole batch
+    assert resolved_micro_batch_size(SyMergeParameters(micro_batch_size=4), smollm, 128) == 4

@@ -206,6 +206,7 @@ class SyMergeSession:
     teacher_cached: bool
     device: str
     timing: dict[str, float] = field(default_factory=dict)
+    micro_batch_size: Optional[int] = None  # causal LMs; see resolved_micro_batch_size
 
 
 def prepare_symerge(
@@ -242,7 +243,7 @@ def prepare_symerge(
         specs.append(spec)
     for cls, path, name in zip(expert_classes, expert_paths, names):
         resolve_task_layer(_meta_model(cls, path), p.task_layer, name)
-    estimate, cache_teacher = _check_memory(
+    estimate, cache_teacher, micro_batch_size = _check_memory(
         p, base_path, base_config, expert_paths, expert_configs, expert_classes, specs,
         modality=modality, device=device, force=force,
     )  # fmt: skip
@@ -318,10 +319,11 @@ def prepare_symerge(
         "load_data_s": data_loaded - started,
         "load_models_and_teacher_s": time.perf_counter() - data_loaded,
     }
-    return SyMergeSession(
+    session = SyMergeSession(
         p, problem, data, base_path, base_config, expert_paths, expert_configs,
-        calibration, estimate, cache_teacher, device, timing,
+        calibration, estimate, cache_teacher, device, timing, micro_batch_size,
     )  # fmt: skip
+    return session
 
 
 def _check_memory(
@@ -336,20 +338,24 @@ def _check_memory(
     modality: str,
     device: str,
     force: bool,
-) -> tuple[memory.AdaptationMemory, bool]:
-    """Estimate from the headers; cache the teacher outputs unless only per-batch fits."""
+) -> tuple[memory.AdaptationMemory, bool, Optional[int]]:
+    """Estimate from the headers; cache the teacher outputs unless only per-batch fits.
+
+    Also returns the causal LMs' micro-batch size (:func:`resolved_micro_batch_size`).
+    """
     causal = [cls.__name__.endswith("ForCausalLM") for cls in expert_classes]
     seq_len = max(memory.tokens_per_sample(base_config, modality, s.max_length) for s in specs)
     cache_bytes = memory.FLOAT32 * sum(
         s.samples * _num_outputs(c, seq_len, lm, p.teacher_top_k)
         for s, c, lm in zip(specs, expert_configs, causal)
     )
+    micro = resolved_micro_batch_size(p, base_config, seq_len) if any(causal) else None
     common = dict(
         base_parameters=memory.checkpoint_parameter_count(base_path),
         expert_parameters=[memory.checkpoint_parameter_count(path) for path in expert_paths],
         config=base_config,
         seq_len=seq_len,
-        batch_size=p.batch_size,
+        batch_size=micro or p.batch_size,
         causal_lm=any(causal),
         logit_rows=p.logit_chunk_tokens if p.teacher_top_k is not None else None,
     )
@@ -361,7 +367,7 @@ def _check_memory(
         if per_batch.total < estimate.total:
             estimate, cache_teacher = per_batch, False
     memory.check_memory(estimate, available, force=force, device=device)
-    return estimate, cache_teacher
+    return estimate, cache_teacher, micro
 
 
 def adapt_session(session: SyMergeSession, *, progress: bool = True) -> dict[str, Any]:
@@ -379,6 +385,7 @@ def adapt_session(session: SyMergeSession, *, progress: bool = True) -> dict[str
         seed=p.seed,
         teacher_top_k=p.teacher_top_k,
         logit_chunk_tokens=p.logit_chunk_tokens,
+        micro_batch_size=session.micro_batch_size,
     )
     measure = dict(batch_size=p.batch_size, device=session.device, settings=settings)
     before = evaluate(problem, data, "heldout", **measure)
@@ -408,6 +415,24 @@ def task_layers_are_lm_blocks(problem: Any) -> bool:
         )
         for t in problem.tasks
     )
+
+
+# A causal LM's training activations per micro-batch stay under this (memory.activation_bytes)
+MICRO_BATCH_ACTIVATIONS_BYTES = 1 << 30
+
+
+def resolved_micro_batch_size(p: SyMergeParameters, config: Mapping[str, Any], seq_len: int) -> int:
+    """``micro_batch_size``, or for causal LMs the largest that keeps one micro-batch's
+    activations under ``MICRO_BATCH_ACTIVATIONS_BYTES`` (at least 1, at most the batch)."""
+    if p.micro_batch_size is not None:
+        return min(p.micro_batch_size, p.batch_size)
+    rows = p.logit_chunk_tokens if p.teacher_top_k is not None else None
+    size = p.batch_size
+    while size > 1 and (
+        memory.activation_bytes(config, seq_len, size, True, rows) > MICRO_BATCH_ACTIVATIONS_BYTES
+    ):
+        size = (size + 1) // 2
+    return size
 
 
 def resolved_init_lambda(p: SyMergeParameters) -> float:
@@ -561,6 +586,7 @@ def _diagnostics(
             **session.parameters.model_dump(),
             "task_layer_lr": resolved_task_layer_lr(session.parameters, problem),
             "init_lambda": resolved_init_lambda(session.parameters),
+            "micro_batch_size": session.micro_batch_size,
         },
         "teacher_cached": session.teacher_cached,
         "memory_estimate_bytes": dict(session.estimate.parts),

@@ -284,6 +284,7 @@ class AdaptationSettings:
     seed: int = 0
     teacher_top_k: Optional[int] = 64  # causal LMs: None keeps the full distribution
     logit_chunk_tokens: int = 512
+    micro_batch_size: Optional[int] = None  # causal LMs: samples per forward/backward
 
 
 def optimizer_groups(problem: Any, settings: AdaptationSettings) -> list[dict[str, Any]]:
@@ -348,6 +349,53 @@ def _student_loss(
     return task_loss(task.kind, student, teacher, mask, settings.target, settings.confidence_top_p)
 
 
+def _positions(batch: Mapping[str, torch.Tensor]) -> int:
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        return int(mask.sum())
+    return int(next(iter(batch.values())).shape[:2].numel())
+
+
+def _accumulate_step(
+    problem: SyMergeProblem,
+    k: int,
+    data: TaskData,
+    index: torch.Tensor,
+    settings: AdaptationSettings,
+    device: str,
+) -> tuple[torch.Tensor, float]:
+    """One optimiser step's gradients for task k's batch ``index``; returns (loss, agreement).
+
+    A causal LM's loss is a mean over positions, so its batch can run in micro-batches of
+    ``settings.micro_batch_size`` samples whose position-weighted gradients add up to the
+    whole batch's: activations then grow with the micro-batch. Other losses (the hard-label
+    filter and ``confidence_top_p`` look at the whole batch) run the batch at once.
+    """
+    task = problem.tasks[k]
+    micro = settings.micro_batch_size
+    parts = [index]
+    if task.kind == "causal_lm" and micro is not None and micro < len(index):
+        parts = list(index.split(micro))
+    batches = [
+        {key: v.to(device) for key, v in select(data.inputs, part).items()} for part in parts
+    ]
+    total = sum(_positions(b) for b in batches) if len(parts) > 1 else 1
+    loss_sum = torch.zeros(())
+    same = 0.0
+    for part, batch in zip(parts, batches):
+        teacher = _teacher_batch(problem, k, data, part, batch, settings.teacher_top_k)
+        loss, agree = _student_loss(problem, k, batch, teacher, settings)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(
+                f"symerge: the loss of task {task.name} became {float(loss)}; lower lr"
+            )
+        share = _positions(batch) / total if len(parts) > 1 else 1.0
+        (loss * share).backward()
+        loss_sum = loss_sum + loss.detach() * share
+        same += agree * share if not math.isnan(agree) else math.nan
+    return loss_sum, same
+
+
 def adapt(
     problem: SyMergeProblem,
     data: Sequence[TaskData],
@@ -380,15 +428,8 @@ def adapt(
         for k in torch.randperm(len(problem.tasks), generator=order_generator).tolist():
             task, d = problem.tasks[k], data[k]
             index = cyclers[k].next()
-            batch = {key: v.to(device) for key, v in select(d.inputs, index).items()}
-            teacher = _teacher_batch(problem, k, d, index, batch, settings.teacher_top_k)
             optimizer.zero_grad(set_to_none=True)
-            loss, agree = _student_loss(problem, k, batch, teacher, settings)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(
-                    f"symerge: the loss of task {task.name} became {float(loss)}; lower lr"
-                )
-            loss.backward()
+            loss, agree = _accumulate_step(problem, k, d, index, settings, device)
             optimizer.step()
             if settings.clamp:
                 problem.clamp_()

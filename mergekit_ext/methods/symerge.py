@@ -108,6 +108,13 @@ class SyMergeParameters(MethodParameters):
         description="causal LMs with teacher_top_k: positions whose logits are formed at a time "
         "(recomputed in the backward pass), so memory grows with this, not batch x length",
     )
+    micro_batch_size: Optional[int] = Field(
+        None,
+        ge=1,
+        description="causal LMs: samples per forward/backward pass, their gradients added up "
+        "to the batch's (same step, less activation memory); null: the largest that keeps "
+        "one micro-batch's activations under 1 GiB",
+    )
     heldout_fraction: float = Field(
         0.1,
         ge=0.0,
