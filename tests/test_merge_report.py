@@ -260,5 +260,6 @@ def test_bf16_symerge_writes_bf16_checkpoints(workspace: Path) -> None:
     run_cli("run", config, "out/s")
     out = workspace / "out" / "s"
     assert floating_dtypes(out) == {torch.bfloat16}
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     for task in ("e0", "e1"):
         assert floating_dtypes(out / "tasks" / task) == {torch.bfloat16}, task
