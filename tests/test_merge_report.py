@@ -157,6 +157,12 @@ def test_user_facing_text_cites_only_the_package_docs(workspace: Path) -> None:
     listing = run_cli("methods")
     for needle in FORBIDDEN:
         assert needle not in listing
+    # Parameter help cites no file but the package's own docs (no benchmark script, no spec).
+    for method in json.loads(run_cli("methods", "--json")):
+        for p in method["parameters"]:
+            cited = re.findall(r"[\w./-]+\.(?:py|md|txt|yml|yaml)\b", p["description"])
+            assert set(cited) <= {"docs/methods.md"}, (method["name"], p["name"], cited)
+            assert "benchmarks/" not in p["description"], (method["name"], p["name"])
     config = write_config(workspace, "regmean", dtype="float32")
     run_cli("run", config, "out/r")
     card = (workspace / "out" / "r" / "README.md").read_text(encoding="utf-8")
