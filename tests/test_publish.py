@@ -230,6 +230,12 @@ def test_uploaded_card_is_rendered_for_the_repo(hub: FakeHub, folder: Path) -> N
 
     publish_folder(str(folder), "alice/as-is", token=WRITE_TOKEN, endpoint=hub.url, keep_card=True)
     assert hub.commits("alice/as-is")[-1].files["README.md"] == local_before[folder / "README.md"]
+    # A folder that is not a mergekit-ext merge has no card to render: its README goes as is.
+    (folder / "mergekit_config.yml").unlink()
+    publish_folder(str(folder), "alice/not-ours", token=WRITE_TOKEN, endpoint=hub.url)
+    assert (
+        hub.commits("alice/not-ours")[-1].files["README.md"] == local_before[folder / "README.md"]
+    )
 
 
 def test_publish_again_skips_unchanged_files(hub: FakeHub, folder: Path) -> None:

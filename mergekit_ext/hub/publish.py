@@ -279,10 +279,14 @@ def card_to_upload(
     out_dir: str, repo_id: str, *, keep_card: bool = False, template_dir: Optional[str] = None
 ) -> str:
     """The ``README.md`` text that goes to ``repo_id``: the card rendered for the repository
-    (title, loading snippets), or with ``keep_card`` the local file as it is."""
-    from mergekit_ext.hub.card import render_card_for_repo
+    (title, loading snippets), or the local file as it is with ``keep_card`` or for a folder
+    that is not a mergekit-ext merge (no ``mergekit_config.yml`` to render a card from)."""
+    from mergekit_ext.hub.card import CONFIG_FILENAME, render_card_for_repo
 
     if keep_card:
+        return Path(out_dir, "README.md").read_text(encoding="utf-8")
+    if not Path(out_dir, CONFIG_FILENAME).is_file():
+        LOG.info("%s has no %s: README.md is uploaded as it is", out_dir, CONFIG_FILENAME)
         return Path(out_dir, "README.md").read_text(encoding="utf-8")
     text = render_card_for_repo(out_dir, repo_id, template_dir=template_dir)
     missing = [link for link in _IMAGE_LINK.findall(text) if not Path(out_dir, link).is_file()]
