@@ -31,6 +31,7 @@ from mergekit_ext.output import (
     exclusive_output,
     resolve_output,
 )
+from mergekit_ext.resources import ResourceMeter
 
 LOG = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ def run_merge_config(
             versions=_versions(),
         )
         with atomic_output_dir(target, overwrite=run.overwrite, shown=out_path) as tmp:
-            with diagnostics.recording(recorder):
+            with diagnostics.recording(recorder), ResourceMeter() as meter:
                 if kind == "tensorwise":
                     _run_tensorwise(cfg, tmp, options)
                 elif kind == "layerwise":
@@ -122,7 +123,9 @@ def run_merge_config(
                         copy_tokenizer=options.copy_tokenizer,
                         trust_remote_code=options.trust_remote_code,
                     )
-            finite.check_output_finite(tmp, _input_models(cfg))
+                finite.check_output_finite(tmp, _input_models(cfg))
+            assert meter.usage is not None
+            recorder.set_header("resources", meter.usage.to_json())
             _write_metadata(cfg, tmp, target, options, run, recorder)
     if run.push_to_hub:
         _publish(out_path, run)
@@ -152,8 +155,10 @@ def _write_metadata(
     The card reads the config as written (it looks up the inputs' licenses); the copy that
     stays, like every other published file, has the paths in their display form.
     """
-    from mergekit_ext.hub.card import local_path_redactor
+    from mergekit_ext.hub.card import input_records, local_path_redactor
 
+    # Where each input came from is decided here, where the merge read it, never later.
+    recorder.set_header("inputs", input_records(cfg))
     redact = local_path_redactor(cfg.raw)
     published = redact(cfg.source_text)
     recorder.set_header(

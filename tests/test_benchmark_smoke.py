@@ -272,7 +272,11 @@ def test_committed_results_record_each_rows_method_and_parameters():
 def test_select_rows_by_method_key_or_exact_row():
     from benchmarks.run import select_rows
 
-    assert [r.key for r in select_rows(["symerge"], smoke=False)] == ["symerge", "symerge_default"]
+    assert [r.key for r in select_rows(["symerge"], smoke=False)] == [
+        "symerge",
+        "symerge_default",
+        "symerge_com_body",
+    ]
     assert [r.key for r in select_rows(["row:symerge"], smoke=False)] == ["symerge"]
     assert len(select_rows(["chain_of_merges"], smoke=False)) == 4
     with pytest.raises(SystemExit, match="unknown method"):

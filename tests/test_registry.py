@@ -151,7 +151,9 @@ def test_a_new_method_gets_its_card_section_through_its_report(tmp_path):
     register_method(info, tensorwise_method(info, lambda group, p: group.tensors[0] * p.strength))
     assert describe_method("registry_test_hook")["parameters"][0]["allowed"] == "[0, inf)"
     diag = {"sections": {"registry_test_hook": {"tensors": {"a": {}, "b": {}}}, "unknown": {}}}
-    sections = {s["key"]: s for s in _diagnostic_sections(diag, str(tmp_path), {"strength": 3})}
+    sections = {
+        s["key"]: s for s in _diagnostic_sections(diag, str(tmp_path / "images"), {"strength": 3})
+    }
     hook = sections["registry_test_hook"]
     assert hook["title"] == "Hook test" and hook["summary"] == {"tensors": 2, "strength": 3.0}
     assert hook["rows"] == [("tensors", 2), ("strength", 3.0)]  # no template: a plain table

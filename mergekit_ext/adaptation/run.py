@@ -206,6 +206,8 @@ class SyMergeSession:
     teacher_cached: bool
     device: str
     timing: dict[str, float] = field(default_factory=dict)
+    # The YAML's ``out_dtype`` (else ``dtype``): the dtype written; None keeps each model's own.
+    out_dtype: Optional[torch.dtype] = None
     micro_batch_size: Optional[int] = None  # causal LMs; see resolved_micro_batch_size
 
 
@@ -234,7 +236,8 @@ def prepare_symerge(
     ]
     modality = _modality(base_cls)
 
-    # Everything that needs no weights: data, task layers, memory.
+    # Everything that needs no weights: dtype, data, task layers, memory.
+    out_dtype = _written_dtype(cfg)
     specs = []
     for entry in entries:
         spec = cfg.calibration_for(entry)
@@ -321,9 +324,29 @@ def prepare_symerge(
     }
     session = SyMergeSession(
         p, problem, data, base_path, base_config, expert_paths, expert_configs,
-        calibration, estimate, cache_teacher, device, timing, micro_batch_size,
+        calibration, estimate, cache_teacher, device, timing, out_dtype, micro_batch_size,
     )  # fmt: skip
     return session
+
+
+def _written_dtype(cfg: ExtMergeConfig) -> Optional[torch.dtype]:
+    """``out_dtype`` or else ``dtype`` of the YAML, as mergekit reads them (None: not set).
+
+    Adaptation itself always runs in float32; this is only the dtype the checkpoints are
+    saved in.
+    """
+    from mergekit.common import dtype_from_name
+
+    name = cfg.merge.out_dtype or cfg.merge.dtype
+    if not name:
+        return None
+    try:
+        dtype = dtype_from_name(name)
+    except Exception as e:  # noqa: BLE001 - mergekit raises RuntimeError for unknown names
+        raise ConfigError(f"symerge: dtype {name!r}: {e}") from e
+    if not dtype.is_floating_point:
+        raise ConfigError(f"symerge: dtype {name!r} is not a floating-point type")
+    return dtype
 
 
 def _check_memory(
@@ -491,8 +514,12 @@ def save_symerge(
     """
     started = time.perf_counter()
     problem = session.problem
+    written = session.out_dtype
     export.save_checkpoint(
-        problem.base, problem.base_checkpoint_tensors(), out_dir, _dtype(session.base_config)
+        problem.base,
+        problem.base_checkpoint_tensors(),
+        out_dir,
+        written or _dtype(session.base_config),
     )
     export.copy_processing_files(session.base_path, out_dir)
     for k, (task, path, config) in enumerate(
@@ -508,10 +535,15 @@ def save_symerge(
         if task_layers_only:
             modules = task.roles.task_layer_modules + frozen_modules(task.roles)
             export.save_peft_adapter(
-                task.module, tensors, modules, task_dir, _dtype(config), body_path or out_dir
+                task.module,
+                tensors,
+                modules,
+                task_dir,
+                written or _dtype(config),
+                body_path or out_dir,
             )
         else:
-            export.save_checkpoint(task.module, tensors, task_dir, _dtype(config))
+            export.save_checkpoint(task.module, tensors, task_dir, written or _dtype(config))
             export.copy_processing_files(path, task_dir)
     session.timing["save_s"] = time.perf_counter() - started
 

@@ -648,9 +648,9 @@ def merge_group_least_squares(
 
 # The sweep behind reduce_non_diagonal's default (benchmarks/sweep.py; README, "Benchmark results")
 ALPHA_EVIDENCE = (
-    " (default chosen by benchmarks/sweep.py: over 0.5, 0.8, 0.9, 0.95, 1.0 it was best for "
-    "chain_of_merges and regmean on the text and vision suites, and equal or better than 0.95 "
-    "on the text-LoRA and LM suites)"
+    " (default chosen by a sweep over 0.5, 0.8, 0.9, 0.95, 1.0: best for chain_of_merges and "
+    "regmean on the text and vision suites, equal or better than 0.95 on the text-LoRA and LM "
+    'suites; docs/methods.md, section "RegMean")'
 )
 
 
