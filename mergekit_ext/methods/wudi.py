@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
@@ -424,7 +425,7 @@ def summarize_wudi(section: Mapping[str, Any], parameters: Any) -> dict[str, Any
         "min loss reduction": stats["min"],
         "max loss reduction": stats["max"],
         "total loss reduction": 1.0 - final / initial if initial > 0 else math.nan,
-        "median norm ratio ‖τ‖ / ‖τ_start‖": ratios["median"],
+        "median ‖τ‖ / ‖τ₀‖ (τ₀: the start)": ratios["median"],
         "least reduced weight": least,
     }
 
@@ -469,7 +470,7 @@ def plot_wudi(section: Mapping[str, Any], images_dir: str, parameters: Any) -> l
         )
     )
 
-    names = list(tensors)
+    names = sorted(tensors, key=_natural_key)
     reductions = [as_float(tensors[n].get("relative_reduction")) for n in names]
     fig, (ax,) = new_figure()
     ax.bar(range(len(names)), [v if math.isfinite(v) else 0.0 for v in reductions], color="#55A868")
@@ -482,10 +483,15 @@ def plot_wudi(section: Mapping[str, Any], images_dir: str, parameters: Any) -> l
             save_figure(fig, images_dir, "wudi_reduction.png"),
             "WUDI loss reduction",
             "Share of each linear weight's interference loss that the Adam steps removed, in "
-            "merge order.",
+            "layer order.",
         )
     )
     return plots
+
+
+def _natural_key(name: str) -> list[Any]:
+    """``layers.10`` after ``layers.9``: numbers in a tensor name compare as numbers."""
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", name)]
 
 
 INFO = MethodInfo(
