@@ -209,29 +209,36 @@ def adam_minimise(
         iterate before step ``t`` is recorded as step ``t − 1``; the final one as ``steps``).
     """
     tau = init.to(dtype).clone()
-    a = quadratic.a.to(dtype) if quadratic.factor is None else None
-    u = quadratic.factor.to(dtype) if quadratic.factor is not None else None
-    b = quadratic.b.to(dtype)
+    # 2A, 2B (or U and 2Uᵀ): scaling by 2 is exact, so g = τ(2A) − 2B is 2(τA − B) bit for bit
+    if quadratic.factor is None:
+        a2, u, u2t = 2.0 * quadratic.a.to(dtype), None, None
+    else:
+        a2, u = None, quadratic.factor.to(dtype)
+        u2t = 2.0 * u.T
+    b2 = 2.0 * quadratic.b.to(dtype)
     exp_avg = torch.zeros_like(tau)
     exp_avg_sq = torch.zeros_like(tau)
     grad = torch.empty_like(tau)
-    b2 = 2.0 * quadratic.b.double()
+    denom = torch.empty_like(tau)
+    b2_64 = 2.0 * quadratic.b.double()
     curve_steps: list[int] = []
     curve: list[float] = []
     for step in range(1, steps + 1):
-        ta = _times_a(tau, a, u)
+        if u is None:
+            torch.matmul(tau, a2, out=grad)
+        else:
+            torch.matmul(tau @ u, u2t, out=grad)
         if curve_every and (step - 1) % curve_every == 0:
             curve_steps.append(step - 1)
             # ⟨τ, τA − 2B⟩ + c, reduced in float64 from the product the step needs anyway
-            curve.append(float((tau.double() * (ta.double() - b2)).sum()) + quadratic.c)
-        torch.sub(ta, b, out=grad)
-        grad.mul_(2.0)
+            curve.append(float((tau.double() * (grad.double() / 2 - b2_64)).sum()) + quadratic.c)
+        grad.sub_(b2)
         exp_avg.lerp_(grad, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         bias_correction1 = 1 - beta1**step
         bias_correction2 = 1 - beta2**step
         step_size = lr / bias_correction1
-        denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
+        torch.sqrt(exp_avg_sq, out=denom).div_(bias_correction2**0.5).add_(eps)
         tau.addcdiv_(exp_avg, denom, value=-step_size)
     if curve_every:
         curve_steps.append(steps)
