@@ -70,6 +70,7 @@ ROWS: tuple[MethodRow, ...] = (
         {"weight": 1.0, "density": 0.5},
     ),
     MethodRow("ace", "ace", "ACE"),
+    MethodRow("wudi", "wudi", "WUDI (300 Adam steps, lr 1e-5)"),
     MethodRow("regmean", "regmean", "RegMean"),
     MethodRow("chain_of_merges", "chain_of_merges", "Chain of Merges (defaults)"),
     MethodRow(

@@ -11,7 +11,7 @@ from mergekit_ext.methods import ext_methods
 from mergekit_ext.methods.parameters import MethodParameters, describe_allowed
 from mergekit_ext.methods.registry import describe_method
 
-EXPECTED = {"ace", "regmean", "chain_of_merges", "qp_projection", "symerge"}
+EXPECTED = {"ace", "regmean", "chain_of_merges", "qp_projection", "symerge", "wudi"}
 
 
 def test_every_method_is_registered_with_mergekit_and_with_us():
