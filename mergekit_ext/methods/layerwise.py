@@ -9,6 +9,12 @@ weights. Every other tensor (biases, norms, embeddings, heads) goes through
 :meth:`LayerwiseMethod.merge_other`.
 
 A method never loads files, runs models or writes output.
+
+Several processes (``torchrun``): each holds the statistics and expert weights of its own
+tasks only. A method whose merge depends on the tasks through sums returns a
+:class:`SumReduction` from :meth:`LayerwiseMethod.reduction`; otherwise (the default) the
+executor gathers every task's statistics to rank 0, which merges with
+:meth:`LayerwiseMethod.merge_linear_group` exactly as a single process does.
 """
 
 from __future__ import annotations
@@ -114,6 +120,46 @@ class StatisticsRequest:
     product_dtype: Optional[torch.dtype] = None
 
 
+class SumReduction(ABC):
+    """One linear group's merge split over processes that own disjoint sets of tasks.
+
+    For a merge that depends on the tasks only through sums over them (RegMean and CoM:
+    ``Σ_k ω_k W_k G̃_k`` and ``Σ_k ω_k G̃_k``), the executor runs, per group:
+
+    1. :meth:`partial_sums` on every rank, with the :class:`LinearGroup` of that rank's
+       tasks (its experts' weights and statistics only);
+    2. adds the partial sums over the ranks (a ``torch.distributed`` reduce to rank 0);
+    3. :meth:`solve` on rank 0 with the totals: the merged weights (broadcast to every
+       rank) and the group's task-independent diagnostics;
+    4. :meth:`task_diagnostics` on every rank for its own tasks, with the merged weights.
+
+    Sums over disjoint task sets add up to the sums over all tasks, so the result equals
+    the single-process merge up to the order of the floating-point additions. An object
+    serves one group (:meth:`LayerwiseMethod.reduction` makes a new one per group), so it
+    may keep what :meth:`partial_sums` computed for :meth:`task_diagnostics`.
+    """
+
+    @abstractmethod
+    def partial_sums(self, group: LinearGroup) -> dict[str, torch.Tensor]:
+        """``{name: Σ over group's tasks}``; the same names and shapes on every rank."""
+
+    @abstractmethod
+    def solve(
+        self, sums: Mapping[str, torch.Tensor], group: LinearGroup
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """``({weight name: merged weight}, group diagnostics)`` from the totals.
+
+        ``group`` is rank 0's own part (names, shapes, dtypes, its tasks' statistics).
+        """
+
+    def task_diagnostics(
+        self, group: LinearGroup, merged: Mapping[str, torch.Tensor]
+    ) -> dict[str, dict[str, Any]]:
+        """``{task name: diagnostics}`` for ``group``'s tasks (the executor puts them under
+        the group record's ``"tasks"``); none by default."""
+        return {}
+
+
 class LayerwiseMethod(ABC):
     """A data-aware merge method run by the sequential executor.
 
@@ -137,6 +183,12 @@ class LayerwiseMethod(ABC):
         self, group: LinearGroup, parameters: Any
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Return ``({weight name: merged weight}, diagnostics for this group)``."""
+
+    def reduction(self, parameters: Any) -> Optional[SumReduction]:
+        """How several processes share a group's merge: a new :class:`SumReduction` per
+        group, or None (the default) to gather every task's statistics and weights to rank
+        0 and call :meth:`merge_linear_group` there, which any method supports unchanged."""
+        return None
 
     def merge_other(
         self,

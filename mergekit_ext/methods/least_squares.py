@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
@@ -29,7 +29,7 @@ import torch
 from pydantic import Field
 
 from mergekit_ext.errors import CalibrationError, TensorError
-from mergekit_ext.methods.layerwise import LinearGroup, TaskStatistics
+from mergekit_ext.methods.layerwise import LinearGroup, SumReduction, TaskStatistics
 from mergekit_ext.methods.parameters import MethodParameters
 
 LOG = logging.getLogger(__name__)
@@ -639,6 +639,273 @@ def merge_group_least_squares(
         "tasks": tasks,
     }
     return merged, diagnostics
+
+
+# --------------------------------------------------------------------------------------
+# Several processes: the same merge from sums over disjoint task sets
+# --------------------------------------------------------------------------------------
+
+
+def regmean_partial_sums(
+    expert_weights: Sequence[torch.Tensor],
+    grams: Sequence[torch.Tensor],
+    alpha: float,
+    task_weights: Sequence[float],
+    *,
+    with_weighted_experts: bool = False,
+    keep_products: bool = False,
+) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+    """The sums of :func:`regmean_solve` over a subset of the tasks.
+
+    Returns ``({"numerator": Σ_k ω_k W_k G̃_k (out x in), "system": Σ_k ω_k G̃_k (in x in),
+    "task_weight_sum": [Σ_k ω_k], "weighted_experts": Σ_k ω_k W_k (with_weighted_experts)},
+    [W_k G_k per task when keep_products])``, float64 (the products in float32 for float32
+    weights, as in :func:`regmean_solve`). Adding the results of disjoint subsets gives
+    those of all tasks; :func:`solve_regmean_sums` finishes the merge.
+    """
+    shape = tuple(expert_weights[0].shape)
+    n_in = shape[1]
+    product_dtype = torch.float64 if expert_weights[0].dtype == torch.float64 else torch.float32
+    device = expert_weights[0].device
+    numerator = torch.zeros(shape, dtype=torch.float64, device=device)
+    system = torch.zeros((n_in, n_in), dtype=torch.float64, device=device)
+    system_diagonal = torch.zeros(n_in, dtype=torch.float64, device=device)
+    products: list[torch.Tensor] = []
+    for w, g, omega in zip(expert_weights, grams, task_weights):
+        product = w.to(product_dtype) @ g.to(product_dtype)
+        diagonal = torch.diagonal(g).double()
+        numerator.add_(product.double(), alpha=omega * alpha)
+        numerator.add_(w.double() * diagonal, alpha=omega * (1.0 - alpha))
+        system.add_(g.double(), alpha=omega * alpha)
+        system_diagonal.add_(diagonal, alpha=omega * (1.0 - alpha))
+        if keep_products:
+            products.append(product)
+        del product
+    torch.diagonal(system).add_(system_diagonal)
+    sums = {
+        "numerator": numerator,
+        "system": system,
+        "task_weight_sum": torch.tensor(
+            [float(sum(task_weights))], dtype=torch.float64, device=device
+        ),
+    }
+    if with_weighted_experts:
+        sums["weighted_experts"] = sum(
+            omega * w.double() for w, omega in zip(expert_weights, task_weights)
+        )
+    return sums, products
+
+
+def solve_regmean_sums(
+    sums: dict[str, torch.Tensor],
+    *,
+    ridge: float = 0.0,
+    solver: Solver = "pinv",
+    name: str = "<weight>",
+    out_dtype: torch.dtype = torch.float32,
+) -> RegMeanSolution:
+    """``W = numerator · system⁻¹`` from the totals of :func:`regmean_partial_sums`.
+
+    The ridge term, solver choice and condition number follow :func:`regmean_solve`
+    exactly (the same steps on the same sums).
+    """
+    if float(sums["task_weight_sum"].sum()) <= 0.0:
+        raise TensorError(f"{name}: the task weights are all zero; use task_weighting: uniform")
+    numerator = sums["numerator"].double().clone()
+    system = sums["system"].double()
+    n_in = system.shape[0]
+    system = 0.5 * (system + system.T)  # exact symmetry for eigh
+    if ridge > 0.0:
+        strength = ridge * float(torch.diagonal(system).mean())
+        torch.diagonal(system).add_(strength)
+        numerator += (strength / float(sums["task_weight_sum"].sum())) * sums[
+            "weighted_experts"
+        ].double()
+
+    n_eps = n_in * torch.finfo(torch.float64).eps
+    cholesky = _cholesky(system)
+    condition, condition_method = _condition(system, cholesky)
+    used = solver
+    merged: Optional[torch.Tensor] = None
+    if solver == "solve":
+        try:
+            if cholesky is not None:
+                merged = torch.cholesky_solve(numerator.T, cholesky).T
+            else:
+                merged = torch.linalg.solve(system, numerator.T).T
+        except RuntimeError:
+            merged = None
+        if merged is None or not torch.isfinite(merged).all():
+            LOG.warning("%s: Σ ω G̃ is singular; solving with the pseudo-inverse instead", name)
+            used = "pinv (solve failed: singular)"
+            merged = None
+    elif cholesky is not None and condition * n_eps < _CHOLESKY_PINV_MARGIN:
+        merged = torch.cholesky_solve(numerator.T, cholesky).T
+    if merged is None:
+        pinv, eigenvalues = _symmetric_pinv(system)
+        merged = numerator @ pinv
+        condition, condition_method = _condition_number(eigenvalues), "exact"
+    return RegMeanSolution(merged.to(out_dtype), condition, used, condition_method, None)
+
+
+class LeastSquaresReduction(SumReduction):
+    """:func:`merge_group_least_squares` split over processes (:class:`SumReduction`).
+
+    Takes the same settings. Each rank contributes ``Σ ω_k W_k G̃_k``, ``Σ ω_k G̃_k``,
+    ``Σ ω_k`` (and ``Σ ω_k W_k`` with a ridge) of its tasks; the correlation weight ω_k
+    needs only task k's own normalized Gram, so it is computed where the task lives. The
+    per-task diagnostics (relative output error, covariate shift) are computed by the
+    task's rank once the merged weights are known; the group record is the one
+    :func:`merge_group_least_squares` writes.
+    """
+
+    def __init__(
+        self,
+        *,
+        method: str,
+        alpha: float,
+        ridge: float,
+        solver: Solver,
+        use_merged_path: bool,
+        use_normalized_gram: bool,
+        task_weight: Optional[Callable[[TaskStatistics], float]] = None,
+        task_weight_needs_normalized_gram: bool = False,
+        task_weighting_label: str = "uniform",
+        full_covariance_max_dim: int = FULL_COVARIANCE_W2_MAX_DIM,
+    ) -> None:
+        self.method = method
+        self.alpha = alpha
+        self.ridge = ridge
+        self.solver = solver
+        self.use_merged_path = use_merged_path
+        self.use_normalized_gram = use_normalized_gram
+        self.task_weight = task_weight
+        self.task_weight_needs_normalized_gram = task_weight_needs_normalized_gram
+        self.task_weighting_label = task_weighting_label
+        self.full_covariance_max_dim = full_covariance_max_dim
+        self._stacked: list[torch.Tensor] = []
+        self._rows: list[int] = []
+        self._chosen: list[TaskStatistics] = []
+        self._other: Optional[list[TaskStatistics]] = None
+        self._omegas: list[float] = []
+        self._products: list[torch.Tensor] = []
+
+    def _paths(self, group: LinearGroup, n_in: int) -> None:
+        path = "merged-path" if self.use_merged_path else "expert-path"
+        self._chosen = _check_statistics(
+            group.merged_stats if self.use_merged_path else group.expert_stats,
+            group,
+            n_in,
+            self.method,
+            path,
+            need_normalized=self.use_normalized_gram or self.task_weight_needs_normalized_gram,
+        )
+        other, other_path = (
+            (group.expert_stats, "expert-path")
+            if self.use_merged_path
+            else (group.merged_stats, "merged-path")
+        )
+        self._other = (
+            _check_statistics(other, group, n_in, self.method, other_path, False, need_gram=False)
+            if other
+            else None
+        )
+
+    def partial_sums(self, group: LinearGroup) -> dict[str, torch.Tensor]:
+        self._stacked, self._rows, n_in = _stacked_weights(group, self.method)
+        self._paths(group, n_in)
+        self._omegas = [
+            float(self.task_weight(st)) if self.task_weight else 1.0 for st in self._chosen
+        ]
+        if any(not math.isfinite(w) or w < 0.0 for w in self._omegas):
+            raise TensorError(
+                f"{self.method}: task weights must be finite and non-negative for linear group "
+                f"{group.name}; got {self._omegas}"
+            )
+        grams = [st.gram_normalized if self.use_normalized_gram else st.gram for st in self._chosen]
+        sums, self._products = regmean_partial_sums(
+            self._stacked,
+            grams,  # type: ignore[arg-type]  # checked non-None above
+            self.alpha,
+            self._omegas,
+            with_weighted_experts=self.ridge > 0.0,
+            keep_products=not self.use_normalized_gram,
+        )
+        return sums
+
+    def solve(
+        self, sums: Mapping[str, torch.Tensor], group: LinearGroup
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        if not self._rows:
+            self._stacked, self._rows, _ = _stacked_weights(group, self.method)
+        reference = group.experts[0]
+        solution = solve_regmean_sums(
+            dict(sums),
+            ridge=self.ridge,
+            solver=self.solver,
+            name=f"linear group {group.name}",
+            out_dtype=reference[group.weights[0]].dtype,
+        )
+        parts = torch.split(solution.merged_weight, self._rows, dim=0)
+        merged = {
+            weight_name: part.to(reference[weight_name].dtype).contiguous()
+            for weight_name, part in zip(group.weights, parts)
+        }
+        shift_kind: Optional[str] = None
+        if self._other is not None and self._chosen:
+            merged_path, expert_path = (
+                (self._chosen[0], self._other[0])
+                if self.use_merged_path
+                else (self._other[0], self._chosen[0])
+            )
+            full = (
+                merged_path.mean.numel() <= self.full_covariance_max_dim
+                and merged_path.gram is not None
+                and expert_path.gram is not None
+            )
+            shift_kind = "full" if full else "diagonal"
+        diagnostics: dict[str, Any] = {
+            "layer": group.name,
+            "condition_number": solution.condition_number,
+            "condition_number_method": solution.condition_number_method,
+            "solver": solution.solver,
+            "reduce_non_diagonal": float(self.alpha),
+            "ridge": float(self.ridge),
+            "statistics": "merged_path" if self.use_merged_path else "expert_path",
+            "normalized_gram": bool(self.use_normalized_gram),
+            "task_weighting": self.task_weighting_label,
+            "covariate_shift_covariance": shift_kind,
+            "tasks": {},
+        }
+        return merged, diagnostics
+
+    def task_diagnostics(
+        self, group: LinearGroup, merged: Mapping[str, torch.Tensor]
+    ) -> dict[str, dict[str, Any]]:
+        merged_weight = torch.cat([merged[w].to(self._stacked[0].dtype) for w in group.weights])
+        tasks: dict[str, dict[str, Any]] = {}
+        for k, task in enumerate(group.task_names):
+            shift: Optional[float] = None
+            if self._other is not None:
+                merged_path, expert_path = (
+                    (self._chosen[k], self._other[k])
+                    if self.use_merged_path
+                    else (self._other[k], self._chosen[k])
+                )
+                shift, _ = covariate_shift_w2(
+                    merged_path, expert_path, full_covariance_max_dim=self.full_covariance_max_dim
+                )
+            tasks[task] = {
+                "weight": self._omegas[k],
+                "relative_output_error": relative_output_error(
+                    merged_weight,
+                    self._stacked[k],
+                    self._chosen[k].gram,  # type: ignore[arg-type]  # checked non-None above
+                    self._products[k] if self._products else None,
+                ),
+                "covariate_shift_w2": shift,
+            }
+        return tasks
 
 
 # --------------------------------------------------------------------------------------

@@ -14,7 +14,11 @@ from typing import Any
 import torch
 
 from mergekit_ext.methods.layerwise import LayerwiseMethod, LinearGroup, StatisticsRequest
-from mergekit_ext.methods.least_squares import RegMeanParameters, merge_group_least_squares
+from mergekit_ext.methods.least_squares import (
+    LeastSquaresReduction,
+    RegMeanParameters,
+    merge_group_least_squares,
+)
 from mergekit_ext.methods.registry import (
     MethodInfo,
     MethodReport,
@@ -40,6 +44,17 @@ class RegMeanMethod(LayerwiseMethod):
         p = self.parse(parameters)
         return merge_group_least_squares(
             group,
+            method=self.name,
+            alpha=p.reduce_non_diagonal,
+            ridge=p.ridge,
+            solver=p.solver,
+            use_merged_path=False,
+            use_normalized_gram=False,
+        )
+
+    def reduction(self, parameters: Any) -> LeastSquaresReduction:
+        p = self.parse(parameters)
+        return LeastSquaresReduction(
             method=self.name,
             alpha=p.reduce_non_diagonal,
             ridge=p.ridge,
