@@ -108,18 +108,25 @@ class DistributedContext:
             raise self._failed("a broadcast of merged weights", e) from e
         return buffer
 
-    def reduce_sums(self, tensors: dict[str, torch.Tensor]) -> Optional[dict[str, torch.Tensor]]:
-        """``Σ_r tensors_r`` on rank 0 (None elsewhere); keys in sorted order on every rank."""
-        if not self.enabled:
-            return tensors
+    def send_tensors(self, tensors: dict[str, torch.Tensor], dst: int) -> None:
+        """Send ``tensors`` (keys in sorted order) to rank ``dst``."""
         import torch.distributed as dist
 
         try:
             for key in sorted(tensors):
-                dist.reduce(tensors[key], dst=0, op=dist.ReduceOp.SUM)
+                dist.send(tensors[key].contiguous(), dst=dst)
         except RuntimeError as e:
-            raise self._failed("a reduction of statistics", e) from e
-        return tensors if self.is_writer else None
+            raise self._failed(f"sending statistics to rank {dst}", e) from e
+
+    def recv_tensors(self, tensors: dict[str, torch.Tensor], src: int) -> None:
+        """Receive into ``tensors`` (same keys, shapes and dtypes as the sender's) from ``src``."""
+        import torch.distributed as dist
+
+        try:
+            for key in sorted(tensors):
+                dist.recv(tensors[key], src=src)
+        except RuntimeError as e:
+            raise self._failed(f"receiving statistics from rank {src}", e) from e
 
     def gather_objects(self, obj: Any) -> Optional[list[Any]]:
         """Every rank's ``obj`` on rank 0, in rank order (None elsewhere); CPU tensors only."""

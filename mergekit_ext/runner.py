@@ -242,7 +242,9 @@ def _describe_ranks(cfg: ExtMergeConfig, ctx: dist_context.DistributedContext) -
     from mergekit_ext.executor.plan import _expert_entries
 
     tasks = [entry.name for entry, _ in _expert_entries(cfg)]
-    lines = [f"processes: {ctx.world_size} ({ctx.backend}); tasks by rank (k mod {ctx.world_size}):"]
+    lines = [
+        f"processes: {ctx.world_size} ({ctx.backend}); tasks by rank (k mod {ctx.world_size}):"
+    ]
     for rank in range(ctx.world_size):
         own = [t for k, t in enumerate(tasks) if ctx.owner(k) == rank]
         lines.append(f"  - rank {rank}: {', '.join(own) or '(none)'}")

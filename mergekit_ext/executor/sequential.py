@@ -37,8 +37,9 @@ Several processes (:mod:`mergekit_ext.distributed`): rank r runs only its own ta
 and loads, per block, the base, its own experts and the merged block. Rank 0 also loads the
 other experts' non-linear tensors (for the fallback merges) and, for a method without a
 :class:`~mergekit_ext.methods.layerwise.SumReduction`, their linear weights. Each group is
-merged either from the ranks' partial sums (reduced to rank 0, solved there) or from every
-task's statistics gathered to rank 0 and merged with the method's own single-process code;
+merged either from sums over the tasks, added in task order as they pass from rank to
+rank (bit for bit the single process's sums) and solved on rank 0, or from every task's
+statistics gathered to rank 0 and merged with the method's own single-process code;
 either way rank 0 broadcasts the merged weights, so every rank carries its tasks' hidden
 states through the same merged group. Only rank 0 writes; the per-task diagnostics are
 gathered to it at the end.
@@ -61,8 +62,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from mergekit_ext import finite
-from mergekit_ext.distributed import DistributedContext
 from mergekit_ext.calibration.statistics import ActivationStatistics, flatten_tokens
+from mergekit_ext.distributed import DistributedContext
 from mergekit_ext.errors import MergekitExtError, TensorError
 from mergekit_ext.executor.checkpoint import HEAD_PREFIX, TAGALONG_FILES, build_skeleton
 from mergekit_ext.executor.families import GroupSpec
@@ -72,7 +73,7 @@ from mergekit_ext.executor.plan import (
     output_shard_bytes,
     safetensors_dtype,
 )
-from mergekit_ext.methods.layerwise import LinearGroup, TaskStatistics
+from mergekit_ext.methods.layerwise import LinearGroup, SumReduction, TaskStatistics
 from mergekit_ext.model_paths import TOKENIZER_FILES
 
 LOG = logging.getLogger(__name__)
@@ -506,7 +507,9 @@ class SequentialExecutor:
         for name in self.plan.pre_block:
             base = self.base.load(name, self.device)
             # Only rank 0 merges; the others receive the merged tensor.
-            experts = [e.source.load(name, self.device) for e in self.experts] if self.writes else []
+            experts = (
+                [e.source.load(name, self.device) for e in self.experts] if self.writes else []
+            )
             self._check_inputs({name: base}, [{name: w} for w in experts], "the embeddings")
             merged[name] = self._merge_other(name, base, experts)
             del base, experts
@@ -789,7 +792,7 @@ class SequentialExecutor:
         result: Optional[dict[str, torch.Tensor]] = None
         diagnostics: dict[str, Any] = {}
         if reduction is not None:
-            totals = self.dist.reduce_sums(reduction.partial_sums(local))
+            totals = self._sums_in_task_order(reduction, local)
             if self.writes:
                 assert totals is not None
                 result, diagnostics = reduction.solve(totals, local)
@@ -818,6 +821,32 @@ class SequentialExecutor:
                 self.task_diagnostics[len(self.layer_diagnostics)] = tasks
         return shared, diagnostics
 
+    def _sums_in_task_order(
+        self, reduction: SumReduction, local: LinearGroup
+    ) -> Optional[dict[str, torch.Tensor]]:
+        """Add every task's terms in task order: the sums travel from the rank of task k to
+        that of task k+1 (then to rank 0), so the floating-point additions are those of one
+        process; returns the totals on rank 0 (None elsewhere)."""
+        sums = reduction.prepare(local)
+        position = {k: i for i, k in enumerate(self.owned)}
+        holder = self.dist.owner(0)
+        for k in range(len(self.experts)):
+            owner = self.dist.owner(k)
+            if owner != holder:
+                self._pass(sums, holder, owner)
+                holder = owner
+            if owner == self.dist.rank:
+                reduction.add_task(sums, position[k])
+        if holder != 0:
+            self._pass(sums, holder, 0)
+        return sums if self.writes else None
+
+    def _pass(self, sums: dict[str, torch.Tensor], src: int, dst: int) -> None:
+        if self.dist.rank == src:
+            self.dist.send_tensors(sums, dst)
+        elif self.dist.rank == dst:
+            self.dist.recv_tensors(sums, src)
+
     def _whole_group(
         self,
         local: LinearGroup,
@@ -839,9 +868,7 @@ class SequentialExecutor:
             name=local.name,
             weights=local.weights,
             base=local.base,
-            experts=[
-                {n_: w[c] for n_, c in zip(local.weights, canonical)} for w in expert_blocks
-            ],
+            experts=[{n_: w[c] for n_, c in zip(local.weights, canonical)} for w in expert_blocks],
             task_names=[e.task for e in self.experts],
             expert_stats=expert_stats if local.expert_stats else [],  # type: ignore[arg-type]
             merged_stats=merged_stats if local.merged_stats is not None else None,  # type: ignore[arg-type]

@@ -907,6 +907,7 @@ def build_card_context(
         and recorded_sha != text_sha
         and diag.get("config_written_sha256") != text_sha,
         "seed": diag.get("seed"),
+        "distributed": diag.get("distributed"),
         "calibration": _calibration_rows(diag, cfg, cwd),
         "data_aware": bool(method.get("needs_calibration")),
         "sections": sections,

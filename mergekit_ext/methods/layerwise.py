@@ -126,22 +126,28 @@ class SumReduction(ABC):
     For a merge that depends on the tasks only through sums over them (RegMean and CoM:
     ``Σ_k ω_k W_k G̃_k`` and ``Σ_k ω_k G̃_k``), the executor runs, per group:
 
-    1. :meth:`partial_sums` on every rank, with the :class:`LinearGroup` of that rank's
-       tasks (its experts' weights and statistics only);
-    2. adds the partial sums over the ranks (a ``torch.distributed`` reduce to rank 0);
+    1. :meth:`prepare` on every rank, with the :class:`LinearGroup` of that rank's tasks
+       (its experts' weights and statistics only): the per-task work (checks, products),
+       in parallel; it returns the zero accumulators;
+    2. :meth:`add_task` for k = 0, 1, …, K−1 on the rank of task k, the accumulators passed
+       from rank to rank in task order (``torch.distributed`` send/recv), so the
+       floating-point additions are exactly those of one process adding the tasks in order;
     3. :meth:`solve` on rank 0 with the totals: the merged weights (broadcast to every
        rank) and the group's task-independent diagnostics;
     4. :meth:`task_diagnostics` on every rank for its own tasks, with the merged weights.
 
-    Sums over disjoint task sets add up to the sums over all tasks, so the result equals
-    the single-process merge up to the order of the floating-point additions. An object
-    serves one group (:meth:`LayerwiseMethod.reduction` makes a new one per group), so it
-    may keep what :meth:`partial_sums` computed for :meth:`task_diagnostics`.
+    An object serves one group (:meth:`LayerwiseMethod.reduction` makes a new one per
+    group), so it keeps what :meth:`prepare` computed for the later calls.
     """
 
     @abstractmethod
-    def partial_sums(self, group: LinearGroup) -> dict[str, torch.Tensor]:
-        """``{name: Σ over group's tasks}``; the same names and shapes on every rank."""
+    def prepare(self, group: LinearGroup) -> dict[str, torch.Tensor]:
+        """Check ``group``'s tasks and precompute their terms; returns ``{name: zeros}``,
+        the same names, shapes and dtypes on every rank."""
+
+    @abstractmethod
+    def add_task(self, sums: dict[str, torch.Tensor], position: int) -> None:
+        """Add the term of ``group.task_names[position]`` to ``sums``, in place."""
 
     @abstractmethod
     def solve(

@@ -646,54 +646,52 @@ def merge_group_least_squares(
 # --------------------------------------------------------------------------------------
 
 
-def regmean_partial_sums(
-    expert_weights: Sequence[torch.Tensor],
-    grams: Sequence[torch.Tensor],
-    alpha: float,
-    task_weights: Sequence[float],
-    *,
-    with_weighted_experts: bool = False,
-    keep_products: bool = False,
-) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
-    """The sums of :func:`regmean_solve` over a subset of the tasks.
-
-    Returns ``({"numerator": Σ_k ω_k W_k G̃_k (out x in), "system": Σ_k ω_k G̃_k (in x in),
-    "task_weight_sum": [Σ_k ω_k], "weighted_experts": Σ_k ω_k W_k (with_weighted_experts)},
-    [W_k G_k per task when keep_products])``, float64 (the products in float32 for float32
-    weights, as in :func:`regmean_solve`). Adding the results of disjoint subsets gives
-    those of all tasks; :func:`solve_regmean_sums` finishes the merge.
-    """
-    shape = tuple(expert_weights[0].shape)
-    n_in = shape[1]
-    product_dtype = torch.float64 if expert_weights[0].dtype == torch.float64 else torch.float32
-    device = expert_weights[0].device
-    numerator = torch.zeros(shape, dtype=torch.float64, device=device)
-    system = torch.zeros((n_in, n_in), dtype=torch.float64, device=device)
-    system_diagonal = torch.zeros(n_in, dtype=torch.float64, device=device)
-    products: list[torch.Tensor] = []
-    for w, g, omega in zip(expert_weights, grams, task_weights):
-        product = w.to(product_dtype) @ g.to(product_dtype)
-        diagonal = torch.diagonal(g).double()
-        numerator.add_(product.double(), alpha=omega * alpha)
-        numerator.add_(w.double() * diagonal, alpha=omega * (1.0 - alpha))
-        system.add_(g.double(), alpha=omega * alpha)
-        system_diagonal.add_(diagonal, alpha=omega * (1.0 - alpha))
-        if keep_products:
-            products.append(product)
-        del product
-    torch.diagonal(system).add_(system_diagonal)
+def regmean_zero_sums(
+    shape: Sequence[int], *, with_weighted_experts: bool = False, device: Any = None
+) -> dict[str, torch.Tensor]:
+    """The accumulators of :func:`regmean_solve`'s sums (float64 zeros), for
+    :func:`regmean_add_task`: ``numerator`` (out x in), ``system`` (in x in),
+    ``system_diagonal`` (in), ``task_weight_sum`` (1) and, for a ridge, ``weighted_experts``."""
+    out, n_in = int(shape[0]), int(shape[1])
+    zeros = dict(dtype=torch.float64, device=device)
     sums = {
-        "numerator": numerator,
-        "system": system,
-        "task_weight_sum": torch.tensor(
-            [float(sum(task_weights))], dtype=torch.float64, device=device
-        ),
+        "numerator": torch.zeros((out, n_in), **zeros),
+        "system": torch.zeros((n_in, n_in), **zeros),
+        "system_diagonal": torch.zeros(n_in, **zeros),
+        "task_weight_sum": torch.zeros(1, **zeros),
     }
     if with_weighted_experts:
-        sums["weighted_experts"] = sum(
-            omega * w.double() for w, omega in zip(expert_weights, task_weights)
-        )
-    return sums, products
+        sums["weighted_experts"] = torch.zeros((out, n_in), **zeros)
+    return sums
+
+
+def regmean_add_task(
+    sums: dict[str, torch.Tensor],
+    weight: torch.Tensor,
+    gram: torch.Tensor,
+    alpha: float,
+    omega: float,
+    product: Optional[torch.Tensor] = None,
+) -> None:
+    """Add one task's terms to the sums, in place: ``ω (α W G + (1 − α) W diag(G))`` to the
+    numerator, ``ω (α G + (1 − α) diag(G))`` to the system (its diagonal part kept apart),
+    ``ω`` and ``ω W``.
+
+    The same operations in the same order as :func:`regmean_solve`'s loop, so adding the
+    tasks in order gives its sums bit for bit; ``product`` is ``W G`` when already computed
+    (as :func:`regmean_solve` forms it: float32 for float32 weights).
+    """
+    if product is None:
+        product_dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        product = weight.to(product_dtype) @ gram.to(product_dtype)
+    diagonal = torch.diagonal(gram).double()
+    sums["numerator"].add_(product.double(), alpha=omega * alpha)
+    sums["numerator"].add_(weight.double() * diagonal, alpha=omega * (1.0 - alpha))
+    sums["system"].add_(gram.double(), alpha=omega * alpha)
+    sums["system_diagonal"].add_(diagonal, alpha=omega * (1.0 - alpha))
+    sums["task_weight_sum"].add_(omega)
+    if "weighted_experts" in sums:
+        sums["weighted_experts"].add_(omega * weight.double())
 
 
 def solve_regmean_sums(
@@ -704,7 +702,7 @@ def solve_regmean_sums(
     name: str = "<weight>",
     out_dtype: torch.dtype = torch.float32,
 ) -> RegMeanSolution:
-    """``W = numerator · system⁻¹`` from the totals of :func:`regmean_partial_sums`.
+    """``W = numerator · system⁻¹`` from the sums of :func:`regmean_add_task`.
 
     The ridge term, solver choice and condition number follow :func:`regmean_solve`
     exactly (the same steps on the same sums).
@@ -712,8 +710,9 @@ def solve_regmean_sums(
     if float(sums["task_weight_sum"].sum()) <= 0.0:
         raise TensorError(f"{name}: the task weights are all zero; use task_weighting: uniform")
     numerator = sums["numerator"].double().clone()
-    system = sums["system"].double()
+    system = sums["system"].double().clone()
     n_in = system.shape[0]
+    torch.diagonal(system).add_(sums["system_diagonal"].double())
     system = 0.5 * (system + system.T)  # exact symmetry for eigh
     if ridge > 0.0:
         strength = ridge * float(torch.diagonal(system).mean())
@@ -751,9 +750,11 @@ def solve_regmean_sums(
 class LeastSquaresReduction(SumReduction):
     """:func:`merge_group_least_squares` split over processes (:class:`SumReduction`).
 
-    Takes the same settings. Each rank contributes ``Σ ω_k W_k G̃_k``, ``Σ ω_k G̃_k``,
-    ``Σ ω_k`` (and ``Σ ω_k W_k`` with a ridge) of its tasks; the correlation weight ω_k
-    needs only task k's own normalized Gram, so it is computed where the task lives. The
+    Takes the same settings. Each rank computes its tasks' products ``W_k G_k`` and adds
+    its tasks' terms of ``Σ ω_k W_k G̃_k``, ``Σ ω_k G̃_k``, ``Σ ω_k`` (and ``Σ ω_k W_k`` with
+    a ridge) when the sums reach it in task order, so they equal :func:`regmean_solve`'s
+    bit for bit; the correlation weight ω_k needs only task k's own normalized Gram, so it
+    is computed where the task lives. The
     per-task diagnostics (relative output error, covariate shift) are computed by the
     task's rank once the merged weights are known; the group record is the one
     :func:`merge_group_least_squares` writes.
@@ -788,6 +789,7 @@ class LeastSquaresReduction(SumReduction):
         self._chosen: list[TaskStatistics] = []
         self._other: Optional[list[TaskStatistics]] = None
         self._omegas: list[float] = []
+        self._grams: list[torch.Tensor] = []
         self._products: list[torch.Tensor] = []
 
     def _paths(self, group: LinearGroup, n_in: int) -> None:
@@ -811,7 +813,7 @@ class LeastSquaresReduction(SumReduction):
             else None
         )
 
-    def partial_sums(self, group: LinearGroup) -> dict[str, torch.Tensor]:
+    def prepare(self, group: LinearGroup) -> dict[str, torch.Tensor]:
         self._stacked, self._rows, n_in = _stacked_weights(group, self.method)
         self._paths(group, n_in)
         self._omegas = [
@@ -822,16 +824,30 @@ class LeastSquaresReduction(SumReduction):
                 f"{self.method}: task weights must be finite and non-negative for linear group "
                 f"{group.name}; got {self._omegas}"
             )
-        grams = [st.gram_normalized if self.use_normalized_gram else st.gram for st in self._chosen]
-        sums, self._products = regmean_partial_sums(
-            self._stacked,
-            grams,  # type: ignore[arg-type]  # checked non-None above
-            self.alpha,
-            self._omegas,
+        self._grams = [
+            st.gram_normalized if self.use_normalized_gram else st.gram  # type: ignore[misc]
+            for st in self._chosen
+        ]
+        product_dtype = torch.float64 if self._stacked[0].dtype == torch.float64 else torch.float32
+        # The GEMMs W_k G_k of this rank's tasks, in parallel with the other ranks'.
+        self._products = [
+            w.to(product_dtype) @ g.to(product_dtype) for w, g in zip(self._stacked, self._grams)
+        ]
+        return regmean_zero_sums(
+            self._stacked[0].shape,
             with_weighted_experts=self.ridge > 0.0,
-            keep_products=not self.use_normalized_gram,
+            device=self._stacked[0].device,
         )
-        return sums
+
+    def add_task(self, sums: dict[str, torch.Tensor], position: int) -> None:
+        regmean_add_task(
+            sums,
+            self._stacked[position],
+            self._grams[position],
+            self.alpha,
+            self._omegas[position],
+            self._products[position],
+        )
 
     def solve(
         self, sums: Mapping[str, torch.Tensor], group: LinearGroup
@@ -901,7 +917,8 @@ class LeastSquaresReduction(SumReduction):
                     merged_weight,
                     self._stacked[k],
                     self._chosen[k].gram,  # type: ignore[arg-type]  # checked non-None above
-                    self._products[k] if self._products else None,
+                    # W_k G_k of the diagnostic's own (raw) Gram, as the single process does
+                    None if self.use_normalized_gram else self._products[k],
                 ),
                 "covariate_shift_w2": shift,
             }
