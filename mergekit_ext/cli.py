@@ -173,7 +173,8 @@ def run_command(
         _import_plugin(plugin)
     cfg = load_config(config_file)
     check_distributable(cfg, distributed.world_size_from_env())  # before any rendezvous
-    distributed.init_from_env(merge_options.device, distributed_timeout)
+    if not dry_run:  # a dry run plans every rank from rank 0 and needs no process group
+        distributed.init_from_env(merge_options.device, distributed_timeout)
     with _sigterm_as_interrupt(), contextlib.ExitStack() as stack:
         stack.callback(distributed.shutdown)
         result = run_merge_config(

@@ -98,7 +98,7 @@ def run_merge_config(
     run = run or RunOptions()
     ctx = dist_context.current()
     check_distributable(cfg, ctx.world_size)
-    if ctx.enabled:
+    if ctx.enabled and not run.dry_run:
         return _run_distributed(cfg, out_path, options, run, ctx)
     extra = [p for p in run.plugins if p.endswith(".py")]
     extra += [p for p in (options.lora_merge_cache, options.transformers_cache) if p]
@@ -119,8 +119,11 @@ def run_merge_config(
     )
 
     if run.dry_run:
+        world = dist_context.world_size_from_env()
+        if world > 1 and os.environ.get("RANK", "0") != "0":
+            return None  # under a launcher, rank 0 prints the plan of every rank
         validate(cfg, options, run)
-        print(_describe_plan(cfg, options, kind))
+        print(_describe_plan(cfg, options, kind, world))
         return None
 
     with exclusive_output(target, out_path):
@@ -165,18 +168,6 @@ def _run_distributed(
     ctx: dist_context.DistributedContext,
 ) -> Optional[str]:
     """:func:`run_merge_config` on one of several ranks of a layerwise merge."""
-    if run.dry_run:
-        try:
-            validate(cfg, options, run)
-            text = _describe_plan(cfg, options, "layerwise") if ctx.is_writer else None
-        except Exception as e:
-            ctx.agree(e, "the checks")
-            raise
-        ctx.agree(None, "the checks")
-        if text is not None:
-            print(text)
-            print(_describe_ranks(cfg, ctx))
-        return None
     if not ctx.is_writer:
         recorder = diagnostics.DiagnosticsRecorder(cfg.method)
         try:
@@ -236,19 +227,6 @@ def _run_distributed(
     if run.push_to_hub:
         _publish(out_path, run)
     return os.path.abspath(out_path)
-
-
-def _describe_ranks(cfg: ExtMergeConfig, ctx: dist_context.DistributedContext) -> str:
-    from mergekit_ext.executor.plan import _expert_entries
-
-    tasks = [entry.name for entry, _ in _expert_entries(cfg)]
-    lines = [
-        f"processes: {ctx.world_size} ({ctx.backend}); tasks by rank (k mod {ctx.world_size}):"
-    ]
-    for rank in range(ctx.world_size):
-        own = [t for k, t in enumerate(tasks) if ctx.owner(k) == rank]
-        lines.append(f"  - rank {rank}: {', '.join(own) or '(none)'}")
-    return "\n".join(lines)
 
 
 def _input_models(cfg: ExtMergeConfig) -> list[tuple[str, str]]:
@@ -426,13 +404,18 @@ def _write_config_copy(text: str, out_dir: str) -> None:
         fp.write(text)
 
 
-def _describe_plan(cfg: ExtMergeConfig, options: MergeOptions, kind: str) -> str:
+def _describe_plan(
+    cfg: ExtMergeConfig, options: MergeOptions, kind: str, world_size: int = 1
+) -> str:
     if kind == "layerwise":
         from mergekit_ext.executor import plan_layerwise_merge
 
         info = ext_method_info(cfg.method)
         assert info is not None
-        return plan_layerwise_merge(cfg, options, info.implementation, cfg.parameters).describe()
+        plan = plan_layerwise_merge(cfg, options, info.implementation, cfg.parameters)
+        if world_size > 1:
+            return plan.describe() + "\n" + plan.describe_ranks(world_size)
+        return plan.describe()
     lines = [
         f"method: {cfg.method} ({kind})",
         f"base_model: {cfg.merge.base_model}",

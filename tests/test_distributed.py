@@ -427,3 +427,83 @@ def test_regmean_sums_added_in_order_equal_regmean_solve():
         assert torch.equal(got.merged_weight, expected.merged_weight)
         assert got.condition_number == expected.condition_number
         assert got.solver == expected.solver
+
+
+# ------------------------------------------------------------------------------------------
+# The per-rank plan (--dry-run) and float32 statistics
+
+
+def test_dry_run_prints_the_plan_of_every_rank(tiny_llama_set, tmp_path, monkeypatch):
+    config = _write_config(
+        str(tmp_path), "chain_of_merges", tiny_llama_set.base, list(tiny_llama_set.experts), {}
+    )
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    result = CliRunner().invoke(main, ["run", config, str(tmp_path / "out"), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    text = result.output
+    assert "processes: 2" in text and "pass from rank to rank in task order" in text
+    assert "rank 0 (tasks task0, task2): peak ≈" in text
+    assert "rank 1 (tasks task1): peak ≈" in text
+    assert text.count("reduction buffers") == 2 and "replay cache" in text
+    assert not (tmp_path / "out").exists()
+    monkeypatch.setenv("RANK", "1")  # under a launcher only rank 0 prints
+    quiet = CliRunner().invoke(main, ["run", config, str(tmp_path / "out"), "--dry-run"])
+    assert quiet.exit_code == 0 and "peak" not in quiet.output
+
+
+def test_rank_memory_estimates_split_the_tasks(tiny_llama_set, tmp_path):
+    from mergekit.options import MergeOptions
+
+    from mergekit_ext.config import load_config
+    from mergekit_ext.executor import plan_layerwise_merge
+    from mergekit_ext.executor.plan import estimate_memory
+
+    experts = list(tiny_llama_set.experts)
+    config = _write_config(str(tmp_path), "chain_of_merges", tiny_llama_set.base, experts, {})
+    cfg = load_config(config)
+    method = ChainOfMergesMethod()
+    plan = plan_layerwise_merge(cfg, MergeOptions(quiet=True), method, cfg.parameters)
+    one = estimate_memory(plan)
+    assert one == plan.memory and one.reduction == 0
+    rank0, rank1 = estimate_memory(plan, 2, 0), estimate_memory(plan, 2, 1)
+    # rank 0 holds tasks 0 and 2, rank 1 task 1: statistics and hidden states split 2 : 1
+    assert rank0.statistics == 2 * rank1.statistics and rank0.statistics + rank1.statistics == (
+        one.statistics
+    )
+    assert rank0.activations + rank1.activations == one.activations
+    assert rank1.block_weights < rank0.block_weights < one.block_weights
+    assert rank0.reduction == rank1.reduction > 0 and rank1.writer_buffer == 0
+    float32 = plan_layerwise_merge(
+        cfg, MergeOptions(quiet=True), method, {**cfg.parameters, "statistics_dtype": "float32"}
+    )
+    assert float32.request.statistics_dtype == torch.float32
+    assert 2 * float32.memory.statistics == one.statistics
+
+
+def test_float32_statistics_merge_close_to_float64(tiny_llama_set, tmp_path):
+    from mergekit.options import MergeOptions
+
+    from mergekit_ext.config import load_config
+    from mergekit_ext.executor import run_layerwise_merge
+
+    config = _write_config(
+        str(tmp_path), "regmean", tiny_llama_set.base, list(tiny_llama_set.experts), {}
+    )
+    cfg = load_config(config)
+    seen: list[torch.dtype] = []
+
+    class Recording(RegMeanMethod):
+        def merge_linear_group(self, group, parameters):
+            seen.append(group.expert_stats[0].gram.dtype)
+            return super().merge_linear_group(group, parameters)
+
+    outputs = {}
+    for dtype in ("float64", "float32"):
+        out = str(tmp_path / dtype)
+        params = {**cfg.parameters, "statistics_dtype": dtype}
+        run_layerwise_merge(cfg, out, MergeOptions(quiet=True), Recording(), params)
+        outputs[dtype] = load_file(os.path.join(out, "model.safetensors"))
+    assert set(seen) == {torch.float64, torch.float32}
+    for name, tensor in outputs["float64"].items():
+        torch.testing.assert_close(outputs["float32"][name], tensor, rtol=1e-3, atol=1e-4)

@@ -573,6 +573,7 @@ class SequentialExecutor:
             width,
             normalized_gram=request.normalized_gram and not reference,
             full_gram=full_gram,
+            dtype=request.statistics_dtype,
             product_dtype=request.product_dtype,
             device=self.device,
         )

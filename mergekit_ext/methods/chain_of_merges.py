@@ -124,6 +124,7 @@ class ChainOfMergesMethod(LayerwiseMethod):
             expert_path=True,
             normalized_gram=p.normalize or p.task_weighting == "correlation",
             reference_gram_max_dim=FULL_COVARIANCE_W2_MAX_DIM if p.propagate else None,
+            statistics_dtype=getattr(torch, p.statistics_dtype),
         )
 
     def _settings(self, parameters: Any) -> dict[str, Any]:

@@ -111,6 +111,8 @@ class StatisticsRequest:
       sum; None: float32 for float32 (or narrower) activations, the fast default (see
       :class:`~mergekit_ext.calibration.statistics.ActivationStatistics`); ``torch.float64``
       for float64 products throughout.
+    - ``statistics_dtype``: dtype of the running sums (and of the statistics handed to the
+      method): float64 (default) or float32 (half the memory of each Gram).
     """
 
     propagate: bool
@@ -118,6 +120,7 @@ class StatisticsRequest:
     normalized_gram: bool = False
     reference_gram_max_dim: Optional[int] = None
     product_dtype: Optional[torch.dtype] = None
+    statistics_dtype: torch.dtype = torch.float64
 
 
 class SumReduction(ABC):

@@ -30,7 +30,11 @@ from pydantic import Field
 
 from mergekit_ext.errors import CalibrationError, TensorError
 from mergekit_ext.methods.layerwise import LinearGroup, SumReduction, TaskStatistics
-from mergekit_ext.methods.parameters import MethodParameters
+from mergekit_ext.methods.parameters import (
+    MethodParameters,
+    StatisticsDtype,
+    statistics_dtype_field,
+)
 
 LOG = logging.getLogger(__name__)
 
@@ -964,3 +968,4 @@ class RegMeanParameters(MethodParameters):
         "mean",
         description="merge of biases, norms, embeddings and heads: mean | base | task_arithmetic",
     )
+    statistics_dtype: StatisticsDtype = statistics_dtype_field()

@@ -35,8 +35,13 @@ class RegMeanMethod(LayerwiseMethod):
     parameters_model = RegMeanParameters
 
     def statistics_request(self, parameters: Any) -> StatisticsRequest:
-        self.parse(parameters)
-        return StatisticsRequest(propagate=False, expert_path=True, normalized_gram=False)
+        p = self.parse(parameters)
+        return StatisticsRequest(
+            propagate=False,
+            expert_path=True,
+            normalized_gram=False,
+            statistics_dtype=getattr(torch, p.statistics_dtype),
+        )
 
     def merge_linear_group(
         self, group: LinearGroup, parameters: Any
