@@ -123,6 +123,33 @@ def _torchrun(world: int, args: list[str], cwd: str) -> tuple[int, str]:
     return done.returncode, done.stdout + done.stderr
 
 
+def _accelerate(world: int, args: list[str], cwd: str) -> tuple[int, str]:
+    """``accelerate launch --multi_gpu`` (on CPU it starts the processes through torchrun)."""
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    assert os.path.isfile(accelerate), f"accelerate not found next to {sys.executable}"
+    command = [
+        accelerate,
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        str(world),
+        "--num_machines",
+        "1",
+        "--main_process_ip",
+        "127.0.0.1",
+        "--main_process_port",
+        str(_free_port()),
+        "-m",
+        "mergekit_ext",
+        "run",
+        *args,
+    ]
+    done = subprocess.run(
+        command, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S
+    )
+    return done.returncode, done.stdout + done.stderr
+
+
 def _texts(path: str, seed: int) -> str:
     rng = random.Random(seed)
     with open(path, "w", encoding="utf-8") as fp:
@@ -178,7 +205,7 @@ CASES = {
     "com-ridge-K2": ("chain_of_merges", {"ridge": 0.01, "solver": "solve"}, 2, "tiny_llama_set"),
     "qp-K3": ("qp_projection", {}, 3, "tiny_llama_set"),
     "qp-K2": ("qp_projection", {"basis": "diagonal"}, 2, "tiny_llama_set"),
-    "regmean-K2": ("regmean", {}, 2, "tiny_llama_set"),
+    "regmean-K2-accelerate": ("regmean", {}, 2, "tiny_llama_set"),
     "com-bert-K3": ("chain_of_merges", {}, 3, "tiny_bert_set"),
 }
 
@@ -196,9 +223,11 @@ def test_two_ranks_equal_one_process(request, case, tmp_path):
     out_parent.mkdir()
     out = str(out_parent / "merged")
     args = [config, out, "--distributed-timeout", str(COLLECTIVE_TIMEOUT_S)]
-    if case.endswith("torchrun"):
-        rc, output = _torchrun(2, args, str(tmp_path))
+    if case.endswith(("torchrun", "accelerate")):
+        launch = _torchrun if case.endswith("torchrun") else _accelerate
+        rc, output = launch(2, args, str(tmp_path))
         assert rc == 0, output
+        assert output.count("merged model written to") == 1, output  # rank 0 only
     else:
         results = _launch(2, args, str(tmp_path))
         assert [rc for rc, _ in results] == [0, 0], results
