@@ -125,11 +125,15 @@ class MemoryEstimate:
     writer_buffer: int  # merged tensors held until a shard is flushed
     model_bytes: int  # one input model on disk
     replay: int = 0  # budget for replayed linear outputs on the merged path (propagate)
+    reduction: int = 0  # several processes: the sums passed between ranks, or gathered statistics
 
     @property
     def peak(self) -> int:
         return (
-            max(self.block_weights + self.statistics + self.solver + self.replay, self.non_block)
+            max(
+                self.block_weights + self.statistics + self.solver + self.replay + self.reduction,
+                self.non_block,
+            )
             + self.activations
             + self.writer_buffer
         )
@@ -210,7 +214,8 @@ class MergePlan:
             f"memory estimate: peak ≈ {m.peak} bytes ({_gb(m.peak)}) on top of the Python "
             f"process itself (torch, transformers: ~0.4 GB); one model ≈ {_gb(m.model_bytes)}",
             f"  block weights ({len(self.experts) + 2} blocks, float32): {_gb(m.block_weights)}",
-            f"  input statistics of one block (float64): {_gb(m.statistics)}",
+            f"  input statistics of one block "
+            f"({str(self.request.statistics_dtype).replace('torch.', '')}): {_gb(m.statistics)}",
             f"  method's solve for the widest group (float64, estimate): {_gb(m.solver)}",
             f"  calibration hidden states: {_gb(m.activations)}",
             f"  replayed linear outputs on the merged path (budget): {_gb(m.replay)}",
@@ -218,6 +223,29 @@ class MergePlan:
             f"  output shard buffer: {_gb(m.writer_buffer)} (shards of at most "
             f"{_gb(output_shard_bytes(self.options))})",
         ]
+        return "\n".join(lines)
+
+    def describe_ranks(self, world_size: int) -> str:
+        """The per-rank memory plan of a merge on ``world_size`` processes (``--dry-run``)."""
+        gathers = self.method.reduction(self.parameters) is None
+        lines = [
+            f"processes: {world_size}; rank r owns the tasks k mod {world_size} = r; "
+            + (
+                "every task's statistics are gathered to rank 0, which merges each group"
+                if gathers
+                else "the sums of each group pass from rank to rank in task order; rank 0 solves"
+            )
+        ]
+        for rank in range(world_size):
+            m = estimate_memory(self, world_size, rank)
+            own = [e.task for k, e in enumerate(self.experts) if k % world_size == rank]
+            lines += [
+                f"  rank {rank} (tasks {', '.join(own) or 'none'}): peak ≈ {_gb(m.peak)}",
+                f"    block weights {_gb(m.block_weights)}, statistics {_gb(m.statistics)}, "
+                f"replay cache {_gb(m.replay)}, reduction buffers {_gb(m.reduction)}, "
+                f"solve {_gb(m.solver)}, hidden states {_gb(m.activations)}, "
+                f"non-block phase {_gb(m.non_block)}, shard buffer {_gb(m.writer_buffer)}",
+            ]
         return "\n".join(lines)
 
 
@@ -460,22 +488,37 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def estimate_memory(plan: MergePlan) -> MemoryEstimate:
-    """Bytes held at the peak of the merge (float32 weights, float64 statistics)."""
+def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> MemoryEstimate:
+    """Bytes held at the peak of the merge (float32 weights, statistics in their dtype).
+
+    With ``world_size`` > 1, those of process ``rank``, which holds its own tasks
+    ``k mod world_size = rank`` (rank 0 also the other experts' tensors it merges).
+    """
     base = plan.base
-    k = len(plan.experts)
+    k_all = len(plan.experts)
+    own = [i for i in range(k_all) if i % world_size == rank]
+    k = len(own)
+    several = world_size > 1
+    gathers = several and plan.method.reduction(plan.parameters) is None
     block_bytes = max(
         (sum(_numel(base.shapes[t]) for t in b.tensors) * 4 for b in plan.blocks), default=0
     )
+    others_bytes = max(
+        (sum(_numel(base.shapes[t]) for t in b.others) * 4 for b in plan.blocks), default=0
+    )
     request = plan.request
+    itemsize = request.statistics_dtype.itemsize
     paths = int(request.expert_path) + int(request.propagate)
     grams_per_task = 0  # expert path: every group's statistics at once
     largest_gram = 0  # merged path: one group at a time
+    largest_sums = 0  # several processes: numerator + system of the widest group (float64)
     if plan.blocks:
         b = plan.blocks[0]
         for g in b.groups:
             width = int(base.shapes[b.group_weight(g.modules[0])][1])
-            gram = width * width * 8
+            rows = sum(int(base.shapes[b.group_weight(m)][0]) for m in g.modules)
+            largest_sums = max(largest_sums, (rows * width + width * width + width + 1) * 8)
+            gram = width * width * itemsize
             normalized = gram if request.normalized_gram else 0
             largest_gram = max(largest_gram, gram + normalized)
             if request.propagate:  # the expert path is a reference: no normalized Gram
@@ -487,7 +530,7 @@ def estimate_memory(plan: MergePlan) -> MemoryEstimate:
         k * largest_gram if request.propagate else 0
     )
     activations = 0
-    for e in plan.experts:
+    for e in (plan.experts[i] for i in own):
         if e.data is None:
             continue
         for batch in e.data.batches:
@@ -502,7 +545,8 @@ def estimate_memory(plan: MergePlan) -> MemoryEstimate:
     non_block_names = plan.pre_block + plan.post_block
     largest = max((_numel(base.shapes[n]) for n in non_block_names), default=0) * 4
     pre_bytes = sum(_numel(base.shapes[n]) for n in plan.pre_block) * 4
-    non_block = (k + 2) * largest + 2 * pre_bytes
+    # Rank 0 merges the non-block tensors from every expert; the others hold their own.
+    non_block = ((k_all if rank == 0 else k) + 2) * largest + 2 * pre_bytes
     model_bytes = 0
     out_bytes = 0
     for name, shape in base.shapes.items():
@@ -510,15 +554,25 @@ def estimate_memory(plan: MergePlan) -> MemoryEstimate:
         model_bytes += size * safetensors_dtype(base.dtypes[name]).itemsize
         out_dtype = plan.out_dtype or safetensors_dtype(base.dtypes[name])
         out_bytes += size * out_dtype.itemsize
-    writer = min(out_bytes, output_shard_bytes(plan.options))
+    writer = min(out_bytes, output_shard_bytes(plan.options)) if rank == 0 else 0
     # Replayed linear outputs (executor._LinearOutputCache): up to four times the merged
     # path's hidden states (a Llama block's q, k, v and o outputs), at least 256 MB.
     replay = 0
     if request.propagate:
         merged_hidden = activations // paths
         replay = max(REPLAY_MIN_BYTES, REPLAY_HIDDEN_MULTIPLE * merged_hidden)
+    block_weights = (k + 2) * block_bytes
+    reduction = 0
+    if several:
+        if rank == 0:
+            # gathering: every expert's block and the other ranks' statistics of one group
+            block_weights += (k_all - k) * (block_bytes if gathers else others_bytes)
+        if gathers:  # rank 0 receives the other ranks' statistics of one group
+            reduction = (k_all - k) * largest_gram if rank == 0 else 0
+        else:  # every rank holds the sums passed along
+            reduction = largest_sums
     return MemoryEstimate(
-        block_weights=(k + 2) * block_bytes,
+        block_weights=block_weights,
         statistics=statistics,
         solver=4 * largest_gram,
         activations=activations,
@@ -526,4 +580,5 @@ def estimate_memory(plan: MergePlan) -> MemoryEstimate:
         writer_buffer=writer,
         model_bytes=model_bytes,
         replay=replay,
+        reduction=reduction,
     )

@@ -1085,6 +1085,7 @@ def build_card_context(
         and diag.get("config_written_sha256") != text_sha,
         "seed": diag.get("seed"),
         "resources": _resources(diag),
+        "distributed": diag.get("distributed"),
         "calibration": _calibration_rows(diag, cfg, cwd),
         "data_aware": bool(method.get("needs_calibration")),
         "sections": sections,

@@ -49,6 +49,7 @@ from mergekit_ext.methods.layerwise import (
 )
 from mergekit_ext.methods.least_squares import (
     FULL_COVARIANCE_W2_MAX_DIM,
+    LeastSquaresReduction,
     RegMeanParameters,
     merge_group_least_squares,
 )
@@ -121,15 +122,13 @@ class ChainOfMergesMethod(LayerwiseMethod):
             expert_path=True,
             normalized_gram=p.normalize or p.task_weighting == "correlation",
             reference_gram_max_dim=FULL_COVARIANCE_W2_MAX_DIM if p.propagate else None,
+            statistics_dtype=getattr(torch, p.statistics_dtype),
         )
 
-    def merge_linear_group(
-        self, group: LinearGroup, parameters: Any
-    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def _settings(self, parameters: Any) -> dict[str, Any]:
         p = self.parse(parameters)
         correlation = p.task_weighting == "correlation"
-        return merge_group_least_squares(
-            group,
+        return dict(
             method=self.name,
             alpha=p.reduce_non_diagonal,
             ridge=p.ridge,
@@ -140,6 +139,15 @@ class ChainOfMergesMethod(LayerwiseMethod):
             task_weight_needs_normalized_gram=correlation,
             task_weighting_label=p.task_weighting,
         )
+
+    def merge_linear_group(
+        self, group: LinearGroup, parameters: Any
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        return merge_group_least_squares(group, **self._settings(parameters))
+
+    def reduction(self, parameters: Any) -> LeastSquaresReduction:
+        # ω_k (correlation) reads only task k's own Gram: it is computed where task k lives.
+        return LeastSquaresReduction(**self._settings(parameters))
 
 
 INFO = MethodInfo(

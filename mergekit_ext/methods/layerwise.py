@@ -9,6 +9,12 @@ weights. Every other tensor (biases, norms, embeddings, heads) goes through
 :meth:`LayerwiseMethod.merge_other`.
 
 A method never loads files, runs models or writes output.
+
+Several processes (``torchrun``): each holds the statistics and expert weights of its own
+tasks only. A method whose merge depends on the tasks through sums returns a
+:class:`SumReduction` from :meth:`LayerwiseMethod.reduction`; otherwise (the default) the
+executor gathers every task's statistics to rank 0, which merges with
+:meth:`LayerwiseMethod.merge_linear_group` exactly as a single process does.
 """
 
 from __future__ import annotations
@@ -72,6 +78,8 @@ class StatisticsRequest:
       sum; None: float32 for float32 (or narrower) activations, the fast default (see
       :class:`~mergekit_ext.calibration.statistics.ActivationStatistics`); ``torch.float64``
       for float64 products throughout.
+    - ``statistics_dtype``: dtype of the running sums (and of the statistics handed to the
+      method): float64 (default) or float32 (half the memory of each Gram).
     """
 
     propagate: bool
@@ -79,6 +87,53 @@ class StatisticsRequest:
     normalized_gram: bool = False
     reference_gram_max_dim: Optional[int] = None
     product_dtype: Optional[torch.dtype] = None
+    statistics_dtype: torch.dtype = torch.float64
+
+
+class SumReduction(ABC):
+    """One linear group's merge split over processes that own disjoint sets of tasks.
+
+    For a merge that depends on the tasks only through sums over them (RegMean and CoM:
+    ``Σ_k ω_k W_k G̃_k`` and ``Σ_k ω_k G̃_k``), the executor runs, per group:
+
+    1. :meth:`prepare` on every rank, with the :class:`LinearGroup` of that rank's tasks
+       (its experts' weights and statistics only): the per-task work (checks, products),
+       in parallel; it returns the zero accumulators;
+    2. :meth:`add_task` for k = 0, 1, …, K−1 on the rank of task k, the accumulators passed
+       from rank to rank in task order (``torch.distributed`` send/recv), so the
+       floating-point additions are exactly those of one process adding the tasks in order;
+    3. :meth:`solve` on rank 0 with the totals: the merged weights (broadcast to every
+       rank) and the group's task-independent diagnostics;
+    4. :meth:`task_diagnostics` on every rank for its own tasks, with the merged weights.
+
+    An object serves one group (:meth:`LayerwiseMethod.reduction` makes a new one per
+    group), so it keeps what :meth:`prepare` computed for the later calls.
+    """
+
+    @abstractmethod
+    def prepare(self, group: LinearGroup) -> dict[str, torch.Tensor]:
+        """Check ``group``'s tasks and precompute their terms; returns ``{name: zeros}``,
+        the same names, shapes and dtypes on every rank."""
+
+    @abstractmethod
+    def add_task(self, sums: dict[str, torch.Tensor], position: int) -> None:
+        """Add the term of ``group.task_names[position]`` to ``sums``, in place."""
+
+    @abstractmethod
+    def solve(
+        self, sums: Mapping[str, torch.Tensor], group: LinearGroup
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """``({weight name: merged weight}, group diagnostics)`` from the totals.
+
+        ``group`` is rank 0's own part (names, shapes, dtypes, its tasks' statistics).
+        """
+
+    def task_diagnostics(
+        self, group: LinearGroup, merged: Mapping[str, torch.Tensor]
+    ) -> dict[str, dict[str, Any]]:
+        """``{task name: diagnostics}`` for ``group``'s tasks (the executor puts them under
+        the group record's ``"tasks"``); none by default."""
+        return {}
 
 
 class LayerwiseMethod(ABC):
@@ -104,6 +159,12 @@ class LayerwiseMethod(ABC):
         self, group: LinearGroup, parameters: Any
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Return ``({weight name: merged weight}, diagnostics for this group)``."""
+
+    def reduction(self, parameters: Any) -> Optional[SumReduction]:
+        """How several processes share a group's merge: a new :class:`SumReduction` per
+        group, or None (the default) to gather every task's statistics and weights to rank
+        0 and call :meth:`merge_linear_group` there, which any method supports unchanged."""
+        return None
 
     def merge_other(
         self,

@@ -13,7 +13,11 @@ from typing import Any
 import torch
 
 from mergekit_ext.methods.layerwise import LayerwiseMethod, LinearGroup, StatisticsRequest
-from mergekit_ext.methods.least_squares import RegMeanParameters, merge_group_least_squares
+from mergekit_ext.methods.least_squares import (
+    LeastSquaresReduction,
+    RegMeanParameters,
+    merge_group_least_squares,
+)
 from mergekit_ext.methods.registry import (
     MethodInfo,
     data_aware_method,
@@ -29,8 +33,13 @@ class RegMeanMethod(LayerwiseMethod):
     parameters_model = RegMeanParameters
 
     def statistics_request(self, parameters: Any) -> StatisticsRequest:
-        self.parse(parameters)
-        return StatisticsRequest(propagate=False, expert_path=True, normalized_gram=False)
+        p = self.parse(parameters)
+        return StatisticsRequest(
+            propagate=False,
+            expert_path=True,
+            normalized_gram=False,
+            statistics_dtype=getattr(torch, p.statistics_dtype),
+        )
 
     def merge_linear_group(
         self, group: LinearGroup, parameters: Any
@@ -38,6 +47,17 @@ class RegMeanMethod(LayerwiseMethod):
         p = self.parse(parameters)
         return merge_group_least_squares(
             group,
+            method=self.name,
+            alpha=p.reduce_non_diagonal,
+            ridge=p.ridge,
+            solver=p.solver,
+            use_merged_path=False,
+            use_normalized_gram=False,
+        )
+
+    def reduction(self, parameters: Any) -> LeastSquaresReduction:
+        p = self.parse(parameters)
+        return LeastSquaresReduction(
             method=self.name,
             alpha=p.reduce_non_diagonal,
             ridge=p.ridge,
