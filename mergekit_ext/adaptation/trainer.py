@@ -282,7 +282,7 @@ class AdaptationSettings:
     target: Target = "hard"
     confidence_top_p: Optional[float] = None
     seed: int = 0
-    teacher_top_k: Optional[int] = 64  # causal LMs: None keeps the full distribution
+    teacher_top_k: Optional[int] = 256  # causal LMs: None keeps the full distribution
     logit_chunk_tokens: int = 512
     micro_batch_size: Optional[int] = None  # causal LMs: samples per forward/backward
 

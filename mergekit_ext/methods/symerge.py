@@ -96,7 +96,7 @@ class SyMergeParameters(MethodParameters):
     )
     seed: int = Field(0, description="seed of the data split, batches and task order")
     teacher_top_k: Optional[int] = Field(
-        64,
+        256,
         ge=1,
         description="causal LMs: keep each position's teacher distribution as its k most likely "
         "tokens plus one bucket for the rest, and fit the student's KL to that (memory grows "
