@@ -288,7 +288,9 @@ def _check_diagnose_outputs(cfg: Any, merged_dir: str, outputs: list[str]) -> No
     for out in outputs:
         real = os.path.realpath(out)
         if real in inputs or (os.path.isdir(merged_dir) and real == os.path.realpath(merged_dir)):
-            raise MergekitExtError(f"{out} is an input of the diagnosis; write the output elsewhere")
+            raise MergekitExtError(
+                f"{out} is an input of the diagnosis; write the output elsewhere"
+            )
 
 
 def write_diagnosis_json(result: dict[str, Any], path: str) -> None:

@@ -327,7 +327,9 @@ def test_architecture_mismatch_is_refused_before_weights_load(
         diagnose(cfg, tiny_bert_set.base)
 
 
-def test_depth_mismatch_is_refused_before_weights_load(tiny_llama_set, data_dir, tmp_path, no_weights):
+def test_depth_mismatch_is_refused_before_weights_load(
+    tiny_llama_set, data_dir, tmp_path, no_weights
+):
     import tiny_models
 
     deeper = tiny_models.make_tiny_llama(str(tmp_path / "deep"), layers=3)
@@ -403,5 +405,49 @@ def test_cli_writes_table_json_and_plot(tiny_bert_classifier_set, data_dir, tmp_
     assert result.exit_code == 1
     assert "has no calibration data" in result.output and not out_json.exists()
     # the output may not overwrite an input
-    result = CliRunner().invoke(main, ["diagnose", models.experts[0], str(config), "--json", str(config)])
+    result = CliRunner().invoke(
+        main, ["diagnose", models.experts[0], str(config), "--json", str(config)]
+    )
     assert result.exit_code == 1 and "is an input" in result.output
+
+
+def test_card_diagnose_section(tiny_llama_set, data_dir, tmp_path):
+    """``mergekit-ext card OUT --diagnose CONFIG`` adds the agreement section and the plot."""
+    experts = list(tiny_llama_set.experts[:2])
+    raw = {
+        "merge_method": "linear",
+        "models": [
+            {
+                "model": e,
+                "name": f"task{i}",
+                "parameters": {"weight": 1.0},
+                "calibration": {"path": p, "samples": 4, "batch_size": 2},
+            }
+            for i, (e, p) in enumerate(zip(experts, _texts(data_dir, 2)))
+        ],
+    }
+    config = tmp_path / "merge.yml"
+    config.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "merged"
+    result = CliRunner().invoke(main, ["run", str(config), str(out)])
+    assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(main, ["card", str(out), "--diagnose", str(config)])
+    assert result.exit_code == 0, result.output
+    card = (out / "README.md").read_text()
+    assert "## Agreement with the experts" in card
+    saved = json.loads((out / "mergekit_ext_diagnose.json").read_text())
+    assert set(saved["tasks"]) == {"task0", "task1"}
+    for task, values in saved["tasks"].items():
+        assert 0.0 <= values["agreement"] <= 1.0 and values["kl"] > 0.0
+        assert not os.path.isabs(values["model"])  # no machine path in the published folder
+        section = card.split("## Agreement with the experts", 1)[1]
+        row = next(line for line in section.splitlines() if line.startswith(f"| {task} |"))
+        assert "this model's" in row
+    assert "images/diagnose_block_errors.png" in card
+    assert (out / "images" / "diagnose_block_errors.png").stat().st_size > 1000
+    # without --diagnose the card has no such section
+    result = CliRunner().invoke(main, ["card", str(out)])
+    assert (
+        result.exit_code == 0
+        and "Agreement with the experts" not in (out / "README.md").read_text()
+    )

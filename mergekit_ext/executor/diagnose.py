@@ -317,7 +317,9 @@ def plan_diagnosis(
     merged: list[MergedModel] = []
     for path in merged_dirs:
         folder = resolve_model_folder(path, what=f"merged model {path}", cache_dir=cache_dir)
-        merged.append(MergedModel(path, open_model(path, folder, None, what=f"merged model {path}")))
+        merged.append(
+            MergedModel(path, open_model(path, folder, None, what=f"merged model {path}"))
+        )
     family = merged[0].source.family
     for other in merged[1:]:
         if other.source.family.name != family.name:
@@ -547,21 +549,23 @@ class Diagnoser:
         own = [n for n in names if _same(merged, expert.source, n)]
         head = _lm_head(expert)
         head_own = head is None or _same(merged, expert.source, head[0])
-        if (
-            type(walker.skeleton) is type(expert.skeleton)
-            and len(own) == len(names)
-            and head_own
-        ):
+        if type(walker.skeleton) is type(expert.skeleton) and len(own) == len(names) and head_own:
             path = _Path(walker, merged, walker, dict.fromkeys(walker.non_block_tensors(), merged))
         else:
             tail = {n: (merged if n in own else expert.source) for n in names}
-            path = _Path(walker, merged, expert, tail, from_expert=[n for n in names if n not in own])
+            path = _Path(
+                walker, merged, expert, tail, from_expert=[n for n in names if n not in own]
+            )
         if head is not None:
             weight, bias = head
             source = merged if head_own else expert.source
             if not head_own and weight not in path.from_expert:
                 path.from_expert.append(weight)
-            path.head = (source, weight, bias if bias is not None and source.provides(bias) else None)
+            path.head = (
+                source,
+                weight,
+                bias if bias is not None and source.provides(bias) else None,
+            )
         return path
 
     def _expert_path(self, expert: _Walker) -> _Path:
@@ -715,7 +719,9 @@ class Diagnoser:
                 else:
                     if ref.dim() == 3:  # a token head: one prediction per position
                         ref, new = flatten_tokens(ref, mask), flatten_tokens(new, mask)
-                    kl, agree = kl_and_agreement(ref.reshape(-1, ref.shape[-1]), new.reshape(-1, new.shape[-1]))
+                    kl, agree = kl_and_agreement(
+                        ref.reshape(-1, ref.shape[-1]), new.reshape(-1, new.shape[-1])
+                    )
                 kl_sum += float(kl.sum())
                 agree_sum += int(agree.sum())
                 count += int(agree.numel())
@@ -864,6 +870,13 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def plot_block_errors(result: dict[str, Any], images_dir: str, filename: str) -> Any:
+    """The per-block error plot of a diagnosis (:func:`mergekit_ext.reporting.plot_block_errors`)."""
+    from mergekit_ext.reporting import plot_block_errors as plot
+
+    return plot(result, images_dir, filename)
+
+
 def jsonable(value: Any) -> Any:
     """NaN/Inf as strings (``"inf"``): the JSON stays standard and reporting reads them back."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -873,27 +886,3 @@ def jsonable(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [jsonable(v) for v in value]
     return value
-
-
-def plot_block_errors(result: dict[str, Any], images_dir: str, filename: str) -> Any:
-    """One line per task: the relative error of each block's output; returns the Plot."""
-    from mergekit_ext.reporting import Plot, as_float, new_figure, save_figure
-
-    fig, (ax,) = new_figure(1, height=3.4)
-    for name, t in result["tasks"].items():
-        xs = [b["index"] for b in t["blocks"]]
-        ys = [as_float(b["relative_error"]) for b in t["blocks"]]
-        ax.plot(xs, ys, marker="o", markersize=3, label=name)
-    ax.set_xlabel("block")
-    ax.set_ylabel("‖h_merged − h_expert‖ / ‖h_expert‖")
-    ax.set_title("Relative error of each block's output, per task")
-    ax.grid(True, alpha=0.3)
-    if result["tasks"]:
-        ax.legend(fontsize=7)
-    path = save_figure(fig, images_dir, filename)
-    return Plot(
-        path=path,
-        title="Per-block error against each expert",
-        caption="Relative error of the merged model's block outputs against each expert's, "
-        "on the task's calibration data (non-padding positions).",
-    )
