@@ -183,7 +183,7 @@ def run_suite(name: str, args: argparse.Namespace, results_dir: str) -> Optional
     results = diagnose(cfg, list(folders.values()))
     all_seconds = time.perf_counter() - start
     points = []
-    for (key, folder), result in zip(folders.items(), results):
+    for key, result in zip(folders, results):
         row = next(r for r in rows if r["key"] == key)
         points.append(
             {
