@@ -451,3 +451,46 @@ def test_card_diagnose_section(tiny_llama_set, data_dir, tmp_path):
         result.exit_code == 0
         and "Agreement with the experts" not in (out / "README.md").read_text()
     )
+
+
+def test_tied_lm_head_matches_whole_model_transformers(tiny_llama_set, data_dir, tmp_path):
+    """A causal LM whose head is tied to its embeddings (saved once) reads it as transformers."""
+    import shutil
+
+    import tiny_models
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=tiny_models.VOCAB_SIZE,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+    )
+    base = str(tmp_path / "tied")
+    transformers.LlamaForCausalLM(config).save_pretrained(base)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(tiny_llama_set.base, f), os.path.join(base, f))
+    (expert_path,) = tiny_models.make_experts(base, [str(tmp_path / "e0")], scale=0.2)
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(expert_path, "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in set(f.keys())  # stored once, as the embeddings
+    cfg = _config(base, [expert_path], _texts(data_dir, 1))
+    got = diagnose(cfg, base)["tasks"]["task0"]
+    cls = transformers.LlamaForCausalLM
+    expert = cls.from_pretrained(expert_path, dtype=torch.float32).eval()
+    merged = cls.from_pretrained(base, dtype=torch.float32).eval()
+    expected = _whole_model_reference(
+        expert, merged, lambda m: m.model.layers, _batches(cfg, 0), True
+    )
+    assert got["head"] == "merged"
+    np.testing.assert_allclose(
+        [b["relative_error"] for b in got["blocks"]], expected["errors"], rtol=TOL, atol=TOL
+    )
+    assert abs(got["agreement"] - expected["agreement"]) <= TOL
+    assert abs(got["kl"] - expected["kl"]) <= TOL and got["kl"] > 1e-4
