@@ -159,10 +159,12 @@ def run_suite(name: str, args: argparse.Namespace, results_dir: str) -> Optional
     from mergekit_ext.executor.diagnose import diagnose
 
     suite_name, variant = SUITES[name]
-    table_path = os.path.join(results_dir, f"{suite_name}_{variant}.json")
+    table_path = os.path.join(
+        results_dir, f"{suite_name}_{variant}{'_smoke' if args.smoke else ''}.json"
+    )
     with open(table_path, encoding="utf-8") as fp:
         table = json.load(fp)
-    suite = make_suite(suite_name, args.cache_dir, False)
+    suite = make_suite(suite_name, args.cache_dir, args.smoke)
     if table.get("settings") != suite.settings_dict():
         LOG.warning("%s: the table's settings differ from the suite's; rows may not match", name)
     rows = _rows(table, args.rows)[: args.max_rows]
@@ -324,6 +326,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--results", default=os.path.join("benchmarks", "results"))
     parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument(
+        "--smoke", action="store_true", help="the suites' smoke models (plumbing check only)"
+    )
     parser.add_argument("--no-cost", dest="cost", action="store_false")
     parser.add_argument(
         "--deadline-minutes", type=float, default=None, help="stop merging new rows after this"
