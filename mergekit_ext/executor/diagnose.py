@@ -32,6 +32,7 @@ task's hidden states on each path; never a whole model. Everything that needs no
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
@@ -384,6 +385,10 @@ class _Replay(nn.Module):
         return hidden_states
 
 
+def _accepts_cache(module: nn.Module) -> bool:
+    return "use_cache" in inspect.signature(module.forward).parameters
+
+
 class _Walker:
     """One model's class (meta parameters) walked block by block with real tensors.
 
@@ -412,19 +417,13 @@ class _Walker:
         self.recorders = [_BlockCallRecorder(i, self.sink) for i in range(len(self.blocks))]
         self.replays = [_Replay(i, last) for i in range(len(self.blocks))]
         self._install(self.recorders)
-        import inspect
-
-        def accepts_cache(module: nn.Module) -> bool:
-            return "use_cache" in inspect.signature(module.forward).parameters
-
-        self.backbone_extra = {"use_cache": False} if accepts_cache(self.backbone) else {}
-        self.model_extra = {"use_cache": False} if accepts_cache(self.skeleton) else {}
+        self.backbone_extra = {"use_cache": False} if _accepts_cache(self.backbone) else {}
+        self.model_extra = {"use_cache": False} if _accepts_cache(self.skeleton) else {}
         self.kind = _output_kind(self.skeleton)
         head = self.skeleton.get_output_embeddings() if self.kind == "next_token" else None
         self.head_name: Optional[str] = None
         if head is not None:
-            key = next(k for k, mod in self.skeleton.named_modules() if mod is head)
-            self.head_name = key
+            self.head_name = next(k for k, mod in self.skeleton.named_modules() if mod is head)
 
     def _install(self, modules: Sequence[nn.Module]) -> None:
         for i, module in enumerate(modules):
