@@ -595,6 +595,12 @@ class Diagnoser:
                 start = time.perf_counter()
                 per_model = self._run_task(task)
                 seconds = time.perf_counter() - start
+                LOG.info(
+                    "task %s: %d merged model(s) diagnosed in %.1fs",
+                    task.name,
+                    len(per_model),
+                    seconds,
+                )
                 for result, task_result in zip(results, per_model):
                     task_result["seconds"] = round(seconds, 3)
                     result["tasks"][task.name] = task_result
