@@ -132,6 +132,8 @@ def _assert_identical(result: dict[str, Any], has_head: bool) -> None:
         ("tiny_bert_set", "text", False),
         ("tiny_vit_set", "image", True),
         ("tiny_clip_vision_set", "image", False),
+        ("tiny_clip_vision_projection_set", "image", False),
+        ("tiny_clip_set", "image", False),
     ],
 )
 def test_expert_against_itself_agrees_fully(request, fixture, modality, has_head, data_dir):
