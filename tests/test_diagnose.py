@@ -496,3 +496,30 @@ def test_tied_lm_head_matches_whole_model_transformers(tiny_llama_set, data_dir,
     )
     assert abs(got["agreement"] - expected["agreement"]) <= TOL
     assert abs(got["kl"] - expected["kl"]) <= TOL and got["kl"] > 1e-4
+
+
+def test_one_block_of_weights_at_a_time(tiny_llama_set, data_dir, monkeypatch):
+    """Streaming: never more than one block's tensors alive, never two blocks at once."""
+    import weakref
+
+    live: list[tuple[weakref.ref, str]] = []
+    peaks = {"block": 0, "blocks_at_once": 0}
+    original = ModelSource.load
+
+    def counting_load(self, canonical, device="cpu", cache=None):
+        tensor = original(self, canonical, device, cache)
+        live.append((weakref.ref(tensor), canonical))
+        live[:] = [(ref, name) for ref, name in live if ref() is not None]
+        in_blocks = [name for _, name in live if name.startswith("layers.")]
+        peaks["block"] = max(peaks["block"], len(in_blocks))
+        peaks["blocks_at_once"] = max(
+            peaks["blocks_at_once"], len({n.split(".")[1] for n in in_blocks})
+        )
+        return tensor
+
+    monkeypatch.setattr(ModelSource, "load", counting_load)
+    experts = list(tiny_llama_set.experts)
+    cfg = _config(tiny_llama_set.base, experts, _texts(data_dir, 3))
+    diagnose(cfg, [experts[0], tiny_llama_set.base])  # two merged models, three experts
+    assert peaks["block"] == 9  # the 9 tensors of one Llama block, of one model
+    assert peaks["blocks_at_once"] == 1
