@@ -2,6 +2,7 @@
 
 ``run``      merge a YAML config (a superset of ``mergekit-yaml``)
 ``methods``  list every merge method (mergekit's and ours)
+``diagnose`` compare a merged model with each expert, block by block
 ``card``     rebuild the model card of a finished merge
 ``publish``  upload a finished merge to the Hugging Face Hub
 
@@ -258,6 +259,84 @@ def methods_command(name: Optional[str], as_json: bool) -> None:
                 scope += f", in {p['allowed']}"
             desc = f" — {p['description']}" if p["description"] else ""
             click.echo(f"    {p['name']} ({default}{scope}){desc}")
+
+
+@main.command("diagnose")
+@click.argument("merged_dir", type=click.Path(file_okay=False))
+@click.argument("config_file", type=click.Path(dir_okay=False))
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the result here")
+@click.option(
+    "--plots", "plots_dir", type=click.Path(file_okay=False), help="Write the per-block plot here"
+)
+@click.option("--device", default="cpu", show_default=True, help="cpu | cuda[:n] | auto")
+@click.option(
+    "--plugin",
+    "plugins",
+    multiple=True,
+    metavar="MODULE_OR_FILE",
+    help="Import a Python module or .py file first (e.g. one that registers calibration sources)",
+)
+@click.option("--trust-remote-code", is_flag=True, help="Trust remote code of tokenizers")
+@click.option("-v", "--verbose", count=True, help="Show logs (-vv: debug) and tracebacks")
+@_friendly_errors(lambda kwargs: kwargs.get("verbose", 0))
+def diagnose_command(
+    merged_dir: str,
+    config_file: str,
+    json_path: Optional[str],
+    plots_dir: Optional[str],
+    device: str,
+    plugins: tuple[str, ...],
+    trust_remote_code: bool,
+    verbose: int,
+) -> None:
+    """Compare MERGED_DIR with each expert of CONFIG_FILE on its calibration data.
+
+    Block by block (streaming): the relative error of each block's output, and at the output
+    the agreement with the expert (argmax / next-token top-1) and the mean KL(expert‖merged).
+    """
+    from mergekit_ext.executor.diagnose import diagnose, format_table, plot_block_errors
+
+    if verbose:
+        logging.basicConfig(level=logging.DEBUG if verbose > 1 else logging.INFO)
+    for plugin in plugins:
+        _import_plugin(plugin)
+    cfg = load_config(config_file)
+    _check_diagnose_outputs(cfg, merged_dir, [p for p in (json_path, plots_dir) if p])
+    result = diagnose(cfg, merged_dir, device=device, trust_remote_code=trust_remote_code)
+    click.echo(format_table(result))
+    if json_path:
+        write_diagnosis_json(result, json_path)
+        click.echo(f"diagnosis written to {json_path}")
+    if plots_dir:
+        plot = plot_block_errors(result, plots_dir, "diagnose_block_errors.png")
+        click.echo(f"plot written to {plots_dir}/{plot.path.rsplit('/', 1)[-1]}")
+
+
+def _check_diagnose_outputs(cfg: Any, merged_dir: str, outputs: list[str]) -> None:
+    """The outputs of ``diagnose`` may not overwrite an input (config, data, model files)."""
+    import os
+
+    from mergekit_ext.checks import local_input_paths
+
+    inputs = [os.path.realpath(p) for p in local_input_paths(cfg)]
+    for out in outputs:
+        real = os.path.realpath(out)
+        if real in inputs or (os.path.isdir(merged_dir) and real == os.path.realpath(merged_dir)):
+            raise MergekitExtError(
+                f"{out} is an input of the diagnosis; write the output elsewhere"
+            )
+
+
+def write_diagnosis_json(result: dict[str, Any], path: str) -> None:
+    import os
+
+    from mergekit_ext.executor.diagnose import jsonable
+
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fp:
+        json.dump(jsonable(result), fp, indent=2)
+        fp.write("\n")
 
 
 def _register_hub_commands() -> None:

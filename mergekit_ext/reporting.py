@@ -114,3 +114,26 @@ def summary_stats(values: Sequence[float]) -> dict[str, float]:
         "mean": statistics.fmean(finite),
         "max": max(finite),
     }
+
+
+def plot_block_errors(result: dict[str, Any], images_dir: str, filename: str) -> Plot:
+    """A ``mergekit-ext diagnose`` result: one line per task, the relative error of each
+    block's output against the task's expert; written as ``images_dir/filename``."""
+    fig, (ax,) = new_figure(1, height=3.4)
+    for name, t in result["tasks"].items():
+        xs = [b["index"] for b in t["blocks"]]
+        ys = [as_float(b["relative_error"]) for b in t["blocks"]]
+        ax.plot(xs, ys, marker="o", markersize=3, label=name)
+    ax.set_xlabel("block")
+    ax.set_ylabel("‖h_merged − h_expert‖ / ‖h_expert‖")
+    ax.set_title("Relative error of each block's output, per task")
+    ax.grid(True, alpha=0.3)
+    if result["tasks"]:
+        ax.legend(fontsize=7)
+    path = save_figure(fig, images_dir, filename)
+    return Plot(
+        path=path,
+        title="Per-block error against each expert",
+        caption="Relative error of the merged model's block outputs against each expert's, "
+        "on the task's calibration data (non-padding positions).",
+    )

@@ -254,6 +254,8 @@ def test_committed_results_record_each_rows_method_and_parameters():
     experts = {"t1": "/e/1", "t2": "/e/2"}
     cal = {t: {"path": f"/c/{t}.jsonl"} for t in experts}
     paths = sorted(glob.glob(os.path.join(REPO_ROOT, "benchmarks", "results", "*.json")))
+    # diagnose_correlation.json ranks diagnose against these tables; it is not a method table
+    paths = [p for p in paths if os.path.basename(p) != "diagnose_correlation.json"]
     assert paths
     for path in paths:
         with open(path, encoding="utf-8") as fp:

@@ -894,6 +894,48 @@ def _diagnostic_sections(
     return result
 
 
+DIAGNOSE_PLOT = "diagnose_block_errors.png"
+# `mergekit-ext card OUT --diagnose CONFIG` saves its result here; later cards (a rebuild, the
+# copy `publish` uploads) keep the section by reading it back.
+DIAGNOSE_FILENAME = "mergekit_ext_diagnose.json"
+
+
+def _diagnose_section(
+    result: Mapping[str, Any], images_dir: str, render_images: bool
+) -> dict[str, Any]:
+    """The card's view of a ``mergekit-ext diagnose`` result (its JSON, as a mapping)."""
+    from mergekit_ext.reporting import as_float, plot_block_errors
+
+    rows = []
+    for task, t in (result.get("tasks") or {}).items():
+        worst = t.get("worst_block") or {}
+        rows.append(
+            {
+                "task": task,
+                "agreement": t.get("agreement"),
+                "kl": t.get("kl"),
+                "worst": f"{worst['index']} ({_fmt(as_float(worst.get('relative_error')))})"
+                if worst
+                else "—",
+                "last": as_float(t["blocks"][-1]["relative_error"]) if t.get("blocks") else None,
+                "head": "the expert's (not in this model)"
+                if t.get("head") == "expert"
+                else ("this model's" if t.get("output") else "none (block errors only)"),
+                "output": t.get("output"),
+            }
+        )
+    plots = []
+    if render_images and rows:
+        plots.append(plot_block_errors(dict(result), images_dir, DIAGNOSE_PLOT))
+    return {
+        "rows": rows,
+        "mean_agreement": result.get("mean_agreement"),
+        "mean_kl": result.get("mean_kl"),
+        "next_token": any(r["output"] == "next_token" for r in rows),
+        "plots": plots,
+    }
+
+
 def _plain_rows(summary: Mapping[str, Any]) -> list[tuple[str, Any]]:
     """The top-level numbers and words of a summary, for methods without a template."""
     return [
@@ -970,6 +1012,7 @@ def build_card_context(
     render_images: bool = True,
     images_dir: Optional[str] = None,
     card_eval_results: Optional[list[EvalResult]] = None,
+    diagnose: Optional[Mapping[str, Any]] = None,
 ) -> CardContext:
     """Read a finished output folder and assemble the card's metadata and template variables.
 
@@ -980,6 +1023,8 @@ def build_card_context(
     """
     from mergekit_ext.config import parse_config
 
+    if diagnose is None:  # a result saved by an earlier `card --diagnose`
+        diagnose = _read_json(os.path.join(out_dir, DIAGNOSE_FILENAME))
     cwd = os.path.abspath(cwd or os.getcwd())
     config_path = os.path.join(out_dir, CONFIG_FILENAME)
     if not os.path.isfile(config_path):
@@ -1089,6 +1134,11 @@ def build_card_context(
         "calibration": _calibration_rows(diag, cfg, cwd),
         "data_aware": bool(method.get("needs_calibration")),
         "sections": sections,
+        "diagnose": _diagnose_section(
+            diagnose, images_dir or os.path.join(out_dir, IMAGES_DIR), render_images
+        )
+        if diagnose
+        else None,
         "has_diagnostics": bool(diag),
         "eval_rows": eval_rows,
         "versions": _versions(diag),
@@ -1151,15 +1201,19 @@ def write_model_card(
     name: Optional[str] = None,
     repo_id: Optional[str] = None,
     template_dir: Optional[str] = None,
+    diagnose: Optional[Mapping[str, Any]] = None,
 ) -> str:
     """Write ``README.md`` and ``images/*.png`` for the merge in ``out_dir``; returns the card path.
 
     ``name`` is the model's title (default: the folder name; the runner's temporary
     ``.NAME.partial-*`` folder gives NAME); ``repo_id`` is used in the loading snippet when
     the model is about to be published; ``template_dir`` overrides the shipped templates
-    (files with the same names: ``causal_lm.md.j2``, ``vision.md.j2``, ``encoder.md.j2``).
+    (files with the same names: ``causal_lm.md.j2``, ``vision.md.j2``, ``encoder.md.j2``);
+    ``diagnose`` is a ``mergekit-ext diagnose`` result of this model (a section and a plot).
     """
-    context = build_card_context(out_dir, eval_results=eval_results, name=name, repo_id=repo_id)
+    context = build_card_context(
+        out_dir, eval_results=eval_results, name=name, repo_id=repo_id, diagnose=diagnose
+    )
     card = render_model_card(context, template_dir)
     path = os.path.join(out_dir, README_FILENAME)
     with open(path, "w", encoding="utf-8") as fp:

@@ -55,6 +55,18 @@ def _setup_logging(verbose: int) -> None:
     default=None,
     help="Folder with your own causal_lm.md.j2 / vision.md.j2 / encoder.md.j2",
 )
+@click.option(
+    "--diagnose",
+    "diagnose_config",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Merge YAML whose experts (with calibration data) to compare OUT_DIR with "
+    "(`mergekit-ext diagnose`); adds an agreement section and writes "
+    "mergekit_ext_diagnose.json",
+)
+@click.option(
+    "--device", default="cpu", show_default=True, help="With --diagnose: cpu | cuda | auto"
+)
 @click.option("-v", "--verbose", count=True, help="Show logs (-vv: debug) and tracebacks")
 @_user_errors
 def card_command(
@@ -63,6 +75,8 @@ def card_command(
     name: Optional[str],
     repo_id: Optional[str],
     template_dir: Optional[str],
+    diagnose_config: Optional[str],
+    device: str,
     verbose: int,
 ) -> None:
     """Rebuild README.md (and images/) of the finished merge in OUT_DIR, offline."""
@@ -70,10 +84,37 @@ def card_command(
 
     _setup_logging(verbose)
     results = load_eval_results(eval_path) if eval_path else None
+    diagnosis = _diagnose(out_dir, diagnose_config, device) if diagnose_config else None
     path = write_model_card(
-        out_dir, eval_results=results, name=name, repo_id=repo_id, template_dir=template_dir
+        out_dir,
+        eval_results=results,
+        name=name,
+        repo_id=repo_id,
+        template_dir=template_dir,
+        diagnose=diagnosis,
     )
     click.echo(f"model card written to {path}")
+
+
+def _diagnose(out_dir: str, config_path: str, device: str) -> dict[str, Any]:
+    """Run ``mergekit-ext diagnose`` on ``out_dir``; the result is also saved next to it."""
+    import json
+    import os
+
+    from mergekit_ext.config import load_config
+    from mergekit_ext.executor.diagnose import diagnose, format_table, jsonable
+    from mergekit_ext.hub.card import DIAGNOSE_FILENAME, display_path
+
+    result = diagnose(load_config(config_path), out_dir, device=device)
+    result["config"] = os.path.basename(config_path)
+    result["merged"] = os.path.basename(os.path.abspath(out_dir))  # no local path in a card
+    for task in result["tasks"].values():
+        task["model"] = "+".join(display_path(p) for p in str(task["model"]).split("+"))
+    click.echo(format_table(result))
+    with open(os.path.join(out_dir, DIAGNOSE_FILENAME), "w", encoding="utf-8") as fp:
+        json.dump(jsonable(result), fp, indent=2)
+        fp.write("\n")
+    return result
 
 
 @click.command("publish")

@@ -1,0 +1,893 @@
+"""``mergekit-ext diagnose``: how far a merged model is from each expert, block by block.
+
+For every task of a merge YAML (each entry of ``models:`` but the base model, with its
+calibration data), the task's calibration batches run through the expert and through the
+merged model side by side, one block at a time, exactly as the sequential executor walks a
+network (:mod:`mergekit_ext.executor.sequential`: the models' own transformers classes on
+the meta device, the embeddings through the backbone's own ``forward``, each block through
+``torch.func.functional_call`` with only that block's tensors). Per block it records the
+relative error of the block output on the non-padding positions
+
+    e_l = ‖H_merged,l − H_expert,l‖_F / ‖H_expert,l‖_F ,
+
+and at the output, for models with a head:
+
+- classifiers (sequence / image classification, token heads): argmax agreement with the
+  expert and the mean ``KL(p_expert ‖ p_merged)`` over samples (positions for token heads);
+- causal LMs: next-token top-1 agreement and the mean KL over every non-padding position,
+  with the logits formed in chunks of the vocabulary (:func:`chunked_kl_top1`), so the
+  memory is bounded whatever the vocabulary size.
+
+Where the merged folder lacks the expert's head (a body-only merge, e.g. a ``BertModel``
+merged from ``BertForSequenceClassification`` experts, or a ``LlamaModel``), the expert's
+own head runs on the merged body and the result says so (``head: "expert"`` and the tensor
+names). Models without any head (``BertModel`` experts, CLIP vision towers) get the block
+errors only.
+
+Memory: one block's tensors at a time (the expert's, then each merged model's) plus one
+task's hidden states on each path; never a whole model. Everything that needs no weights
+(config, models, family, shapes, calibration data, tokenizers) is checked by
+:func:`plan_diagnosis` before the first weight is read.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+import torch
+from torch import nn
+
+from mergekit_ext.calibration.config import CalibrationSpec
+from mergekit_ext.calibration.sources import (
+    CalibrationData,
+    check_calibration,
+    check_tokenizers_match,
+    load_calibration,
+)
+from mergekit_ext.calibration.statistics import flatten_tokens
+from mergekit_ext.config import ExtMergeConfig
+from mergekit_ext.errors import CalibrationError, ConfigError, MergekitExtError, ModelInputError
+from mergekit_ext.executor.checkpoint import (
+    HEAD_PREFIX,
+    ModelSource,
+    build_skeleton,
+    canonical_name,
+    has_tokenizer,
+    module_key_of,
+    open_model,
+    resolve_model_folder,
+)
+from mergekit_ext.executor.families import ModelFamily
+from mergekit_ext.executor.plan import Source, _expert_entries, _Opened
+from mergekit_ext.executor.sequential import (
+    _BlockCallRecorder,
+    _buffers_to,
+    _CallSink,
+    _StopForward,
+    _trim_heap,
+)
+
+LOG = logging.getLogger(__name__)
+
+OutputKind = Literal["next_token", "class", "none"]
+
+# Elements of one logits chunk (rows x vocabulary slice) in chunked_kl_top1: 2M float64
+# values = 16 MB per array, a handful of arrays alive at once.
+LOGIT_CHUNK_ELEMENTS = 2**21
+
+
+# ------------------------------------------------------------------------------------------
+# Output agreement: pure tensor functions
+
+
+def kl_and_agreement(
+    reference_logits: torch.Tensor, logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row ``KL(softmax(reference) ‖ softmax(logits))`` and argmax agreement, float64.
+
+    Args:
+        reference_logits: ``[N, C]`` logits of the expert.
+        logits: ``[N, C]`` logits of the merged model.
+
+    Returns:
+        ``(kl [N] float64, agree [N] bool)``; ``KL = Σ_c p_c (log p_c − log q_c)``.
+    """
+    log_p = torch.log_softmax(reference_logits.double(), dim=-1)
+    log_q = torch.log_softmax(logits.double(), dim=-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    agree = reference_logits.argmax(-1) == logits.argmax(-1)
+    return kl, agree
+
+
+def chunked_kl_top1(
+    reference_hidden: torch.Tensor,
+    reference_weight: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    reference_bias: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+    chunk_elements: int = LOGIT_CHUNK_ELEMENTS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL and top-1 agreement of two LM heads without materializing ``[N, V]`` logits.
+
+    With ``z = h_ref W_refᵀ + b_ref`` and ``y = h W ᵀ + b`` (rows: positions, columns: the
+    vocabulary) and ``log Z = logsumexp``::
+
+        KL(softmax z ‖ softmax y) = Σ_v p_v (z_v − y_v) − log Z_z + log Z_y,
+        Σ_v p_v (z_v − y_v) = Σ_v e^{z_v − m} (z_v − y_v) / Σ_v e^{z_v − m}
+
+    for any shift ``m``. The vocabulary is walked in slices; the running maximum ``m`` of
+    each row and the two sums are rescaled by ``e^{m_old − m_new}`` when it grows (the
+    online softmax of Milakov & Gimelshein, 2018). The argmax keeps the first maximum, as
+    ``torch.argmax``. Products in float32 (the weights' compute dtype), sums in float64.
+
+    Args:
+        reference_hidden / hidden: ``[N, D]`` inputs of the expert's / merged model's head.
+        reference_weight / weight: ``[V, D]`` head weights; ``*_bias``: ``[V]`` or None.
+        chunk_elements: at most this many logits (N x slice) per slice.
+
+    Returns:
+        ``(kl [N] float64, agree [N] bool)``.
+    """
+    n, vocab = reference_hidden.shape[0], reference_weight.shape[0]
+    device = reference_hidden.device
+    step = max(1, min(vocab, chunk_elements // max(n, 1)))
+    neg_inf = torch.full((n,), -math.inf, dtype=torch.float64, device=device)
+    m_ref, m_new = neg_inf.clone(), neg_inf.clone()
+    s_ref = torch.zeros(n, dtype=torch.float64, device=device)
+    s_new = torch.zeros_like(s_ref)
+    cross = torch.zeros_like(s_ref)  # Σ e^{z − m_ref} (z − y)
+    best_ref, best_new = neg_inf.clone(), neg_inf.clone()
+    arg_ref = torch.zeros(n, dtype=torch.long, device=device)
+    arg_new = torch.zeros_like(arg_ref)
+    for start in range(0, vocab, step):
+        stop = min(vocab, start + step)
+        z = reference_hidden @ reference_weight[start:stop].T
+        y = hidden @ weight[start:stop].T
+        if reference_bias is not None:
+            z = z + reference_bias[start:stop]
+        if bias is not None:
+            y = y + bias[start:stop]
+        z, y = z.double(), y.double()
+        z_max, z_arg = z.max(-1)
+        y_max, y_arg = y.max(-1)
+        grown = torch.maximum(m_ref, z_max)
+        scale = torch.exp(m_ref - grown)
+        e = torch.exp(z - grown[:, None])
+        s_ref = s_ref * scale + e.sum(-1)
+        cross = cross * scale + (e * (z - y)).sum(-1)
+        m_ref = grown
+        grown = torch.maximum(m_new, y_max)
+        s_new = s_new * torch.exp(m_new - grown) + torch.exp(y - grown[:, None]).sum(-1)
+        m_new = grown
+        better = z_max > best_ref
+        best_ref = torch.where(better, z_max, best_ref)
+        arg_ref = torch.where(better, z_arg + start, arg_ref)
+        better = y_max > best_new
+        best_new = torch.where(better, y_max, best_new)
+        arg_new = torch.where(better, y_arg + start, arg_new)
+        del z, y, e
+    log_z_ref = m_ref + torch.log(s_ref)
+    log_z_new = m_new + torch.log(s_new)
+    kl = cross / s_ref - log_z_ref + log_z_new
+    return kl, arg_ref == arg_new
+
+
+# ------------------------------------------------------------------------------------------
+# The plan: everything checked before a weight loads
+
+
+@dataclass
+class DiagnosisTask:
+    """One task: its expert, calibration data and (once loaded) its batches."""
+
+    name: str
+    label: str  # the model as written in the YAML
+    source: Source
+    data_path: str
+    calibration: CalibrationSpec
+    data: Optional[CalibrationData] = None
+
+
+@dataclass
+class MergedModel:
+    """One merged checkpoint to diagnose."""
+
+    label: str
+    source: ModelSource
+
+
+@dataclass
+class DiagnosisPlan:
+    """The checked inputs of a diagnosis (see :func:`plan_diagnosis`)."""
+
+    family: ModelFamily
+    merged: list[MergedModel]
+    tasks: list[DiagnosisTask]
+    num_blocks: int
+
+
+def _output_kind(skeleton: nn.Module) -> OutputKind:
+    """What the expert's class outputs: next-token logits, class logits, or none (a body)."""
+    name = type(skeleton).__name__
+    if name.endswith(("ForCausalLM", "LMHeadModel")) and isinstance(
+        skeleton.get_output_embeddings(), nn.Linear
+    ):
+        return "next_token"
+    if "For" in name:
+        return "class"
+    return "none"
+
+
+def _block_names(source: Source, layers_path: str, index: int) -> list[str]:
+    prefix = f"{layers_path}.{index}."
+    return [n for n in source.names() if n.startswith(prefix)]
+
+
+def _num_blocks(source: Source, family: ModelFamily) -> tuple[str, int]:
+    backbone = source.backbone
+    path = family.layers_path(backbone)
+    return path, len(backbone.get_submodule(path))
+
+
+def _check_same_body(merged: MergedModel, task: DiagnosisTask, family: ModelFamily) -> None:
+    """The expert's blocks and embeddings have the merged model's tensors, shapes included."""
+    m, e = merged.source, task.source
+    if e.family.name != m.family.name:
+        raise ModelInputError(
+            f"architecture mismatch: the merged model {merged.label} is a "
+            f"{m.config.model_type!r} model ({m.family.name} family) but expert {task.label} "
+            f"(task {task.name!r}) is {e.config.model_type!r} ({e.family.name} family); diagnose "
+            "compares a merged model with experts of its own architecture"
+        )
+    if e.config.model_type != m.config.model_type:
+        raise ModelInputError(
+            f"architecture mismatch: the merged model {merged.label} is {m.config.model_type!r} "
+            f"but expert {task.label} (task {task.name!r}) is {e.config.model_type!r}"
+        )
+    m_path, m_blocks = _num_blocks(m, family)
+    e_path, e_blocks = _num_blocks(e, family)
+    if m_blocks != e_blocks:
+        raise ModelInputError(
+            f"architecture mismatch: the merged model {merged.label} has {m_blocks} blocks but "
+            f"expert {task.label} (task {task.name!r}) has {e_blocks}"
+        )
+    needed = [n for i in range(e_blocks) for n in _block_names(e, e_path, i)]
+    needed += [n for n in e.names() if any(n.startswith(p + ".") for p in family.pre_block_modules)]
+    for i in range(m_blocks):
+        extra = set(_block_names(m, m_path, i)) - set(_block_names(e, e_path, i))
+        if extra:
+            raise ModelInputError(
+                f"architecture mismatch: block {i} of the merged model {merged.label} has "
+                f"{sorted(extra)[0]}, which expert {task.label} (task {task.name!r}) lacks"
+            )
+    for name in needed:
+        if not m.provides(name):
+            raise ModelInputError(
+                f"architecture mismatch: the merged model {merged.label} lacks "
+                f"{e.checkpoint_key.get(name, name)} of expert {task.label} (task "
+                f"{task.name!r}); diagnose runs every block and embedding of both models"
+            )
+        if tuple(m.shape(name)) != tuple(e.shape(name)):
+            raise ModelInputError(
+                f"architecture mismatch: tensor {e.checkpoint_key.get(name, name)} has shape "
+                f"{list(e.shape(name))} in expert {task.label} (task {task.name!r}) but "
+                f"{list(m.shape(name))} in the merged model {merged.label}"
+            )
+
+
+def plan_diagnosis(
+    cfg: ExtMergeConfig,
+    merged_dirs: Sequence[str],
+    *,
+    cache_dir: Optional[str] = None,
+    trust_remote_code: bool = False,
+    load_data: bool = True,
+) -> DiagnosisPlan:
+    """Check everything that needs no weights and load (tokenize) the calibration data.
+
+    Raises a one-line :class:`MergekitExtError` naming the model, task or tensor for a
+    config without ``models:``, a missing model, an unsupported family, an architecture
+    mismatch, missing or unreadable calibration data and tokenizers that differ.
+    """
+    if not merged_dirs:
+        raise ConfigError("diagnose needs a merged model folder")
+    no_list = ConfigError(
+        "diagnose needs the experts as a `models:` list (a slices/modules config names no "
+        "experts to compare with)"
+    )
+    if not cfg.models or cfg.raw.get("slices") or cfg.raw.get("modules"):
+        raise no_list
+    try:
+        entries = _expert_entries(cfg)
+    except ConfigError:
+        raise no_list from None
+    if not entries:
+        raise ConfigError(
+            "the config lists no expert besides the base model; diagnose compares the merged "
+            "model with each entry of `models:`"
+        )
+    opened = _Opened(cache_dir)
+    merged: list[MergedModel] = []
+    for path in merged_dirs:
+        folder = resolve_model_folder(path, what=f"merged model {path}", cache_dir=cache_dir)
+        merged.append(
+            MergedModel(path, open_model(path, folder, None, what=f"merged model {path}"))
+        )
+    family = merged[0].source.family
+    for other in merged[1:]:
+        if other.source.family.name != family.name:
+            raise ModelInputError(
+                f"merged models {merged[0].label} and {other.label} are of different families"
+            )
+
+    tasks: list[DiagnosisTask] = []
+    for entry, ref in entries:
+        spec = cfg.calibration_for(entry)
+        if spec is None or not spec.has_data:
+            raise CalibrationError(
+                f"model {entry.model} (task {entry.name!r}) has no calibration data, which "
+                "diagnose runs through the expert and the merged model: add `calibration: "
+                "{path: data.jsonl, field: text}` to its entry (or a top-level `calibration:`)"
+            )
+        what = f"model {entry.model} (task {entry.name!r})"
+        source, data_path = opened.reference(ref, entry.model, None, what)
+        task = DiagnosisTask(entry.name, entry.model, source, data_path, spec)
+        for m in merged:
+            _check_same_body(m, task, family)
+        check_calibration(spec, task=entry.name, modality=family.modality)
+        tasks.append(task)
+
+    if family.modality == "text":
+        paths = [t.data_path for t in tasks] + [m.source.path for m in merged]
+        paths = [p for p in dict.fromkeys(paths) if has_tokenizer(p)]
+        if len(paths) > 1:
+            check_tokenizers_match(paths)
+    _, num_blocks = _num_blocks(merged[0].source, family)
+    if load_data:
+        for t in tasks:
+            t.data = load_calibration(
+                t.calibration,
+                t.data_path,
+                task=t.name,
+                modality=family.modality,
+                trust_remote_code=trust_remote_code,
+            )
+            if not t.data.batches:
+                raise CalibrationError(f"model {t.label} (task {t.name!r}): no calibration batches")
+    return DiagnosisPlan(family=family, merged=merged, tasks=tasks, num_blocks=num_blocks)
+
+
+# ------------------------------------------------------------------------------------------
+# Walking one model
+
+
+class _Replay(nn.Module):
+    """Stands in for block ``index`` in the output pass: the last one returns ``output``."""
+
+    def __init__(self, index: int, last: int) -> None:
+        super().__init__()
+        self.index = index
+        self.last = last
+        self.output: Optional[torch.Tensor] = None
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.index == self.last:
+            assert self.output is not None
+            return self.output
+        return hidden_states
+
+
+def _accepts_cache(module: nn.Module) -> bool:
+    return "use_cache" in inspect.signature(module.forward).parameters
+
+
+class _Walker:
+    """One model's class (meta parameters) walked block by block with real tensors.
+
+    Like the sequential executor: the block list holds call recorders while the embeddings
+    run (they capture the masks and rotary embeddings transformers passes each block); the
+    real block modules run through ``functional_call``. For the output, the recorders are
+    swapped for :class:`_Replay` stand-ins and the whole model's ``forward`` runs from the
+    embeddings with the last block's output injected, so the final norm, pooler and head
+    are transformers' own.
+    """
+
+    def __init__(self, source: Source, family: ModelFamily, device: torch.device) -> None:
+        self.source = source
+        self.device = device
+        self.skeleton = build_skeleton(source.config)
+        _buffers_to(self.skeleton, device)
+        self.backbone_path = source.backbone_path
+        self.backbone = (
+            self.skeleton.get_submodule(self.backbone_path) if self.backbone_path else self.skeleton
+        )
+        self.layers_path = family.layers_path(self.backbone)
+        self.block_list = self.backbone.get_submodule(self.layers_path)
+        self.blocks: list[nn.Module] = list(self.block_list)
+        last = len(self.blocks) - 1
+        self.sink = _CallSink(last=last)
+        self.recorders = [_BlockCallRecorder(i, self.sink) for i in range(len(self.blocks))]
+        self.replays = [_Replay(i, last) for i in range(len(self.blocks))]
+        self._install(self.recorders)
+        self.backbone_extra = {"use_cache": False} if _accepts_cache(self.backbone) else {}
+        self.model_extra = {"use_cache": False} if _accepts_cache(self.skeleton) else {}
+        self.kind = _output_kind(self.skeleton)
+        head = self.skeleton.get_output_embeddings() if self.kind == "next_token" else None
+        self.head_name: Optional[str] = None
+        if head is not None:
+            self.head_name = next(k for k, mod in self.skeleton.named_modules() if mod is head)
+
+    def _install(self, modules: Sequence[nn.Module]) -> None:
+        for i, module in enumerate(modules):
+            self.block_list[i] = module
+
+    def block_tensors(self, index: int) -> list[str]:
+        return _block_names(self.source, self.layers_path, index)
+
+    def non_block_tensors(self) -> list[str]:
+        prefix = self.layers_path + "."
+        return [n for n in self.source.names() if not n.startswith(prefix)]
+
+    def embed(
+        self, params: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, list[tuple[tuple[Any, ...], dict[str, Any]]]]:
+        """The first block's input and every block's call arguments for one batch."""
+        self.sink.reset()
+        try:
+            torch.func.functional_call(
+                self.backbone, params, args=(), kwargs={**inputs, **self.backbone_extra}
+            )
+        except _StopForward:
+            pass
+        if self.sink.hidden is None or len(self.sink.calls) != len(self.blocks):
+            raise MergekitExtError(
+                f"{type(self.backbone).__name__}.forward called {len(self.sink.calls)} of "
+                f"{len(self.blocks)} blocks"
+            )
+        hidden, calls = self.sink.hidden.to(torch.float32), list(self.sink.calls)
+        self.sink.reset()
+        return hidden, calls
+
+    def run_block(
+        self,
+        index: int,
+        params: dict[str, torch.Tensor],
+        hidden: torch.Tensor,
+        call: tuple[tuple[Any, ...], dict[str, Any]],
+    ) -> torch.Tensor:
+        args, kwargs = call
+        out = torch.func.functional_call(self.blocks[index], params, (hidden, *args), kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+    def output(
+        self,
+        params: dict[str, torch.Tensor],
+        inputs: dict[str, torch.Tensor],
+        last_hidden: torch.Tensor,
+    ) -> torch.Tensor:
+        """The head's logits (``class``) or the LM head's input (``next_token``) for a batch."""
+        self.replays[-1].output = last_hidden
+        self._install(self.replays)
+        captured: list[torch.Tensor] = []
+        handle = None
+        if self.head_name is not None:
+
+            def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+                captured.append(args[0])
+                raise _StopForward
+
+            handle = self.skeleton.get_submodule(self.head_name).register_forward_pre_hook(hook)
+        try:
+            out = torch.func.functional_call(
+                self.skeleton, params, args=(), kwargs={**inputs, **self.model_extra}
+            )
+        except _StopForward:
+            return captured[0].to(torch.float32)
+        finally:
+            if handle is not None:
+                handle.remove()
+            self.replays[-1].output = None
+            self._install(self.recorders)
+        logits = getattr(out, "logits", None)
+        if logits is None:
+            raise MergekitExtError(f"{type(self.skeleton).__name__} returned no logits")
+        return logits.to(torch.float32)
+
+
+# ------------------------------------------------------------------------------------------
+# Running the diagnosis
+
+
+@dataclass
+class _Path:
+    """One model's view of one task: its walker and where each output tensor comes from."""
+
+    walker: _Walker  # embeddings and blocks: the model's own class
+    body: Source  # embeddings and blocks
+    tail_walker: _Walker  # the class whose forward runs the output (final norm, head)
+    tail: dict[str, Source] = field(default_factory=dict)  # canonical -> source (output pass)
+    head: Optional[tuple[Source, str, Optional[str]]] = None  # LM head: source, weight, bias
+    from_expert: list[str] = field(default_factory=list)  # output tensors taken from the expert
+
+
+class Diagnoser:
+    """Runs a :class:`DiagnosisPlan`; :meth:`run` returns one result per merged model."""
+
+    def __init__(self, plan: DiagnosisPlan, device: torch.device) -> None:
+        self.plan = plan
+        self.device = device
+        self.family = plan.family
+        self._merged_walkers: dict[int, _Walker] = {}
+
+    def _merged_walker(self, index: int) -> _Walker:
+        if index not in self._merged_walkers:
+            self._merged_walkers[index] = _Walker(
+                self.plan.merged[index].source, self.family, self.device
+            )
+        return self._merged_walkers[index]
+
+    def _merged_path(self, index: int, expert: _Walker) -> _Path:
+        """The merged model for one task; the expert's class runs the output where needed.
+
+        The merged model's own class runs its output when it is the expert's class and has
+        every tensor of the expert's tail (final norm, pooler, head) with the same shape;
+        otherwise the expert's class runs it with the merged model's tensors where it has
+        them and the expert's own for the rest (its head), and the result says so.
+        """
+        merged = self.plan.merged[index].source
+        walker = self._merged_walker(index)
+        names = expert.non_block_tensors()
+        own = [n for n in names if _same(merged, expert.source, n)]
+        head = _lm_head(expert)
+        head_own = head is None or _same(merged, expert.source, head[0])
+        if type(walker.skeleton) is type(expert.skeleton) and len(own) == len(names) and head_own:
+            path = _Path(walker, merged, walker, dict.fromkeys(walker.non_block_tensors(), merged))
+        else:
+            tail = {n: (merged if n in own else expert.source) for n in names}
+            path = _Path(
+                walker, merged, expert, tail, from_expert=[n for n in names if n not in own]
+            )
+        if head is not None:
+            weight, bias = head
+            source = merged if head_own else expert.source
+            if not head_own and weight not in path.from_expert:
+                path.from_expert.append(weight)
+            path.head = (
+                source,
+                weight,
+                bias if bias is not None and source.provides(bias) else None,
+            )
+        return path
+
+    def _expert_path(self, expert: _Walker) -> _Path:
+        tail = dict.fromkeys(expert.non_block_tensors(), expert.source)
+        path = _Path(expert, expert.source, expert, tail)
+        head = _lm_head(expert)
+        if head is not None:
+            weight, bias = head
+            has_bias = bias is not None and expert.source.provides(bias)
+            path.head = (expert.source, weight, bias if has_bias else None)
+        return path
+
+    def _tail_params(self, path: _Path, walker: _Walker) -> dict[str, torch.Tensor]:
+        """The output pass's tensors by module key (an LM head is applied in chunks instead)."""
+        skip = set(path.head[1:]) if path.head is not None else set()
+        return {
+            module_key_of(n, walker.backbone_path): source.load(n, self.device)
+            for n, source in path.tail.items()
+            if n not in skip
+        }
+
+    def run(self) -> list[dict[str, Any]]:
+        results: list[dict[str, Any]] = [
+            {"merged": m.label, "family": self.family.name, "tasks": {}} for m in self.plan.merged
+        ]
+        with torch.no_grad():
+            for task in self.plan.tasks:
+                start = time.perf_counter()
+                per_model = self._run_task(task)
+                seconds = time.perf_counter() - start
+                LOG.info(
+                    "task %s: %d merged model(s) diagnosed in %.1fs",
+                    task.name,
+                    len(per_model),
+                    seconds,
+                )
+                for result, task_result in zip(results, per_model):
+                    task_result["seconds"] = round(seconds, 3)
+                    result["tasks"][task.name] = task_result
+        for result in results:
+            result.update(summarize(result["tasks"]))
+        return results
+
+    def _run_task(self, task: DiagnosisTask) -> list[dict[str, Any]]:
+        assert task.data is not None, "plan_diagnosis loads the calibration data"
+        device = self.device
+        expert = _Walker(task.source, self.family, device)
+        expert_path = self._expert_path(expert)
+        merged_paths = [self._merged_path(i, expert) for i in range(len(self.plan.merged))]
+        paths = [expert_path, *merged_paths]
+
+        inputs = [
+            {k: v.to(device) for k, v in self.family.forward_inputs(b).items()}
+            for b in task.data.batches
+        ]
+        masks = []
+        for b in task.data.batches:
+            mask = self.family.token_mask(b)
+            masks.append(mask.to(device).bool() if mask is not None else None)
+
+        # Embeddings (each model's own) and every block's call arguments.
+        hidden: list[list[torch.Tensor]] = []
+        calls: list[list[list[tuple[tuple[Any, ...], dict[str, Any]]]]] = []
+        for path in paths:
+            pre = {
+                n: path.body.load(n, device)
+                for n in path.walker.non_block_tensors()
+                if any(n.startswith(p + ".") for p in self.family.pre_block_modules)
+            }
+            pairs = [path.walker.embed(pre, x) for x in inputs]
+            hidden.append([h for h, _ in pairs])
+            calls.append([c for _, c in pairs])
+            del pre, pairs
+            path.body.release()
+
+        errors: list[list[dict[str, Any]]] = [[] for _ in merged_paths]
+        for index in range(self.plan.num_blocks):
+            for p, path in enumerate(paths):
+                names = path.walker.block_tensors(index)
+                local = len(path.walker.layers_path) + len(f".{index}.")
+                params = {n[local:]: path.body.load(n, device) for n in names}
+                hidden[p] = [
+                    path.walker.run_block(index, params, h, c[index])
+                    for h, c in zip(hidden[p], calls[p])
+                ]
+                del params
+                path.body.release()
+            for m in range(len(merged_paths)):
+                errors[m].append(
+                    {
+                        "index": index,
+                        "relative_error": relative_error(hidden[0], hidden[m + 1], masks),
+                    }
+                )
+            _trim_heap()
+
+        outputs = self._outputs(expert, paths, inputs, masks, hidden)
+        results = []
+        for m, path in enumerate(merged_paths):
+            result: dict[str, Any] = {
+                "model": task.label,
+                "samples": task.data.num_samples,
+                "tokens": task.data.num_tokens,
+                **outputs[m],
+                "head": "expert" if path.from_expert else "merged",
+                "expert_tensors_used": [n.removeprefix(HEAD_PREFIX) for n in path.from_expert],
+                "blocks": errors[m],
+            }
+            worst = max(errors[m], key=lambda r: r["relative_error"], default=None)
+            result["worst_block"] = worst
+            results.append(result)
+        return results
+
+    def _outputs(
+        self,
+        expert: _Walker,
+        paths: list[_Path],
+        inputs: list[dict[str, torch.Tensor]],
+        masks: list[Optional[torch.Tensor]],
+        hidden: list[list[torch.Tensor]],
+    ) -> list[dict[str, Any]]:
+        kind = expert.kind
+        if kind == "none":
+            return [
+                {"output": None, "agreement": None, "kl": None, "positions": 0} for _ in paths[1:]
+            ]
+        tails = []
+        for p, path in enumerate(paths):
+            params = self._tail_params(path, path.tail_walker)
+            outs = [path.tail_walker.output(params, x, h) for x, h in zip(inputs, hidden[p])]
+            head = None
+            if path.head is not None:
+                source, weight, bias = path.head
+                head = (
+                    source.load(weight, self.device),
+                    source.load(bias, self.device) if bias is not None else None,
+                )
+            tails.append((outs, head))
+            del params
+            path.body.release()
+        results = []
+        ref_outs, ref_head = tails[0]
+        for outs, head in tails[1:]:
+            kl_sum, agree_sum, count = 0.0, 0, 0
+            for b, (ref, new) in enumerate(zip(ref_outs, outs)):
+                mask = masks[b]
+                if kind == "next_token":
+                    assert ref_head is not None and head is not None
+                    kl, agree = chunked_kl_top1(
+                        flatten_tokens(ref, mask),
+                        ref_head[0],
+                        flatten_tokens(new, mask),
+                        head[0],
+                        ref_head[1],
+                        head[1],
+                    )
+                else:
+                    if ref.dim() == 3:  # a token head: one prediction per position
+                        ref, new = flatten_tokens(ref, mask), flatten_tokens(new, mask)
+                    kl, agree = kl_and_agreement(
+                        ref.reshape(-1, ref.shape[-1]), new.reshape(-1, new.shape[-1])
+                    )
+                kl_sum += float(kl.sum())
+                agree_sum += int(agree.sum())
+                count += int(agree.numel())
+            results.append(
+                {
+                    "output": kind,
+                    "agreement": agree_sum / count if count else None,
+                    "kl": kl_sum / count if count else None,
+                    "positions": count,
+                }
+            )
+        return results
+
+
+def _same(merged: Source, expert: Source, canonical: str) -> bool:
+    """The merged model has this tensor of the expert, with the same shape."""
+    return merged.provides(canonical) and tuple(merged.shape(canonical)) == tuple(
+        expert.shape(canonical)
+    )
+
+
+def _lm_head(walker: _Walker) -> Optional[tuple[str, Optional[str]]]:
+    """Canonical names of a causal LM's head weight and bias (None for other outputs)."""
+    if walker.head_name is None:
+        return None
+    weight = canonical_name(walker.head_name + ".weight", walker.backbone_path)
+    bias = canonical_name(walker.head_name + ".bias", walker.backbone_path)
+    return weight, bias
+
+
+def relative_error(
+    reference: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    masks: Sequence[Optional[torch.Tensor]],
+) -> float:
+    """``‖X − R‖_F / ‖R‖_F`` over the non-padding positions of every batch, in float64.
+
+    Args:
+        reference: the expert's ``[B, T, D]`` hidden states per batch.
+        values: the merged model's, same shapes.
+        masks: ``[B, T]`` token masks per batch (None: every position).
+
+    Returns:
+        The relative error (0 when both are zero; inf when only the reference is zero).
+    """
+    diff = 0.0
+    norm = 0.0
+    for r, v, mask in zip(reference, values, masks):
+        r_rows = flatten_tokens(r, mask).double()
+        v_rows = flatten_tokens(v, mask).double()
+        diff += float(((v_rows - r_rows) ** 2).sum())
+        norm += float((r_rows**2).sum())
+    if norm == 0.0:
+        return 0.0 if diff == 0.0 else math.inf
+    return math.sqrt(diff / norm)
+
+
+def summarize(tasks: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Means over the tasks: agreement, KL and last-block error (None where not measured)."""
+
+    def mean(values: list[Optional[float]]) -> Optional[float]:
+        finite = [v for v in values if v is not None]
+        return sum(finite) / len(finite) if finite else None
+
+    return {
+        "mean_agreement": mean([t["agreement"] for t in tasks.values()]),
+        "mean_kl": mean([t["kl"] for t in tasks.values()]),
+        "mean_last_block_error": mean(
+            [t["blocks"][-1]["relative_error"] if t["blocks"] else None for t in tasks.values()]
+        ),
+    }
+
+
+def diagnose(
+    cfg: ExtMergeConfig,
+    merged_dirs: Sequence[str] | str,
+    *,
+    device: str = "cpu",
+    cache_dir: Optional[str] = None,
+    trust_remote_code: bool = False,
+) -> list[dict[str, Any]] | dict[str, Any]:
+    """Diagnose one merged folder (a dict) or several against the same experts (a list).
+
+    Several merged folders share the experts' forward passes (each expert block runs once
+    per task, then each merged model's block).
+    """
+    from mergekit_ext.executor.sequential import resolve_device
+
+    single = isinstance(merged_dirs, str)
+    dirs = [merged_dirs] if single else list(merged_dirs)
+    torch_device = resolve_device(device)
+    start = time.perf_counter()
+    plan = plan_diagnosis(cfg, dirs, cache_dir=cache_dir, trust_remote_code=trust_remote_code)
+    results = Diagnoser(plan, torch_device).run()
+    seconds = round(time.perf_counter() - start, 3)
+    for r in results:
+        r["seconds"] = seconds
+        r["config"] = os.path.basename(cfg.path) if cfg.path else None
+    return results[0] if single else results
+
+
+# ------------------------------------------------------------------------------------------
+# Presenting a result
+
+
+def _cell(value: Optional[float], digits: int = 4) -> str:
+    if value is None:
+        return "—"
+    if not math.isfinite(value):
+        return str(value)
+    return f"{value:.{digits}f}"
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The terminal table: per task its agreement, KL, worst block and head."""
+    rows = [("task", "agreement", "KL", "worst block (rel. error)", "last block", "head")]
+    for name, t in result["tasks"].items():
+        worst = t.get("worst_block")
+        last = t["blocks"][-1]["relative_error"] if t["blocks"] else None
+        rows.append(
+            (
+                name,
+                _cell(t["agreement"]),
+                _cell(t["kl"], 5),
+                f"{worst['index']} ({_cell(worst['relative_error'])})" if worst else "—",
+                _cell(last),
+                "expert's head on the merged body"
+                if t["head"] == "expert"
+                else ("merged" if t["output"] else "no head (blocks only)"),
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.append(
+        f"mean agreement {_cell(result.get('mean_agreement'))}, mean KL "
+        f"{_cell(result.get('mean_kl'), 5)}, mean last-block error "
+        f"{_cell(result.get('mean_last_block_error'))}"
+    )
+    for name, t in result["tasks"].items():
+        if t["expert_tensors_used"]:
+            lines.append(
+                f"{name}: {result['merged']} has no {', '.join(t['expert_tensors_used'])} of "
+                "this task; the expert's own was used on the merged body"
+            )
+    return "\n".join(lines)
+
+
+def plot_block_errors(result: dict[str, Any], images_dir: str, filename: str) -> Any:
+    """The per-block error plot of a diagnosis (:func:`mergekit_ext.reporting.plot_block_errors`)."""
+    from mergekit_ext.reporting import plot_block_errors as plot
+
+    return plot(result, images_dir, filename)
+
+
+def jsonable(value: Any) -> Any:
+    """NaN/Inf as strings (``"inf"``): the JSON stays standard and reporting reads them back."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    return value
