@@ -1,0 +1,512 @@
+"""What a model card says about the merge's inputs: architecture, sources (local or Hub), licences."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import yaml
+
+LOG = logging.getLogger(__name__)
+
+README_FILENAME = "README.md"
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+
+# Architecture-name suffix → (template, pipeline_tag, transformers Auto class).
+_HEAD_SUFFIXES: tuple[tuple[str, str, Optional[str], str], ...] = (
+    ("ForCausalLM", "causal_lm", "text-generation", "AutoModelForCausalLM"),
+    ("LMHeadModel", "causal_lm", "text-generation", "AutoModelForCausalLM"),
+    ("ForImageClassification", "vision", "image-classification", "AutoModelForImageClassification"),
+    ("ForSemanticSegmentation", "vision", "image-segmentation", "AutoModelForSemanticSegmentation"),
+    ("ForObjectDetection", "vision", "object-detection", "AutoModelForObjectDetection"),
+    (
+        "ForSequenceClassification",
+        "encoder",
+        "text-classification",
+        "AutoModelForSequenceClassification",
+    ),
+    (
+        "ForTokenClassification",
+        "encoder",
+        "token-classification",
+        "AutoModelForTokenClassification",
+    ),
+    ("ForQuestionAnswering", "encoder", "question-answering", "AutoModelForQuestionAnswering"),
+    ("ForMaskedLM", "encoder", "fill-mask", "AutoModelForMaskedLM"),
+    ("ForMultipleChoice", "encoder", None, "AutoModelForMultipleChoice"),
+)
+
+# Whole-model architectures without a task suffix.
+_EXACT_ARCHITECTURES: dict[str, tuple[str, Optional[str], str]] = {
+    "CLIPModel": ("vision", "zero-shot-image-classification", "AutoModel"),
+    "SiglipModel": ("vision", "zero-shot-image-classification", "AutoModel"),
+    "Siglip2Model": ("vision", "zero-shot-image-classification", "AutoModel"),
+    "CLIPVisionModel": ("vision", "image-feature-extraction", "CLIPVisionModel"),
+    "CLIPVisionModelWithProjection": (
+        "vision",
+        "image-feature-extraction",
+        "CLIPVisionModelWithProjection",
+    ),
+    "CLIPTextModel": ("encoder", "feature-extraction", "CLIPTextModel"),
+    "CLIPTextModelWithProjection": ("encoder", "feature-extraction", "CLIPTextModelWithProjection"),
+}
+
+
+# ------------------------------------------------------------------------- architecture
+
+
+@dataclass(frozen=True)
+class ArchitectureInfo:
+    """What the merged ``config.json`` says the model is, and how the card presents it."""
+
+    architecture: Optional[str]
+    model_type: Optional[str]
+    template: str  # causal_lm | vision | encoder
+    pipeline_tag: Optional[str]
+    auto_class: str
+
+
+def _is_vision_config(config: Mapping[str, Any]) -> bool:
+    if config.get("vision_config") is not None and config.get("text_config") is None:
+        return True
+    if "image_size" in config and ("patch_size" in config or "num_channels" in config):
+        return True
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_MAPPING_NAMES
+
+        return str(config.get("model_type")) in MODEL_FOR_IMAGE_MAPPING_NAMES
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return False
+
+
+def _is_decoder_type(model_type: Optional[str]) -> bool:
+    try:
+        from transformers.models.auto.modeling_auto import (
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+            MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+        )
+    except ImportError:  # pragma: no cover
+        return False
+    return (
+        model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        and model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    )
+
+
+def architecture_info(config: Mapping[str, Any]) -> ArchitectureInfo:
+    """Template, pipeline tag and Auto class from a ``config.json`` (architectures, model_type)."""
+    architectures = config.get("architectures") or []
+    arch = str(architectures[0]) if architectures else None
+    model_type = config.get("model_type")
+    if arch in _EXACT_ARCHITECTURES:
+        template, tag, auto = _EXACT_ARCHITECTURES[arch]
+        return ArchitectureInfo(arch, model_type, template, tag, auto)
+    if arch:
+        for suffix, template, tag, auto in _HEAD_SUFFIXES:
+            if arch.endswith(suffix):
+                return ArchitectureInfo(arch, model_type, template, tag, auto)
+        if arch.endswith("ForConditionalGeneration"):
+            if config.get("vision_config") is not None:
+                return ArchitectureInfo(
+                    arch,
+                    model_type,
+                    "causal_lm",
+                    "image-text-to-text",
+                    "AutoModelForImageTextToText",
+                )
+            return ArchitectureInfo(
+                arch, model_type, "causal_lm", "text2text-generation", "AutoModelForSeq2SeqLM"
+            )
+    # A bare body (``LlamaModel``, ``BertModel``, ``ViTModel``) or no architectures at all.
+    if _is_vision_config(config):
+        return ArchitectureInfo(arch, model_type, "vision", "image-feature-extraction", "AutoModel")
+    if _is_decoder_type(model_type):
+        return ArchitectureInfo(arch, model_type, "causal_lm", "feature-extraction", "AutoModel")
+    return ArchitectureInfo(arch, model_type, "encoder", "feature-extraction", "AutoModel")
+
+
+# ------------------------------------------------------------------------- model inputs
+
+
+def is_hub_model_id(path: str, search_dirs: Sequence[str] = ()) -> bool:
+    """``owner/name`` that is not an existing local path (relative to the CWD or ``search_dirs``).
+
+    Decided offline: the Hub is never asked. A local folder that happens to look like
+    ``owner/name`` counts as local as long as it exists where the merge ran.
+    """
+    if not _HUB_ID.match(path):
+        return False
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        return False
+    if os.path.exists(path):
+        return False
+    return not any(os.path.exists(os.path.join(d, path)) for d in search_dirs)
+
+
+def display_path(path: str, cwd: Optional[str] = None) -> str:
+    """A local path as the card shows it: relative as written, or never absolute.
+
+    Absolute paths under ``cwd`` become relative to it; other absolute (or ``~``) paths are
+    shown by their folder name only, so no machine path leaks into a public card.
+    """
+    expanded = os.path.expanduser(path)
+    if not os.path.isabs(expanded) and not path.startswith("~"):
+        return path.replace(os.sep, "/")
+    cwd = os.path.abspath(cwd or os.getcwd())
+    normalized = os.path.normpath(expanded)
+    try:
+        rel = os.path.relpath(normalized, cwd)
+    except ValueError:  # another drive on Windows
+        rel = os.pardir
+    if rel != os.curdir and not rel.startswith(os.pardir):
+        return rel.replace(os.sep, "/")
+    return os.path.basename(normalized.rstrip(os.sep)) or "model"
+
+
+@dataclass
+class InputModel:
+    """One input checkpoint (plus optional LoRA) as the card describes it."""
+
+    role: str  # base | model
+    name: str
+    path: str
+    revision: Optional[str]
+    lora: Optional[str]
+    is_hub: bool
+    lora_is_hub: bool
+    display: str
+    license: Optional[str] = None
+    license_name: Optional[str] = None
+    license_link: Optional[str] = None
+    license_origin: Optional[str] = None
+    # False for outputs whose diagnostics predate the ``inputs`` record (see collect_inputs).
+    recorded: bool = True
+    commit: Optional[str] = None
+
+    @property
+    def hub_ids(self) -> list[str]:
+        ids = [self.path] if self.is_hub else []
+        if self.lora and self.lora_is_hub:
+            ids.append(self.lora)
+        return ids
+
+    @property
+    def url(self) -> Optional[str]:
+        return f"https://huggingface.co/{self.path}" if self.is_hub else None
+
+    @property
+    def source(self) -> str:
+        return "Hub" if self.is_hub else "local folder"
+
+
+def _model_entries(cfg: Any) -> list[tuple[str, Any, Optional[str]]]:
+    """``(role, ModelReference, task name)`` in config order, base first, deduplicated."""
+    merge = cfg.merge
+    out: list[tuple[str, Any, Optional[str]]] = []
+    seen: set[str] = set()
+
+    def add(role: str, ref: Any, name: Optional[str]) -> None:
+        key = str(ref)
+        if key in seen:
+            for i, (r, existing, n) in enumerate(out):
+                if str(existing) == key and n is None and name is not None:
+                    out[i] = (r, existing, name)
+            return
+        seen.add(key)
+        out.append((role, ref, name))
+
+    if merge.base_model is not None:
+        add("base", merge.base_model, None)
+    for i, model in enumerate(merge.models or []):
+        name = cfg.models[i].name if i < len(cfg.models) else None
+        add("model", model.model, name)
+    for s in merge.slices or []:
+        for src in s.sources:
+            add("model", src.model, None)
+    for module in (merge.modules or {}).values():
+        for model in module.models or []:
+            add("model", model.model, None)
+        for s in module.slices or []:
+            for src in s.sources:
+                add("model", src.model, None)
+    return out
+
+
+def _hub_commit(repo_id: str, revision: Optional[str]) -> Optional[str]:
+    """The commit of ``repo_id`` in the local Hugging Face cache (its snapshot folder name)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    for filename in ("config.json", "adapter_config.json", README_FILENAME):
+        try:
+            found = try_to_load_from_cache(repo_id, filename, revision=revision)
+        except Exception as e:  # noqa: BLE001 - a broken cache must not break the merge
+            LOG.debug("cache lookup for %s failed: %s", repo_id, e)
+            return None
+        if isinstance(found, str) and os.path.isfile(found):
+            return os.path.basename(os.path.dirname(found))
+    return None
+
+
+def _is_local(path: str) -> bool:
+    return os.path.exists(os.path.expanduser(path))
+
+
+def input_records(cfg: Any) -> list[dict[str, Any]]:
+    """Where each input of ``cfg`` comes from, decided where the merge reads them.
+
+    Called by the runner while the merge runs (relative paths resolve against that CWD, as
+    mergekit resolves them); the card reads the record back, so a card rebuilt from another
+    directory never takes a relative folder for a Hub repository. A reference that is not a
+    local path was read from the Hugging Face Hub (the merge resolved it from the cache or
+    downloaded it): its id, the revision asked for and the cached commit are recorded. The
+    license each input declares is recorded too (None: it declares none).
+    """
+    cwd = os.getcwd()
+    records = []
+    for role, ref, _ in _model_entries(cfg):
+        path = ref.model.path
+        lora = ref.lora.path if ref.lora is not None else None
+        is_hub = not _is_local(path)
+        lora_is_hub = bool(lora) and not _is_local(lora)
+        declared = _declared_license(path, is_hub, ref.model.revision, cwd)
+        if not declared and lora:
+            declared = _declared_license(lora, lora_is_hub, None, cwd)
+        records.append(
+            {
+                "role": role,
+                "model": path,
+                "revision": ref.model.revision,
+                "source": "hub" if is_hub else "local",
+                "commit": _hub_commit(path, ref.model.revision) if is_hub else None,
+                "lora": lora,
+                "lora_source": None if lora is None else ("hub" if lora_is_hub else "local"),
+                "license": declared or None,
+            }
+        )
+    return records
+
+
+def _in_hub_cache(path: str, revision: Optional[str]) -> bool:
+    """``owner/name`` found in the local Hugging Face cache (for outputs without a record)."""
+    if not _HUB_ID.match(path):
+        return False
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        return False
+    return _hub_commit(path, revision) is not None
+
+
+def collect_inputs(
+    cfg: Any, cwd: Optional[str] = None, recorded: Optional[Sequence[Mapping[str, Any]]] = None
+) -> list[InputModel]:
+    """Every input of the config, as Hub repository or local folder.
+
+    ``recorded`` is the diagnostics' ``inputs`` list, written when the merge ran: the
+    source of each input is taken from it, never from the current directory. Outputs
+    written before that record existed fall back to the local Hugging Face cache: an
+    ``owner/name`` found there is a Hub model, anything else a local folder.
+    """
+    cwd = cwd or os.getcwd()
+    redact = local_path_redactor(cfg.raw, cwd)
+    by_key: dict[tuple[str, Optional[str]], Mapping[str, Any]] = {}
+    for record in recorded or ():
+        if isinstance(record, Mapping) and isinstance(record.get("model"), str):
+            by_key.setdefault((record["model"], record.get("lora")), record)
+    result = []
+    for role, ref, name in _model_entries(cfg):
+        path = ref.model.path
+        lora = ref.lora.path if ref.lora is not None else None
+        # The record holds the paths as published (absolute ones shortened): compare so.
+        record = by_key.get((redact(path), redact(lora) if lora else None))
+        if record is not None:
+            is_hub = record.get("source") == "hub"
+            lora_is_hub = bool(lora) and record.get("lora_source") == "hub"
+        else:
+            is_hub = not os.path.isabs(os.path.expanduser(path)) and _in_hub_cache(
+                path, ref.model.revision
+            )
+            lora_is_hub = bool(lora) and _in_hub_cache(lora, None)
+        display = path if is_hub else display_path(path, cwd)
+        if lora:
+            display += " + " + (lora if lora_is_hub else display_path(lora, cwd))
+        result.append(
+            InputModel(
+                role=role,
+                name=name or (os.path.basename(display.split(" + ")[0].rstrip("/")) or display),
+                path=path,
+                revision=ref.model.revision,
+                lora=lora,
+                is_hub=is_hub,
+                lora_is_hub=lora_is_hub,
+                display=display,
+                recorded=record is not None,
+                commit=(record or {}).get("commit") if is_hub else None,
+            )
+        )
+        if record is not None and "license" in record:
+            declared = record.get("license") or {}
+            result[-1].license = declared.get("license")
+            result[-1].license_name = declared.get("license_name")
+            result[-1].license_link = declared.get("license_link")
+            result[-1].license_origin = declared.get("origin")
+    return result
+
+
+# ----------------------------------------------------------------------------- licenses
+
+
+def _front_matter(readme_path: str) -> dict[str, Any]:
+    from huggingface_hub import metadata_load
+
+    try:
+        return metadata_load(readme_path) or {}
+    except (yaml.YAMLError, ValueError, OSError) as e:
+        LOG.warning("could not read the front matter of %s: %s", readme_path, e)
+        return {}
+
+
+def _cached_hub_readme(repo_id: str, revision: Optional[str]) -> Optional[str]:
+    """README.md of a Hub model from the local cache only (never downloads)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(repo_id, "README.md", revision=revision)
+    except Exception as e:  # noqa: BLE001 - a broken cache must not break the card
+        LOG.debug("cache lookup for %s failed: %s", repo_id, e)
+        return None
+    return found if isinstance(found, str) and os.path.isfile(found) else None
+
+
+def _declared_license(folder_or_id: str, is_hub: bool, revision: Optional[str], cwd: str) -> dict:
+    """The license an input declares in its README front matter or config.json (or {})."""
+    if is_hub:
+        readme = _cached_hub_readme(folder_or_id, revision)
+        meta = _front_matter(readme) if readme else {}
+        origin = "README.md (local Hub cache)"
+        config: dict[str, Any] = {}
+    else:
+        folder = os.path.join(cwd, os.path.expanduser(folder_or_id))
+        readme = os.path.join(folder, README_FILENAME)
+        meta = _front_matter(readme) if os.path.isfile(readme) else {}
+        origin = "README.md"
+        config = _read_json(os.path.join(folder, "config.json")) or {}
+    for source, where in ((meta, origin), (config, "config.json")):
+        value = source.get("license")
+        if isinstance(value, list):
+            value = value[0] if len(value) == 1 else None
+        if isinstance(value, str) and value.strip():
+            return {
+                "license": value.strip().lower(),
+                "license_name": source.get("license_name"),
+                "license_link": source.get("license_link"),
+                "origin": where,
+            }
+    return {}
+
+
+@dataclass
+class LicenseDecision:
+    license: Optional[str]
+    license_name: Optional[str]
+    license_link: Optional[str]
+    explanation: str
+    undeclared: list[str] = field(default_factory=list)
+
+
+def decide_license(inputs: Sequence[InputModel]) -> LicenseDecision:
+    """The merged model's license when every input that declares one agrees; else none."""
+    declared = [m for m in inputs if m.license]
+    undeclared = [m.name for m in inputs if not m.license]
+    keys = {(m.license, m.license_name) for m in declared}
+    if not declared:
+        return LicenseDecision(
+            None,
+            None,
+            None,
+            "None of the input models declares a license (in its README front matter or "
+            "config.json), so no license is set. Check each input's terms before you share "
+            "this model.",
+            undeclared,
+        )
+    if len(keys) > 1:
+        listing = ", ".join(
+            f"{m.name}: {m.license}{f' ({m.license_name})' if m.license_name else ''}"
+            for m in declared
+        )
+        return LicenseDecision(
+            None,
+            None,
+            None,
+            f"The input models declare different licenses ({listing}), so no license is set. "
+            "A merge is a derivative of every input: its terms are the combination of theirs; "
+            "set the license yourself once you have checked that they are compatible.",
+            undeclared,
+        )
+    license_id, license_name = next(iter(keys))
+    links = {m.license_link for m in declared if m.license_link}
+    text = f"Every input model that declares a license uses `{license_id}`"
+    text += f" ({license_name})" if license_name else ""
+    text += ", so the merge carries the same license."
+    if undeclared:
+        text += " Inputs that declare none: " + ", ".join(undeclared) + "; check their terms."
+    return LicenseDecision(
+        license_id, license_name, next(iter(links)) if len(links) == 1 else None, text, undeclared
+    )
+
+
+def _read_json(path: str) -> Optional[dict[str, Any]]:
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as fp:
+            return json.load(fp)
+    except (OSError, json.JSONDecodeError) as e:
+        LOG.warning("could not read %s: %s", path, e)
+        return None
+
+
+def _shorten_yaml_paths(text: str, raw: Any, cwd: str) -> tuple[str, bool]:
+    """Replace absolute local paths in the YAML text by their display form."""
+    found: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, Mapping):
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+        elif isinstance(node, str):
+            for part in node.split("+"):
+                if os.path.isabs(os.path.expanduser(part)) and (
+                    part.startswith(("/", "~")) or re.match(r"^[A-Za-z]:[\\/]", part)
+                ):
+                    found.add(part)
+
+    walk(raw)
+    changed = False
+    for path in sorted(found, key=len, reverse=True):
+        if path in text:
+            text = text.replace(path, display_path(path, cwd))
+            changed = True
+    return text, changed
+
+
+def local_path_redactor(raw: Any, cwd: Optional[str] = None) -> Callable[[str], str]:
+    """A function that replaces the config's absolute local paths in a text by their
+    display form (as the card shows them), for every file a merge may publish."""
+    where = os.path.abspath(cwd or os.getcwd())
+    return lambda text: _shorten_yaml_paths(text, raw, where)[0]

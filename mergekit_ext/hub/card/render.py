@@ -1,0 +1,652 @@
+"""Rendering a model card: the template context from a finished output folder, Jinja2, ``README.md``."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import jinja2
+import yaml
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+from mergekit_ext import diagnostics as diagnostics_mod
+from mergekit_ext.errors import MergekitExtError
+from mergekit_ext.hub.card.evaluation import (
+    eval_results_to_card,
+)
+from mergekit_ext.hub.card.inputs import (
+    README_FILENAME,
+    _declared_license,
+    _read_json,
+    _shorten_yaml_paths,
+    architecture_info,
+    collect_inputs,
+    decide_license,
+    display_path,
+)
+from mergekit_ext.reporting import IMAGES_DIR
+
+LOG = logging.getLogger(__name__)
+
+# the templates ship in mergekit_ext/hub/templates (model_cards/ in a source checkout)
+TEMPLATES_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "templates"
+)
+
+CONFIG_FILENAME = "mergekit_config.yml"
+
+TAGS = ("mergekit", "merge", "mergekit-ext")
+
+_PARTIAL_DIR = re.compile(r"^\.(?P<name>.+)\.partial-[^/\\]*$")
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    """Numbers for Markdown: 3 significant digits, ``—`` for missing/NaN."""
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "—"
+        if math.isinf(value):
+            return "∞" if value > 0 else "−∞"
+        if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-3):
+            return f"{value:.{digits - 1}e}"
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def _pct(value: Any) -> str:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return f"{100.0 * value:.1f}%"
+    return "—"
+
+
+def _yaml_value(value: Any) -> str:
+    """A parameter value as it would be written in the YAML (``true``, ``null``, ``[0, 1]``)."""
+    text = yaml.safe_dump(value, default_flow_style=True, allow_unicode=True, width=10**6)
+    return text.strip().removesuffix("...").strip()
+
+
+def _cell(value: Any) -> str:
+    """Text safe inside a Markdown table cell."""
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _environment(template_dir: Optional[str]) -> jinja2.Environment:
+    search = [template_dir, TEMPLATES_DIR] if template_dir else [TEMPLATES_DIR]
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(search),
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,  # Markdown, not HTML
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+    env.filters["fmt"] = _fmt
+    env.filters["pct"] = _pct
+    env.filters["cell"] = _cell
+    env.filters["yamlv"] = _yaml_value
+    return env
+
+
+def _package_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _versions(diag: Mapping[str, Any]) -> list[tuple[str, str]]:
+    recorded = diag.get("versions") if isinstance(diag.get("versions"), Mapping) else {}
+    from mergekit_ext import __version__
+
+    rows = [("mergekit-ext", str(diag.get("mergekit_ext_version") or __version__))]
+    for pkg in ("mergekit", "torch", "transformers", "huggingface_hub"):
+        rows.append((pkg, str(recorded.get(pkg) or _package_version(pkg))))
+    return rows
+
+
+def _model_name(out_dir: str, name: Optional[str], repo_id: Optional[str]) -> str:
+    if name:
+        return name
+    if repo_id:
+        return repo_id.split("/")[-1]
+    base = os.path.basename(os.path.normpath(os.path.abspath(out_dir)))
+    partial = _PARTIAL_DIR.match(base)  # the runner's temporary folder beside OUT_DIR
+    return partial.group("name") if partial else base
+
+
+def _calibration_rows(diag: Mapping[str, Any], cfg: Any, cwd: str) -> list[dict[str, Any]]:
+    rows = []
+    recorded = diag.get("calibration") or {}
+    if isinstance(recorded, Mapping) and recorded:
+        for model, info in recorded.items():
+            info = info or {}
+            source = str(info.get("source") or "")
+            rows.append(
+                {
+                    "model": model,
+                    "source": _display_source(source, cwd),
+                    "samples": info.get("samples"),
+                    "tokens": info.get("tokens"),
+                    "modality": info.get("modality") or "",
+                    "sha256": info.get("sha256") or "",
+                    "recorded": True,
+                }
+            )
+        return rows
+    for entry in cfg.models:
+        spec = cfg.calibration_for(entry)
+        if spec is None or not spec.has_data:
+            continue
+        rows.append(
+            {
+                "model": entry.name,
+                "source": _display_source(spec.describe(), cwd),
+                "samples": spec.samples,
+                "tokens": None,
+                "modality": "",
+                "sha256": "",
+                "recorded": False,
+            }
+        )
+    return rows
+
+
+def _display_source(source: str, cwd: str) -> str:
+    prefix, sep, rest = source.partition(":")
+    if sep and prefix in ("path", "dataset", "source", "file", "folder") and rest:
+        return f"{prefix}:{_display_source(rest, cwd)}"
+    if os.path.isabs(os.path.expanduser(source)):
+        return display_path(source, cwd)
+    return source
+
+
+def _hub_datasets(cfg: Any, cwd: str) -> list[str]:
+    """Hub datasets among the calibration sources (``dataset:`` that is not a local path)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    found: list[str] = []
+    specs = [cfg.calibration_for(e) for e in cfg.models]
+    if cfg.calibration_defaults is not None:
+        specs.append(cfg.calibration_defaults)
+    for spec in specs:
+        name = getattr(spec, "dataset", None) if spec is not None else None
+        if not name or os.path.exists(os.path.join(cwd, name)):
+            continue
+        try:
+            validate_repo_id(name)
+        except HFValidationError:
+            continue
+        if name not in found:
+            found.append(name)
+    return found
+
+
+def _parameters(cfg: Any, method: Mapping[str, Any]) -> dict[str, Any]:
+    """The parameters as the YAML gave them: a global table and a per-model table.
+
+    Global rows: every shared parameter of the method (given value, or none, beside its
+    default) and every per-model parameter that ``parameters:`` sets for all models. The
+    per-model table has one row per ``models:`` entry and one column per per-model
+    parameter, holding what that entry's ``parameters:`` gave (nothing: the global value, or
+    else the default, applies), followed by the global and default rows.
+    """
+    given = cfg.parameters
+    documented = {p["name"]: p for p in method.get("parameters", [])}
+    per_model = [n for n, p in documented.items() if p.get("scope", "shared") != "shared"]
+    global_rows = []
+    for name, doc in documented.items():
+        if name in per_model and name not in given:
+            continue
+        global_rows.append(
+            {
+                "name": name,
+                "given": name in given,
+                "value": given.get(name),
+                "default": doc.get("default"),
+                "required": bool(doc.get("required")),
+                "description": doc.get("description") or "",
+            }
+        )
+    for name, value in given.items():
+        if name not in documented:
+            global_rows.append(
+                {
+                    "name": name,
+                    "given": True,
+                    "value": value,
+                    "default": None,
+                    "required": False,
+                    "description": f"not a parameter of `{method.get('name')}`",
+                }
+            )
+
+    entries = cfg.raw.get("models") if isinstance(cfg.raw.get("models"), list) else []
+    model_params = [
+        dict(e.get("parameters") or {}) if isinstance(e, Mapping) else {} for e in entries
+    ]
+    columns = list(per_model)
+    for params in model_params:
+        columns += [n for n in params if n not in columns]
+    model_rows = []
+    if any(model_params) or per_model:
+        for i, params in enumerate(model_params):
+            name = cfg.models[i].name if i < len(cfg.models) else str(i)
+            model_rows.append(
+                {"model": name, "cells": [(c in params, params.get(c)) for c in columns]}
+            )
+    return {
+        "global": global_rows,
+        "columns": columns,
+        "models": model_rows if columns else [],
+        "global_values": [(c in given, given.get(c)) for c in columns],
+        "defaults": [
+            (
+                c in documented and not documented[c].get("required"),
+                documented.get(c, {}).get("default"),
+            )
+            for c in columns
+        ],
+    }
+
+
+def _describe_method(name: str) -> dict[str, Any]:
+    from mergekit_ext.methods import describe_method
+
+    try:
+        return describe_method(name)
+    except Exception as e:  # noqa: BLE001 - an unknown method still gets a card
+        LOG.warning("no description for merge method %r: %s", name, e)
+        return {
+            "name": name,
+            "pretty_name": name,
+            "source": "unknown",
+            "kind": "tensorwise",
+            "needs_calibration": False,
+            "paper": "",
+            "paper_url": "",
+            "parameters": [],
+        }
+
+
+def _diagnostic_sections(
+    diag: Mapping[str, Any], images_dir: str, raw_parameters: Mapping[str, Any]
+) -> list[dict[str, Any]]:
+    """One card section per method section of the diagnostics, through each method's report.
+
+    The card never dispatches on a method's name: a registered method brings its own title,
+    summary, plots and (optionally) template (``MethodInfo.report``).
+    """
+    from mergekit_ext.methods import ext_method_info
+
+    result = []
+    for key in sorted(diag.get("sections") or {}):
+        section = diag["sections"][key]
+        info = ext_method_info(key)
+        report = info.report if info is not None else None
+        if report is None or not isinstance(section, Mapping):
+            result.append(
+                {"key": key, "template": None, "title": key, "summary": {}, "plots": [], "rows": []}
+            )
+            continue
+        try:
+            parameters = info.parse_parameters(raw_parameters)
+        except MergekitExtError:  # a card for a merge made with other parameters: defaults
+            parameters = info.parse_parameters({})
+        summary = report.summarize(section, parameters)
+        plots = report.plot(section, images_dir, parameters) if report.plot else []
+        result.append(
+            {
+                "key": key,
+                "template": report.template,
+                "title": report.title,
+                "summary": summary,
+                "plots": plots,
+                "rows": _plain_rows(summary) if report.template is None else [],
+            }
+        )
+    return result
+
+
+DIAGNOSE_PLOT = "diagnose_block_errors.png"
+# `mergekit-ext card OUT --diagnose CONFIG` saves its result here; later cards (a rebuild, the
+# copy `publish` uploads) keep the section by reading it back.
+DIAGNOSE_FILENAME = "mergekit_ext_diagnose.json"
+
+
+def _diagnose_section(
+    result: Mapping[str, Any], images_dir: str, render_images: bool
+) -> dict[str, Any]:
+    """The card's view of a ``mergekit-ext diagnose`` result (its JSON, as a mapping)."""
+    from mergekit_ext.reporting import as_float, plot_block_errors
+
+    rows = []
+    for task, t in (result.get("tasks") or {}).items():
+        worst = t.get("worst_block") or {}
+        rows.append(
+            {
+                "task": task,
+                "agreement": t.get("agreement"),
+                "kl": t.get("kl"),
+                "worst": f"{worst['index']} ({_fmt(as_float(worst.get('relative_error')))})"
+                if worst
+                else "—",
+                "last": as_float(t["blocks"][-1]["relative_error"]) if t.get("blocks") else None,
+                "head": "the expert's (not in this model)"
+                if t.get("head") == "expert"
+                else ("this model's" if t.get("output") else "none (block errors only)"),
+                "output": t.get("output"),
+            }
+        )
+    plots = []
+    if render_images and rows:
+        plots.append(plot_block_errors(dict(result), images_dir, DIAGNOSE_PLOT))
+    return {
+        "rows": rows,
+        "mean_agreement": result.get("mean_agreement"),
+        "mean_kl": result.get("mean_kl"),
+        "next_token": any(r["output"] == "next_token" for r in rows),
+        "plots": plots,
+    }
+
+
+def _plain_rows(summary: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """The top-level numbers and words of a summary, for methods without a template."""
+    return [
+        (str(k).replace("_", " "), v)
+        for k, v in summary.items()
+        if isinstance(v, (int, float, str, bool)) or v is None
+    ]
+
+
+def _task_folders(out_dir: str, diag: Mapping[str, Any]) -> list[dict[str, str]]:
+    tasks_dir = os.path.join(out_dir, "tasks")
+    names: list[str] = []
+    symerge = (diag.get("sections") or {}).get("symerge") or {}
+    for task in symerge.get("tasks") or []:
+        if os.path.isdir(os.path.join(tasks_dir, str(task))):
+            names.append(str(task))
+    if os.path.isdir(tasks_dir):
+        for entry in sorted(os.listdir(tasks_dir)):
+            if entry not in names and os.path.isdir(os.path.join(tasks_dir, entry)):
+                names.append(entry)
+    return [_task_entry(tasks_dir, n) for n in names]
+
+
+def _task_entry(tasks_dir: str, name: str) -> dict[str, Any]:
+    """How to load one SyMerge task folder: its expert's class, and whether it is an adapter."""
+    folder = os.path.join(tasks_dir, name)
+    auto_class = "AutoModel"
+    config_path = os.path.join(folder, "config.json")
+    if os.path.exists(config_path):
+        with open(config_path, encoding="utf-8") as fp:
+            architectures = json.load(fp).get("architectures") or []
+        if architectures:
+            auto_class = str(architectures[0])
+    return {
+        "name": name,
+        "subfolder": f"tasks/{name}",
+        "auto_class": auto_class,
+        "adapter": os.path.exists(os.path.join(folder, "adapter_config.json")),
+    }
+
+
+@dataclass
+class CardContext:
+    """Everything a template sees, plus the metadata; built by :func:`build_card_context`."""
+
+    card_data: ModelCardData
+    variables: dict[str, Any]
+    template: str
+
+
+def _resources(diag: Mapping[str, Any]) -> Optional[dict[str, Any]]:
+    """Wall time and peak memory of the merge as the card shows them (None: not recorded)."""
+    from mergekit_ext.resources import format_bytes, format_duration
+
+    record = diag.get("resources")
+    if not isinstance(record, Mapping) or record.get("wall_time_s") is None:
+        return None
+    cuda = record.get("cuda_max_allocated_bytes")
+    return {
+        "wall_time": format_duration(float(record["wall_time_s"])),
+        "peak_rss": format_bytes(record.get("peak_rss_bytes")),
+        "process_scope": record.get("peak_rss_scope") == "process",
+        "cuda": format_bytes(cuda) if cuda is not None else None,
+    }
+
+
+def build_card_context(
+    out_dir: str,
+    *,
+    eval_results: Optional[list[dict[str, Any]]] = None,
+    name: Optional[str] = None,
+    repo_id: Optional[str] = None,
+    cwd: Optional[str] = None,
+    render_images: bool = True,
+    images_dir: Optional[str] = None,
+    card_eval_results: Optional[list[EvalResult]] = None,
+    diagnose: Optional[Mapping[str, Any]] = None,
+) -> CardContext:
+    """Read a finished output folder and assemble the card's metadata and template variables.
+
+    ``images_dir`` draws the plots somewhere else than ``out_dir/images`` (the links stay
+    ``images/...``): :mod:`~mergekit_ext.hub.publish` renders the uploaded copy of the card
+    without touching the folder. ``card_eval_results`` passes evaluation results that are
+    already ``EvalResult`` objects (a card's model-index), instead of ``eval_results``.
+    """
+    from mergekit_ext.config import parse_config
+
+    if diagnose is None:  # a result saved by an earlier `card --diagnose`
+        diagnose = _read_json(os.path.join(out_dir, DIAGNOSE_FILENAME))
+    cwd = os.path.abspath(cwd or os.getcwd())
+    config_path = os.path.join(out_dir, CONFIG_FILENAME)
+    if not os.path.isfile(config_path):
+        raise MergekitExtError(
+            f"{out_dir} has no {CONFIG_FILENAME}: it is not the output of a finished merge"
+        )
+    with open(config_path, encoding="utf-8") as fp:
+        config_text = fp.read()
+    cfg = parse_config(config_text, config_path)
+    cfg.base_dir = cwd  # relative paths in the YAML resolve against the CWD, like mergekit
+    model_config = _read_json(os.path.join(out_dir, "config.json"))
+    if model_config is None:
+        raise MergekitExtError(f"{out_dir} has no readable config.json: re-run the merge")
+    diag = diagnostics_mod.load(out_dir)
+    arch = architecture_info(model_config)
+    model_name = _model_name(out_dir, name, repo_id)
+    method = _describe_method(cfg.method)
+
+    inputs = collect_inputs(cfg, cwd, diag.get("inputs"))
+    for m in inputs:
+        if m.recorded:
+            continue  # the license was recorded with the merge
+        declared = _declared_license(m.path, m.is_hub, m.revision, cwd)
+        if not declared and m.lora:
+            declared = _declared_license(m.lora, m.lora_is_hub, None, cwd)
+        if declared:
+            m.license = declared["license"]
+            m.license_name = declared.get("license_name")
+            m.license_link = declared.get("license_link")
+            m.license_origin = declared["origin"]
+    license_decision = decide_license(inputs)
+
+    hub_ids: list[str] = []
+    for m in inputs:
+        for hub_id in m.hub_ids:
+            if hub_id not in hub_ids:
+                hub_ids.append(hub_id)
+    datasets = _hub_datasets(cfg, cwd)
+    card_eval = eval_results_to_card(eval_results, model_name) if eval_results else None
+    if card_eval_results:
+        card_eval = list(card_eval_results)
+    extra: dict[str, Any] = {}
+    if hub_ids:
+        extra["base_model_relation"] = "merge"
+    if license_decision.license == "other":
+        if license_decision.license_name:
+            extra["license_name"] = license_decision.license_name
+        if license_decision.license_link:
+            extra["license_link"] = license_decision.license_link
+    card_data = ModelCardData(
+        base_model=hub_ids or None,
+        datasets=datasets or None,
+        eval_results=card_eval,
+        library_name="transformers",
+        license=license_decision.license,
+        model_name=model_name if card_eval else None,
+        pipeline_tag=arch.pipeline_tag,
+        tags=[*TAGS, cfg.method],
+        **extra,
+    )
+
+    sections = (
+        _diagnostic_sections(diag, images_dir or os.path.join(out_dir, IMAGES_DIR), cfg.parameters)
+        if render_images
+        else []
+    )
+    shown_yaml, shortened = _shorten_yaml_paths(config_text.rstrip("\n"), cfg.raw, cwd)
+    text_sha = hashlib.sha256(config_text.encode("utf-8")).hexdigest()
+    recorded_sha = diag.get("config_sha256")
+    has_tokenizer = any(
+        os.path.isfile(os.path.join(out_dir, f))
+        for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt")
+    )
+    has_processor = any(
+        os.path.isfile(os.path.join(out_dir, f))
+        for f in ("preprocessor_config.json", "processor_config.json")
+    )
+    eval_rows = [
+        {
+            "task": r.task_name or r.task_type,
+            "dataset": r.dataset_name,
+            "split": r.dataset_split or "",
+            "metric": r.metric_name or r.metric_type,
+            "value": r.metric_value,
+        }
+        for r in card_eval or []
+    ]
+    variables = {
+        "name": model_name,
+        "arch": arch,
+        "method": method,
+        "parameters": _parameters(cfg, method),
+        "inputs": inputs,
+        "base": next((m for m in inputs if m.role == "base"), None),
+        "license": license_decision,
+        "config_yaml": shown_yaml,
+        # A copy the runner already shortened: the hash differs from the recorded original.
+        "yaml_shortened": shortened
+        or (recorded_sha != text_sha and diag.get("config_written_sha256") == text_sha),
+        "config_sha256": recorded_sha or text_sha,
+        "config_modified": bool(recorded_sha)
+        and recorded_sha != text_sha
+        and diag.get("config_written_sha256") != text_sha,
+        "seed": diag.get("seed"),
+        "resources": _resources(diag),
+        "distributed": diag.get("distributed"),
+        "calibration": _calibration_rows(diag, cfg, cwd),
+        "data_aware": bool(method.get("needs_calibration")),
+        "sections": sections,
+        "diagnose": _diagnose_section(
+            diagnose, images_dir or os.path.join(out_dir, IMAGES_DIR), render_images
+        )
+        if diagnose
+        else None,
+        "has_diagnostics": bool(diag),
+        "eval_rows": eval_rows,
+        "versions": _versions(diag),
+        "usage": {
+            "model_id": repo_id or f"./{model_name}",
+            "auto_class": arch.auto_class,
+            "has_tokenizer": has_tokenizer,
+            "has_processor": has_processor,
+            "tasks": _task_folders(out_dir, diag),
+        },
+    }
+    return CardContext(card_data=card_data, variables=variables, template=f"{arch.template}.md.j2")
+
+
+def render_model_card(context: CardContext, template_dir: Optional[str] = None) -> ModelCard:
+    """Render the template and parse it back (front matter → ``ModelCardData``)."""
+    env = _environment(template_dir)
+    try:
+        template = env.get_template(context.template)
+    except jinja2.TemplateNotFound as e:
+        raise MergekitExtError(
+            f"model card template {context.template!r} not found in "
+            f"{template_dir or TEMPLATES_DIR}; reinstall mergekit-ext"
+        ) from e
+    content = template.render(card_data=context.card_data.to_yaml(), **context.variables)
+    return ModelCard(content)
+
+
+def render_card_for_repo(out_dir: str, repo_id: str, *, template_dir: Optional[str] = None) -> str:
+    """The card of ``out_dir`` as it should read on the Hub under ``repo_id``; writes nothing.
+
+    The local ``README.md`` is written for the folder (its name as the title, ``./NAME`` in
+    the loading snippets); the uploaded copy is rendered again here with the repository's
+    name as the title and ``repo_id`` in every snippet. Image links stay relative
+    (``images/...``, uploaded beside the card); the plots are drawn into a temporary folder
+    and thrown away, so ``out_dir`` is left exactly as it is. Evaluation results already in
+    the local card's model-index are kept.
+    """
+    import tempfile
+
+    readme = os.path.join(out_dir, README_FILENAME)
+    card_eval = None
+    if os.path.isfile(readme):
+        try:
+            card_eval = ModelCard.load(readme).data.eval_results
+        except Exception as e:  # noqa: BLE001 - publish checks the card itself
+            LOG.warning("could not read the evaluation results of %s: %s", readme, e)
+    with tempfile.TemporaryDirectory(prefix="mergekit-ext-card-") as images:
+        context = build_card_context(
+            out_dir, repo_id=repo_id, images_dir=images, card_eval_results=card_eval
+        )
+        text = str(render_model_card(context, template_dir))
+    return text if text.endswith("\n") else text + "\n"
+
+
+def write_model_card(
+    out_dir: str,
+    *,
+    eval_results: Optional[list[dict[str, Any]]] = None,
+    name: Optional[str] = None,
+    repo_id: Optional[str] = None,
+    template_dir: Optional[str] = None,
+    diagnose: Optional[Mapping[str, Any]] = None,
+) -> str:
+    """Write ``README.md`` and ``images/*.png`` for the merge in ``out_dir``; returns the card path.
+
+    ``name`` is the model's title (default: the folder name; the runner's temporary
+    ``.NAME.partial-*`` folder gives NAME); ``repo_id`` is used in the loading snippet when
+    the model is about to be published; ``template_dir`` overrides the shipped templates
+    (files with the same names: ``causal_lm.md.j2``, ``vision.md.j2``, ``encoder.md.j2``);
+    ``diagnose`` is a ``mergekit-ext diagnose`` result of this model (a section and a plot).
+    """
+    context = build_card_context(
+        out_dir, eval_results=eval_results, name=name, repo_id=repo_id, diagnose=diagnose
+    )
+    card = render_model_card(context, template_dir)
+    path = os.path.join(out_dir, README_FILENAME)
+    with open(path, "w", encoding="utf-8") as fp:
+        fp.write(str(card) if str(card).endswith("\n") else str(card) + "\n")
+    LOG.info("wrote model card %s", path)
+    return path
