@@ -83,6 +83,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument(
         "--values", nargs="+", required=True, help="values (YAML scalars: 0.5, true, diagonal)"
     )
+    parser.add_argument(
+        "--references",
+        nargs="*",
+        default=[],
+        help="rows run as they are, for comparison in the same table (e.g. ties)",
+    )
     parser.add_argument("--smoke", action="store_true", help="small subsets (a code-path check)")
     parser.add_argument("--cache-dir", default=default_cache_dir())
     parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
@@ -100,6 +106,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     else:
         rows = sweep_settings(base_rows, values)
     table = args.param or args.name
+    # a distinct key: run folders are per key, another run may be using the plain one
+    if args.references:
+        references = select_rows(args.references, smoke=False)
+        rows = [replace(r, key=f"{r.key}[reference]") for r in references] + rows
     suite = make_suite(args.suite, args.cache_dir, args.smoke)
     variant = args.variant or suite.variants[0]
     if variant not in suite.variants:
