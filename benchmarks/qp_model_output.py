@@ -30,6 +30,7 @@ import argparse
 import copy
 import json
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -69,9 +70,17 @@ def cls_output(model: Any, pixels: torch.Tensor) -> torch.Tensor:
 
 
 def output_jacobian_design(
-    model: Any, linear: torch.nn.Linear, pixels: torch.Tensor, task_vectors: list[torch.Tensor]
+    model: Any,
+    linear: torch.nn.Linear,
+    pixels: torch.Tensor,
+    task_vectors: list[torch.Tensor],
+    sketch: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``A`` ``[B, O, m, K]`` (see the module docstring) and the model output ``[B, O]``."""
+    """``A`` ``[B, P, m, K]`` (see the module docstring) and the model output ``[B, O]``.
+
+    ``sketch``: ``[P, B, O]`` Gaussian rows with variance 1/P (an independent sketch per
+    sample, ``E[SᵀS] = I``), so that P vector-Jacobian products stand for the O exact ones;
+    None: the O coordinates (exact, P = O)."""
     captured: dict[str, torch.Tensor] = {}
 
     def hook(module: Any, inputs: Any, output: torch.Tensor) -> torch.Tensor:
@@ -88,13 +97,15 @@ def output_jacobian_design(
     x, eps = captured["x"], captured["eps"]  # [B, T, in], [B, T, m]
     # P_k = Δ_k x per token: [K, B, T, m]
     projected = torch.stack([x @ tv.T.to(x.dtype) for tv in task_vectors])
-    num_out = out.shape[1]
+    if sketch is None:
+        sketch = torch.eye(out.shape[1])[:, None, :].expand(-1, out.shape[0], -1)
+    num_rows = sketch.shape[0]
     design = torch.empty(
-        pixels.shape[0], num_out, eps.shape[-1], len(task_vectors), dtype=torch.float32
+        pixels.shape[0], num_rows, eps.shape[-1], len(task_vectors), dtype=torch.float32
     )
-    for o in range(num_out):
-        (grad,) = torch.autograd.grad(out[:, o].sum(), eps, retain_graph=o + 1 < num_out)
-        design[:, o] = torch.einsum("btr,kbtr->brk", grad, projected)
+    for i in range(num_rows):
+        (grad,) = torch.autograd.grad((out * sketch[i]).sum(), eps, retain_graph=i + 1 < num_rows)
+        design[:, i] = torch.einsum("btr,kbtr->brk", grad, projected)
     return design, out.detach()
 
 
@@ -106,15 +117,15 @@ def merge_model_output(
     ridge: float,
     prior: float,
     bounds: Optional[tuple[float, float]],
+    sketch_rows: Optional[int] = None,
+    seed: int = 0,
 ) -> tuple[Any, list[dict[str, Any]]]:
     """The sequential model-output QP (diagonal basis); returns the merged body and per-weight
     diagnostics (model-output J before/after, J of task arithmetic's d = 1)."""
     merged = copy.deepcopy(base).eval()
     base_params = dict(base.named_parameters())
     expert_params = [dict(e.named_parameters()) for e in experts]
-    linear_names = {
-        f"layers.{i}.{n}.weight" for i in range(len(base.layers)) for n in LINEARS
-    }
+    linear_names = {f"layers.{i}.{n}.weight" for i in range(len(base.layers)) for n in LINEARS}
     with torch.no_grad():  # every other tensor: the experts' mean (fallback: mean)
         for name, param in merged.named_parameters():
             if name not in linear_names:
@@ -132,10 +143,18 @@ def merge_model_output(
             module = merged.get_submodule(f"layers.{layer_index}.{linear_name}")
             w0 = base_params[name].detach().double()
             task_vectors = [p[name].detach().double() - w0 for p in expert_params]
+            sketch = None
+            if sketch_rows is not None:
+                generator = torch.Generator().manual_seed(seed + len(diagnostics))
+                sketch = torch.randn(sketch_rows, *target.shape, generator=generator) / math.sqrt(
+                    sketch_rows
+                )
             design, out = output_jacobian_design(
-                merged, module, all_pixels, [tv.float() for tv in task_vectors]
+                merged, module, all_pixels, [tv.float() for tv in task_vectors], sketch
             )
             b = out.double() - target  # [B, O]
+            if sketch is not None:
+                b = torch.einsum("pbo,bo->bp", sketch.double(), b)  # S b, matching S A
             flat = design.reshape(design.shape[0], design.shape[1], -1).double()  # [B, O, mK]
             weighted = flat * sample_weight.sqrt()[:, None, None]
             rows = weighted.reshape(-1, weighted.shape[-1])
@@ -195,6 +214,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--cache-dir", default=default_cache_dir())
     parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument(
+        "--samples", type=int, default=None, help="calibration images per task (default: all)"
+    )
+    parser.add_argument(
+        "--sketch", type=int, default=None, help="random VJP rows per sample (default: exact)"
+    )
     parser.add_argument("--smoke", action="store_true", help="the tiny smoke suite (code path)")
     parser.add_argument(
         "--settings",
@@ -215,7 +240,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     base = load(base_dir)
     expert_models = [load(e.body) for e in experts.values()]
-    pixels = [calibration_pixels(suite, t) for t in suite.tasks]
+    pixels = [calibration_pixels(suite, t)[: args.samples] for t in suite.tasks]
     rows = []
     with torch.no_grad():  # task arithmetic λ=1 on every tensor, as mergekit's
         ta = copy.deepcopy(base)
@@ -248,6 +273,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 ridge=float(options.get("ridge", 1e-6)),
                 prior=float(options.get("prior", 0.0)),
                 bounds=bounds,
+                sketch_rows=args.sketch,
             )
             seconds = time.perf_counter() - start
             merged.save_pretrained(os.path.join(tmp, "m"))

@@ -429,10 +429,33 @@ def test_method_without_propagation_uses_expert_statistics():
     name = group.weights[0]
     torch.testing.assert_close(merged[name], again[name])
     reference, _ = qp.qp_merge_weight(
-        group.base[name], [e[name] for e in group.experts], [s.gram for s in _stats(expert_acts)]
+        group.base[name],
+        [e[name] for e in group.experts],
+        [s.gram for s in _stats(expert_acts)],
+        basis="residual_eigen",
     )
     torch.testing.assert_close(merged[name], reference)
     assert diag["weights"][name]["other_basis"] is None
+
+
+def test_defaults_are_the_benchmarked_ones_and_agree_with_the_pure_function():
+    defaults = qp.QPProjectionMethod().parse({})
+    assert (defaults.basis, defaults.prior, defaults.ridge) == ("diagonal", 1.0, 1.0)
+    assert (defaults.energy_floor, defaults.task_weighting, defaults.bounds) == (
+        0.0,
+        "samples",
+        None,
+    )
+    group, merged_acts, _ = _group()
+    merged, diag = qp.QPProjectionMethod().merge_linear_group(group, {})
+    name = group.weights[0]
+    reference, _ = qp.qp_merge_weight(
+        group.base[name], [e[name] for e in group.experts], [s.gram for s in _stats(merged_acts)]
+    )
+    torch.testing.assert_close(merged[name], reference)
+    w = diag["weights"][name]
+    # with the prior at 1: J(d*) + μ‖d* − 1‖² <= J(1), so J(d*) never exceeds task arithmetic's
+    assert w["J_opt"] <= w["J_task_arithmetic"]["1"] + 1e-12
 
 
 def test_method_rejects_bad_input():
@@ -552,7 +575,7 @@ def test_energy_floor_zeroes_the_update_in_a_dropped_direction_of_the_merge():
     for e in experts:
         e[2] = base[2] + 1e-4 * (e[2] - base[2])
     merged, diag = qp.qp_merge_weight(
-        base, experts, grams, basis="diagonal", ridge=0.0, energy_floor=0.01
+        base, experts, grams, basis="diagonal", ridge=0.0, prior=0.0, energy_floor=0.01
     )
     assert diag["floored_directions"] == 1
     torch.testing.assert_close(merged[2], base[2], rtol=0, atol=0)
