@@ -315,8 +315,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     stem = os.path.join(args.out, "qp_model_output_vision" + ("_smoke" if args.smoke else ""))
     with open(stem + ".md", "w", encoding="utf-8") as fp:
         fp.write("\n".join(lines) + "\n")
-    with open(stem + ".json", "w", encoding="utf-8") as fp:
-        json.dump(rows, fp, indent=1)
+    # JSON lines, one merge per line: not a benchmark table (those are benchmarks/results/*.json)
+    with open(stem + ".jsonl", "w", encoding="utf-8") as fp:
+        fp.writelines(json.dumps(row) + "\n" for row in rows)
     print("\n".join(lines))
     return 0
 
