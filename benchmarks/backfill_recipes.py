@@ -14,14 +14,15 @@ from __future__ import annotations
 import json
 import re
 import sys
+from dataclasses import replace
 from typing import Any, Optional
 
 import yaml
 
 from benchmarks.merging import REFERENCE_ROWS, MethodRow, row_recipe, rows_for
-from benchmarks.sweep import sweep_rows
+from benchmarks.sweep import sweep_settings
 
-_SWEEP_KEY = re.compile(r"^(?P<key>[^\[]+)\[(?P<param>[^=\]]+)=(?P<value>[^\]]*)\]$")
+_SWEEP_KEY = re.compile(r"^(?P<key>[^\[]+)\[(?P<inner>.*)\]$")
 
 
 def method_row(key: str) -> Optional[MethodRow]:
@@ -32,7 +33,12 @@ def method_row(key: str) -> Optional[MethodRow]:
     if match is None:
         return rows_for([key])[0]
     (base,) = rows_for([match["key"]])
-    (row,) = sweep_rows([base], match["param"], [yaml.safe_load(match["value"])])
+    inner = match["inner"]
+    if inner == "reference":  # a row run as it is, next to a sweep (sweep.py --references)
+        return replace(base, key=key)
+    # "p=v" (one parameter) or "p=v, q=w" (a settings sweep); "as is" = no change
+    setting = {} if inner == "as is" else yaml.safe_load("{" + inner.replace("=", ": ") + "}")
+    (row,) = sweep_settings([base], [setting])
     if row.key != key:
         raise ValueError(f"sweep key {key!r} does not round-trip (got {row.key!r})")
     return row

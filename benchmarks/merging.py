@@ -100,6 +100,19 @@ ROWS: tuple[MethodRow, ...] = (
         "QP projection (residual eigenbasis)",
         {"basis": "residual_eigen"},
     ),
+    # the ridge pulls d toward task arithmetic λ=1 instead of the base (sweep `ridge` on these)
+    MethodRow(
+        "qp_diagonal_prior1",
+        "qp_projection",
+        "QP projection (diagonal, prior 1)",
+        {"basis": "diagonal", "prior": 1.0},
+    ),
+    MethodRow(
+        "qp_residual_eigen_prior1",
+        "qp_projection",
+        "QP projection (residual eigenbasis, prior 1)",
+        {"basis": "residual_eigen", "prior": 1.0},
+    ),
     # 10 epochs (one step per task each) instead of the method's 100: CPU-sized
     MethodRow("symerge", "symerge", "SyMerge (10 epochs)", {"epochs": 10}, inputs="full"),
     MethodRow("symerge_default", "symerge", "SyMerge (defaults: 100 epochs)", inputs="full"),

@@ -283,3 +283,17 @@ def test_select_rows_by_method_key_or_exact_row():
     assert len(select_rows(["chain_of_merges"], smoke=False)) == 4
     with pytest.raises(SystemExit, match="unknown method"):
         select_rows(["row:nope"], smoke=False)
+
+
+def test_sweep_settings_set_several_parameters_per_row():
+    from benchmarks.sweep import sweep_settings
+
+    rows = sweep_settings(rows_for(["qp_diagonal"]), [{}, {"prior": 1.0, "ridge": 10.0}])
+    assert [r.key for r in rows] == [
+        "qp_diagonal[as is]",
+        "qp_diagonal[prior=1.0, ridge=10.0]",
+    ]
+    assert rows[0].parameters == {"basis": "diagonal"}
+    assert rows[1].parameters == {"basis": "diagonal", "prior": 1.0, "ridge": 10.0}
+    with pytest.raises(SystemExit, match="mapping"):
+        sweep_settings(rows_for(["qp_diagonal"]), [0.5])

@@ -429,10 +429,33 @@ def test_method_without_propagation_uses_expert_statistics():
     name = group.weights[0]
     torch.testing.assert_close(merged[name], again[name])
     reference, _ = qp.qp_merge_weight(
-        group.base[name], [e[name] for e in group.experts], [s.gram for s in _stats(expert_acts)]
+        group.base[name],
+        [e[name] for e in group.experts],
+        [s.gram for s in _stats(expert_acts)],
+        basis="residual_eigen",
     )
     torch.testing.assert_close(merged[name], reference)
     assert diag["weights"][name]["other_basis"] is None
+
+
+def test_defaults_are_the_benchmarked_ones_and_agree_with_the_pure_function():
+    defaults = qp.QPProjectionMethod().parse({})
+    assert (defaults.basis, defaults.prior, defaults.ridge) == ("diagonal", 1.0, 1.0)
+    assert (defaults.energy_floor, defaults.task_weighting, defaults.bounds) == (
+        0.0,
+        "samples",
+        None,
+    )
+    group, merged_acts, _ = _group()
+    merged, diag = qp.QPProjectionMethod().merge_linear_group(group, {})
+    name = group.weights[0]
+    reference, _ = qp.qp_merge_weight(
+        group.base[name], [e[name] for e in group.experts], [s.gram for s in _stats(merged_acts)]
+    )
+    torch.testing.assert_close(merged[name], reference)
+    w = diag["weights"][name]
+    # with the prior at 1: J(d*) + μ‖d* − 1‖² <= J(1), so J(d*) never exceeds task arithmetic's
+    assert w["J_opt"] <= w["J_task_arithmetic"]["1"] + 1e-12
 
 
 def test_method_rejects_bad_input():
@@ -479,3 +502,118 @@ def test_registered_with_mergekit_and_mergekit_ext():
         "fallback",
     }
     assert described["paper_url"] == "https://arxiv.org/abs/2605.29101"
+
+
+# ---------------------------------------------------------------- prior, energy floor, weighting
+
+
+@pytest.mark.parametrize("kind", ["diagonal", "residual_eigen"])
+def test_prior_ridge_is_the_plain_solution_at_zero_and_task_arithmetic_at_infinity(kind):
+    base, experts, acts = _problem(11)
+    _, eq, plain = _solve(base, experts, _grams(acts), kind, ridge=0.0)
+    at_zero = qp.solve_qp(eq, ridge=0.0, prior=1.0)
+    torch.testing.assert_close(at_zero.d, plain.d, rtol=0, atol=0)
+    # closed form per direction: (N_r + μI) d_r = h_r + μ·1
+    ridge = 0.7
+    sol = qp.solve_qp(eq, ridge=ridge, prior=1.0)
+    mu = qp.ridge_strength(eq.normal, ridge)
+    eye = torch.eye(eq.num_updates, dtype=F64)
+    expected = torch.linalg.solve(eq.normal + mu * eye, eq.rhs + mu)
+    torch.testing.assert_close(sol.d, expected, rtol=1e-10, atol=1e-12)
+    assert sol.mu == pytest.approx(mu)
+    gaps = [float((qp.solve_qp(eq, ridge=r, prior=1.0).d - 1.0).abs().max()) for r in (1, 1e2, 1e4)]
+    assert gaps[0] > gaps[1] > gaps[2] and gaps[2] < 1e-3  # d → 1 as μ → ∞
+    # the default prior 0 shrinks toward the base instead
+    assert float(qp.solve_qp(eq, ridge=1e4).d.abs().max()) < 1e-3
+
+
+def test_prior_ridge_with_bounds_and_the_objective_it_minimises():
+    base, experts, acts = _problem(12)
+    _, eq, _ = _solve(base, experts, _grams(acts), "diagonal")
+    mu_ridge = 0.3
+    sol = qp.solve_qp(eq, ridge=mu_ridge, prior=1.0, bounds=[0.0, 1.0])
+    mu = sol.mu
+    assert float(sol.d.min()) >= 0.0 and float(sol.d.max()) <= 1.0
+
+    def penalised(d):
+        return qp.qp_objective(eq, d) + mu * float((d - 1.0).pow(2).sum())
+
+    best = penalised(sol.d)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):  # no feasible perturbation improves J + μ‖d − 1‖²
+        trial = (sol.d + 0.05 * torch.randn(sol.d.shape, generator=g, dtype=F64)).clamp(0, 1)
+        assert penalised(trial) >= best - 1e-12
+
+
+@pytest.mark.parametrize("kind", ["diagonal", "residual_eigen"])
+def test_energy_floor_leaves_exactly_the_low_energy_directions_at_the_prior(kind):
+    base, experts, acts = _problem(13, out_dim=7)
+    _, eq, plain = _solve(base, experts, _grams(acts), kind, ridge=0.0)
+    energy = eq.energy
+    floor = 0.8
+    low = energy < floor * energy.mean()
+    assert 0 < int(low.sum()) < energy.numel()  # the test problem has both kinds
+    for prior in (0.0, 1.0):
+        sol = qp.solve_qp(eq, ridge=0.0, prior=prior, energy_floor=floor)
+        assert sol.floored_directions == int(low.sum())
+        torch.testing.assert_close(sol.d[low], torch.full_like(sol.d[low], prior))
+        torch.testing.assert_close(sol.d[~low], plain.d[~low], rtol=0, atol=0)
+    torch.testing.assert_close(qp.low_energy_directions(energy, floor), low)
+    assert not bool(qp.low_energy_directions(energy, 0.0).any())
+    # with a box the prior is clipped into it
+    boxed = qp.solve_qp(eq, ridge=0.0, prior=2.0, energy_floor=floor, bounds=[0.0, 1.5])
+    torch.testing.assert_close(boxed.d[low], torch.full_like(boxed.d[low], 1.5))
+    with pytest.raises(ConfigError, match="energy_floor"):
+        qp.solve_qp(eq, energy_floor=-1.0)
+
+
+def test_energy_floor_zeroes_the_update_in_a_dropped_direction_of_the_merge():
+    base, experts, acts = _problem(14, out_dim=6)
+    grams = _grams(acts)
+    # make output row 2 nearly unchanged by every expert: tiny residual energy there
+    experts = [e.clone() for e in experts]
+    for e in experts:
+        e[2] = base[2] + 1e-4 * (e[2] - base[2])
+    merged, diag = qp.qp_merge_weight(
+        base, experts, grams, basis="diagonal", ridge=0.0, prior=0.0, energy_floor=0.01
+    )
+    assert diag["floored_directions"] == 1
+    torch.testing.assert_close(merged[2], base[2], rtol=0, atol=0)
+    assert diag["captured_energy"] == pytest.approx(1 - diag["J_opt"] / diag["J0"])
+
+
+def test_energy_task_weighting_equalises_the_tasks_residual_energy():
+    base, experts, acts = _problem(15)
+    grams = _grams(acts)
+    task_vectors = [e - base for e in experts]
+    weights = qp.task_energy_weights(task_vectors, grams)
+    energies = [float(((tv @ g) * tv).sum()) for tv, g in zip(task_vectors, grams)]
+    weighted = [e * float(w) for e, w in zip(energies, weights)]
+    assert weighted == pytest.approx([sum(energies) / len(energies)] * len(energies), rel=1e-12)
+    # the method with energy weighting is the plain method on the rescaled Grams
+    scaled = [g * float(w) for g, w in zip(grams, weights)]
+    for kind in ("diagonal", "residual_eigen"):
+        got, diag = qp.qp_merge_weight(
+            base, experts, grams, basis=kind, ridge=0.0, task_weighting="energy"
+        )
+        expected, _ = qp.qp_merge_weight(base, experts, scaled, basis=kind, ridge=0.0)
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    # a task with no update keeps weight 1
+    zero = qp.task_energy_weights([task_vectors[0], 0 * task_vectors[1]], grams[:2])
+    assert float(zero[1]) == 1.0 and float(zero[0]) == pytest.approx(1.0)
+    with pytest.raises(ConfigError, match="task_weighting"):
+        qp.qp_merge_weight(base, experts, grams, task_weighting="uniform")
+
+
+def test_method_passes_the_new_options_through():
+    method = qp.QPProjectionMethod()
+    group, merged_acts, _ = _group()
+    params = {"basis": "diagonal", "prior": 1.0, "ridge": 1e6, "energy_floor": 1.0}
+    merged, diag = method.merge_linear_group(group, params)
+    for name in group.weights:
+        base = group.base[name].double()
+        ta = base + sum(e[name].double() - base for e in group.experts)
+        torch.testing.assert_close(merged[name].double(), ta, rtol=1e-4, atol=1e-5)
+        assert diag["weights"][name]["floored_directions"] > 0
+    with pytest.raises(ConfigError, match="energy_floor"):
+        method.parse({"energy_floor": -0.1})

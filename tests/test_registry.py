@@ -64,7 +64,7 @@ def test_mergekit_validation_enforces_the_same_ranges(name):
 def test_parse_gives_defaults_for_null_and_returns_typed_objects_unchanged():
     info = next(i for i in ext_methods() if i.name == "qp_projection")
     parsed = info.parse_parameters({"ridge": None, "bounds": [0, 1]})
-    assert parsed.ridge == 1e-6 and parsed.bounds == (0.0, 1.0)
+    assert parsed.ridge == 1.0 and parsed.bounds == (0.0, 1.0)
     assert info.parse_parameters(parsed) is parsed
     with pytest.raises(ConfigError, match=r"bounds must be \[lo, hi\] with lo <= hi"):
         info.parse_parameters({"bounds": [1, 0]})

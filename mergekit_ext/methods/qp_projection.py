@@ -30,9 +30,14 @@ and with ``Σ_j w_j x_j x_jᵀ`` restricted to task t equal to ``G_t``:
     J(d)      = Σ_r (d_rᵀ N_r d_r − 2 d_rᵀ h_r + e_r)
     J(0)      = Σ_r e_r = tr S = Σ_t tr(R_t G_t R_tᵀ),   S = Σ_t R_t G_t R_tᵀ
 
-(``S`` is the residual energy matrix ``Σ_j w_j b_j b_jᵀ``.) The minimiser solves the K×K
-normal equations ``(N_r + μI) d_r = h_r`` for every direction r at once (batched); with a box
-``lo ≤ d ≤ hi`` it is a K-variable QP per direction, solved by a batched projected Newton method.
+(``S`` is the residual energy matrix ``Σ_j w_j b_j b_jᵀ``.) The minimiser of
+``J(d) + μ‖d − p·1‖²`` solves the K×K normal equations ``(N_r + μI) d_r = h_r + μp·1`` for every
+direction r at once (batched); with a box ``lo ≤ d ≤ hi`` it is a K-variable QP per direction,
+solved by a batched projected Newton method. The prior ``p`` (parameter ``prior``) is 1 by
+default, task arithmetic at λ = 1: the experts' updates act alike on every task's inputs, so in
+an output basis the columns ``a_jk`` are nearly collinear and the plain minimiser is close to
+``d = 1/K`` (the experts' mean), a worse merge than λ = 1 on the benchmarks
+(``docs/methods.md``, "Why a lower J did not give a better merge").
 
 Bases (``basis``): ``diagonal`` (``U = I``: d_k masks output rows, the paper's diagonal-mask
 QP) and ``residual_eigen`` (``U`` = eigenvectors of ``S`` in descending eigenvalue order, the
@@ -81,6 +86,7 @@ BasisKind = Literal["diagonal", "residual_eigen"]
 FallbackKind = Literal["mean", "base", "task_arithmetic"]
 BASES: tuple[str, ...] = ("diagonal", "residual_eigen")
 FALLBACKS: tuple[str, ...] = ("mean", "base", "task_arithmetic")
+TASK_WEIGHTINGS: tuple[str, ...] = ("samples", "energy")
 
 _COMPUTE_DTYPE = torch.float64
 # Elements of one [K, rows, in] block of rotated task vectors (float64: 256 MiB).
@@ -227,7 +233,7 @@ def qp_normal_equations(
 
 
 def ridge_strength(normal: torch.Tensor, ridge: float) -> float:
-    """``μ = ridge · mean_{r,k} N_r[k,k]``: a relative ridge, so the default (1e-6) has the same
+    """``μ = ridge · mean_{r,k} N_r[k,k]``: a relative ridge, so a given value has the same
     effect whatever the scale of the weights and activations. 0 when every ``N_r`` is 0."""
     if ridge < 0 or not math.isfinite(ridge):
         raise ConfigError(f"qp_projection ridge must be a finite number >= 0; got {ridge}")
@@ -356,12 +362,14 @@ def solve_box_qp(
 @dataclass
 class QPSolution:
     """``d``: ``[R, K]`` coefficients; ``mu``: the absolute ridge used; ``fallback_rows``:
-    directions solved by the pseudo-inverse; ``box``: projected-Newton info (bounds only)."""
+    directions solved by the pseudo-inverse; ``box``: projected-Newton info (bounds only);
+    ``floored_directions``: directions below the energy floor, left at the prior."""
 
     d: torch.Tensor
     mu: float
     fallback_rows: int
     box: Optional[BoxQPInfo] = None
+    floored_directions: int = 0
 
 
 def solve_qp(
@@ -369,22 +377,51 @@ def solve_qp(
     *,
     ridge: float = 1e-6,
     bounds: Optional[Sequence[float]] = None,
+    prior: float = 0.0,
+    energy_floor: float = 0.0,
 ) -> QPSolution:
-    """``d* = argmin J(d) + μ‖d‖²`` (``μ`` = :func:`ridge_strength`), optionally on ``[lo, hi]``.
+    """``d* = argmin J(d) + μ‖d − p·1‖²`` (``μ`` = :func:`ridge_strength`, ``p`` = ``prior``),
+    optionally on ``[lo, hi]``.
 
-    Unconstrained: ``(N_r + μI) d_r = h_r`` for all r in one batched solve.
+    Unconstrained: ``(N_r + μI) d_r = h_r + μ p 1`` for all r in one batched solve (the
+    gradient of ``μ‖d − p1‖²`` is ``2μ(d − p1)``). ``p = 0`` shrinks toward the base model,
+    ``p = 1`` toward task arithmetic at λ = 1 (``d → p1`` as ``μ → ∞``).
+
+    ``energy_floor``: directions whose residual energy ``e_r`` is below
+    ``energy_floor · mean_r e_r`` are not fitted (their ``N_r``, ``h_r`` are mostly noise):
+    they keep the prior, ``d_r = p·1`` (clipped into the box). 0 fits every direction.
     """
+    if energy_floor < 0 or not math.isfinite(energy_floor):
+        raise ConfigError(
+            f"qp_projection energy_floor must be a finite number >= 0; got {energy_floor}"
+        )
+    if not math.isfinite(prior):
+        raise ConfigError(f"qp_projection prior must be a finite number; got {prior}")
     mu = ridge_strength(equations.normal, ridge)
     k_dim = equations.num_updates
     regularised = equations.normal + mu * torch.eye(
         k_dim, dtype=equations.normal.dtype, device=equations.normal.device
     )
+    rhs = equations.rhs + mu * prior
+    floored = low_energy_directions(equations.energy, energy_floor)
     if bounds is None:
-        d, n_fallback = solve_symmetric_batched(regularised, equations.rhs)
-        return QPSolution(d, mu, n_fallback)
-    lo, hi = _check_bounds(bounds)
-    d, info = solve_box_qp(regularised, equations.rhs, lo, hi)
-    return QPSolution(d, mu, 0, info)
+        d, n_fallback = solve_symmetric_batched(regularised, rhs)
+        box = None
+        prior_value = prior
+    else:
+        lo, hi = _check_bounds(bounds)
+        d, box = solve_box_qp(regularised, rhs, lo, hi)
+        n_fallback = 0
+        prior_value = min(max(prior, lo), hi)
+    d[floored] = prior_value
+    return QPSolution(d, mu, n_fallback, box, int(floored.sum()))
+
+
+def low_energy_directions(energy: torch.Tensor, energy_floor: float) -> torch.Tensor:
+    """Boolean ``[R]`` mask of the directions with ``e_r < energy_floor · mean_r e_r``."""
+    if energy_floor <= 0 or energy.numel() == 0:
+        return torch.zeros(energy.shape, dtype=torch.bool, device=energy.device)
+    return energy < energy_floor * energy.mean()
 
 
 def qp_objective(equations: QPNormalEquations, d: torch.Tensor) -> float:
@@ -457,17 +494,40 @@ def merged_update(
 # --------------------------------------------------------------------------------------
 
 
+def task_energy_weights(
+    residual_maps: Sequence[torch.Tensor], grams: Sequence[torch.Tensor]
+) -> torch.Tensor:
+    """``w_t = mean_s E_s / E_t`` with ``E_t = tr(R_t G_t R_tᵀ)``, task t's residual energy
+    (``[T]``, float64). Scaling ``G_t`` by ``w_t`` makes every task's base energy ``J_t(0)``
+    the same, so a task whose update is small at this layer is not outvoted by one whose
+    update is large (the default weighting counts samples, ``1/N_t``). A task with ``E_t = 0``
+    has nothing to fit and keeps weight 1."""
+    _check_pairs(residual_maps, grams)
+    energies = torch.stack(
+        [
+            ((r.to(_COMPUTE_DTYPE) @ g.to(_COMPUTE_DTYPE)) * r.to(_COMPUTE_DTYPE)).sum()
+            for r, g in zip(residual_maps, grams)
+        ]
+    )
+    positive = energies > 0
+    if not bool(positive.any()):
+        return torch.ones_like(energies)
+    reference = energies[positive].mean()
+    return torch.where(
+        positive, reference / energies.clamp_min(torch.finfo(_COMPUTE_DTYPE).tiny), 1.0
+    )
+
+
 def _solve_in_basis(
     kind: str,
     task_vectors: Sequence[torch.Tensor],
     grams: Sequence[torch.Tensor],
-    ridge: float,
-    bounds: Optional[Sequence[float]],
+    solve_options: dict[str, Any],
 ) -> tuple[QPNormalEquations, QPSolution]:
     # S = Σ_t R_t G_t R_tᵀ is the same for R_t = −Δ_t and Δ_t.
     basis = output_basis(kind, task_vectors, grams)
     equations = qp_normal_equations(task_vectors, grams, basis=basis, basis_kind=kind)
-    return equations, solve_qp(equations, ridge=ridge, bounds=bounds)
+    return equations, solve_qp(equations, **solve_options)
 
 
 def qp_merge_weight(
@@ -475,27 +535,49 @@ def qp_merge_weight(
     experts: Sequence[torch.Tensor],
     grams: Sequence[torch.Tensor],
     *,
-    basis: str = "residual_eigen",
-    ridge: float = 1e-6,
+    basis: str = "diagonal",
+    ridge: float = 1.0,
     bounds: Optional[Sequence[float]] = None,
+    prior: float = 1.0,
+    energy_floor: float = 0.0,
+    task_weighting: str = "samples",
     diagnose_both_bases: bool = False,
     task_names: Optional[Sequence[str]] = None,
     name: str = "<weight>",
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """Merge one linear weight: ``W = W_0 + δ(d*)``; returns the weight (base dtype) and its
-    diagnostics (J(0), J(d*), captured energy, task-arithmetic J at λ = 1/K and 1, d stats)."""
+    diagnostics (J(0), J(d*), captured energy, task-arithmetic J at λ = 1/K and 1, d stats).
+
+    ``task_weighting``: ``samples`` (each task's mean Gram, tasks count equally per sample)
+    or ``energy`` (Grams scaled by :func:`task_energy_weights`; the J values reported are
+    then those of the weighted objective)."""
     _check_weight_inputs(base, experts, grams, name)
     if basis not in BASES:
         raise ConfigError(f"qp_projection basis must be one of {', '.join(BASES)}; got {basis!r}")
+    if task_weighting not in TASK_WEIGHTINGS:
+        raise ConfigError(
+            f"qp_projection task_weighting must be one of {', '.join(TASK_WEIGHTINGS)}; "
+            f"got {task_weighting!r}"
+        )
     task_names = (
         list(task_names) if task_names is not None else [f"task_{i}" for i in range(len(experts))]
     )
     w0 = base.to(_COMPUTE_DTYPE)
     task_vectors = [e.to(_COMPUTE_DTYPE) - w0 for e in experts]
+    if task_weighting == "energy":
+        weights = task_energy_weights(task_vectors, grams)
+        grams = [g.to(_COMPUTE_DTYPE) * w for g, w in zip(grams, weights.tolist())]
     lo, hi = _check_bounds(bounds) if bounds is not None else (-math.inf, math.inf)
-    zero_feasible = lo <= 0.0 <= hi
+    # J(d*) <= J(0) holds when d = 0 is feasible and the ridge and the floor pull toward 0.
+    zero_bound = lo <= 0.0 <= hi and prior == 0.0
+    solve_options = {
+        "ridge": ridge,
+        "bounds": bounds,
+        "prior": prior,
+        "energy_floor": energy_floor,
+    }
 
-    equations, solution = _solve_in_basis(basis, task_vectors, grams, ridge, bounds)
+    equations, solution = _solve_in_basis(basis, task_vectors, grams, solve_options)
     j_zero = base_energy(equations)
     j_opt = qp_objective(equations, solution.d)
     k_dim = len(task_vectors)
@@ -506,13 +588,13 @@ def qp_merge_weight(
     other: Optional[dict[str, float]] = None
     if diagnose_both_bases:
         other_kind = "diagonal" if basis == "residual_eigen" else "residual_eigen"
-        other_eq, other_solution = _solve_in_basis(other_kind, task_vectors, grams, ridge, bounds)
+        other_eq, other_solution = _solve_in_basis(other_kind, task_vectors, grams, solve_options)
         other_j = qp_objective(other_eq, other_solution.d)
         other = {
             "basis": other_kind,
             "J_opt": other_j,
             "captured_energy": captured_energy_fraction(
-                other_j, base_energy(other_eq), zero_feasible=zero_feasible
+                other_j, base_energy(other_eq), zero_feasible=zero_bound
             ),
         }
     merged = (w0 + merged_update(task_vectors, solution.d, equations.basis)).to(base.dtype)
@@ -525,7 +607,7 @@ def qp_merge_weight(
         "basis": basis,
         "J0": j_zero,
         "J_opt": j_opt,
-        "captured_energy": captured_energy_fraction(j_opt, j_zero, zero_feasible=zero_feasible),
+        "captured_energy": captured_energy_fraction(j_opt, j_zero, zero_feasible=zero_bound),
         "J_task_arithmetic": j_task_arithmetic,
         "d_stats": {
             task: {
@@ -538,6 +620,7 @@ def qp_merge_weight(
         "other_basis": other,
         "mu": solution.mu,
         "pinv_directions": solution.fallback_rows,
+        "floored_directions": solution.floored_directions,
     }
     if solution.box is not None:
         diagnostics["box_qp"] = {
@@ -554,23 +637,45 @@ def qp_merge_weight(
 
 
 class QPParameters(MethodParameters):
-    """QP / output-space projection's parameters (``docs/methods.md``, section QP)."""
+    """QP / output-space projection's parameters (``docs/methods.md``, section QP).
+
+    Defaults (``basis: diagonal``, ``prior: 1``, ``ridge: 1``) were chosen by the committed
+    sweep ``benchmarks/results/sweep_*_qp``: pulling d toward task arithmetic instead of the
+    base raised the vision suite from 58.9% to 64.2% and cost 1 point on the LM suite."""
 
     basis: Literal["diagonal", "residual_eigen"] = Field(
-        "residual_eigen",
+        "diagonal",
         description="diagonal | residual_eigen: output basis U (identity rows, or eigenvectors "
         "of the residual energy matrix S in descending order, the paper's optimal basis)",
     )
     ridge: float = Field(
-        1e-6,
+        1.0,
         ge=0.0,
         allow_inf_nan=False,
         description="relative ridge: μ = ridge · mean diagonal of the K×K normal matrices, "
-        "added to each",
+        "added to each; it pulls d toward prior",
     )
     bounds: Optional[tuple[float, float]] = Field(
         None,
         description="optional [lo, hi] box on every coefficient d (a true QP); null = unconstrained",
+    )
+    prior: float = Field(
+        1.0,
+        allow_inf_nan=False,
+        description="the coefficient the ridge pulls d toward, (N_r + μI) d_r = h_r + μ·prior·1: "
+        "0 = the base model, 1 = task arithmetic λ=1",
+    )
+    energy_floor: float = Field(
+        0.0,
+        ge=0.0,
+        allow_inf_nan=False,
+        description="directions whose residual energy is below energy_floor · the mean energy "
+        "per direction are not fitted and keep d = prior",
+    )
+    task_weighting: Literal["samples", "energy"] = Field(
+        "samples",
+        description="samples | energy: tasks count equally per sample (1/N_t), or each task's "
+        "Gram is scaled so that every task has the same residual energy at the weight",
     )
     propagate: bool = Field(
         True,
@@ -641,6 +746,9 @@ class QPProjectionMethod(LayerwiseMethod):
                 basis=resolved.basis,
                 ridge=resolved.ridge,
                 bounds=resolved.bounds,
+                prior=resolved.prior,
+                energy_floor=resolved.energy_floor,
+                task_weighting=resolved.task_weighting,
                 diagnose_both_bases=resolved.diagnose_both_bases,
                 task_names=group.task_names,
                 name=weight_name,
