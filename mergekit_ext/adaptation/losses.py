@@ -177,12 +177,6 @@ class TopKLogProbs:
         )
 
 
-def log1mexp(x: torch.Tensor) -> torch.Tensor:
-    """``log(1 − exp(x))`` for ``x ≤ 0``, accurate at both ends (Mächler 2012)."""
-    x = x.clamp(max=0.0)
-    return torch.where(x > -math.log(2.0), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
-
-
 def top_k_log_probs(logits: torch.Tensor, k: int) -> TopKLogProbs:
     """Compress ``(..., V)`` logits into the top-``k`` log-probabilities and the rest's mass.
 
@@ -192,10 +186,9 @@ def top_k_log_probs(logits: torch.Tensor, k: int) -> TopKLogProbs:
     logp = logits.log_softmax(-1)
     k = min(int(k), logp.shape[-1])
     top, indices = logp.topk(k, dim=-1, sorted=True)
-    if k == logp.shape[-1]:
-        rest = torch.full(top.shape[:-1], -math.inf, dtype=top.dtype, device=top.device)
-    else:
-        rest = log1mexp(top.logsumexp(-1))
+    # the rest's mass summed directly (not 1 − Σ top-k, which is 0 in floating point when
+    # the top-k hold nearly all of it); -inf when k is the whole vocabulary
+    rest = logp.scatter(-1, indices, -math.inf).logsumexp(-1)
     return TopKLogProbs(top, indices, rest)
 
 
@@ -205,7 +198,7 @@ def kl_to_top_k_teacher(student_logits: torch.Tensor, teacher: TopKLogProbs) -> 
     lumped the same way::
 
         KL = Σ_{i ∈ top-k} p_i (log p_i − log q_i) + p_rest (log p_rest − log q_rest),
-        q_rest = 1 − Σ_{i ∈ top-k} q_i
+        q_rest = Σ_{i ∉ top-k} q_i   (summed in log space, never as 1 − Σ_{top-k} q_i)
 
     This is the KL between the two distributions coarsened onto k + 1 outcomes: it is ≤ the
     full KL and equal to it when ``k`` is the vocabulary size (the bucket is then empty).
@@ -224,7 +217,10 @@ def kl_to_top_k_teacher(student_logits: torch.Tensor, teacher: TopKLogProbs) -> 
     kl = (p_top * (teacher.logprobs - log_q_top)).sum(-1)
     has_rest = torch.isfinite(teacher.rest)
     if bool(has_rest.any()):
-        log_q_rest = log1mexp(log_q_top.logsumexp(-1))
+        # log q_rest as a log-sum-exp over the other tokens: finite even when the student
+        # puts all but a float's rounding of its mass on the top-k (1 − Σ q_top is then 0)
+        log_q_rest = log_q.scatter(-1, teacher.indices, -math.inf).logsumexp(-1)
+        log_q_rest = torch.where(has_rest, log_q_rest, torch.zeros_like(log_q_rest))
         rest = torch.where(has_rest, teacher.rest, torch.zeros_like(teacher.rest))
         kl = kl + torch.where(has_rest, rest.exp() * (rest - log_q_rest), torch.zeros_like(rest))
     return kl.sum()
