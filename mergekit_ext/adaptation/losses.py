@@ -25,10 +25,10 @@ Target = Literal["hard", "soft"]
 
 
 def rows(
-    output: torch.Tensor, attention_mask: Optional[torch.Tensor], kind: OutputKind
+    output: torch.Tensor, attention_mask: Optional[torch.Tensor], output_kind: OutputKind
 ) -> torch.Tensor:
     """``(N, C)`` logits: per sample, or per non-padding position for per-token outputs."""
-    if kind == "classification":
+    if output_kind == "classification":
         return output
     if attention_mask is None:
         return output.reshape(-1, output.shape[-1])

@@ -112,7 +112,7 @@ class TaskModel:
     layer: dict[str, nn.Parameter]  # trainable, initialised from the expert
     layer_init: dict[str, torch.Tensor]  # the expert's task layer (a frozen copy)
     frozen: dict[str, torch.Tensor]  # task-specific, kept at the expert's value
-    kind: Optional[OutputKind] = None
+    output_kind: Optional[OutputKind] = None
     accepts: Optional[frozenset[str]] = field(default=None)
 
     def inputs(self, batch: Mapping[str, torch.Tensor]) -> dict[str, Any]:

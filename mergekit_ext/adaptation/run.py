@@ -316,8 +316,8 @@ def prepare_symerge(
         expert_labels=[e.model for e in entries],
         base_tensors=body_tensors,
     )
-    for task, kind in zip(problem.tasks, kinds):
-        task.kind = kind
+    for task, found in zip(problem.tasks, kinds):
+        task.output_kind = found
     timing = {
         "load_data_s": data_loaded - started,
         "load_models_and_teacher_s": time.perf_counter() - data_loaded,
@@ -415,7 +415,7 @@ def adapt_session(session: SyMergeSession, *, progress: bool = True) -> dict[str
     log = adapt(problem, data, settings, device=session.device, progress=progress)
     after = evaluate(problem, data, "heldout", **measure)
     for task in problem.tasks:
-        metric = "accuracy" if task.kind != "dense" else "l1"
+        metric = "accuracy" if task.output_kind != "dense" else "l1"
         LOG.info(
             "symerge %s: held-out %s vs its expert: task arithmetic %s -> adapted %s",
             task.name,
@@ -431,7 +431,7 @@ def adapt_session(session: SyMergeSession, *, progress: bool = True) -> dict[str
 def task_layers_are_lm_blocks(problem: Any) -> bool:
     """True when some task is a causal LM whose task layer lies inside the body (a block)."""
     return any(
-        t.kind == "causal_lm"
+        t.output_kind == "causal_lm"
         and (
             not t.roles.prefix
             or any(m.startswith(t.roles.prefix) for m in t.roles.task_layer_modules)
@@ -609,7 +609,7 @@ def _diagnostics(
         "body": session.parameters.body,
         "start_heldout_accuracy": {t: before[t]["accuracy"] for t in tasks},
         "task_layers": {t.name: list(t.roles.task_layer_modules) for t in problem.tasks},
-        "output_kinds": {t.name: t.kind for t in problem.tasks},
+        "output_kinds": {t.name: t.output_kind for t in problem.tasks},
         "samples": {
             d.name: {"adaptation": len(d.adapt_index), "heldout": len(d.heldout_index)}
             for d in session.data
@@ -623,7 +623,7 @@ def _diagnostics(
         "teacher_cached": session.teacher_cached,
         "memory_estimate_bytes": dict(session.estimate.parts),
     }
-    if any(t.kind == "dense" for t in problem.tasks):
+    if any(t.output_kind == "dense" for t in problem.tasks):
         section["heldout_l1"] = {t: after[t]["l1"] for t in tasks}
         section["task_arithmetic_heldout_l1"] = {t: before[t]["l1"] for t in tasks}
     return section

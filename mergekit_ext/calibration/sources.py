@@ -378,7 +378,7 @@ class _DatasetRows:
 @dataclass
 class _OpenedSource:
     rows: _Rows
-    kind: Literal["raw", "tokens", "pixels"]  # raw examples, token id rows, pixel tensors
+    form: Literal["raw", "tokens", "pixels"]  # raw examples, token id rows, pixel tensors
     base_dir: str  # relative image paths resolve against it
     description: str
 
@@ -396,7 +396,7 @@ def _hub_offline() -> bool:
     )
 
 
-def _path_kind(spec: CalibrationSpec, task: str) -> str:
+def _path_format(spec: CalibrationSpec, task: str) -> str:
     """``json|csv|parquet|text`` (datasets builders), ``safetensors``, ``disk`` or ``images``."""
     path = spec.path or ""
     if os.path.isfile(path):
@@ -440,18 +440,18 @@ def _image_files(folder: str) -> list[str]:
     ]
 
 
-def _peek_file(path: str, kind: str, task: str) -> tuple[list[str], bool]:
+def _peek_file(path: str, fmt: str, task: str) -> tuple[list[str], bool]:
     """``(columns, non-empty)`` of a data file without loading it all."""
     try:
-        if kind == "text":
+        if fmt == "text":
             with open(path, encoding="utf-8") as fp:
                 return ["text"], any(line.strip() for line in fp)
-        if kind == "csv":
+        if fmt == "csv":
             with open(path, encoding="utf-8", newline="") as fp:
                 reader = csv.reader(fp)
                 header = next(reader, None)
                 return (header or []), header is not None and next(reader, None) is not None
-        if kind == "parquet":
+        if fmt == "parquet":
             import pyarrow.parquet as pq
 
             parquet = pq.ParquetFile(path)
@@ -475,7 +475,7 @@ def _peek_file(path: str, kind: str, task: str) -> tuple[list[str], bool]:
         return list(first), bool(records)
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise CalibrationError(
-            f"model {task}: cannot read calibration file {path!r} as {kind}: {e}"
+            f"model {task}: cannot read calibration file {path!r} as {fmt}: {e}"
         ) from e
 
 
@@ -595,15 +595,15 @@ def check_calibration(spec: CalibrationSpec, *, task: str, modality: str) -> Non
             ) from e
         return
     path = str(spec.path)
-    kind = _path_kind(spec, task)
-    if kind == "safetensors":
+    fmt = _path_format(spec, task)
+    if fmt == "safetensors":
         _safetensors_keys(path, modality, task)
-    elif kind == "images":
+    elif fmt == "images":
         if modality != "image":
             raise CalibrationError(
                 f"model {task} is a text model but {path!r} is a folder of images"
             )
-    elif kind == "disk":
+    elif fmt == "disk":
         from datasets import load_from_disk
 
         try:
@@ -617,7 +617,7 @@ def check_calibration(spec: CalibrationSpec, *, task: str, modality: str) -> Non
         if len(dataset) == 0:
             raise CalibrationError(f"model {task}: calibration dataset {path!r} is empty")
     else:
-        columns, non_empty = _peek_file(path, kind, task)
+        columns, non_empty = _peek_file(path, fmt, task)
         if not non_empty:
             raise CalibrationError(f"model {task}: calibration file {path!r} is empty")
         _resolve_field(columns, spec, modality, repr(path), task)
@@ -675,13 +675,13 @@ def _open(spec: CalibrationSpec, *, task: str, modality: str) -> _OpenedSource:
         description = "/".join(x for x in (spec.dataset, spec.subset) if x) + f" [{split}]"
         return _OpenedSource(_DatasetRows(dataset, field), "raw", os.getcwd(), f"hub:{description}")
     path = str(spec.path)
-    kind = _path_kind(spec, task)
+    fmt = _path_format(spec, task)
     base_dir = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-    if kind == "images":
+    if fmt == "images":
         return _OpenedSource(_ListRows(_image_files(path)), "raw", base_dir, path)
-    if kind == "safetensors":
+    if fmt == "safetensors":
         return _open_safetensors(path, spec, modality, task)
-    if kind == "disk":
+    if fmt == "disk":
         from datasets import load_from_disk
 
         with _datasets_local_only():
@@ -691,10 +691,10 @@ def _open(spec: CalibrationSpec, *, task: str, modality: str) -> _OpenedSource:
 
         try:
             with _datasets_local_only():
-                dataset = load_dataset(kind, data_files=path, split="train")
+                dataset = load_dataset(fmt, data_files=path, split="train")
         except Exception as e:
             raise CalibrationError(
-                f"model {task}: cannot load calibration file {path!r} as {kind}: {e}"
+                f"model {task}: cannot load calibration file {path!r} as {fmt}: {e}"
             ) from e
     field = _resolve_field(dataset.column_names, spec, modality, repr(path), task)
     return _OpenedSource(_DatasetRows(dataset, field), "raw", base_dir, path)
@@ -845,7 +845,7 @@ def _text_samples(
         total=spec.samples, desc=f"calibration {task}: tokenizing", disable=None, leave=False
     )
     for item in _shuffled(opened.rows, spec.seed):
-        if opened.kind == "tokens":
+        if opened.form == "tokens":
             if not item:
                 skipped += 1
                 continue
@@ -940,7 +940,7 @@ def _image_batches(
         if len(selected) >= spec.samples:
             break
     _warn_or_fail(task, opened.description, len(selected), spec.samples, "images")
-    if opened.kind == "pixels":
+    if opened.form == "pixels":
         for pixels in selected:
             hasher.add(pixels.numpy().tobytes())
         chunks = [
@@ -987,11 +987,11 @@ def load_calibration(
     check_calibration(spec, task=task, modality=modality)
     opened = _open(spec, task=task, modality=modality)
     if modality == "image":
-        if opened.kind == "tokens":
+        if opened.form == "tokens":
             raise CalibrationError(
                 f"model {task} is an image model but {opened.description!r} holds token ids"
             )
-        hasher = _Hasher({"modality": "image", "format": opened.kind})
+        hasher = _Hasher({"modality": "image", "format": opened.form})
         batches, num_samples = _image_batches(opened, spec, task, model_path, hasher)
         height, width = batches[0]["pixel_values"].shape[-2:]
         num_tokens = num_samples * _patches_per_image(model_path, int(height), int(width))
@@ -999,7 +999,7 @@ def load_calibration(
             task, "image", batches, num_samples, num_tokens, hasher.hexdigest(), opened.description
         )
 
-    if opened.kind == "pixels":
+    if opened.form == "pixels":
         raise CalibrationError(
             f"model {task} is a text model but {opened.description!r} holds pixel_values"
         )
@@ -1009,7 +1009,7 @@ def load_calibration(
         "pack": spec.pack,
     }
     encode: Callable[[Any], list[int]]
-    if opened.kind == "tokens":
+    if opened.form == "tokens":
         config = _model_config(model_path, trust_remote_code)
         encode, pad_id = (
             list,

@@ -53,7 +53,7 @@ class LoraDelta:
     module: str  # PEFT module name, e.g. model.layers.0.self_attn.q_proj
     a_key: str
     b_key: str
-    kind: Literal["linear", "embedding"]
+    module_type: Literal["linear", "embedding"]
     scale: float
     fan_in_fan_out: bool
 
@@ -151,7 +151,7 @@ class LoraModelSource:
         a = self._adapter_tensor(delta.a_key).to(device=device, dtype=torch.float32)
         b = self._adapter_tensor(delta.b_key).to(device=device, dtype=torch.float32)
         product = b @ a
-        if delta.kind == "embedding" or delta.fan_in_fan_out:
+        if delta.module_type == "embedding" or delta.fan_in_fan_out:
             product = product.T
         return delta.scale * product
 
@@ -240,7 +240,7 @@ def open_lora_expert(
                 f"{what}: adapter {adapter_path} is a DoRA adapter ({key}); not supported"
             )
         matched = False
-        for suffix, role, kind in (
+        for suffix, role, module_type in (
             (".lora_A.weight", "A", "linear"),
             (".lora_B.weight", "B", "linear"),
             (".lora_embedding_A", "A", "embedding"),
@@ -248,7 +248,7 @@ def open_lora_expert(
         ):
             if stripped.endswith(suffix):
                 module = stripped[: -len(suffix)]
-                entry = pairs.setdefault(module, {"kind": kind})
+                entry = pairs.setdefault(module, {"module_type": module_type})
                 entry[role] = key
                 matched = True
                 break
@@ -288,7 +288,7 @@ def open_lora_expert(
         )
         scale = alpha / math.sqrt(rank) if rslora else alpha / rank
         target = shapes[canonical]
-        if entry["kind"] == "embedding":
+        if entry["module_type"] == "embedding":
             expected = (a_shape[1], b_shape[0])
         else:
             expected = (b_shape[0], a_shape[1])
@@ -304,9 +304,9 @@ def open_lora_expert(
             module=module,
             a_key=entry["A"],
             b_key=entry["B"],
-            kind=entry["kind"],
+            module_type=entry["module_type"],
             scale=scale,
-            fan_in_fan_out=fan_in_fan_out and entry["kind"] == "linear",
+            fan_in_fan_out=fan_in_fan_out and entry["module_type"] == "linear",
         )
     if not deltas:
         LOG.warning("adapter %s has no LoRA weights; the expert equals its base", adapter_path)

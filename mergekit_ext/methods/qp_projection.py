@@ -138,16 +138,16 @@ def residual_energy_matrix(
 
 
 def output_basis(
-    kind: str, residual_maps: Sequence[torch.Tensor], grams: Sequence[torch.Tensor]
+    basis_name: str, residual_maps: Sequence[torch.Tensor], grams: Sequence[torch.Tensor]
 ) -> Optional[torch.Tensor]:
     """The output basis ``U``: None (identity) for ``diagonal``; for ``residual_eigen`` the
     eigenvectors of :func:`residual_energy_matrix` as columns, eigenvalues descending."""
-    if kind == "diagonal":
+    if basis_name == "diagonal":
         return None
-    if kind == "residual_eigen":
+    if basis_name == "residual_eigen":
         _, vectors = torch.linalg.eigh(residual_energy_matrix(residual_maps, grams))
         return vectors.flip(-1).contiguous()
-    raise ConfigError(f"qp_projection basis must be one of {', '.join(BASES)}; got {kind!r}")
+    raise ConfigError(f"qp_projection basis must be one of {', '.join(BASES)}; got {basis_name!r}")
 
 
 def _rotate(basis_cols: Optional[torch.Tensor], matrix: torch.Tensor, rows: slice) -> torch.Tensor:
@@ -228,8 +228,8 @@ def qp_normal_equations(
         rhs[rows] = -cross
         energy[rows] = chunk_energy
     normal = (normal + normal.transpose(-1, -2)) / 2
-    kind = basis_kind or ("diagonal" if basis is None else "custom")
-    return QPNormalEquations(normal, rhs, energy, basis64, kind)
+    name = basis_kind or ("diagonal" if basis is None else "custom")
+    return QPNormalEquations(normal, rhs, energy, basis64, name)
 
 
 def ridge_strength(normal: torch.Tensor, ridge: float) -> float:
@@ -519,14 +519,14 @@ def task_energy_weights(
 
 
 def _solve_in_basis(
-    kind: str,
+    basis_name: str,
     task_vectors: Sequence[torch.Tensor],
     grams: Sequence[torch.Tensor],
     solve_options: dict[str, Any],
 ) -> tuple[QPNormalEquations, QPSolution]:
     # S = Σ_t R_t G_t R_tᵀ is the same for R_t = −Δ_t and Δ_t.
-    basis = output_basis(kind, task_vectors, grams)
-    equations = qp_normal_equations(task_vectors, grams, basis=basis, basis_kind=kind)
+    basis = output_basis(basis_name, task_vectors, grams)
+    equations = qp_normal_equations(task_vectors, grams, basis=basis, basis_kind=basis_name)
     return equations, solve_qp(equations, **solve_options)
 
 
