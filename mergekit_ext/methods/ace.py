@@ -116,7 +116,7 @@ def ace_merge_tensor(
     """
     if not 0.0 <= k_frac <= 1.0:  # ACEParameters checks YAML values; this guards direct calls
         raise ValueError(f"ace: k_frac = {k_frac} is outside its range [0, 1]")
-    _check_inputs(base, experts, name)
+    check_tensor_inputs(base, experts, name, "ACE")
     if base.ndim != 2:
         raise TensorError(f"ACE's covariance merge needs a 2-D weight; {name} is {base.ndim}-D")
     out_dtype = base.dtype
@@ -196,16 +196,28 @@ def ace_merge_simple(
     name: str = "<tensor>",
 ) -> torch.Tensor:
     """Step 6 for 1-D tensors and embedding tables: ``W_0 + scale · mean_k Δ_k``."""
-    _check_inputs(base, experts, name)
+    check_tensor_inputs(base, experts, name, "ACE")
+    return mean_task_vector_merge(base, experts, scale)
+
+
+def mean_task_vector_merge(
+    base: torch.Tensor, experts: Sequence[torch.Tensor], scale: float
+) -> torch.Tensor:
+    """``W_0 + scale · mean_k (W_k − W_0)`` in float64, cast back to ``base``'s dtype (the
+    data-free methods' merge of the tensors they do not optimise)."""
     w0 = base.double()
     mean_delta = torch.stack([e.double() - w0 for e in experts]).mean(0)
     return (w0 + scale * mean_delta).to(base.dtype)
 
 
-def _check_inputs(base: torch.Tensor, experts: Sequence[torch.Tensor], name: str) -> None:
+def check_tensor_inputs(
+    base: torch.Tensor, experts: Sequence[torch.Tensor], name: str, method: str
+) -> None:
+    """At least two experts, every shape equal to the base's, no NaN/Inf (``TensorError``
+    naming ``method``, the tensor and the input)."""
     if len(experts) < 2:
         raise TensorError(
-            f"ACE needs at least two experts besides the base model; {name} has {len(experts)}"
+            f"{method} needs at least two experts besides the base model; {name} has {len(experts)}"
         )
     for i, t in enumerate([base, *experts]):
         who = "the base model" if i == 0 else f"expert {i}"

@@ -157,6 +157,58 @@ def _condition(system: torch.Tensor, cholesky: Optional[torch.Tensor]) -> tuple[
     return estimate_condition_number(system, cholesky), "estimate"
 
 
+def _solve_assembled(
+    numerator: torch.Tensor,
+    system: torch.Tensor,
+    *,
+    ridge: float,
+    weighted_experts: Callable[[], torch.Tensor],
+    weight_sum: float,
+    solver: Solver,
+    name: str,
+) -> tuple[torch.Tensor, float, str, str]:
+    """``numerator · system⁻¹`` from the assembled sums (float64, ``system`` with its diagonal
+    part added): the ridge, the solver choice and the condition number of :func:`regmean_solve`,
+    shared with the distributed reduction's :func:`solve_regmean_sums`.
+
+    Returns ``(merged, condition number, solver used, condition_number_method)``.
+    """
+    n_in = system.shape[0]
+    system = 0.5 * (system + system.T)  # exact symmetry for eigh
+    if ridge > 0.0:
+        strength = ridge * float(torch.diagonal(system).mean())
+        torch.diagonal(system).add_(strength)
+        numerator = numerator + (strength / weight_sum) * weighted_experts()
+
+    n_eps = n_in * torch.finfo(torch.float64).eps
+    cholesky = _cholesky(system)
+    condition, condition_method = _condition(system, cholesky)
+    used = solver
+    merged: Optional[torch.Tensor] = None
+    if solver == "solve":
+        try:
+            if cholesky is not None:
+                merged = torch.cholesky_solve(numerator.T, cholesky).T
+            else:
+                merged = torch.linalg.solve(system, numerator.T).T
+        except RuntimeError:  # torch.linalg.LinAlgError subclasses RuntimeError
+            merged = None
+        if merged is None or not torch.isfinite(merged).all():
+            LOG.warning("%s: Σ ω G̃ is singular; solving with the pseudo-inverse instead", name)
+            used = "pinv (solve failed: singular)"
+            merged = None
+    elif cholesky is not None and condition * n_eps < _CHOLESKY_PINV_MARGIN:
+        # No eigenvalue is anywhere near pinv's cut-off: the pseudo-inverse is the inverse,
+        # and a Cholesky solve gives it at a fraction of an eigendecomposition's cost.
+        merged = torch.cholesky_solve(numerator.T, cholesky).T
+    if merged is None:
+        pinv, eigenvalues = _symmetric_pinv(system)
+        merged = numerator @ pinv
+        condition, condition_method = _condition_number(eigenvalues), "exact"
+    assert merged is not None
+    return merged, condition, used, condition_method
+
+
 def regmean_solve(
     expert_weights: Sequence[torch.Tensor],
     grams: Sequence[torch.Tensor],
@@ -239,38 +291,17 @@ def regmean_solve(
             products.append(product)
         del product
     torch.diagonal(system).add_(system_diagonal)
-    system = 0.5 * (system + system.T)  # exact symmetry for eigh
-    if ridge > 0.0:
-        strength = ridge * float(torch.diagonal(system).mean())
-        torch.diagonal(system).add_(strength)
-        weighted_experts = sum(omega * w.double() for w, omega in zip(expert_weights, weights))
-        numerator += (strength / sum(weights)) * weighted_experts
-
-    n_eps = n_in * torch.finfo(torch.float64).eps
-    cholesky = _cholesky(system)
-    condition, condition_method = _condition(system, cholesky)
-    used = solver
-    merged: Optional[torch.Tensor] = None
-    if solver == "solve":
-        try:
-            if cholesky is not None:
-                merged = torch.cholesky_solve(numerator.T, cholesky).T
-            else:
-                merged = torch.linalg.solve(system, numerator.T).T
-        except RuntimeError:  # torch.linalg.LinAlgError subclasses RuntimeError
-            merged = None
-        if merged is None or not torch.isfinite(merged).all():
-            LOG.warning("%s: Σ ω G̃ is singular; solving with the pseudo-inverse instead", name)
-            used = "pinv (solve failed: singular)"
-            merged = None
-    elif cholesky is not None and condition * n_eps < _CHOLESKY_PINV_MARGIN:
-        # No eigenvalue is anywhere near pinv's cut-off: the pseudo-inverse is the inverse,
-        # and a Cholesky solve gives it at a fraction of an eigendecomposition's cost.
-        merged = torch.cholesky_solve(numerator.T, cholesky).T
-    if merged is None:
-        pinv, eigenvalues = _symmetric_pinv(system)
-        merged = numerator @ pinv
-        condition, condition_method = _condition_number(eigenvalues), "exact"
+    merged, condition, used, condition_method = _solve_assembled(
+        numerator,
+        system,
+        ridge=ridge,
+        weighted_experts=lambda: sum(
+            omega * w.double() for w, omega in zip(expert_weights, weights)
+        ),
+        weight_sum=sum(weights),
+        solver=solver,
+        name=name,
+    )
     return RegMeanSolution(
         merged.to(out_dtype), condition, used, condition_method, products if keep_products else None
     )
@@ -715,39 +746,16 @@ def solve_regmean_sums(
         raise TensorError(f"{name}: the task weights are all zero; use task_weighting: uniform")
     numerator = sums["numerator"].double().clone()
     system = sums["system"].double().clone()
-    n_in = system.shape[0]
     torch.diagonal(system).add_(sums["system_diagonal"].double())
-    system = 0.5 * (system + system.T)  # exact symmetry for eigh
-    if ridge > 0.0:
-        strength = ridge * float(torch.diagonal(system).mean())
-        torch.diagonal(system).add_(strength)
-        numerator += (strength / float(sums["task_weight_sum"].sum())) * sums[
-            "weighted_experts"
-        ].double()
-
-    n_eps = n_in * torch.finfo(torch.float64).eps
-    cholesky = _cholesky(system)
-    condition, condition_method = _condition(system, cholesky)
-    used = solver
-    merged: Optional[torch.Tensor] = None
-    if solver == "solve":
-        try:
-            if cholesky is not None:
-                merged = torch.cholesky_solve(numerator.T, cholesky).T
-            else:
-                merged = torch.linalg.solve(system, numerator.T).T
-        except RuntimeError:
-            merged = None
-        if merged is None or not torch.isfinite(merged).all():
-            LOG.warning("%s: Σ ω G̃ is singular; solving with the pseudo-inverse instead", name)
-            used = "pinv (solve failed: singular)"
-            merged = None
-    elif cholesky is not None and condition * n_eps < _CHOLESKY_PINV_MARGIN:
-        merged = torch.cholesky_solve(numerator.T, cholesky).T
-    if merged is None:
-        pinv, eigenvalues = _symmetric_pinv(system)
-        merged = numerator @ pinv
-        condition, condition_method = _condition_number(eigenvalues), "exact"
+    merged, condition, used, condition_method = _solve_assembled(
+        numerator,
+        system,
+        ridge=ridge,
+        weighted_experts=lambda: sums["weighted_experts"].double(),
+        weight_sum=float(sums["task_weight_sum"].sum()),
+        solver=solver,
+        name=name,
+    )
     return RegMeanSolution(merged.to(out_dtype), condition, used, condition_method, None)
 
 

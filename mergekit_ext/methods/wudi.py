@@ -44,7 +44,7 @@ from pydantic import Field
 
 from mergekit_ext import diagnostics
 from mergekit_ext.errors import TensorError
-from mergekit_ext.methods.ace import is_linear_weight
+from mergekit_ext.methods.ace import check_tensor_inputs, is_linear_weight, mean_task_vector_merge
 from mergekit_ext.methods.parameters import MethodParameters
 from mergekit_ext.methods.registry import (
     MethodInfo,
@@ -266,7 +266,7 @@ def wudi_merge_tensor(
     :class:`TensorError` (naming ``name``) for fewer than two experts, mismatched shapes,
     non-finite values or a weight that is not 2-D.
     """
-    _check_inputs(base, experts, name)
+    check_tensor_inputs(base, experts, name, "WUDI")
     if base.ndim != 2:
         raise TensorError(f"WUDI's interference loss needs a 2-D weight; {name} is {base.ndim}-D")
     if init not in ("sum", "mean"):
@@ -321,27 +321,10 @@ def wudi_merge_simple(
     name: str = "<tensor>",
 ) -> torch.Tensor:
     """Tensors WUDI does not optimise: ``W_0 + scaling · mean_k τ_k`` (``mean``) or ``W_0``."""
-    _check_inputs(base, experts, name)
+    check_tensor_inputs(base, experts, name, "WUDI")
     if other_tensors == "base":
         return base.clone()
-    w0 = base.double()
-    mean_delta = torch.stack([e.double() - w0 for e in experts]).mean(0)
-    return (w0 + scaling * mean_delta).to(base.dtype)
-
-
-def _check_inputs(base: torch.Tensor, experts: Sequence[torch.Tensor], name: str) -> None:
-    if len(experts) < 2:
-        raise TensorError(
-            f"WUDI needs at least two experts besides the base model; {name} has {len(experts)}"
-        )
-    for i, t in enumerate([base, *experts]):
-        who = "the base model" if i == 0 else f"expert {i}"
-        if t.shape != base.shape:
-            raise TensorError(
-                f"shape mismatch for {name}: {who} has {tuple(t.shape)}, the base has {tuple(base.shape)}"
-            )
-        if not torch.isfinite(t).all():
-            raise TensorError(f"{name} of {who} contains NaN or Inf values; fix that checkpoint")
+    return mean_task_vector_merge(base, experts, scaling)
 
 
 # ----------------------------------------------------------------------------- parameters
