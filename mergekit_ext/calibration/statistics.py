@@ -61,6 +61,11 @@ class ActivationStatistics:
     ``full_gram=False`` keeps only the mean and the per-feature second moment (``gram`` is
     then None in the result): what a diagonal-covariance diagnostic needs, at O(N·dim) cost
     instead of O(N·dim²).
+
+    ``keep_rows=True`` also keeps the rows themselves (in the product dtype) while fewer
+    than ``dim`` tokens have been seen (``TaskStatistics.rows``); the Gram then has rank
+    below ``dim`` and a least-squares solve is cheaper in the rows' span. Once ``dim``
+    tokens are reached they are dropped, so they never take more than ``dim² · 4`` bytes.
     """
 
     def __init__(
@@ -72,6 +77,7 @@ class ActivationStatistics:
         dtype: torch.dtype = torch.float64,
         product_dtype: Optional[torch.dtype] = None,
         device: Optional[torch.device | str] = None,
+        keep_rows: bool = False,
     ) -> None:
         if dtype not in (torch.float64, torch.float32):
             raise ValueError(f"ActivationStatistics accumulates in float64 or float32, not {dtype}")
@@ -90,6 +96,7 @@ class ActivationStatistics:
         self._sum: Optional[torch.Tensor] = None
         self._square_sum: Optional[torch.Tensor] = None
         self._normalized_gram_sum: Optional[torch.Tensor] = None
+        self._rows: Optional[list[torch.Tensor]] = [] if keep_rows else None
 
     def _allocate(self, device: torch.device) -> None:
         self.device = self.device or device
@@ -129,6 +136,13 @@ class ActivationStatistics:
             unit = rows / rows.norm(dim=1, keepdim=True).clamp_min(torch.finfo(rows.dtype).tiny)
             self._normalized_gram_sum.add_(unit.T @ unit)
         self.count += int(x.shape[0])
+        if self._rows is not None:
+            if self.count < self.dim:
+                # own copy: ``rows`` may be a view of the caller's activations
+                shared = rows.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+                self._rows.append(rows.clone() if shared else rows)
+            else:
+                self._rows = None  # full rank is possible: the Gram path
 
     def finalize(self) -> TaskStatistics:
         """Means over the accumulated tokens; raises when there were none or they were not finite."""
@@ -156,12 +170,16 @@ class ActivationStatistics:
                 "the Gram matrix of the layer inputs is not finite (inf/NaN activations); "
                 "check the checkpoint or use a wider dtype"
             )
+        kept = None
+        if self._rows:
+            kept, self._rows = torch.cat(self._rows), None
         return TaskStatistics(
             gram=gram,
             mean=self._sum / self.count,
             count=self.count,
             gram_normalized=normalized,
             second_moment=second_moment,
+            rows=kept,
         )
 
 

@@ -472,6 +472,7 @@ class SequentialExecutor:
             full_gram=full_gram,
             product_dtype=request.product_dtype,
             device=self.device,
+            keep_rows=request.keep_rows and not reference,
         )
 
     def _expert_path_statistics(

@@ -123,6 +123,7 @@ class ChainOfMergesMethod(LayerwiseMethod):
             expert_path=True,
             normalized_gram=p.normalize or p.task_weighting == "correlation",
             reference_gram_max_dim=FULL_COVARIANCE_W2_MAX_DIM if p.propagate else None,
+            keep_rows=True,  # the span solve when a group has fewer tokens than inputs
         )
 
     def merge_linear_group(

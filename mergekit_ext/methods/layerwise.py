@@ -37,6 +37,9 @@ class TaskStatistics:
     - ``count``: N, the number of tokens
     - ``second_moment``: ``(1/N) sum_x x ⊙ x`` (in,), the diagonal of ``gram``; derived
       from ``gram`` when not given
+    - ``rows``: the inputs themselves (``N x in``, float32 or float64), kept only when asked
+      (``StatisticsRequest.keep_rows``) and N < in: then ``gram = rowsᵀ rows / N`` has rank
+      at most N and the least-squares merge solves in their span; None otherwise
     """
 
     gram: Optional[torch.Tensor]
@@ -44,6 +47,7 @@ class TaskStatistics:
     count: int
     gram_normalized: Optional[torch.Tensor] = None
     second_moment: Optional[torch.Tensor] = None
+    rows: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         if self.second_moment is None:
@@ -101,6 +105,9 @@ class StatisticsRequest:
     - ``reference_gram_max_dim``: with ``propagate``, the expert path is only a reference
       (a diagnostic); above this input width its statistics keep only the mean and the
       per-feature second moment (``gram=None``). None: full Grams at every width.
+    - ``keep_rows``: on the path the merge uses, also keep the input rows while a task has
+      fewer tokens than the group has inputs (``TaskStatistics.rows``; at most half the
+      float64 Gram's memory)
     - ``product_dtype``: dtype of each batch's ``xᵀx`` before it is added to the float64
       sum; None: float32 for float32 (or narrower) activations, the fast default (see
       :class:`~mergekit_ext.calibration.statistics.ActivationStatistics`); ``torch.float64``
@@ -112,6 +119,7 @@ class StatisticsRequest:
     normalized_gram: bool = False
     reference_gram_max_dim: Optional[int] = None
     product_dtype: Optional[torch.dtype] = None
+    keep_rows: bool = False
 
 
 class LayerwiseMethod(ABC):

@@ -23,7 +23,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 import torch
 from pydantic import Field
@@ -48,6 +48,14 @@ EXACT_CONDITION_MAX_DIM = 1024
 _CHOLESKY_PINV_MARGIN = 1e-3
 _CONDITION_ITERATIONS = 10
 _CONDITION_BLOCK = 8
+# ``ridge: auto`` when a group's Gram is rank-deficient by count (fewer calibration tokens
+# than inputs): this relative ridge, toward the experts' mean (docs/methods.md, "The solve").
+# In the directions no token spans the merged weight is then the experts' mean whatever its
+# size; in the spanned ones it moves the solution by about AUTO_RIDGE relative. With at
+# least as many tokens as inputs ``auto`` is exactly 0 (outputs unchanged).
+AUTO_RIDGE = 1e-4
+
+Ridge = Union[float, Literal["auto"]]
 
 
 # --------------------------------------------------------------------------------------
@@ -75,6 +83,8 @@ class RegMeanSolution:
     solver: str  # "pinv", "solve", or "pinv (solve failed: singular)"
     condition_number_method: str = "exact"  # "exact" (all eigenvalues) | "estimate"
     products: Optional[list[torch.Tensor]] = None  # W_k G_k per task, when asked for
+    ridge: float = 0.0  # the relative ridge applied (``auto`` resolved)
+    tokens: Optional[int] = None  # calibration tokens behind Σ ω G̃ (None: not given)
 
 
 def _pinv_tolerance(eigenvalues: torch.Tensor, n: int) -> float:
@@ -126,21 +136,47 @@ def estimate_condition_number(
     so the estimate is never above the true condition number. O(iterations · block · n²)
     instead of the O(n³) of an eigendecomposition; deterministic.
     """
-    n = matrix.shape[0]
+    return estimate_condition_number_of(
+        lambda q: matrix @ q,
+        lambda q: torch.cholesky_solve(q, cholesky),
+        matrix.shape[0],
+        dtype=matrix.dtype,
+        device=matrix.device,
+        iterations=iterations,
+        block=block,
+    )
+
+
+def estimate_condition_number_of(
+    apply: Callable[[torch.Tensor], torch.Tensor],
+    apply_inverse: Callable[[torch.Tensor], torch.Tensor],
+    n: int,
+    *,
+    dtype: torch.dtype = torch.float64,
+    device: Optional[torch.device] = None,
+    iterations: int = _CONDITION_ITERATIONS,
+    block: int = _CONDITION_BLOCK,
+) -> float:
+    """:func:`estimate_condition_number` for a matrix given as ``apply`` / ``apply_inverse``.
+
+    Both map an ``n x b`` block to ``A @ block`` / ``A⁻¹ @ block``; the Rayleigh–Ritz steps
+    use ``apply`` too, so the matrix itself is never formed (the span solve's ``A`` is
+    ``Rᵀ D R + E``, applied in O(n · T) per vector).
+    """
     width = min(block, n)
     generator = torch.Generator().manual_seed(0)
     start = torch.randn(n, width, generator=generator, dtype=torch.float64)
-    start = start.to(device=matrix.device, dtype=matrix.dtype)
+    start = start.to(device=device, dtype=dtype)
 
-    def extreme_ritz(apply: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def extreme_ritz(power: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         basis = torch.linalg.qr(start).Q
         for _ in range(iterations):
-            basis = torch.linalg.qr(apply(basis)).Q
-        projected = basis.T @ matrix @ basis
+            basis = torch.linalg.qr(power(basis)).Q
+        projected = basis.T @ apply(basis)
         return torch.linalg.eigvalsh(0.5 * (projected + projected.T))
 
-    largest = float(extreme_ritz(lambda q: matrix @ q).max())
-    smallest = float(extreme_ritz(lambda q: torch.cholesky_solve(q, cholesky)).min())
+    largest = float(extreme_ritz(apply).max())
+    smallest = float(extreme_ritz(apply_inverse).min())
     if smallest <= 0.0:
         return math.inf
     return largest / smallest
@@ -153,16 +189,32 @@ def _condition(system: torch.Tensor, cholesky: Optional[torch.Tensor]) -> tuple[
     return estimate_condition_number(system, cholesky), "estimate"
 
 
+def resolve_ridge(ridge: Ridge, n_in: int, tokens: Optional[int]) -> float:
+    """The relative ridge to apply: ``auto`` is :data:`AUTO_RIDGE` when fewer than ``n_in``
+    calibration tokens stand behind the Gram (it is then rank-deficient), exactly 0 otherwise
+    (or when the count is unknown); a number is used as given."""
+    if isinstance(ridge, str):
+        if ridge != "auto":
+            raise ValueError(f"ridge must be a number >= 0 or 'auto'; got {ridge!r}")
+        return AUTO_RIDGE if tokens is not None and tokens < n_in else 0.0
+    value = float(ridge)
+    if value < 0.0 or not math.isfinite(value):
+        raise ValueError(f"ridge must be a finite number >= 0 or 'auto'; got {ridge}")
+    return value
+
+
 def regmean_solve(
     expert_weights: Sequence[torch.Tensor],
     grams: Sequence[torch.Tensor],
     alpha: float,
     *,
     task_weights: Optional[Sequence[float]] = None,
-    ridge: float = 0.0,
+    ridge: Ridge = 0.0,
     solver: Solver = "pinv",
     name: str = "<weight>",
     keep_products: bool = False,
+    tokens: Optional[int] = None,
+    rows: Optional[Sequence[torch.Tensor]] = None,
 ) -> RegMeanSolution:
     """``W = (Σ_k ω_k W_k G̃_k)(Σ_k ω_k G̃_k)⁻¹`` with diagnostics (RegMean eq. 3; CoM eq. for ω).
 
@@ -172,13 +224,20 @@ def regmean_solve(
       with ``λ = ridge · mean(diag(A)) / Σ_k ω_k``, ``A = Σ_k ω_k G̃_k``, it solves
       ``min_W Σ_k ω_k (‖W X_k − W_k X_k‖²/N_k + λ ‖W − W_k‖²_F)``, i.e. the inverted matrix is
       ``A + ridge · mean(diag(A)) · I`` and the numerator gains ``λ Σ_k ω_k W_k``
-      (so a huge ridge gives the weighted mean of the experts, not zero).
+      (so a huge ridge gives the weighted mean of the experts, not zero). ``"auto"``:
+      :func:`resolve_ridge` with ``tokens`` (:data:`AUTO_RIDGE` when ``tokens < in``, else 0).
     - ``solver``: ``pinv`` (Moore–Penrose pseudo-inverse, the CoM paper's choice) or
       ``solve`` (falls back to pinv with a warning when the matrix is singular). ``pinv`` is
       computed as a Cholesky solve when ``Σ ω G̃`` is positive definite and its condition
       number is far from pinv's cut-off (then the two are the same matrix), by ``eigh``
-      otherwise.
-    - ``keep_products``: also return each ``W_k G_k`` (for diagnostics that reuse them).
+      otherwise. With a ridge the matrix is positive definite and both are its inverse.
+    - ``tokens``: the calibration tokens behind the Grams (``Σ_k N_k``), for ``auto``.
+    - ``rows``: optionally each task's inputs ``X_kᵀ`` (``N_k x in``, ``G_k = X_kᵀ X_k / N_k``,
+      the rows of the Gram the solve uses). With a ridge and ``Σ N_k < in`` the solve is then
+      written in the span of the tokens (:func:`span_solve`: a ``T x T`` system, T = Σ N_k)
+      instead of the ``in x in`` one; same solution, O(T · in · (T + out)) instead of O(in³).
+    - ``keep_products``: also return each ``W_k G_k`` (for diagnostics that reuse them);
+      None on the span path, which never forms them.
 
     The Grams, ``Σ ω G̃`` and the solve are float64; the products ``W_k G_k`` are float32
     GEMMs for float32 weights (float64 for float64 weights). The result has the dtype of
@@ -196,8 +255,6 @@ def regmean_solve(
         raise TensorError(
             f"{name}: task weights must be finite, non-negative and not all zero; got {weights}"
         )
-    if ridge < 0.0 or not math.isfinite(ridge):
-        raise ValueError(f"ridge must be a finite number >= 0; got {ridge}")
     if solver not in ("pinv", "solve"):
         raise ValueError(f"solver must be pinv or solve; got {solver!r}")
 
@@ -208,6 +265,7 @@ def regmean_solve(
     if len(shape) != 2:
         raise TensorError(f"RegMean merges 2-D linear weights; {name} has shape {shape}")
     n_in = shape[1]
+    relative_ridge = resolve_ridge(ridge, n_in, tokens)
     for k, (w, g) in enumerate(zip(expert_weights, grams)):
         if tuple(w.shape) != shape:
             raise TensorError(
@@ -217,6 +275,25 @@ def regmean_solve(
             raise TensorError(
                 f"{name}: the input Gram of task {k} is {tuple(g.shape)}, expected "
                 f"({n_in}, {n_in}) for an out x in weight of shape {shape}"
+            )
+    if rows is not None:
+        if len(rows) != n_tasks or any(
+            r.ndim != 2 or r.shape[1] != n_in or r.shape[0] == 0 for r in rows
+        ):
+            raise TensorError(
+                f"{name}: rows must be one non-empty N_k x {n_in} tensor per task; got "
+                f"{[tuple(r.shape) for r in rows]}"
+            )
+        span_tokens = sum(r.shape[0] for r, omega in zip(rows, weights) if omega > 0.0)
+        if relative_ridge > 0.0 and alpha > 0.0 and span_tokens < n_in:
+            return span_solve(
+                expert_weights,
+                grams,
+                rows,
+                alpha,
+                task_weights=weights,
+                ridge=relative_ridge,
+                tokens=tokens,
             )
 
     numerator = torch.zeros(shape, dtype=torch.float64)
@@ -236,15 +313,19 @@ def regmean_solve(
         del product
     torch.diagonal(system).add_(system_diagonal)
     system = 0.5 * (system + system.T)  # exact symmetry for eigh
-    if ridge > 0.0:
-        strength = ridge * float(torch.diagonal(system).mean())
+    if relative_ridge > 0.0:
+        strength = relative_ridge * float(torch.diagonal(system).mean())
         torch.diagonal(system).add_(strength)
         weighted_experts = sum(omega * w.double() for w, omega in zip(expert_weights, weights))
         numerator += (strength / sum(weights)) * weighted_experts
 
     n_eps = n_in * torch.finfo(torch.float64).eps
     cholesky = _cholesky(system)
-    condition, condition_method = _condition(system, cholesky)
+    if cholesky is None and solver == "pinv":
+        # pinv's eigh below gives the condition number: no eigvalsh of the same matrix first
+        condition, condition_method = math.inf, "exact"
+    else:
+        condition, condition_method = _condition(system, cholesky)
     used = solver
     merged: Optional[torch.Tensor] = None
     if solver == "solve":
@@ -264,11 +345,130 @@ def regmean_solve(
         # and a Cholesky solve gives it at a fraction of an eigendecomposition's cost.
         merged = torch.cholesky_solve(numerator.T, cholesky).T
     if merged is None:
+        if n_in > EXACT_CONDITION_MAX_DIM and relative_ridge == 0.0:
+            LOG.warning(
+                "%s: Σ ω G̃ (%d inputs) is singular or nearly so; taking its pseudo-inverse by "
+                "an eigendecomposition (slow at this width; ridge: auto or a small ridge avoids it)",
+                name,
+                n_in,
+            )
         pinv, eigenvalues = _symmetric_pinv(system)
         merged = numerator @ pinv
         condition, condition_method = _condition_number(eigenvalues), "exact"
     return RegMeanSolution(
-        merged.to(out_dtype), condition, used, condition_method, products if keep_products else None
+        merged.to(out_dtype),
+        condition,
+        used,
+        condition_method,
+        products if keep_products else None,
+        ridge=relative_ridge,
+        tokens=tokens,
+    )
+
+
+def span_solve(
+    expert_weights: Sequence[torch.Tensor],
+    grams: Sequence[torch.Tensor],
+    rows: Sequence[torch.Tensor],
+    alpha: float,
+    *,
+    task_weights: Sequence[float],
+    ridge: float,
+    tokens: Optional[int] = None,
+) -> RegMeanSolution:
+    """The ridge-regularised RegMean solution written in the span of the calibration tokens.
+
+    With ``R`` the ``T x in`` stack of every task's rows (tasks with ω_k = 0 left out),
+    ``D = diag(α ω_k / N_k)`` per row, ``E = diag((1 − α) Σ_k ω_k diag(G_k) + λ)``
+    (``λ = ridge · mean(diag(A))``, the same λ as :func:`regmean_solve`), the inverted matrix
+    is ``A = Rᵀ D R + E`` and the numerator ``N = Σ_k α ω_k W_k R_kᵀ R_k / N_k + M`` with
+    ``M = Σ_k ω_k W_k ((1 − α) diag(G_k) + λ / Σ ω)``. Let ``W₀ = M E⁻¹`` (a per-input-column
+    weighted mean of the experts; with α = 1 their ω-mean). Then ``N − W₀ A = V D R`` with
+    ``V = [(W_k − W₀) R_kᵀ]_k`` (``out x T``), and the push-through identity
+    ``D R (Rᵀ D R + E)⁻¹ = (R E⁻¹ Rᵀ + D⁻¹)⁻¹ R E⁻¹`` gives::
+
+        W = N A⁻¹ = W₀ + V H⁻¹ (R E⁻¹),     H = R E⁻¹ Rᵀ + D⁻¹     (T x T, positive definite)
+
+    exactly (Woodbury), for any T. It is used when T < in: then ``A``'s ``in x in``
+    factorisation (O(in³)) is replaced by ``H``'s (O(T³)) and O(T · in · (T + out)) products;
+    in the directions no token spans, ``W = W₀``.
+
+    Float64: ``H``, its Cholesky factor and the solve; the ``out x in x T`` products run in
+    float32 for float32 weights (as :func:`regmean_solve`'s ``W_k G_k``). The condition
+    number of ``A`` is exact (dense) up to :data:`EXACT_CONDITION_MAX_DIM` inputs, estimated
+    above from ``A``'s action (``Rᵀ D R q + E q``) and its inverse (by Woodbury), with no
+    ``in x in`` matrix formed.
+    """
+    out_dtype = expert_weights[0].dtype
+    product_dtype = torch.float64 if out_dtype == torch.float64 else torch.float32
+    out, n_in = expert_weights[0].shape
+    weights = [float(w) for w in task_weights]
+    total = sum(weights)
+    # mean(diag(A)) of the dense path: Σ_k ω_k mean(diag(G̃_k)) = Σ_k ω_k mean(diag(G_k))
+    diagonals = [torch.diagonal(g).double() for g in grams]
+    mean_diagonal = float(sum(omega * d for d, omega in zip(diagonals, weights)).mean())
+    strength = ridge * mean_diagonal
+    e = torch.full((n_in,), strength, dtype=torch.float64)
+    m = torch.zeros((out, n_in), dtype=torch.float64)
+    for w, d, omega in zip(expert_weights, diagonals, weights):
+        e.add_(d, alpha=omega * (1.0 - alpha))
+        m.add_(w.double() * (omega * ((1.0 - alpha) * d + strength / total)))
+    if not bool((e > 0.0).all()):
+        raise TensorError("span_solve needs a positive E = (1 − α) Σ ω diag(G) + λ; use a ridge")
+    w0 = m.div_(e)  # in place: M is not needed again
+    del m
+
+    stacked_rows, inverse_d, v_parts = [], [], []
+    for w, r, omega in zip(expert_weights, rows, weights):
+        if omega <= 0.0:
+            continue
+        stacked_rows.append(r.double())
+        inverse_d.append(torch.full((r.shape[0],), r.shape[0] / (alpha * omega), dtype=torch.float64))
+        delta = (w.double() - w0).to(product_dtype)
+        v_parts.append(delta @ r.to(product_dtype).T)
+        del delta
+    r_all = torch.cat(stacked_rows)
+    del stacked_rows
+    v = torch.cat(v_parts, dim=1).double()
+    del v_parts
+    d_inv = torch.cat(inverse_d)
+    f = r_all / e  # R E⁻¹
+    h = f @ r_all.T
+    torch.diagonal(h).add_(d_inv)
+    h = 0.5 * (h + h.T)
+    factor = _cholesky(h)
+    if factor is None:  # pragma: no cover - H ⪰ D⁻¹ > 0
+        raise TensorError("span_solve: H = R E⁻¹ Rᵀ + D⁻¹ is not positive definite")
+    if out <= n_in:
+        z = torch.cholesky_solve(v.T, factor).T  # V H⁻¹, out x T
+        correction = z.to(product_dtype) @ f.to(product_dtype)
+    else:
+        p = torch.cholesky_solve(f, factor)  # H⁻¹ R E⁻¹, T x in
+        correction = v.to(product_dtype) @ p.to(product_dtype)
+    merged = w0.add_(correction.double())
+    del correction, v
+
+    d = 1.0 / d_inv
+    if n_in <= EXACT_CONDITION_MAX_DIM:
+        system = (r_all.T * d) @ r_all
+        torch.diagonal(system).add_(e)
+        condition, method = _condition_number(torch.linalg.eigvalsh(0.5 * (system + system.T))), "exact"
+    else:
+        condition = estimate_condition_number_of(
+            lambda q: r_all.T @ (d[:, None] * (r_all @ q)) + e[:, None] * q,
+            lambda q: q / e[:, None] - f.T @ torch.cholesky_solve(f @ q, factor),
+            n_in,
+        )
+        method = "estimate"
+    total_rows = int(r_all.shape[0])
+    return RegMeanSolution(
+        merged.to(out_dtype),
+        condition,
+        f"cholesky in the span of {total_rows} tokens",
+        method,
+        None,
+        ridge=ridge,
+        tokens=tokens if tokens is not None else total_rows,
     )
 
 
@@ -278,7 +478,7 @@ def regmean_merge_weights(
     alpha: float,
     *,
     task_weights: Optional[Sequence[float]] = None,
-    ridge: float = 0.0,
+    ridge: Ridge = 0.0,
     solver: Solver = "pinv",
 ) -> torch.Tensor:
     """``W = (Σ_k ω_k W_k G̃_k)(Σ_k ω_k G̃_k)⁻¹``; see :func:`regmean_solve` for the details."""
@@ -310,6 +510,23 @@ def relative_output_error(
         expert_product = w32 @ g
     reference = float((expert_product.float() * expert_weight.float()).sum(dtype=torch.float64))
     reference = max(reference, 0.0)
+    if reference == 0.0:
+        return 0.0 if error == 0.0 else math.inf
+    return math.sqrt(error / reference)
+
+
+def relative_output_error_rows(
+    merged_weight: torch.Tensor, expert_weight: torch.Tensor, rows: torch.Tensor
+) -> float:
+    """:func:`relative_output_error` from the inputs themselves (``rows``: ``N x in``).
+
+    ``‖(W − W_k) Xᵀ‖_F / ‖W_k Xᵀ‖_F``: two ``out x in x N`` products instead of two
+    ``out x in x in`` ones, the cheaper form when N < in. Same dtypes as the Gram form.
+    """
+    x = rows.float() if expert_weight.dtype != torch.float64 else rows.double()
+    diff = (merged_weight.double() - expert_weight.double()).to(x.dtype)
+    error = float((diff @ x.T).square().sum(dtype=torch.float64))
+    reference = float((expert_weight.to(x.dtype) @ x.T).square().sum(dtype=torch.float64))
     if reference == 0.0:
         return 0.0 if error == 0.0 else math.inf
     return math.sqrt(error / reference)
@@ -528,12 +745,24 @@ def _stacked_weights(group: LinearGroup, method: str) -> tuple[list[torch.Tensor
     return stacked, rows, n_in
 
 
+def _token_rows(stats: Sequence[TaskStatistics]) -> Optional[list[torch.Tensor]]:
+    """Every task's kept input rows (``TaskStatistics.rows``), or None unless all have them.
+
+    Rows whose count differs from the statistics' token count (statistics reduced from
+    several processes, say) are not the Gram's rows: then None, and the Gram path is used.
+    """
+    rows = [st.rows for st in stats]
+    if any(r is None or r.shape[0] != st.count for r, st in zip(rows, stats)):
+        return None
+    return rows  # type: ignore[return-value]
+
+
 def merge_group_least_squares(
     group: LinearGroup,
     *,
     method: str,
     alpha: float,
-    ridge: float,
+    ridge: Ridge,
     solver: Solver,
     use_merged_path: bool,
     use_normalized_gram: bool,
@@ -591,6 +820,14 @@ def merge_group_least_squares(
             "use task_weighting: uniform"
         )
     grams = [st.gram_normalized if use_normalized_gram else st.gram for st in chosen]
+    # The rank of Σ ω G̃ is at most the tokens behind it (tasks with ω > 0)
+    tokens = sum(st.count for st, omega in zip(chosen, omegas) if omega > 0.0)
+    raw_rows = _token_rows(chosen)
+    solve_rows = raw_rows
+    if raw_rows is not None and use_normalized_gram:
+        solve_rows = [
+            r / r.norm(dim=1, keepdim=True).clamp_min(torch.finfo(r.dtype).tiny) for r in raw_rows
+        ]
     solution = regmean_solve(
         stacked,
         grams,  # type: ignore[arg-type]  # checked non-None above
@@ -600,7 +837,10 @@ def merge_group_least_squares(
         solver=solver,
         name=f"linear group {group.name}",
         keep_products=not use_normalized_gram,  # W_k G_k of the diagnostic's own Gram
+        tokens=tokens,
+        rows=solve_rows,
     )
+    del solve_rows
     merged_parts = torch.split(solution.merged_weight, rows, dim=0)
     merged = {
         weight_name: part.to(group.experts[0][weight_name].dtype).contiguous()
@@ -615,14 +855,20 @@ def merge_group_least_squares(
             shift, shift_kind = covariate_shift_w2(
                 merged_path[k], expert_path[k], full_covariance_max_dim=full_covariance_max_dim
             )
-        tasks[task] = {
-            "weight": omegas[k],
-            "relative_output_error": relative_output_error(
+        if solution.products is None and raw_rows is not None:
+            output_error = relative_output_error_rows(
+                solution.merged_weight, stacked[k], raw_rows[k]
+            )
+        else:
+            output_error = relative_output_error(
                 solution.merged_weight,
                 stacked[k],
                 chosen[k].gram,  # type: ignore[arg-type]  # checked non-None above
                 solution.products[k] if solution.products is not None else None,
-            ),
+            )
+        tasks[task] = {
+            "weight": omegas[k],
+            "relative_output_error": output_error,
             "covariate_shift_w2": shift,
         }
     diagnostics: dict[str, Any] = {
@@ -631,7 +877,10 @@ def merge_group_least_squares(
         "condition_number_method": solution.condition_number_method,
         "solver": solution.solver,
         "reduce_non_diagonal": float(alpha),
-        "ridge": float(ridge),
+        "ridge": solution.ridge,
+        "ridge_setting": ridge if isinstance(ridge, str) else float(ridge),
+        "tokens": tokens,
+        "input_width": n_in,
         "statistics": "merged_path" if use_merged_path else "expert_path",
         "normalized_gram": bool(use_normalized_gram),
         "task_weighting": task_weighting_label,
@@ -664,12 +913,13 @@ class RegMeanParameters(MethodParameters):
         description="α of the off-diagonal shrink G̃ = α G + (1 − α) diag(G); 1 keeps the Gram, "
         "0 gives a per-column average weighted by diag(G)" + ALPHA_EVIDENCE,
     )
-    ridge: float = Field(
-        0.0,
-        ge=0.0,
-        allow_inf_nan=False,
+    ridge: Union[Literal["auto"], Annotated[float, Field(ge=0.0, allow_inf_nan=False)]] = Field(
+        "auto",
         description="Tikhonov term toward the experts' mean: adds ridge · mean(diag(Σ ω G̃)) · I "
-        "to the inverted matrix (and the matching term to the numerator)",
+        "to the inverted matrix (and the matching term to the numerator); auto: "
+        f"{AUTO_RIDGE:g} for a group whose calibration tokens are fewer than its inputs (a "
+        "rank-deficient Gram: unseen directions keep the experts' mean instead of 0, and the "
+        "solve runs in the span of the tokens), exactly 0 otherwise (outputs as with ridge: 0)",
     )
     solver: Solver = Field(
         "pinv",

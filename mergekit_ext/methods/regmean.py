@@ -32,7 +32,9 @@ class RegMeanMethod(LayerwiseMethod):
 
     def statistics_request(self, parameters: Any) -> StatisticsRequest:
         self.parse(parameters)
-        return StatisticsRequest(propagate=False, expert_path=True, normalized_gram=False)
+        return StatisticsRequest(
+            propagate=False, expert_path=True, normalized_gram=False, keep_rows=True
+        )
 
     def merge_linear_group(
         self, group: LinearGroup, parameters: Any
