@@ -163,23 +163,32 @@ def estimate_condition_number_of(
     use ``apply`` too, so the matrix itself is never formed (the span solve's ``A`` is
     ``Rᵀ D R + E``, applied in O(n · T) per vector).
     """
-    width = min(block, n)
-    generator = torch.Generator().manual_seed(0)
-    start = torch.randn(n, width, generator=generator, dtype=torch.float64)
-    start = start.to(device=device, dtype=dtype)
-
-    def extreme_ritz(power: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        basis = torch.linalg.qr(start).Q
-        for _ in range(iterations):
-            basis = torch.linalg.qr(power(basis)).Q
-        projected = basis.T @ apply(basis)
-        return torch.linalg.eigvalsh(0.5 * (projected + projected.T))
-
-    largest = float(extreme_ritz(apply).max())
-    smallest = float(extreme_ritz(apply_inverse).min())
+    largest = float(_ritz_values(apply, apply, n, dtype, device, iterations, block).max())
+    smallest = float(_ritz_values(apply, apply_inverse, n, dtype, device, iterations, block).min())
     if smallest <= 0.0:
         return math.inf
     return largest / smallest
+
+
+def _ritz_values(
+    apply: Callable[[torch.Tensor], torch.Tensor],
+    power: Callable[[torch.Tensor], torch.Tensor],
+    n: int,
+    dtype: torch.dtype = torch.float64,
+    device: Optional[torch.device] = None,
+    iterations: int = _CONDITION_ITERATIONS,
+    block: int = _CONDITION_BLOCK,
+) -> torch.Tensor:
+    """Ritz values of ``apply`` on the subspace that ``iterations`` steps of ``power`` reach
+    from a seeded random block: the extreme eigenvalues of ``power``'s dominant end."""
+    width = min(block, n)
+    generator = torch.Generator().manual_seed(0)
+    start = torch.randn(n, width, generator=generator, dtype=torch.float64)
+    basis = torch.linalg.qr(start.to(device=device, dtype=dtype)).Q
+    for _ in range(iterations):
+        basis = torch.linalg.qr(power(basis)).Q
+    projected = basis.T @ apply(basis)
+    return torch.linalg.eigvalsh(0.5 * (projected + projected.T))
 
 
 def _condition(system: torch.Tensor, cholesky: Optional[torch.Tensor]) -> tuple[float, str]:
@@ -423,7 +432,9 @@ def span_solve(
         if omega <= 0.0:
             continue
         stacked_rows.append(r.double())
-        inverse_d.append(torch.full((r.shape[0],), r.shape[0] / (alpha * omega), dtype=torch.float64))
+        inverse_d.append(
+            torch.full((r.shape[0],), r.shape[0] / (alpha * omega), dtype=torch.float64)
+        )
         delta = (w.double() - w0).to(product_dtype)
         v_parts.append(delta @ r.to(product_dtype).T)
         del delta
@@ -452,7 +463,15 @@ def span_solve(
     if n_in <= EXACT_CONDITION_MAX_DIM:
         system = (r_all.T * d) @ r_all
         torch.diagonal(system).add_(e)
-        condition, method = _condition_number(torch.linalg.eigvalsh(0.5 * (system + system.T))), "exact"
+        eigenvalues = torch.linalg.eigvalsh(0.5 * (system + system.T))
+        condition, method = _condition_number(eigenvalues), "exact"
+    elif alpha == 1.0:
+        # E = λ I and T < in: λ_min(A) = λ exactly (A = λ I off the tokens' span) and
+        # λ_max(A) = λ · λ_max(D^½ H D^½), from the T x T matrix already formed.
+        root = d.sqrt()
+        scaled = root[:, None] * h * root[None, :]
+        condition = float(_ritz_values(lambda q: scaled @ q, lambda q: scaled @ q, len(d)).max())
+        method = "estimate"
     else:
         condition = estimate_condition_number_of(
             lambda q: r_all.T @ (d[:, None] * (r_all @ q)) + e[:, None] * q,
