@@ -19,8 +19,8 @@ each ``regmean_solve`` (the solve alone).
     python -m benchmarks.llm_width --cleanup             # delete the checkpoints under --models-dir
 
 The checkpoints (about 0.9 GB each) go to ``--models-dir`` (default /tmp/llm_width_models).
-Before each merge the script checks that ``--min-available-gb`` (default 14) of memory is
-available and skips the run otherwise.
+Before each merge the script waits (up to ``--wait-memory-s``) until ``--min-available-gb``
+(default 14) of memory is available and skips the run otherwise.
 """
 
 from __future__ import annotations
@@ -337,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
         "--methods", nargs="*", default=["chain_of_merges", "regmean"], help="methods to run"
     )
     parser.add_argument("--min-available-gb", type=float, default=14.0)
+    parser.add_argument(
+        "--wait-memory-s", type=float, default=600.0, help="wait this long for the memory"
+    )
     parser.add_argument("--json", default=None, help="also write the raw results here")
     parser.add_argument("--cleanup", action="store_true", help="delete --models-dir and exit")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -365,6 +368,10 @@ def main(argv: list[str] | None = None) -> int:
         for threads in args.threads:
             for method in args.methods:
                 available = _available_gb()
+                deadline = time.monotonic() + args.wait_memory_s
+                while available < args.min_available_gb and time.monotonic() < deadline:
+                    time.sleep(10)  # other processes share the machine: wait for memory
+                    available = _available_gb()
                 if available < args.min_available_gb:
                     print(
                         f"skipped {method} K={experts} threads={threads}: {available:.1f} GiB "

@@ -489,7 +489,7 @@ def rank_deficiency_warnings(plan: MergePlan) -> list[str]:
             continue
         if ridge == "auto":
             remedy = (
-                "ridge: auto applies a relative ridge of 1e-4 toward the experts' mean there "
+                "meanwhile ridge: auto applies a relative ridge of 1e-4 toward the experts' mean "
                 "(unseen directions keep the experts' mean) and solves in the tokens' span"
             )
         elif ridge == 0:
@@ -503,7 +503,8 @@ def rank_deficiency_warnings(plan: MergePlan) -> list[str]:
         out.append(
             f"{plan.method.name}: the Gram of {g.label} ({width} inputs) has at most "
             f"{tokens:,} ranks from {tokens:,} calibration tokens ({len(plan.experts)} tasks): "
-            f"add calibration data (at least {width:,} tokens in all) or keep in mind that {remedy}"
+            f"add calibration data (at least {width:,} tokens in all) for the unregularised "
+            f"solution; {remedy}"
         )
     return out
 
