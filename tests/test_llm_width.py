@@ -145,14 +145,27 @@ def test_activation_statistics_keep_rows_below_the_width():
     acc.update(x[:10])
     acc.update(x[10:20])
     st = acc.finalize()
-    assert st.rows is not None and st.rows.shape == (20, DIM)
+    assert st.rows is not None and st.rows.shape == (20, DIM) and st.gram is None
     torch.testing.assert_close(st.rows, x[:20])
-    torch.testing.assert_close(
-        st.gram, (x[:20].double().T @ x[:20].double()) / 20, rtol=1e-5, atol=1e-4
-    )
+    reference = x[:20].double().T @ x[:20].double() / 20
+    torch.testing.assert_close(st.gram_from_rows(), reference, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(st.second_moment, torch.diagonal(reference), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(st.mean, x[:20].double().mean(0), rtol=1e-5, atol=1e-5)
+    # bit for bit the Gram an accumulator without rows returns
+    plain_acc = ActivationStatistics(DIM)
+    plain_acc.update(x[:10])
+    plain_acc.update(x[10:20])
+    assert torch.equal(st.gram_from_rows(), plain_acc.finalize().gram)
+    # crossing the width: the Gram sum is formed from the kept rows, which are dropped
     full = ActivationStatistics(DIM, keep_rows=True)
-    full.update(x)  # 30 tokens >= 24 inputs: no rows
-    assert full.finalize().rows is None
+    full.update(x[:20])
+    full.update(x[20:])
+    done = full.finalize()
+    assert done.rows is None and done.gram is not None
+    plain_acc = ActivationStatistics(DIM)
+    plain_acc.update(x[:20])
+    plain_acc.update(x[20:])
+    assert torch.equal(done.gram, plain_acc.finalize().gram)
     plain = ActivationStatistics(DIM)
     plain.update(x[:5])
     assert plain.finalize().rows is None
@@ -162,7 +175,8 @@ def _stats(x: torch.Tensor, keep_rows: bool) -> TaskStatistics:
     unit = x / x.norm(dim=1, keepdim=True)
     n = x.shape[0]
     return TaskStatistics(
-        gram=x.T @ x / n,
+        gram=None if keep_rows else x.T @ x / n,
+        second_moment=x.square().mean(0),
         mean=x.mean(0),
         count=n,
         gram_normalized=unit.T @ unit / n,
@@ -214,8 +228,9 @@ def test_group_merge_below_width_span_equals_dense_and_diagnostics_finite(method
 def test_rows_that_do_not_match_the_count_are_ignored():
     xs = [inputs(12, 7), inputs(13, 6)]
     ws = expert_weights(2, 5)
-    group = _group(xs, ws, True, False)
+    group = _group(xs, ws, False, False)
     group.expert_stats[0].rows = xs[0][:3]  # e.g. statistics summed over several processes
+    group.expert_stats[1].rows = xs[1]
     _, diagnostics = RegMeanMethod().merge_linear_group(group, {})
     assert diagnostics["solver"] == "pinv"
 
@@ -227,6 +242,22 @@ def test_full_rank_group_merge_bytes_unchanged_by_the_new_defaults():
     zero_w, _ = RegMeanMethod().merge_linear_group(_group(xs, ws, False, False), {"ridge": 0.0})
     assert torch.equal(auto_w["blk.fc.weight"], zero_w["blk.fc.weight"])
     assert auto_d["ridge"] == 0.0 and auto_d["solver"] == "pinv"
+
+
+def test_mixed_rows_and_grams_and_full_w2_from_rows():
+    xs = [inputs(16, 7), inputs(17, 30)]  # task 1 has more tokens than inputs: a Gram
+    ws = expert_weights(2, 5)
+    group = _group(xs, ws, False, True)
+    group.merged_stats[0] = _stats(xs[0] + 0.1, True)  # rows instead of the Gram
+    reference = _group(xs, ws, False, True)
+    w, d = ChainOfMergesMethod().merge_linear_group(group, {})
+    w_ref, d_ref = ChainOfMergesMethod().merge_linear_group(reference, {})
+    assert rel(w["blk.fc.weight"], w_ref["blk.fc.weight"]) < 1e-6  # 37 tokens: ridge 0
+    assert d["covariate_shift_covariance"] == "full"
+    for task in d["tasks"]:
+        assert d["tasks"][task]["covariate_shift_w2"] == pytest.approx(
+            d_ref["tasks"][task]["covariate_shift_w2"], rel=1e-6
+        )
 
 
 def _plan(tokens: list[int], ridge, keep_rows: bool = True):

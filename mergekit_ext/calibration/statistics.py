@@ -62,10 +62,13 @@ class ActivationStatistics:
     then None in the result): what a diagonal-covariance diagnostic needs, at O(N·dim) cost
     instead of O(N·dim²).
 
-    ``keep_rows=True`` also keeps the rows themselves (in the product dtype) while fewer
-    than ``dim`` tokens have been seen (``TaskStatistics.rows``); the Gram then has rank
-    below ``dim`` and a least-squares solve is cheaper in the rows' span. Once ``dim``
-    tokens are reached they are dropped, so they never take more than ``dim² · 4`` bytes.
+    ``keep_rows=True`` (with ``full_gram``) keeps the rows themselves (in the product dtype)
+    instead of the Gram while fewer than ``dim`` tokens have been seen: the result then has
+    ``rows`` and ``gram=None`` (``TaskStatistics.gram_from_rows`` forms it on demand); the
+    Gram has rank below ``dim`` and a least-squares solve is cheaper in the rows' span, and
+    ``N x dim`` rows take less memory than the ``dim x dim`` float64 sum. Once ``dim`` tokens
+    are reached the Gram sum is formed from the kept rows and they are dropped, so they never
+    take more than ``dim² · 4`` bytes (float32).
     """
 
     def __init__(
@@ -96,15 +99,17 @@ class ActivationStatistics:
         self._sum: Optional[torch.Tensor] = None
         self._square_sum: Optional[torch.Tensor] = None
         self._normalized_gram_sum: Optional[torch.Tensor] = None
-        self._rows: Optional[list[torch.Tensor]] = [] if keep_rows else None
+        # rows instead of the Gram: only with float64 sums, which gram_from_rows reproduces
+        keep = keep_rows and full_gram and dtype == torch.float64
+        self._rows: Optional[list[torch.Tensor]] = [] if keep else None
 
     def _allocate(self, device: torch.device) -> None:
         self.device = self.device or device
         zeros = dict(dtype=self.dtype, device=self.device)
         self._sum = torch.zeros(self.dim, **zeros)
-        if self.full_gram:
+        if self.full_gram and self._rows is None:
             self._gram_sum = torch.zeros(self.dim, self.dim, **zeros)
-        else:
+        else:  # moments only, or rows instead of the Gram until ``dim`` tokens
             self._square_sum = torch.zeros(self.dim, **zeros)
         if self.normalized_gram:
             self._normalized_gram_sum = torch.zeros(self.dim, self.dim, **zeros)
@@ -127,6 +132,12 @@ class ActivationStatistics:
             self._allocate(x.device)
         rows = x.detach().to(device=self.device, dtype=self._product_dtype(x))
         self._sum.add_(rows.sum(0, dtype=self.dtype))
+        if self._rows is not None and self.count + int(rows.shape[0]) >= self.dim:
+            # ``dim`` tokens: the Gram may have full rank; form its sum from the kept rows
+            self._gram_sum = torch.zeros(self.dim, self.dim, dtype=self.dtype, device=self.device)
+            for kept in self._rows:
+                self._gram_sum.add_(kept.T @ kept)
+            self._rows, self._square_sum = None, None
         if self._gram_sum is not None:
             self._gram_sum.add_(rows.T @ rows)
         else:
@@ -137,12 +148,9 @@ class ActivationStatistics:
             self._normalized_gram_sum.add_(unit.T @ unit)
         self.count += int(x.shape[0])
         if self._rows is not None:
-            if self.count < self.dim:
-                # own copy: ``rows`` may be a view of the caller's activations
-                shared = rows.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
-                self._rows.append(rows.clone() if shared else rows)
-            else:
-                self._rows = None  # full rank is possible: the Gram path
+            # own copy: ``rows`` may be a view of the caller's activations
+            shared = rows.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+            self._rows.append(rows.clone() if shared else rows)
 
     def finalize(self) -> TaskStatistics:
         """Means over the accumulated tokens; raises when there were none or they were not finite."""
@@ -170,8 +178,9 @@ class ActivationStatistics:
                 "the Gram matrix of the layer inputs is not finite (inf/NaN activations); "
                 "check the checkpoint or use a wider dtype"
             )
-        kept = None
-        if self._rows:
+        kept, sizes = None, None
+        if self._rows is not None:
+            sizes = tuple(int(r.shape[0]) for r in self._rows)
             kept, self._rows = torch.cat(self._rows), None
         return TaskStatistics(
             gram=gram,
@@ -180,6 +189,7 @@ class ActivationStatistics:
             gram_normalized=normalized,
             second_moment=second_moment,
             rows=kept,
+            row_batches=sizes,
         )
 
 

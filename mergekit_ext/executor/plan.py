@@ -519,17 +519,17 @@ def _numel(shape: tuple[int, ...]) -> int:
 def _solve_bytes(width: int, out: int, k: int, span_tokens: Optional[int]) -> int:
     """Working memory of the least-squares solve of one group (``least_squares.py``).
 
-    Both: the K stacked expert weights (float32) and the merged weight and W₀ / numerator
-    (float64). Span solve (``span_tokens`` T < width): the float64 rows and R E⁻¹ (T x in
-    each), H (T x T), V (out x T) and the correction (out x in). Dense: Σ ω G̃, its
-    symmetrised copy and its Cholesky factor (in x in, float64) and the K products
-    ``W_k G_k`` (float32).
+    Both: the K stacked expert weights (float32). Span solve (``span_tokens`` T < width):
+    W₀ (float64) with its float32 copy and one ``W_k − W₀``, V (``out x T``, float32), the
+    float64 rows, R E⁻¹ and ``H⁻¹ R E⁻¹`` (``T x in``), H (``T x T``) and the float32
+    correction. Dense: the numerator (float64), Σ ω G̃, its symmetrised copy and its
+    Cholesky factor (``in x in``, float64) and the K products ``W_k G_k`` (float32).
     """
-    weights = k * out * width * 4 + 3 * out * width * 8
+    weights = k * out * width * 4
     if span_tokens is not None:
         t = span_tokens
-        return weights + 2 * t * width * 8 + t * t * 8 + 2 * out * t * 8
-    return weights + 4 * width * width * 8 + k * out * width * 4
+        return weights + out * width * (8 + 4 + 4 + 4) + out * t * 4 + t * width * 28 + t * t * 8
+    return weights + 2 * out * width * 8 + 4 * width * width * 8 + k * out * width * 4
 
 
 def estimate_memory(plan: MergePlan) -> MemoryEstimate:
@@ -553,17 +553,27 @@ def estimate_memory(plan: MergePlan) -> MemoryEstimate:
             out = sum(int(base.shapes[b.group_weight(m)][0]) for m in g.modules)
             gram = width * width * 8
             normalized = gram if request.normalized_gram else 0
-            # input rows kept while a task has fewer tokens than the group has inputs
-            rows = 0
-            if request.keep_rows and tokens is not None and tokens < width:
-                rows = tokens * width * 4
-            span = rows > 0 and alpha > 0 and (ridge == "auto" or (ridge is not None and ridge > 0))
-            merged_stats = k * (gram + normalized) + rows if request.propagate else 0
+            # A task with fewer tokens than the group's inputs keeps its rows (float32)
+            # instead of the Gram (ActivationStatistics(keep_rows=True)); the span solve
+            # applies when all tasks together have fewer.
+            per_task = [int(e.data.num_tokens) for e in plan.experts if e.data is not None]
+            if request.keep_rows and per_task:
+                raw = sum(n * width * 4 if n < width else gram for n in per_task)
+            else:
+                raw = k * gram
+            span = bool(
+                request.keep_rows
+                and tokens is not None
+                and tokens < width
+                and alpha > 0
+                and (ridge == "auto" or (isinstance(ridge, (int, float)) and ridge > 0))
+            )
+            merged_stats = raw + k * normalized if request.propagate else 0
             if request.propagate:  # the expert path is a reference: no normalized Gram
                 limit = request.reference_gram_max_dim
                 grams_per_task += gram if limit is None or width <= limit else width * 16
             else:
-                grams_per_task += gram + normalized + (rows // k if k else 0)
+                grams_per_task += (raw // k if k else 0) + normalized
             solve = _solve_bytes(width, out, k, tokens if span else None)
             if merged_stats + solve > sum(group_peak):
                 group_peak = (merged_stats, solve)

@@ -38,8 +38,9 @@ class TaskStatistics:
     - ``second_moment``: ``(1/N) sum_x x ⊙ x`` (in,), the diagonal of ``gram``; derived
       from ``gram`` when not given
     - ``rows``: the inputs themselves (``N x in``, float32 or float64), kept only when asked
-      (``StatisticsRequest.keep_rows``) and N < in: then ``gram = rowsᵀ rows / N`` has rank
-      at most N and the least-squares merge solves in their span; None otherwise
+      (``StatisticsRequest.keep_rows``) and N < in, INSTEAD of ``gram`` (then None): the Gram
+      ``rowsᵀ rows / N`` has rank at most N, the least-squares merge solves in the rows' span
+      and :meth:`gram_from_rows` forms the Gram where something needs it; None otherwise
     """
 
     gram: Optional[torch.Tensor]
@@ -48,6 +49,7 @@ class TaskStatistics:
     gram_normalized: Optional[torch.Tensor] = None
     second_moment: Optional[torch.Tensor] = None
     rows: Optional[torch.Tensor] = None
+    row_batches: Optional[tuple[int, ...]] = None  # sizes of the batches ``rows`` came in
 
     def __post_init__(self) -> None:
         if self.second_moment is None:
@@ -55,12 +57,32 @@ class TaskStatistics:
                 raise ValueError("TaskStatistics needs a gram or a second_moment")
             self.second_moment = torch.diagonal(self.gram).clone()
 
+    def gram_from_rows(self) -> Optional[torch.Tensor]:
+        """``gram``, or ``rowsᵀ rows / N`` (float64) when the rows were kept instead; None
+        when only moments were kept.
+
+        Formed as :class:`~mergekit_ext.calibration.statistics.ActivationStatistics` would
+        have: each batch's product (``row_batches``) in the rows' dtype added to a float64
+        sum in order, divided by N, symmetrised; so it is bit for bit the Gram the
+        accumulator would have returned.
+        """
+        if self.gram is not None or self.rows is None:
+            return self.gram
+        sizes = list(self.row_batches) if self.row_batches else [self.rows.shape[0]]
+        total = torch.zeros(self.rows.shape[1], self.rows.shape[1], dtype=torch.float64)
+        total = total.to(self.rows.device)
+        for chunk in torch.split(self.rows, sizes):
+            total.add_(chunk.T @ chunk)
+        total.div_(self.count)
+        return (total + total.T).mul_(0.5)
+
     @property
     def covariance(self) -> torch.Tensor:
-        """``gram − mean meanᵀ`` (needs the full Gram)."""
-        if self.gram is None:
+        """``gram − mean meanᵀ`` (needs the full Gram or the rows)."""
+        gram = self.gram_from_rows()
+        if gram is None:
             raise ValueError("these statistics keep only moments; the covariance needs the Gram")
-        return self.gram - torch.outer(self.mean, self.mean)
+        return gram - torch.outer(self.mean, self.mean)
 
     @property
     def variance(self) -> torch.Tensor:

@@ -214,7 +214,7 @@ def resolve_ridge(ridge: Ridge, n_in: int, tokens: Optional[int]) -> float:
 
 def regmean_solve(
     expert_weights: Sequence[torch.Tensor],
-    grams: Sequence[torch.Tensor],
+    grams: Sequence[Optional[torch.Tensor]],
     alpha: float,
     *,
     task_weights: Optional[Sequence[float]] = None,
@@ -242,7 +242,8 @@ def regmean_solve(
       otherwise. With a ridge the matrix is positive definite and both are its inverse.
     - ``tokens``: the calibration tokens behind the Grams (``Σ_k N_k``), for ``auto``.
     - ``rows``: optionally each task's inputs ``X_kᵀ`` (``N_k x in``, ``G_k = X_kᵀ X_k / N_k``,
-      the rows of the Gram the solve uses). With a ridge and ``Σ N_k < in`` the solve is then
+      the rows of the Gram the solve uses; a Gram may then be None and is formed from its
+      rows where the dense path needs it). With a ridge and ``Σ N_k < in`` the solve is then
       written in the span of the tokens (:func:`span_solve`: a ``T x T`` system, T = Σ N_k)
       instead of the ``in x in`` one; same solution, O(T · in · (T + out)) instead of O(in³).
     - ``keep_products``: also return each ``W_k G_k`` (for diagnostics that reuse them);
@@ -280,6 +281,10 @@ def regmean_solve(
             raise TensorError(
                 f"shape mismatch for {name}: task {k} has {tuple(w.shape)}, task 0 has {shape}"
             )
+        if g is None:
+            if rows is None:
+                raise TensorError(f"{name}: task {k} has neither an input Gram nor input rows")
+            continue
         if tuple(g.shape) != (n_in, n_in):
             raise TensorError(
                 f"{name}: the input Gram of task {k} is {tuple(g.shape)}, expected "
@@ -304,6 +309,9 @@ def regmean_solve(
                 ridge=relative_ridge,
                 tokens=tokens,
             )
+    if any(g is None for g in grams):
+        assert rows is not None
+        grams = [_gram_of(r) if g is None else g for g, r in zip(grams, rows)]
 
     numerator = torch.zeros(shape, dtype=torch.float64)
     system = torch.zeros((n_in, n_in), dtype=torch.float64)
@@ -375,9 +383,16 @@ def regmean_solve(
     )
 
 
+def _gram_of(rows: torch.Tensor) -> torch.Tensor:
+    """``rowsᵀ rows / N`` in float64, exactly symmetric."""
+    r = rows.double()
+    gram = r.T @ r / r.shape[0]
+    return (gram + gram.T).mul_(0.5)
+
+
 def span_solve(
     expert_weights: Sequence[torch.Tensor],
-    grams: Sequence[torch.Tensor],
+    grams: Sequence[Optional[torch.Tensor]],
     rows: Sequence[torch.Tensor],
     alpha: float,
     *,
@@ -414,7 +429,10 @@ def span_solve(
     weights = [float(w) for w in task_weights]
     total = sum(weights)
     # mean(diag(A)) of the dense path: Σ_k ω_k mean(diag(G̃_k)) = Σ_k ω_k mean(diag(G_k))
-    diagonals = [torch.diagonal(g).double() for g in grams]
+    diagonals = [
+        torch.diagonal(g).double() if g is not None else r.double().square().mean(0)
+        for g, r in zip(grams, rows)
+    ]
     mean_diagonal = float(sum(omega * d for d, omega in zip(diagonals, weights)).mean())
     strength = ridge * mean_diagonal
     e = torch.full((n_in,), strength, dtype=torch.float64)
@@ -428,6 +446,7 @@ def span_solve(
     del m
 
     stacked_rows, inverse_d, v_parts = [], [], []
+    w0_product = w0.to(product_dtype)  # one copy for every task's W_k − W₀
     for w, r, omega in zip(expert_weights, rows, weights):
         if omega <= 0.0:
             continue
@@ -435,12 +454,13 @@ def span_solve(
         inverse_d.append(
             torch.full((r.shape[0],), r.shape[0] / (alpha * omega), dtype=torch.float64)
         )
-        delta = (w.double() - w0).to(product_dtype)
+        delta = w.to(product_dtype) - w0_product
         v_parts.append(delta @ r.to(product_dtype).T)
         del delta
+    del w0_product
     r_all = torch.cat(stacked_rows)
     del stacked_rows
-    v = torch.cat(v_parts, dim=1).double()
+    v = torch.cat(v_parts, dim=1)  # product dtype
     del v_parts
     d_inv = torch.cat(inverse_d)
     f = r_all / e  # R E⁻¹
@@ -451,12 +471,12 @@ def span_solve(
     if factor is None:  # pragma: no cover - H ⪰ D⁻¹ > 0
         raise TensorError("span_solve: H = R E⁻¹ Rᵀ + D⁻¹ is not positive definite")
     if out <= n_in:
-        z = torch.cholesky_solve(v.T, factor).T  # V H⁻¹, out x T
+        z = torch.cholesky_solve(v.T.double(), factor).T  # V H⁻¹, out x T
         correction = z.to(product_dtype) @ f.to(product_dtype)
     else:
         p = torch.cholesky_solve(f, factor)  # H⁻¹ R E⁻¹, T x in
-        correction = v.to(product_dtype) @ p.to(product_dtype)
-    merged = w0.add_(correction.double())
+        correction = v @ p.to(product_dtype)
+    merged = w0.add_(correction)  # float64 += float32: no float64 copy of the correction
     del correction, v
 
     d = 1.0 / d_inv
@@ -543,7 +563,8 @@ def relative_output_error_rows(
     ``out x in x in`` ones, the cheaper form when N < in. Same dtypes as the Gram form.
     """
     x = rows.float() if expert_weight.dtype != torch.float64 else rows.double()
-    diff = (merged_weight.double() - expert_weight.double()).to(x.dtype)
+    # in the products' dtype: the difference of two float32 weights is exact to 1 ulp
+    diff = merged_weight.to(x.dtype) - expert_weight.to(x.dtype)
     error = float((diff @ x.T).square().sum(dtype=torch.float64))
     reference = float((expert_weight.to(x.dtype) @ x.T).square().sum(dtype=torch.float64))
     if reference == 0.0:
@@ -622,8 +643,8 @@ def covariate_shift_w2(
     """
     full = (
         merged_path.mean.numel() <= full_covariance_max_dim
-        and merged_path.gram is not None
-        and expert_path.gram is not None
+        and (merged_path.gram is not None or merged_path.rows is not None)
+        and (expert_path.gram is not None or expert_path.rows is not None)
     )
     if full:
         distance = gaussian_w2(
@@ -677,7 +698,9 @@ def _check_statistics(
             raise CalibrationError(
                 f"{where} were accumulated over {st.count} tokens; give that task calibration data"
             )
-        if st.gram is None and need_gram:
+        if st.rows is not None and (st.rows.ndim != 2 or tuple(st.rows.shape) != (st.count, n_in)):
+            st.rows = None  # not this Gram's rows (e.g. counts summed over processes)
+        if st.gram is None and st.rows is None and need_gram:
             raise CalibrationError(
                 f"{where} keep only moments, but the merge needs the full Gram; the executor "
                 "must not apply reference_gram_max_dim to the path a merge uses"
@@ -838,10 +861,20 @@ def merge_group_least_squares(
             f"{method}: all task weights are zero for linear group {group.name} ({omegas}); "
             "use task_weighting: uniform"
         )
+    # raw Grams may be None where the rows were kept instead (regmean_solve forms them if needed)
     grams = [st.gram_normalized if use_normalized_gram else st.gram for st in chosen]
     # The rank of Σ ω G̃ is at most the tokens behind it (tasks with ω > 0)
     tokens = sum(st.count for st, omega in zip(chosen, omegas) if omega > 0.0)
     raw_rows = _token_rows(chosen)
+    span = (
+        raw_rows is not None
+        and alpha > 0.0
+        and tokens < n_in
+        and resolve_ridge(ridge, n_in, tokens) > 0.0
+    )
+    if not span:
+        # The n x n solve: the Gram of each task that kept rows, bit for bit as accumulated
+        grams = [g if g is not None else st.gram_from_rows() for g, st in zip(grams, chosen)]
     solve_rows = raw_rows
     if raw_rows is not None and use_normalized_gram:
         solve_rows = [
@@ -882,7 +915,7 @@ def merge_group_least_squares(
             output_error = relative_output_error(
                 solution.merged_weight,
                 stacked[k],
-                chosen[k].gram,  # type: ignore[arg-type]  # checked non-None above
+                chosen[k].gram_from_rows(),  # type: ignore[arg-type]  # checked above
                 solution.products[k] if solution.products is not None else None,
             )
         tasks[task] = {
