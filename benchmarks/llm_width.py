@@ -328,6 +328,88 @@ def report(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+GROUPS = {  # one Llama-3-8B block: (rows out, inputs) of each linear group
+    "qkv": (4096 + 2 * 1024, 4096),
+    "o_proj": (4096, 4096),
+    "gate_up": (2 * 14336, 4096),
+    "down_proj": (4096, 14336),
+}
+
+
+def solve_only(experts: int, tokens: int, dense_max_inputs: int) -> list[dict[str, Any]]:
+    """``merge_group_least_squares`` on synthetic groups of 8B shapes, no model: the span solve
+    (rows kept, the default) and, up to ``dense_max_inputs`` inputs, the dense regularised
+    Cholesky solve of the same system (Grams only). Same process, so no RSS figures."""
+    import torch
+
+    from mergekit_ext.methods.layerwise import LinearGroup, TaskStatistics
+    from mergekit_ext.methods.least_squares import merge_group_least_squares
+
+    out = []
+    for label, (rows_out, width) in GROUPS.items():
+        g = torch.Generator().manual_seed(width + rows_out)
+        base = torch.randn(rows_out, width, generator=g) * 0.02
+        weights = [base + torch.randn(rows_out, width, generator=g) * 0.002 for _ in range(experts)]
+        xs = []
+        for _ in range(experts):
+            a = torch.randn(tokens, width, generator=g)
+            xs.append(torch.nn.functional.silu(a) * torch.randn(tokens, width, generator=g))
+        for mode in ("span", "dense"):
+            if mode == "dense" and width > dense_max_inputs:
+                continue
+            stats = []
+            for x in xs:
+                gram = None
+                if mode == "dense":
+                    x64 = x.double()
+                    gram = x64.T @ x64 / tokens
+                stats.append(
+                    TaskStatistics(
+                        gram=gram,
+                        mean=x.double().mean(0),
+                        count=tokens,
+                        second_moment=x.double().square().mean(0),
+                        rows=x if mode == "span" else None,
+                    )
+                )
+            group = LinearGroup(
+                name=label,
+                weights=[f"{label}.weight"],
+                base={f"{label}.weight": base},
+                experts=[{f"{label}.weight": w} for w in weights],
+                task_names=[f"t{k}" for k in range(experts)],
+                expert_stats=stats,
+                merged_stats=None,
+            )
+            start = time.perf_counter()
+            _, diagnostics = merge_group_least_squares(
+                group,
+                method="regmean",
+                alpha=1.0,
+                ridge="auto",
+                solver="pinv",
+                use_merged_path=False,
+                use_normalized_gram=False,
+            )
+            seconds = time.perf_counter() - start
+            out.append(
+                {
+                    "group": label,
+                    "mode": mode,
+                    "out": rows_out,
+                    "inputs": width,
+                    "tokens": experts * tokens,
+                    "seconds": seconds,
+                    "solver": diagnostics["solver"],
+                    "condition_number": diagnostics["condition_number"],
+                    "condition_number_method": diagnostics["condition_number_method"],
+                }
+            )
+            print(json.dumps(out[-1]), flush=True)
+            del group, stats
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models-dir", default=DEFAULT_MODELS_DIR)
@@ -342,11 +424,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", default=None, help="also write the raw results here")
     parser.add_argument("--cleanup", action="store_true", help="delete --models-dir and exit")
+    parser.add_argument(
+        "--solve-only",
+        action="store_true",
+        help="time merge_group_least_squares on synthetic 8B-shaped groups (no model)",
+    )
+    parser.add_argument("--tokens", type=int, default=2000, help="--solve-only: tokens per task")
+    parser.add_argument(
+        "--dense-max-inputs", type=int, default=4096, help="--solve-only: dense solve up to this"
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.cleanup:
         shutil.rmtree(args.models_dir, ignore_errors=True)
+        return 0
+    if args.solve_only:
+        import torch
+
+        torch.set_num_threads(args.threads[0])
+        print(f"torch threads: {torch.get_num_threads()}", flush=True)
+        solve_only(args.experts[0], args.tokens, args.dense_max_inputs)
         return 0
     if args.child:
         _child(args.child, _folder(args.models_dir), args.experts[0], args.out, args.threads[0])
