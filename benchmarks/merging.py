@@ -70,6 +70,7 @@ ROWS: tuple[MethodRow, ...] = (
         {"weight": 1.0, "density": 0.5},
     ),
     MethodRow("ace", "ace", "ACE"),
+    MethodRow("wudi", "wudi", "WUDI (300 Adam steps, lr 1e-5)"),
     MethodRow("regmean", "regmean", "RegMean"),
     MethodRow("chain_of_merges", "chain_of_merges", "Chain of Merges (defaults)"),
     MethodRow(
@@ -102,6 +103,13 @@ ROWS: tuple[MethodRow, ...] = (
     # 10 epochs (one step per task each) instead of the method's 100: CPU-sized
     MethodRow("symerge", "symerge", "SyMerge (10 epochs)", {"epochs": 10}, inputs="full"),
     MethodRow("symerge_default", "symerge", "SyMerge (defaults: 100 epochs)", inputs="full"),
+    MethodRow(
+        "symerge_com_body",
+        "symerge",
+        "SyMerge on a CoM body (10 epochs)",
+        {"epochs": 10, "body": "chain_of_merges"},
+        inputs="full",
+    ),
 )
 ROW_KEYS = tuple(r.key for r in ROWS)
 SMOKE_ROWS = ("linear", "regmean")  # ACE takes minutes even on a 1-layer MiniLM

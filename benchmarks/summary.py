@@ -16,9 +16,6 @@ import os
 import sys
 from typing import Any, Optional
 
-if __package__ in (None, ""):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from benchmarks.merging import REFERENCE_ROWS, ROW_KEYS
 
 TABLE_ORDER = ("text_full", "text_lora", "lm_lora", "vision_full")

@@ -6,8 +6,8 @@
 
 Every (method row, value) pair is one row of the table ``sweep_<suite>_<variant>_<param>``
 (Markdown, JSON, PNG in ``--out``), next to the pretrained and expert references, with the
-same cached models, data and scoring as ``run.py``. This is how the defaults marked
-"provisional" in ``mergekit-ext methods`` are chosen; the committed tables are the evidence.
+same cached models, data and scoring as ``run.py``. This is how the methods' defaults were
+chosen; the committed tables are the evidence.
 """
 
 from __future__ import annotations

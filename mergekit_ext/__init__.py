@@ -7,7 +7,7 @@ Importing this package registers every mergekit-ext method with mergekit's regis
 __version__ = "0.1.0"
 
 from mergekit_ext import (
-    architectures as architectures,  # noqa: E402,F401  (registers architectures)
+    mergekit_definitions as mergekit_definitions,  # noqa: E402,F401  (registers them)
 )
 from mergekit_ext import methods as methods  # noqa: E402  (registers the methods)
 from mergekit_ext.api import as_config, run_merge  # noqa: E402

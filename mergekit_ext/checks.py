@@ -244,24 +244,10 @@ def check_models_list(cfg: ExtMergeConfig) -> None:
 
 
 def check_calibration_present(cfg: ExtMergeConfig) -> None:
-    """A data-aware method needs calibration data for every expert."""
+    """A data-aware method needs a base model and calibration data for every expert."""
     info = ext_method_info(cfg.method)
-    if info is None or not info.needs_calibration:
-        return
-    base = str(cfg.merge.base_model) if cfg.merge.base_model else None
-    if base is None:
-        raise ConfigError(f"{cfg.method} needs base_model (the pretrained model the experts share)")
-    missing = [
-        e.model
-        for e in cfg.models
-        if e.model != base
-        and (cfg.calibration_for(e) is None or not cfg.calibration_for(e).has_data)
-    ]
-    if missing:
-        raise ConfigError(
-            f"{cfg.method} needs calibration data: add a `calibration:` section (top level, "
-            f"or per model: {{path: data.jsonl, field: text}}) for {', '.join(missing)}"
-        )
+    if info is not None and info.needs_calibration:
+        cfg.check_data_aware(cfg.method)
 
 
 def local_input_paths(cfg: ExtMergeConfig, extra: Iterable[str] = ()) -> list[str]:

@@ -15,6 +15,7 @@ import contextlib
 import functools
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -75,6 +76,7 @@ def _friendly_errors(verbose_of: Callable[[dict[str, Any]], int]) -> Callable:
                     "error" if isinstance(e, MergekitExtError) else f"error ({type(e).__name__})"
                 )
                 message = " ".join(str(e).split()) or type(e).__name__
+                message = _with_rank(message)
                 hint = (
                     ""
                     if verbose_of(kwargs) > 0 or isinstance(e, MergekitExtError)
@@ -86,6 +88,14 @@ def _friendly_errors(verbose_of: Callable[[dict[str, Any]], int]) -> Callable:
         return wrapper
 
     return decorator
+
+
+def _with_rank(message: str) -> str:
+    """Name this process's rank in errors of a merge launched on several processes."""
+    world, rank = os.environ.get("WORLD_SIZE", "1"), os.environ.get("RANK", "0")
+    if world in ("", "0", "1") or message.startswith("rank "):
+        return message
+    return f"rank {rank}/{world}: {message}"
 
 
 @click.group()
@@ -125,6 +135,14 @@ def _options_verbosity(kwargs: dict[str, Any]) -> int:
     metavar="MODULE_OR_FILE",
     help="Import a Python module or .py file first (e.g. one that registers calibration sources)",
 )
+@click.option(
+    "--distributed-timeout",
+    type=float,
+    default=None,
+    metavar="SECONDS",
+    help="With torchrun/accelerate launch: bound of every collective between the processes "
+    "(default 1800); a rank waits at most this long for the others",
+)
 @add_merge_options
 @_friendly_errors(_options_verbosity)
 def run_command(
@@ -140,15 +158,25 @@ def run_command(
     hub_private: bool,
     hub_token: Optional[str],
     plugins: tuple[str, ...],
+    distributed_timeout: Optional[float],
 ) -> None:
-    """Merge the models of CONFIG_FILE into OUT_PATH (a superset of mergekit-yaml)."""
-    from mergekit_ext.runner import RunOptions, run_merge_config
+    """Merge the models of CONFIG_FILE into OUT_PATH (a superset of mergekit-yaml).
+
+    Under ``torchrun --nproc-per-node W -m mergekit_ext run ...`` (or ``accelerate
+    launch``) the W processes share one layerwise merge; only rank 0 writes.
+    """
+    from mergekit_ext import distributed
+    from mergekit_ext.runner import RunOptions, check_distributable, run_merge_config
 
     merge_options.apply_global_options()
     for plugin in plugins:
         _import_plugin(plugin)
     cfg = load_config(config_file)
-    with _sigterm_as_interrupt():
+    check_distributable(cfg, distributed.world_size_from_env())  # before any rendezvous
+    if not dry_run:  # a dry run plans every rank from rank 0 and needs no process group
+        distributed.init_from_env(merge_options.device, distributed_timeout)
+    with _sigterm_as_interrupt(), contextlib.ExitStack() as stack:
+        stack.callback(distributed.shutdown)
         result = run_merge_config(
             cfg,
             out_path,
@@ -167,6 +195,12 @@ def run_command(
         )
     if result is not None:
         click.echo(f"merged model written to {result}")
+        from mergekit_ext import diagnostics
+        from mergekit_ext.resources import summary_line
+
+        line = summary_line(diagnostics.load(result).get("resources"))
+        if line:
+            click.echo(line)
 
 
 def _import_plugin(spec: str) -> None:

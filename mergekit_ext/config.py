@@ -79,6 +79,25 @@ class ExtMergeConfig:
             return self.calibration_defaults
         return None
 
+    def check_data_aware(self, method: str) -> None:
+        """The inputs every data-aware method needs, checked in one place for every path
+        (``mergekit-ext run``'s validation, the executor's plan, SyMerge): a base model, and
+        calibration data for every expert."""
+        base = str(self.merge.base_model) if self.merge.base_model else None
+        if base is None:
+            raise ConfigError(f"{method} needs base_model (the pretrained model the experts share)")
+        missing = [
+            e.model
+            for e in self.models
+            if e.model != base
+            and (self.calibration_for(e) is None or not self.calibration_for(e).has_data)
+        ]
+        if missing:
+            raise ConfigError(
+                f"{method} needs calibration data: add a `calibration:` section (top level, "
+                f"or per model: {{path: data.jsonl, field: text}}) for {', '.join(missing)}"
+            )
+
 
 def _task_name(model: str) -> str:
     """The default task name: the folder name, made one safe path component."""

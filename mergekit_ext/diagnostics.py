@@ -9,6 +9,21 @@ Schema (``schema_version`` 1), stable and read by the model card::
       "parameters": {...},                   # the config's global parameters
       "seed": 0 | null,
       "config_sha256": "...",                # hash of the YAML text
+      "config_written_sha256": "...",        # hash of the copy in the folder (paths shortened)
+      "versions": {"mergekit": "0.1.5", ...},
+      "inputs": [                            # where each input came from, decided at merge time
+        {"role": "base" | "model", "model": "<path or Hub id>", "revision": str | null,
+         "source": "local" | "hub", "commit": "<cached Hub commit>" | null,
+         "lora": str | null, "lora_source": "local" | "hub" | null,
+         "license": {"license": "apache-2.0", "license_name": ..., "license_link": ...,
+                     "origin": "README.md"} | null}
+      ],
+      "resources": {                         # what the merge took (mergekit_ext/resources.py)
+        "wall_time_s": 72.4,
+        "peak_rss_bytes": 3400000000,
+        "peak_rss_scope": "merge" | "process",   # reset at the start (Linux) | lifetime peak
+        "cuda_max_allocated_bytes": int | null   # on GPU, summed over devices
+      },
       "calibration": {                       # data-aware methods only
         "<model>": {"source": ..., "samples": N, "tokens": T, "sha256": "..."}
       },

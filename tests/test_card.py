@@ -16,6 +16,7 @@ that ``ModelCard`` itself performs when it saves a card), with exactly the keys 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -75,7 +76,11 @@ def ace_merge(base: str, experts: list[str], out_dir: Path, *, extra_yaml: str =
     )
     cfg = parse_config(yaml_text)
     recorder = diagnostics.DiagnosticsRecorder(
-        cfg.method, parameters=cfg.parameters, seed=0, config_sha256=cfg.sha256
+        cfg.method,
+        parameters=cfg.parameters,
+        seed=0,
+        config_sha256=cfg.sha256,
+        inputs=card_mod.input_records(cfg),  # as the runner records them
     )
     with diagnostics.recording(recorder):
         run_merge(
@@ -182,7 +187,10 @@ def test_ace_llama_card_from_real_diagnostics(llama_merge: Path, tiny_llama_set)
     assert "AutoModelForCausalLM.from_pretrained" in text and "AutoTokenizer" in text
     assert "# merged-llama" in text and "`ace`" in text
     assert "https://arxiv.org/abs/2603.02945" in text
-    assert "| `gamma_threshold` | `0.2` |" in text and "| `eps` | `0.01` (default) |" in text
+    # Parameters as given: gamma_threshold set in the YAML (beside its default), eps not set.
+    assert "| `gamma_threshold` | `0.2` | `0.3` |" in text
+    assert "| `eps` | — | `0.01` |" in text
+    assert "(default)" not in text and "Per-model parameters" not in text  # ACE has none
     assert f"`{diagnostics.load(str(out))['config_sha256']}`" in text
     for pkg in ("mergekit-ext", "mergekit", "torch", "transformers"):
         assert f"| {pkg} | " in text
@@ -354,12 +362,12 @@ def hub_workspace(tmp_path: Path, llama_merge: Path, monkeypatch: pytest.MonkeyP
     out.mkdir()
     shutil.copy(llama_merge / "config.json", out / "config.json")
 
-    def setup(local_license, abs_license, cached_license) -> Path:
+    def setup(local_license, abs_license, cached_license, recorded: bool = True) -> Path:
         _local_model(work / "local" / "finetuned", local_license)  # looks like owner/name
         _local_model(elsewhere, abs_license)
         if cached_license:
             _fake_cached_readme(cache, "org-b/expert-one", cached_license)
-        (out / "mergekit_config.yml").write_text(
+        yaml_text = (
             "merge_method: linear\n"
             "base_model: org-a/base-model\n"
             "models:\n"
@@ -368,12 +376,32 @@ def hub_workspace(tmp_path: Path, llama_merge: Path, monkeypatch: pytest.MonkeyP
             "  - model: local/finetuned\n    parameters: {weight: 0.2}\n"
             f"  - model: {elsewhere}\n    parameters: {{weight: 0.2}}\n"
             "calibration:\n  dataset: org-c/calib-text\n  samples: 8\n"
-            "dtype: float32\n",
-            encoding="utf-8",
+            "dtype: float32\n"
         )
+        if recorded:
+            record_merge_metadata(out, yaml_text)
+        else:  # an output written before mergekit-ext recorded its inputs
+            (out / "mergekit_config.yml").write_text(yaml_text, encoding="utf-8")
         return out
 
     return setup
+
+
+def record_merge_metadata(out: Path, yaml_text: str) -> None:
+    """What the runner writes after a merge, in the CWD of the merge: the diagnostics with
+    the inputs' record and the config copy, both with absolute paths shortened."""
+    cfg = parse_config(yaml_text)
+    redact = card_mod.local_path_redactor(cfg.raw)
+    published = redact(yaml_text)
+    recorder = diagnostics.DiagnosticsRecorder(
+        cfg.method,
+        parameters=cfg.parameters,
+        config_sha256=cfg.sha256,
+        config_written_sha256=hashlib.sha256(published.encode()).hexdigest(),
+        inputs=card_mod.input_records(cfg),
+    )
+    recorder.write(str(out), redact=redact)
+    (out / "mergekit_config.yml").write_text(published, encoding="utf-8")
 
 
 def test_hub_ids_license_agreement_and_datasets(hub_workspace) -> None:
@@ -391,6 +419,51 @@ def test_hub_ids_license_agreement_and_datasets(hub_workspace) -> None:
     assert "| model | abs-expert | `abs-expert` | local folder | apache-2.0 |" in text
     assert "Inputs that declare none: base-model;" in text  # org-a/base-model is not cached
     assert str(out.parent.parent) not in text  # the absolute input is shown by folder name
+    assert "The method recorded no diagnostics for this merge." in text
+
+
+def test_card_rebuilt_elsewhere_keeps_the_recorded_sources(
+    hub_workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue #14 item 7: Hub or local is what the merge recorded, whatever the CWD now."""
+    out = hub_workspace("apache-2.0", "apache-2.0", "apache-2.0")
+    first = Path(write_model_card(str(out))).read_bytes()
+    other = tmp_path / "somewhere-else"
+    other.mkdir()
+    monkeypatch.chdir(other)  # `local/finetuned` does not exist here: it looks like owner/name
+    readme = write_model_card(str(out))
+    assert Path(readme).read_bytes() == first
+    meta = check_round_trip(readme)
+    assert meta["base_model"] == ["org-a/base-model", "org-b/expert-one"]
+    assert meta["license"] == "apache-2.0"  # recorded with the merge, not looked up again
+    text = Path(readme).read_text(encoding="utf-8")
+    assert "| model | finetuned | `local/finetuned` | local folder | apache-2.0 |" in text
+    assert "(commit `0123456789ab`)" in text  # the cached commit the merge read
+    recorded = {r["model"]: r for r in diagnostics.load(str(out))["inputs"]}
+    assert recorded["local/finetuned"]["source"] == "local"
+    assert recorded["abs-expert"]["source"] == "local"  # the absolute path, shortened
+    assert recorded["org-b/expert-one"]["source"] == "hub"
+    assert recorded["org-b/expert-one"]["commit"] == "0123456789abcdef0123456789abcdef01234567"
+    assert recorded["org-a/base-model"] == {
+        "role": "base",
+        "model": "org-a/base-model",
+        "revision": None,
+        "source": "hub",
+        "commit": None,  # not in the cache when the record was made
+        "lora": None,
+        "lora_source": None,
+        "license": None,
+    }
+
+
+def test_card_without_inputs_record_uses_the_hub_cache_only(hub_workspace, tmp_path: Path) -> None:
+    """Older outputs: an owner/name is a Hub model only when the local Hub cache has it."""
+    out = hub_workspace("apache-2.0", "apache-2.0", "apache-2.0", recorded=False)
+    meta = check_round_trip(write_model_card(str(out)))
+    assert meta["base_model"] == ["org-b/expert-one"]  # org-a/base-model is not cached
+    text = (out / "README.md").read_text(encoding="utf-8")
+    assert "| base | base-model | `org-a/base-model` | local folder |" in text
+    assert "do not record where its inputs came from" in text
     assert "No diagnostics file" in text
 
 

@@ -88,6 +88,8 @@ def test_hub_ids_resolve_from_the_cache_offline(hub, tmp_path):
     config.write_text(yaml.safe_dump(_config("org/base", "org/expert", "org/lora", hub["data"])))
     env = dict(os.environ, HF_HOME=hub["hf_home"], HF_HUB_OFFLINE="1", PYTHONPATH=REPO_ROOT)
     env.pop("HF_HUB_CACHE", None)
+    # The same thread count as the in-process merge below: float sums are then bit-identical.
+    env["OMP_NUM_THREADS"] = str(torch.get_num_threads())
     out = tmp_path / "from_hub"
     proc = subprocess.run(
         [

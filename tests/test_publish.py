@@ -37,7 +37,7 @@ from mergekit_ext import diagnostics
 from mergekit_ext.config import parse_config
 from mergekit_ext.errors import PublishError
 from mergekit_ext.hub import publish as publish_mod
-from mergekit_ext.hub.card import write_model_card
+from mergekit_ext.hub.card import render_card_for_repo, write_model_card
 from mergekit_ext.hub.commands import publish_command
 from mergekit_ext.hub.publish import check_complete, list_upload_files, publish_folder
 
@@ -152,14 +152,17 @@ def token_never_printed(capfd: pytest.CaptureFixture, caplog: pytest.LogCaptureF
 
 
 def assert_files_arrived(hub: FakeHub, repo_id: str, folder: Path, branch: str = "main") -> None:
-    """Exactly one new commit holds every file of the folder, byte for byte."""
+    """Exactly one new commit holds every file of the folder, byte for byte; its README.md
+    is the card rendered for ``repo_id`` (the folder's own card is not changed)."""
     commits = hub.commits(repo_id, branch)
     assert len(commits) == 2, [c.summary for c in commits]  # the repo's initial commit + ours
     commit = commits[-1]
     local = {f.path for f in list_upload_files(str(folder))}
     assert set(commit.changed) == local == set(commit.files)
-    for path in local:
+    for path in local - {"README.md"}:
         assert commit.files[path] == (folder / path).read_bytes(), path
+    expected = render_card_for_repo(str(folder), repo_id).encode("utf-8")
+    assert commit.files["README.md"] == expected
 
 
 def error_of(excinfo: pytest.ExceptionInfo) -> str:
@@ -193,6 +196,48 @@ def test_publish_uploads_every_file_in_one_commit(hub: FakeHub, folder: Path) ->
     assert hub.repos["alice/tiny-merge"].private is False
 
 
+def test_uploaded_card_is_rendered_for_the_repo(hub: FakeHub, folder: Path) -> None:
+    """Issue #14 item 8: the Hub copy names the repo; the local card is not touched."""
+    from mergekit_ext.hub.card import write_model_card
+
+    results = [{"task": "text-generation", "dataset": "wikitext", "metrics": [
+        {"type": "perplexity", "value": 12.5}]}]  # fmt: skip
+    write_model_card(str(folder), eval_results=results)
+    local_before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    mtimes = {p: p.stat().st_mtime_ns for p in local_before}
+    local_card = (folder / "README.md").read_text(encoding="utf-8")
+    assert "# merged\n" in local_card and 'model_id = "./merged"' in local_card
+
+    publish_folder(str(folder), "alice/tiny-merge", token=WRITE_TOKEN, endpoint=hub.url)
+    uploaded = hub.commits("alice/tiny-merge")[-1].files["README.md"].decode("utf-8")
+    assert "# tiny-merge\n" in uploaded and "# merged\n" not in uploaded
+    assert 'model_id = "alice/tiny-merge"' in uploaded and "./merged" not in uploaded
+    links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", uploaded)
+    assert links and links == re.findall(r"!\[[^\]]*\]\(([^)]+)\)", local_card)
+    files = hub.commits("alice/tiny-merge")[-1].files
+    assert all(not os.path.isabs(link) and link in files for link in links)
+    meta = huggingface_hub.ModelCard(uploaded).data.to_dict()  # the model-index is kept
+    assert meta["model-index"][0]["results"][0]["metrics"][0]["value"] == 12.5
+    # Only the card differs from the local card: everything else is rendered the same way.
+    diff = [(a, b) for a, b in zip(local_card.splitlines(), uploaded.splitlines()) if a != b]
+    assert {a for a, _ in diff} <= {
+        "# merged", 'model_id = "./merged"', "- name: merged",
+        "repository) and run `mergekit-ext run mergekit_config.yml ./merged`.",
+    }, diff  # fmt: skip
+    # The local folder is exactly as it was: same files, bytes and modification times.
+    assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == local_before
+    assert {p: p.stat().st_mtime_ns for p in local_before} == mtimes
+
+    publish_folder(str(folder), "alice/as-is", token=WRITE_TOKEN, endpoint=hub.url, keep_card=True)
+    assert hub.commits("alice/as-is")[-1].files["README.md"] == local_before[folder / "README.md"]
+    # A folder that is not a mergekit-ext merge has no card to render: its README goes as is.
+    (folder / "mergekit_config.yml").unlink()
+    publish_folder(str(folder), "alice/not-ours", token=WRITE_TOKEN, endpoint=hub.url)
+    assert (
+        hub.commits("alice/not-ours")[-1].files["README.md"] == local_before[folder / "README.md"]
+    )
+
+
 def test_publish_again_skips_unchanged_files(hub: FakeHub, folder: Path) -> None:
     publish_folder(str(folder), "alice/again", token=WRITE_TOKEN, endpoint=hub.url)
     puts = len(hub.lfs_puts)
@@ -201,7 +246,9 @@ def test_publish_again_skips_unchanged_files(hub: FakeHub, folder: Path) -> None
     )
     publish_folder(str(folder), "alice/again", token=WRITE_TOKEN, endpoint=hub.url)
     commits = hub.commits("alice/again")
-    assert len(commits) == 3 and commits[-1].changed == ("mergekit_config.yml",)
+    # The card shows the configuration (now edited): the two text files changed, nothing else.
+    assert len(commits) == 3
+    assert sorted(commits[-1].changed) == ["README.md", "mergekit_config.yml"]
     assert len(hub.lfs_puts) == puts  # no LFS object was sent twice
 
 
@@ -445,11 +492,12 @@ def test_dry_run_lists_files_and_front_matter(hub: FakeHub, folder: Path) -> Non
     assert WRITE_TOKEN not in out
     assert hub.requests == []  # nothing sent
     assert "Token:          found (--token)" in out
-    for f in list_upload_files(str(folder)):
-        assert re.search(rf"^\s+{f.size:,}\s+.*\s{re.escape(f.path)}$", out, re.M), f.path
-    total = sum(f.size for f in list_upload_files(str(folder)))
-    assert f"({total:,} bytes), one commit" in out
-    assert "Card front matter (README.md):\n---\n" in out
+    card = render_card_for_repo(str(folder), "alice/tiny").encode("utf-8")
+    sizes = {f.path: f.size for f in list_upload_files(str(folder))} | {"README.md": len(card)}
+    for path, size in sizes.items():
+        assert re.search(rf"^\s+{size:,}\s+.*\s{re.escape(path)}$", out, re.M), path
+    assert f"({sum(sizes.values()):,} bytes), one commit" in out
+    assert "Card front matter (README.md, as uploaded):\n---\n" in out
     assert "- mergekit-ext" in out and "pipeline_tag: text-generation" in out
 
 

@@ -11,7 +11,7 @@ from mergekit_ext.methods import ext_methods
 from mergekit_ext.methods.parameters import MethodParameters, describe_allowed
 from mergekit_ext.methods.registry import describe_method
 
-EXPECTED = {"ace", "regmean", "chain_of_merges", "qp_projection", "symerge"}
+EXPECTED = {"ace", "regmean", "chain_of_merges", "qp_projection", "symerge", "wudi"}
 
 
 def test_every_method_is_registered_with_mergekit_and_with_us():
@@ -85,7 +85,7 @@ def test_describe_allowed_words():
 
 
 @pytest.mark.parametrize("name", ["regmean", "chain_of_merges", "qp_projection", "symerge"])
-def test_executor_only_methods_refuse_mergekits_executor_before_writing(name):
+def test_data_aware_methods_refuse_mergekits_executor_before_writing(name):
     method = mk_methods.get(name)
     with pytest.raises(MergekitExtError, match=r"mergekit-ext run"):
         method.validate_inputs()
@@ -151,7 +151,9 @@ def test_a_new_method_gets_its_card_section_through_its_report(tmp_path):
     register_method(info, tensorwise_method(info, lambda group, p: group.tensors[0] * p.strength))
     assert describe_method("registry_test_hook")["parameters"][0]["allowed"] == "[0, inf)"
     diag = {"sections": {"registry_test_hook": {"tensors": {"a": {}, "b": {}}}, "unknown": {}}}
-    sections = {s["key"]: s for s in _diagnostic_sections(diag, str(tmp_path), {"strength": 3})}
+    sections = {
+        s["key"]: s for s in _diagnostic_sections(diag, str(tmp_path / "images"), {"strength": 3})
+    }
     hook = sections["registry_test_hook"]
     assert hook["title"] == "Hook test" and hook["summary"] == {"tensors": 2, "strength": 3.0}
     assert hook["rows"] == [("tensors", 2), ("strength", 3.0)]  # no template: a plain table

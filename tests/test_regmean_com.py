@@ -422,6 +422,7 @@ def test_registration():
         "ridge": "auto",
         "solver": "pinv",
         "fallback": "mean",
+        "statistics_dtype": "float64",
     }
     docs = {p.name: p.description for p in com.parameters}
     # user-facing text never speaks of internal process

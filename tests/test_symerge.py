@@ -42,7 +42,7 @@ from mergekit_ext.adaptation.trainer import (
     stack_batches,
 )
 from mergekit_ext.config import parse_config
-from mergekit_ext.errors import CalibrationError, ConfigError, ModelInputError
+from mergekit_ext.errors import ConfigError, ModelInputError
 from mergekit_ext.methods.symerge import SyMergeParameters, run_symerge
 
 TASKS = {"sentiment": ["good", "bad"], "animal": ["dog", "cat", "bird"], "weather": ["rain", "sun"]}
@@ -511,7 +511,7 @@ def test_expert_with_another_body_shape_is_refused(problem_set, tmp_path):
 
 def test_task_without_data_is_refused(problem_set):
     cfg, params = make_config(problem_set, data=False)
-    with pytest.raises(CalibrationError, match="task sentiment .* no adaptation data"):
+    with pytest.raises(ConfigError, match="symerge needs calibration data: add a `calibration:`"):
         prepare_symerge(cfg, params)
 
 
@@ -597,3 +597,61 @@ def test_headless_experts_learn_dense_outputs_with_l1(tiny_bert_set, tmp_path):
     assert all(section["heldout_accuracy"][t] is None for t in tasks)
     for t in tasks:
         assert section["heldout_l1"][t] < 0.8 * section["task_arithmetic_heldout_l1"][t]
+
+
+# ---------------------------------------------------------------------------- data-aware body
+
+
+def test_chain_of_merges_body_is_epoch_zero(problem_set, tmp_path):
+    """body: chain_of_merges merges the body first; λ starts at 0, so before any step the
+    adapted model's shared tensors are exactly that merge (as `mergekit-ext run` writes it),
+    and the task vectors are W_k − W_body."""
+    from mergekit.options import MergeOptions
+
+    from mergekit_ext.adaptation.structure import canonical_key
+    from mergekit_ext.executor import run_layerwise_merge
+    from mergekit_ext.methods.registry import ext_method_info
+
+    body_parameters = {"propagate": True}
+    cfg, params = make_config(
+        problem_set,
+        parameters={"epochs": 2, "body": "chain_of_merges", "body_parameters": body_parameters},
+    )
+    session = prepare_symerge(cfg, params)
+    problem = session.problem
+    assert problem.init_lambda == 0.0 and float(problem.lambdas.detach().abs().max()) == 0.0
+
+    com = ext_method_info("chain_of_merges")
+    out = str(tmp_path / "com")
+    run_layerwise_merge(cfg, out, MergeOptions(), com.implementation, body_parameters)
+    written = transformers.AutoModel.from_pretrained(out)
+    prefix = written.base_model_prefix + "."
+    written_tensors = {canonical_key(n, ""): t for n, t in written.named_parameters()}
+    merged = problem.merged_tensors()
+    checked = 0
+    for key, value in merged.items():
+        reference = written_tensors.get(key, written_tensors.get(key.removeprefix(prefix)))
+        assert reference is not None, key
+        torch.testing.assert_close(value.detach(), reference, rtol=0, atol=0)
+        checked += 1
+    assert checked == len(problem.shared_keys) > 0
+    # the task vectors point from the body to each expert
+    key = next(k for k in problem.shared_keys if k.endswith("query.weight"))
+    first = next(iter(problem.tasks))
+    name = next(n for n, k in first.roles.shared.items() if k == key)
+    expert = load_file(os.path.join(session.expert_paths[0], "model.safetensors"))
+    torch.testing.assert_close(
+        problem.task_vectors[key][0], expert[name] - merged[key].detach(), rtol=0, atol=1e-6
+    )
+
+    section = adapt_session(session, progress=False)
+    assert section["body"] == "chain_of_merges" and section["settings"]["init_lambda"] == 0.0
+    assert set(section["start_heldout_accuracy"]) == set(TASKS)
+    assert all(math.isfinite(v) for v in section["loss"])
+
+
+def test_task_arithmetic_body_keeps_its_start(problem_set):
+    cfg, params = make_config(problem_set, parameters={"epochs": 1})
+    assert params.body == "task_arithmetic" and params.init_lambda is None
+    session = prepare_symerge(cfg, params)
+    assert session.problem.init_lambda == 0.3

@@ -59,16 +59,27 @@ def tokens_per_sample(config: Mapping[str, Any], modality: str, max_length: int)
 
 
 def activation_bytes(
-    config: Mapping[str, Any], seq_len: int, batch_size: int, causal_lm: bool
+    config: Mapping[str, Any],
+    seq_len: int,
+    batch_size: int,
+    causal_lm: bool,
+    logit_rows: Optional[int] = None,
 ) -> int:
-    """Training activations of one batch (float32), after Korthikanti et al. (2022)."""
+    """Training activations of one batch (float32), after Korthikanti et al. (2022).
+
+    A causal LM holds its logits, their softmax and gradient for ``batch_size × seq_len``
+    positions, or for ``logit_rows`` positions at a time when the loss is chunked.
+    """
     hidden = _config_value(config, "hidden_size", 768)
     layers = _config_value(config, "num_hidden_layers", 12)
     heads = _config_value(config, "num_attention_heads", 12)
     per_layer_16bit = 34 * seq_len * batch_size * hidden + 5 * heads * seq_len**2 * batch_size
     total = 2 * layers * per_layer_16bit
     if causal_lm:  # logits, their softmax and gradient
-        total += 3 * FLOAT32 * batch_size * seq_len * _config_value(config, "vocab_size", 32000)
+        positions = (
+            batch_size * seq_len if logit_rows is None else min(logit_rows, batch_size * seq_len)
+        )
+        total += 3 * FLOAT32 * positions * _config_value(config, "vocab_size", 32000)
     return total
 
 
@@ -94,6 +105,7 @@ def estimate_adaptation_memory(
     batch_size: int,
     causal_lm: bool,
     teacher_cache_bytes: Optional[int],
+    logit_rows: Optional[int] = None,
 ) -> AdaptationMemory:
     """The peak memory of a SyMerge run (see the module docstring for the terms).
 
@@ -108,7 +120,7 @@ def estimate_adaptation_memory(
         "task_vectors": FLOAT32 * k * base_parameters,
         "merged_copy_and_gradient": 2 * FLOAT32 * base_parameters,
         "task_layers_adam": 5 * FLOAT32 * k * task_layer,
-        "activations": activation_bytes(config, seq_len, batch_size, causal_lm),
+        "activations": activation_bytes(config, seq_len, batch_size, causal_lm, logit_rows),
         "teacher": teacher_cache_bytes if teacher_cache_bytes is not None else FLOAT32 * largest,
     }
     return AdaptationMemory(parts)

@@ -76,6 +76,32 @@ def model_inputs(
     return kwargs
 
 
+def causal_lm_split(module: nn.Module) -> Optional[tuple[str, str]]:
+    """``(body attribute, head weight's parameter name)`` of a causal LM whose logits are
+    ``body(x).last_hidden_state @ head.weightᵀ``; None for any other model.
+
+    transformers' causal LMs (Llama, Mistral, Qwen2/3, GPT-2, …) compute exactly that; models
+    that rescale or soft-cap their logits say so in their config and are left out. The head's
+    name is the de-duplicated parameter name (the embedding's when the head is tied to it).
+    """
+    if not type(module).__name__.endswith("ForCausalLM"):
+        return None
+    config = getattr(module, "config", None)
+    for key in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier"):
+        if getattr(config, key, None) not in (None, 1, 1.0):
+            return None
+    body_name = getattr(module, "base_model_prefix", "")
+    head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    if not body_name or not isinstance(getattr(module, body_name, None), nn.Module):
+        return None
+    if not isinstance(head, nn.Linear) or head.bias is not None:
+        return None
+    for name, p in module.named_parameters():
+        if p is head.weight:
+            return body_name, name
+    return None
+
+
 @dataclass
 class TaskModel:
     """One task: its expert's skeleton, parameter roles and its trainable task layer."""
@@ -156,6 +182,35 @@ class SyMergeProblem:
         return functional_call(
             task.module, self.task_parameters(k, merged), args=(), kwargs=task.inputs(batch)
         )
+
+    def hidden_and_head(
+        self,
+        k: int,
+        batch: Mapping[str, torch.Tensor],
+        merged: Optional[Mapping[str, torch.Tensor]] = None,
+        *,
+        teacher: bool = False,
+    ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """A causal LM's last hidden states ``(B, T, d)`` and its head weight ``(V, d)``.
+
+        The logits are ``hidden @ headᵀ``; the caller applies the head to a few positions at
+        a time, so the ``(B, T, V)`` logits are never held at once. None when the model's
+        logits are not a plain bias-free linear head of its body's output (logit soft-capping,
+        logit scales, a biased head): such models take :meth:`forward`.
+        """
+        task = self.tasks[k]
+        split = causal_lm_split(task.module)
+        if split is None:
+            return None
+        body_name, head_name = split
+        params = self.expert_parameters(k) if teacher else self.task_parameters(k, merged)
+        prefix = body_name + "."
+        body_params = {n[len(prefix) :]: v for n, v in params.items() if n.startswith(prefix)}
+        body = getattr(task.module, body_name)
+        inputs = {key: v for key, v in task.inputs(batch).items() if key != "logits_to_keep"}
+        out = functional_call(body, body_params, args=(), kwargs=inputs)
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        return hidden, params[head_name]
 
     def expert_parameters(self, k: int) -> dict[str, torch.Tensor]:
         """Task k's expert reconstructed as ``θ_0 + Δ_k`` (exact up to float32 rounding)."""

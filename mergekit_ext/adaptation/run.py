@@ -58,8 +58,7 @@ BLOCK_TASK_LAYER_LR = 1e-4
 
 
 def _experts(cfg: ExtMergeConfig) -> tuple[str, list[ExtModelEntry]]:
-    if cfg.merge.base_model is None:
-        raise ConfigError("symerge needs base_model (the pretrained model the experts share)")
+    cfg.check_data_aware("symerge")
     base = str(cfg.merge.base_model)
     experts = [
         e
@@ -172,9 +171,16 @@ def _dtype(config: Mapping[str, Any]) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
 
 
-def _num_outputs(config: Mapping[str, Any], seq_len: int, causal_lm: bool) -> int:
+def _num_outputs(
+    config: Mapping[str, Any], seq_len: int, causal_lm: bool, top_k: Optional[int]
+) -> int:
+    """float32-sized numbers cached per sample for the teacher's outputs."""
     if causal_lm:
-        return seq_len * int(config.get("vocab_size") or 32000)
+        vocab = int(config.get("vocab_size") or 32000)
+        if top_k is None:
+            return seq_len * vocab
+        # top-k log-probabilities (float32) and token ids (int64, two floats' worth), the rest
+        return seq_len * (3 * min(top_k, vocab) + 1)
     labels = config.get("id2label")
     if labels:
         return len(labels)
@@ -200,6 +206,9 @@ class SyMergeSession:
     teacher_cached: bool
     device: str
     timing: dict[str, float] = field(default_factory=dict)
+    # The YAML's ``out_dtype`` (else ``dtype``): the dtype written; None keeps each model's own.
+    out_dtype: Optional[torch.dtype] = None
+    micro_batch_size: Optional[int] = None  # causal LMs; see resolved_micro_batch_size
 
 
 def prepare_symerge(
@@ -227,20 +236,17 @@ def prepare_symerge(
     ]
     modality = _modality(base_cls)
 
-    # Everything that needs no weights: data, task layers, memory.
+    # Everything that needs no weights: dtype, data, task layers, memory.
+    out_dtype = _written_dtype(cfg)
     specs = []
     for entry in entries:
         spec = cfg.calibration_for(entry)
-        if spec is None or not spec.has_data:
-            raise CalibrationError(
-                f"symerge: task {entry.name} ({entry.model}) has no adaptation data; add "
-                "`calibration: {path: ...}` to its model entry or a top-level `calibration:`"
-            )
+        assert spec is not None and spec.has_data  # ExtMergeConfig.check_data_aware
         check_calibration(spec, task=entry.name, modality=modality)
         specs.append(spec)
     for cls, path, name in zip(expert_classes, expert_paths, names):
         resolve_task_layer(_meta_model(cls, path), p.task_layer, name)
-    estimate, cache_teacher = _check_memory(
+    estimate, cache_teacher, micro_batch_size = _check_memory(
         p, base_path, base_config, expert_paths, expert_configs, expert_classes, specs,
         modality=modality, device=device, force=force,
     )  # fmt: skip
@@ -263,6 +269,9 @@ def prepare_symerge(
         adapt_index, heldout_index = split_heldout(n, p.heldout_fraction, generator)
         data.append(TaskData(entry.name, inputs, adapt_index, heldout_index))
     data_loaded = time.perf_counter()
+    # θ_0 of the adaptation: the base (task arithmetic) or a data-aware body merged first,
+    # before any model is loaded here (the executor streams one block at a time)
+    body_tensors = merge_body(cfg, p, base_cls, device) if p.body != "task_arithmetic" else None
 
     base = _load(base_cls, base_path, device)
     base_tied = model_class.tied_weights(base)
@@ -279,7 +288,15 @@ def prepare_symerge(
             return expert(**model_inputs(expert, batch, accepts))
 
         if cache_teacher:
-            data[k].teacher = teacher_outputs(forward, data[k].inputs, p.batch_size, device)
+            causal = cls.__name__.endswith("ForCausalLM")
+            data[k].teacher = teacher_outputs(
+                forward,
+                data[k].inputs,
+                p.batch_size,
+                device,
+                top_k=p.teacher_top_k if causal else None,
+                vocab_size=int(expert_configs[k].get("vocab_size") or 0),
+            )
             probe = data[k].teacher[:1]
         else:
             first = {key: v[:1] for key, v in data[k].inputs.items()}
@@ -287,14 +304,17 @@ def prepare_symerge(
         kinds.append(output_kind(expert, probe))
         expert_tensors.append(free_parameters(expert))
         skeletons.append(expert)
+    if body_tensors is not None:
+        free_parameters(base)  # the skeleton saves the result; the body's merge is θ_0
     problem = build_problem(
         base,
         skeletons,
         expert_tensors,
         names,
         task_layer=p.task_layer,
-        init_lambda=p.init_lambda,
+        init_lambda=resolved_init_lambda(p),
         expert_labels=[e.model for e in entries],
+        base_tensors=body_tensors,
     )
     for task, kind in zip(problem.tasks, kinds):
         task.kind = kind
@@ -302,10 +322,31 @@ def prepare_symerge(
         "load_data_s": data_loaded - started,
         "load_models_and_teacher_s": time.perf_counter() - data_loaded,
     }
-    return SyMergeSession(
+    session = SyMergeSession(
         p, problem, data, base_path, base_config, expert_paths, expert_configs,
-        calibration, estimate, cache_teacher, device, timing,
+        calibration, estimate, cache_teacher, device, timing, out_dtype, micro_batch_size,
     )  # fmt: skip
+    return session
+
+
+def _written_dtype(cfg: ExtMergeConfig) -> Optional[torch.dtype]:
+    """``out_dtype`` or else ``dtype`` of the YAML, as mergekit reads them (None: not set).
+
+    Adaptation itself always runs in float32; this is only the dtype the checkpoints are
+    saved in.
+    """
+    from mergekit.common import dtype_from_name
+
+    name = cfg.merge.out_dtype or cfg.merge.dtype
+    if not name:
+        return None
+    try:
+        dtype = dtype_from_name(name)
+    except Exception as e:  # noqa: BLE001 - mergekit raises RuntimeError for unknown names
+        raise ConfigError(f"symerge: dtype {name!r}: {e}") from e
+    if not dtype.is_floating_point:
+        raise ConfigError(f"symerge: dtype {name!r} is not a floating-point type")
+    return dtype
 
 
 def _check_memory(
@@ -320,20 +361,26 @@ def _check_memory(
     modality: str,
     device: str,
     force: bool,
-) -> tuple[memory.AdaptationMemory, bool]:
-    """Estimate from the headers; cache the teacher outputs unless only per-batch fits."""
+) -> tuple[memory.AdaptationMemory, bool, Optional[int]]:
+    """Estimate from the headers; cache the teacher outputs unless only per-batch fits.
+
+    Also returns the causal LMs' micro-batch size (:func:`resolved_micro_batch_size`).
+    """
     causal = [cls.__name__.endswith("ForCausalLM") for cls in expert_classes]
     seq_len = max(memory.tokens_per_sample(base_config, modality, s.max_length) for s in specs)
     cache_bytes = memory.FLOAT32 * sum(
-        s.samples * _num_outputs(c, seq_len, lm) for s, c, lm in zip(specs, expert_configs, causal)
+        s.samples * _num_outputs(c, seq_len, lm, p.teacher_top_k)
+        for s, c, lm in zip(specs, expert_configs, causal)
     )
+    micro = resolved_micro_batch_size(p, base_config, seq_len) if any(causal) else None
     common = dict(
         base_parameters=memory.checkpoint_parameter_count(base_path),
         expert_parameters=[memory.checkpoint_parameter_count(path) for path in expert_paths],
         config=base_config,
         seq_len=seq_len,
-        batch_size=p.batch_size,
+        batch_size=micro or p.batch_size,
         causal_lm=any(causal),
+        logit_rows=p.logit_chunk_tokens if p.teacher_top_k is not None else None,
     )
     available = memory.available_memory_bytes(device)
     estimate = memory.estimate_adaptation_memory(**common, teacher_cache_bytes=cache_bytes)
@@ -343,14 +390,13 @@ def _check_memory(
         if per_batch.total < estimate.total:
             estimate, cache_teacher = per_batch, False
     memory.check_memory(estimate, available, force=force, device=device)
-    return estimate, cache_teacher
+    return estimate, cache_teacher, micro
 
 
 def adapt_session(session: SyMergeSession, *, progress: bool = True) -> dict[str, Any]:
     """Measure task arithmetic, adapt, measure again; returns the diagnostics section."""
     p, problem, data = session.parameters, session.problem, session.data
     started = time.perf_counter()
-    before = evaluate(problem, data, "heldout", batch_size=p.batch_size, device=session.device)
     settings = AdaptationSettings(
         epochs=p.epochs,
         lr=p.lr,
@@ -360,9 +406,14 @@ def adapt_session(session: SyMergeSession, *, progress: bool = True) -> dict[str
         target=p.target,
         confidence_top_p=p.confidence_top_p,
         seed=p.seed,
+        teacher_top_k=p.teacher_top_k,
+        logit_chunk_tokens=p.logit_chunk_tokens,
+        micro_batch_size=session.micro_batch_size,
     )
+    measure = dict(batch_size=p.batch_size, device=session.device, settings=settings)
+    before = evaluate(problem, data, "heldout", **measure)
     log = adapt(problem, data, settings, device=session.device, progress=progress)
-    after = evaluate(problem, data, "heldout", batch_size=p.batch_size, device=session.device)
+    after = evaluate(problem, data, "heldout", **measure)
     for task in problem.tasks:
         metric = "accuracy" if task.kind != "dense" else "l1"
         LOG.info(
@@ -389,6 +440,59 @@ def task_layers_are_lm_blocks(problem: Any) -> bool:
     )
 
 
+# A causal LM's training activations per micro-batch stay under this (memory.activation_bytes)
+MICRO_BATCH_ACTIVATIONS_BYTES = 1 << 30
+
+
+def resolved_micro_batch_size(p: SyMergeParameters, config: Mapping[str, Any], seq_len: int) -> int:
+    """``micro_batch_size``, or for causal LMs the largest that keeps one micro-batch's
+    activations under ``MICRO_BATCH_ACTIVATIONS_BYTES`` (at least 1, at most the batch)."""
+    if p.micro_batch_size is not None:
+        return min(p.micro_batch_size, p.batch_size)
+    rows = p.logit_chunk_tokens if p.teacher_top_k is not None else None
+    size = p.batch_size
+    while size > 1 and (
+        memory.activation_bytes(config, seq_len, size, True, rows) > MICRO_BATCH_ACTIVATIONS_BYTES
+    ):
+        size = (size + 1) // 2
+    return size
+
+
+def resolved_init_lambda(p: SyMergeParameters) -> float:
+    """``init_lambda``, or its default for the body: 0.3 for task arithmetic, else 0 (so that
+    epoch 0 is exactly the body's merge)."""
+    if p.init_lambda is not None:
+        return p.init_lambda
+    return 0.3 if p.body == "task_arithmetic" else 0.0
+
+
+def merge_body(
+    cfg: ExtMergeConfig, p: SyMergeParameters, base_cls: type, device: str
+) -> dict[str, torch.Tensor]:
+    """The data-aware merge SyMerge adapts around (``body``), as the base class's tensors.
+
+    Runs ``p.body`` (RegMean or Chain of Merges) with ``p.body_parameters`` on the same YAML
+    and calibration data through the sequential executor, into a temporary folder that is
+    removed afterwards, and loads it with the base model's class (so names are the ones the
+    base's skeleton uses, whatever the checkpoint layout).
+    """
+    import tempfile
+
+    from mergekit.options import MergeOptions
+
+    from mergekit_ext.executor import run_layerwise_merge
+    from mergekit_ext.methods.registry import ext_method_info
+
+    info = ext_method_info(p.body)
+    assert info is not None and info.implementation is not None
+    LOG.info("symerge: merging the body with %s first", p.body)
+    with tempfile.TemporaryDirectory(prefix="symerge-body-") as folder:
+        run_layerwise_merge(
+            cfg, folder, MergeOptions(), info.implementation, dict(p.body_parameters), device=device
+        )
+        return free_parameters(_load(base_cls, folder, device))
+
+
 def resolved_task_layer_lr(p: SyMergeParameters, problem: Any) -> float:
     """``task_layer_lr`` if given; else BLOCK_TASK_LAYER_LR for a causal LM's block, else ``lr``."""
     if p.task_layer_lr is not None:
@@ -410,8 +514,12 @@ def save_symerge(
     """
     started = time.perf_counter()
     problem = session.problem
+    written = session.out_dtype
     export.save_checkpoint(
-        problem.base, problem.base_checkpoint_tensors(), out_dir, _dtype(session.base_config)
+        problem.base,
+        problem.base_checkpoint_tensors(),
+        out_dir,
+        written or _dtype(session.base_config),
     )
     export.copy_processing_files(session.base_path, out_dir)
     for k, (task, path, config) in enumerate(
@@ -427,10 +535,15 @@ def save_symerge(
         if task_layers_only:
             modules = task.roles.task_layer_modules + frozen_modules(task.roles)
             export.save_peft_adapter(
-                task.module, tensors, modules, task_dir, _dtype(config), body_path or out_dir
+                task.module,
+                tensors,
+                modules,
+                task_dir,
+                written or _dtype(config),
+                body_path or out_dir,
             )
         else:
-            export.save_checkpoint(task.module, tensors, task_dir, _dtype(config))
+            export.save_checkpoint(task.module, tensors, task_dir, written or _dtype(config))
             export.copy_processing_files(path, task_dir)
     session.timing["save_s"] = time.perf_counter() - started
 
@@ -492,6 +605,9 @@ def _diagnostics(
         "agreement": {t: _nan_to_none(v) for t, v in log.agreement.items()},
         "heldout_accuracy": {t: after[t]["accuracy"] for t in tasks},
         "task_arithmetic_heldout_accuracy": {t: before[t]["accuracy"] for t in tasks},
+        # the starting point: task arithmetic at init_lambda, or the data-aware body's merge
+        "body": session.parameters.body,
+        "start_heldout_accuracy": {t: before[t]["accuracy"] for t in tasks},
         "task_layers": {t.name: list(t.roles.task_layer_modules) for t in problem.tasks},
         "output_kinds": {t.name: t.kind for t in problem.tasks},
         "samples": {
@@ -501,6 +617,8 @@ def _diagnostics(
         "settings": {
             **session.parameters.model_dump(),
             "task_layer_lr": resolved_task_layer_lr(session.parameters, problem),
+            "init_lambda": resolved_init_lambda(session.parameters),
+            "micro_batch_size": session.micro_batch_size,
         },
         "teacher_cached": session.teacher_cached,
         "memory_estimate_bytes": dict(session.estimate.parts),

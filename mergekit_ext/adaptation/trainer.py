@@ -22,11 +22,14 @@ from tqdm.auto import tqdm
 from mergekit_ext.adaptation.losses import (
     OutputKind,
     Target,
+    TopKLogProbs,
     agreement,
     kl_to_teacher,
+    kl_to_top_k_teacher,
     l1_to_teacher,
     rows,
     self_labelling_loss,
+    top_k_log_probs,
 )
 from mergekit_ext.adaptation.problem import SyMergeProblem
 from mergekit_ext.errors import CalibrationError
@@ -110,7 +113,8 @@ class TaskData:
     inputs: dict[str, torch.Tensor]
     adapt_index: torch.Tensor
     heldout_index: torch.Tensor
-    teacher: Optional[torch.Tensor] = None  # (N, ...) outputs of the expert on every sample
+    # (N, ...) outputs of the expert on every sample; a causal LM's as top-k log-probabilities
+    teacher: Optional[torch.Tensor | TopKLogProbs] = None
 
 
 # ---------------------------------------------------------------------------- outputs
@@ -145,17 +149,40 @@ def output_kind(module: torch.nn.Module, output: torch.Tensor) -> OutputKind:
     return "dense"
 
 
+# A causal LM teacher's logits are compressed batch by batch; this bounds one batch's
+# (B, T, V) float32 logits (the batch is split below it).
+TEACHER_LOGITS_BYTES = 256 * 2**20
+
+
 @torch.no_grad()
 def teacher_outputs(
-    forward: Any, inputs: Mapping[str, torch.Tensor], batch_size: int, device: str
-) -> torch.Tensor:
-    """The teacher's outputs for every sample, in chunks, under ``no_grad``."""
+    forward: Any,
+    inputs: Mapping[str, torch.Tensor],
+    batch_size: int,
+    device: str,
+    *,
+    top_k: Optional[int] = None,
+    vocab_size: Optional[int] = None,
+) -> torch.Tensor | TopKLogProbs:
+    """The teacher's outputs for every sample, in chunks, under ``no_grad``.
+
+    With ``top_k`` (causal LMs), each chunk's logits are compressed at once into
+    :class:`TopKLogProbs`, and chunks are small enough that their ``(B, T, V)`` logits stay
+    under ``TEACHER_LOGITS_BYTES`` (``vocab_size`` sizes them): the cache then grows with
+    ``k``, not with the vocabulary.
+    """
     n = num_samples(inputs)
-    chunks = []
+    if top_k is not None and vocab_size and "input_ids" in inputs:
+        per_sample = 4 * vocab_size * int(inputs["input_ids"].shape[-1])
+        batch_size = max(1, min(batch_size, TEACHER_LOGITS_BYTES // max(per_sample, 1)))
+    chunks: list[Any] = []
     for start in range(0, n, batch_size):
         index = torch.arange(start, min(n, start + batch_size))
         batch = {k: v.to(device) for k, v in select(inputs, index).items()}
-        chunks.append(output_tensor(forward(batch)).detach().float())
+        out = output_tensor(forward(batch)).detach()
+        chunks.append(top_k_log_probs(out, top_k) if top_k is not None else out.float())
+    if top_k is not None:
+        return TopKLogProbs.cat(chunks)
     return torch.cat(chunks, dim=0)
 
 
@@ -165,21 +192,81 @@ def teacher_outputs(
 def task_loss(
     kind: OutputKind,
     student: torch.Tensor,
-    teacher: torch.Tensor,
+    teacher: torch.Tensor | TopKLogProbs,
     attention_mask: Optional[torch.Tensor],
     target: Target,
     top_p: Optional[float],
 ) -> tuple[torch.Tensor, float]:
     """The loss for one batch and the student's agreement with the teacher on it."""
     if kind == "dense":
-        loss = l1_to_teacher(student, teacher, attention_mask)
+        loss = l1_to_teacher(student, teacher, attention_mask)  # type: ignore[arg-type]
         return loss, float("nan")
     s_rows, t_rows = rows(student, attention_mask, kind), rows(teacher, attention_mask, kind)
+    if isinstance(t_rows, TopKLogProbs):
+        n = max(int(s_rows.shape[0]), 1)
+        same = s_rows.detach().argmax(-1) == t_rows.argmax()
+        agree = float(same.float().mean()) if s_rows.shape[0] else float("nan")
+        return kl_to_top_k_teacher(s_rows, t_rows) / n, agree
     if kind == "causal_lm":
         loss = kl_to_teacher(s_rows, t_rows)
     else:
         loss, _ = self_labelling_loss(s_rows, t_rows, target, top_p)
     return loss, agreement(s_rows.detach(), t_rows)
+
+
+def _chunk_kl(
+    hidden: torch.Tensor,
+    head: torch.Tensor,
+    logprobs: torch.Tensor,
+    indices: torch.Tensor,
+    rest: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = hidden @ head.T
+    loss = kl_to_top_k_teacher(logits, TopKLogProbs(logprobs, indices, rest))
+    return loss, logits.detach().argmax(-1)
+
+
+def causal_lm_chunked_loss(
+    hidden: torch.Tensor,
+    head: torch.Tensor,
+    teacher: TopKLogProbs,
+    attention_mask: Optional[torch.Tensor],
+    chunk_tokens: int,
+) -> tuple[torch.Tensor, float]:
+    """A causal LM's mean top-k KL over non-padding positions, ``chunk_tokens`` at a time.
+
+    Each chunk's logits ``hidden[c] @ headᵀ`` are recomputed in the backward pass
+    (activation checkpointing) instead of kept, so memory grows with ``chunk_tokens × V``,
+    not with ``B × T × V``. The value and gradients equal :func:`task_loss` on the full
+    logits.
+
+    Args:
+        hidden: ``(B, T, d)`` last hidden states (differentiable); ``head``: ``(V, d)``.
+        teacher: the teacher's ``(B, T, k)`` :class:`TopKLogProbs` for the same batch.
+        attention_mask: ``(B, T)``; None: every position counts.
+        chunk_tokens: positions per chunk.
+
+    Returns:
+        ``(mean KL over positions, top-1 agreement with the teacher)``.
+    """
+    h = rows(hidden, attention_mask, "causal_lm")
+    t = rows(teacher, attention_mask, "causal_lm")
+    n = int(h.shape[0])
+    if n == 0:
+        return hidden.sum() * 0.0, float("nan")
+    total = hidden.new_zeros((), dtype=torch.float32)
+    same = 0
+    for start in range(0, n, chunk_tokens):
+        part = slice(start, min(n, start + chunk_tokens))
+        tp = t[part]
+        args = (h[part], head, tp.logprobs, tp.indices, tp.rest)
+        if torch.is_grad_enabled() and (h.requires_grad or head.requires_grad):
+            loss, top1 = torch.utils.checkpoint.checkpoint(_chunk_kl, *args, use_reentrant=False)
+        else:
+            loss, top1 = _chunk_kl(*args)
+        total = total + loss
+        same += int((top1 == tp.argmax()).sum())
+    return total / n, same / n
 
 
 # ---------------------------------------------------------------------------- loop
@@ -195,6 +282,9 @@ class AdaptationSettings:
     target: Target = "hard"
     confidence_top_p: Optional[float] = None
     seed: int = 0
+    teacher_top_k: Optional[int] = 256  # causal LMs: None keeps the full distribution
+    logit_chunk_tokens: int = 512
+    micro_batch_size: Optional[int] = None  # causal LMs: samples per forward/backward
 
 
 def optimizer_groups(problem: Any, settings: AdaptationSettings) -> list[dict[str, Any]]:
@@ -221,11 +311,89 @@ def _teacher_batch(
     data: TaskData,
     index: torch.Tensor,
     batch: Mapping[str, torch.Tensor],
-) -> torch.Tensor:
+    top_k: Optional[int] = None,
+) -> torch.Tensor | TopKLogProbs:
     if data.teacher is not None:
         return data.teacher[index.to(data.teacher.device)]
     with torch.no_grad():
-        return output_tensor(problem.teacher_forward(k, batch)).detach().float()
+        out = output_tensor(problem.teacher_forward(k, batch)).detach()
+        if top_k is not None and problem.tasks[k].kind == "causal_lm":
+            return top_k_log_probs(out, top_k)
+        return out.float()
+
+
+def _student_loss(
+    problem: SyMergeProblem,
+    k: int,
+    batch: Mapping[str, torch.Tensor],
+    teacher: torch.Tensor | TopKLogProbs,
+    settings: AdaptationSettings,
+    merged: Optional[Mapping[str, torch.Tensor]] = None,
+) -> tuple[torch.Tensor, float]:
+    """Task k's loss on one batch and the student's agreement with its teacher.
+
+    A causal LM with a top-k teacher never forms its ``(B, T, V)`` logits: the head runs on
+    ``logit_chunk_tokens`` positions at a time (:func:`causal_lm_chunked_loss`).
+    """
+    task = problem.tasks[k]
+    mask = batch.get("attention_mask") if task.kind != "classification" else None
+    if isinstance(teacher, TopKLogProbs):
+        split = problem.hidden_and_head(k, batch, merged)
+        if split is not None:
+            hidden, head = split
+            return causal_lm_chunked_loss(
+                hidden.float(), head.float(), teacher, mask, settings.logit_chunk_tokens
+            )
+    student = output_tensor(problem.forward(k, batch, merged)).float()
+    assert task.kind is not None
+    return task_loss(task.kind, student, teacher, mask, settings.target, settings.confidence_top_p)
+
+
+def _positions(batch: Mapping[str, torch.Tensor]) -> int:
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        return int(mask.sum())
+    return int(next(iter(batch.values())).shape[:2].numel())
+
+
+def _accumulate_step(
+    problem: SyMergeProblem,
+    k: int,
+    data: TaskData,
+    index: torch.Tensor,
+    settings: AdaptationSettings,
+    device: str,
+) -> tuple[torch.Tensor, float]:
+    """One optimiser step's gradients for task k's batch ``index``; returns (loss, agreement).
+
+    A causal LM's loss is a mean over positions, so its batch can run in micro-batches of
+    ``settings.micro_batch_size`` samples whose position-weighted gradients add up to the
+    whole batch's: activations then grow with the micro-batch. Other losses (the hard-label
+    filter and ``confidence_top_p`` look at the whole batch) run the batch at once.
+    """
+    task = problem.tasks[k]
+    micro = settings.micro_batch_size
+    parts = [index]
+    if task.kind == "causal_lm" and micro is not None and micro < len(index):
+        parts = list(index.split(micro))
+    batches = [
+        {key: v.to(device) for key, v in select(data.inputs, part).items()} for part in parts
+    ]
+    total = sum(_positions(b) for b in batches) if len(parts) > 1 else 1
+    loss_sum = torch.zeros(())
+    same = 0.0
+    for part, batch in zip(parts, batches):
+        teacher = _teacher_batch(problem, k, data, part, batch, settings.teacher_top_k)
+        loss, agree = _student_loss(problem, k, batch, teacher, settings)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(
+                f"symerge: the loss of task {task.name} became {float(loss)}; lower lr"
+            )
+        share = _positions(batch) / total if len(parts) > 1 else 1.0
+        (loss * share).backward()
+        loss_sum = loss_sum + loss.detach() * share
+        same += agree * share if not math.isnan(agree) else math.nan
+    return loss_sum, same
 
 
 def adapt(
@@ -260,19 +428,8 @@ def adapt(
         for k in torch.randperm(len(problem.tasks), generator=order_generator).tolist():
             task, d = problem.tasks[k], data[k]
             index = cyclers[k].next()
-            batch = {key: v.to(device) for key, v in select(d.inputs, index).items()}
-            teacher = _teacher_batch(problem, k, d, index, batch)
             optimizer.zero_grad(set_to_none=True)
-            student = output_tensor(problem.forward(k, batch)).float()
-            mask = batch.get("attention_mask") if task.kind != "classification" else None
-            loss, agree = task_loss(
-                task.kind, student, teacher, mask, settings.target, settings.confidence_top_p
-            )
-            if not torch.isfinite(loss):
-                raise FloatingPointError(
-                    f"symerge: the loss of task {task.name} became {float(loss)}; lower lr"
-                )
-            loss.backward()
+            loss, agree = _accumulate_step(problem, k, d, index, settings, device)
             optimizer.step()
             if settings.clamp:
                 problem.clamp_()
@@ -298,12 +455,15 @@ def evaluate(
     *,
     batch_size: int = 32,
     device: str = "cpu",
+    settings: Optional[AdaptationSettings] = None,
 ) -> dict[str, dict[str, Optional[float]]]:
     """Per task: agreement with the teacher (``accuracy``) or L1 to it (``l1``) on a split.
 
     Uses the problem's current λ and task layers; a task with no samples in the split gives
-    None.
+    None. ``settings`` gives the causal-LM teacher compression and logit chunking
+    (default: :class:`AdaptationSettings`'s).
     """
+    settings = settings or AdaptationSettings()
     merged = problem.merged_tensors()
     result = {}
     for k, (task, d) in enumerate(zip(problem.tasks, data)):
@@ -315,16 +475,20 @@ def evaluate(
         for start in range(0, len(index), batch_size):
             chunk = index[start : start + batch_size]
             batch = {key: v.to(device) for key, v in select(d.inputs, chunk).items()}
-            teacher = _teacher_batch(problem, k, d, chunk, batch)
-            student = output_tensor(problem.forward(k, batch, merged)).float()
+            teacher = _teacher_batch(problem, k, d, chunk, batch, settings.teacher_top_k)
             mask = batch.get("attention_mask") if task.kind != "classification" else None
             if task.kind == "dense":
+                student = output_tensor(problem.forward(k, batch, merged)).float()
                 l1_sum += float(l1_to_teacher(student, teacher, mask)) * len(chunk)
                 total += len(chunk)
                 continue
-            s_rows, t_rows = rows(student, mask, task.kind), rows(teacher, mask, task.kind)
-            same += int((s_rows.argmax(-1) == t_rows.argmax(-1)).sum())
-            total += s_rows.shape[0]
+            n_rows = int(mask.sum()) if mask is not None and task.kind != "classification" else 0
+            _, agree = _student_loss(problem, k, batch, teacher, settings, merged)
+            if not n_rows:
+                n_rows = rows(teacher, mask, task.kind).shape[0]
+            if not math.isnan(agree):
+                same += round(agree * n_rows)
+                total += n_rows
         if task.kind == "dense":
             result[task.name] = {"accuracy": None, "l1": l1_sum / max(total, 1)}
         else:

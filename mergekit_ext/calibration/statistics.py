@@ -18,6 +18,7 @@ from __future__ import annotations
 import difflib
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Optional
 
@@ -25,9 +26,75 @@ import torch
 from torch import nn
 
 from mergekit_ext.errors import CalibrationError, ModelInputError, TensorError
-from mergekit_ext.methods.layerwise import TaskStatistics
 
 LOG = logging.getLogger(__name__)
+
+
+@dataclass
+class TaskStatistics:
+    """Statistics of the inputs a linear group sees on one task's calibration data.
+
+    All are means over the task's (non-padding) tokens or patches, accumulated in float64:
+
+    - ``gram``: ``(1/N) sum_x x x^T`` (in x in); None when only moments were requested
+      (``StatisticsRequest.reference_gram_max_dim``)
+    - ``gram_normalized``: the same over ``x / ||x||`` (CoM's ``normalize``); None when
+      not requested
+    - ``mean``: ``(1/N) sum_x x`` (in,)
+    - ``count``: N, the number of tokens
+    - ``second_moment``: ``(1/N) sum_x x ⊙ x`` (in,), the diagonal of ``gram``; derived
+      from ``gram`` when not given
+    - ``rows``: the inputs themselves (``N x in``, float32 or float64), kept only when asked
+      (``StatisticsRequest.keep_rows``) and N < in, INSTEAD of ``gram`` (then None): the Gram
+      ``rowsᵀ rows / N`` has rank at most N, the least-squares merge solves in the rows' span
+      and :meth:`gram_from_rows` forms the Gram where something needs it; None otherwise
+    """
+
+    gram: Optional[torch.Tensor]
+    mean: torch.Tensor
+    count: int
+    gram_normalized: Optional[torch.Tensor] = None
+    second_moment: Optional[torch.Tensor] = None
+    rows: Optional[torch.Tensor] = None
+    row_batches: Optional[tuple[int, ...]] = None  # sizes of the batches ``rows`` came in
+
+    def __post_init__(self) -> None:
+        if self.second_moment is None:
+            if self.gram is None:
+                raise ValueError("TaskStatistics needs a gram or a second_moment")
+            self.second_moment = torch.diagonal(self.gram).clone()
+
+    def gram_from_rows(self) -> Optional[torch.Tensor]:
+        """``gram``, or ``rowsᵀ rows / N`` (float64) when the rows were kept instead; None
+        when only moments were kept.
+
+        Formed as :class:`ActivationStatistics` would have: each batch's product
+        (``row_batches``) in the rows' dtype added to a float64 sum in order, divided by N,
+        symmetrised; so it is bit for bit the Gram the accumulator would have returned.
+        """
+        if self.gram is not None or self.rows is None:
+            return self.gram
+        sizes = list(self.row_batches) if self.row_batches else [self.rows.shape[0]]
+        total = torch.zeros(self.rows.shape[1], self.rows.shape[1], dtype=torch.float64)
+        total = total.to(self.rows.device)
+        for chunk in torch.split(self.rows, sizes):
+            total.add_(chunk.T @ chunk)
+        total.div_(self.count)
+        return (total + total.T).mul_(0.5)
+
+    @property
+    def covariance(self) -> torch.Tensor:
+        """``gram − mean meanᵀ`` (needs the full Gram or the rows)."""
+        gram = self.gram_from_rows()
+        if gram is None:
+            raise ValueError("these statistics keep only moments; the covariance needs the Gram")
+        return gram - torch.outer(self.mean, self.mean)
+
+    @property
+    def variance(self) -> torch.Tensor:
+        """Per-feature variance ``second_moment − mean²`` (clamped at 0)."""
+        assert self.second_moment is not None
+        return (self.second_moment - self.mean.square()).clamp_min(0.0)
 
 
 def flatten_tokens(hidden: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:

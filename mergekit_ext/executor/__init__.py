@@ -13,11 +13,13 @@ See :mod:`mergekit_ext.executor.sequential` for how the network is walked.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
+import torch
 from mergekit.options import MergeOptions
 
 from mergekit_ext.config import ExtMergeConfig
+from mergekit_ext.distributed import DistributedContext
 from mergekit_ext.executor.families import family_for, family_names
 from mergekit_ext.executor.plan import MemoryEstimate, MergePlan, build_plan
 from mergekit_ext.executor.sequential import SequentialExecutor, resolve_device
@@ -36,21 +38,27 @@ def plan_layerwise_merge(
 
 def run_layerwise_merge(
     cfg: ExtMergeConfig,
-    out_dir: str,
+    out_dir: Optional[str],
     options: MergeOptions,
     method: LayerwiseMethod,
     parameters: dict,
     *,
     device: str = "cpu",
+    distributed: Optional[DistributedContext] = None,
 ) -> dict[str, Any]:
     """Merge block by block into ``out_dir`` (config, tokenizer/processor files, safetensors).
 
     ``device``: ``cpu`` | ``cuda`` | ``auto``; statistics and block forwards run there,
-    weights stream from disk.
+    weights stream from disk. ``distributed``: this process's place among several
+    (``torchrun``); rank r runs on ``cuda:LOCAL_RANK`` with ``cuda``, and only rank 0
+    writes (the others pass ``out_dir=None``). The result then also has
+    ``"distributed": {"world_size", "backend", "task_ranks"}``.
     """
     torch_device = resolve_device(device)
+    if distributed is not None and distributed.enabled and torch_device.type == "cuda":
+        torch_device = torch.device("cuda", distributed.local_rank)
     plan = plan_layerwise_merge(cfg, options, method, parameters)
-    return SequentialExecutor(plan, out_dir, torch_device).run()
+    return SequentialExecutor(plan, out_dir, torch_device, distributed).run()
 
 
 __all__ = [

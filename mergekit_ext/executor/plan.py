@@ -125,11 +125,15 @@ class MemoryEstimate:
     writer_buffer: int  # merged tensors held until a shard is flushed
     model_bytes: int  # one input model on disk
     replay: int = 0  # budget for replayed linear outputs on the merged path (propagate)
+    reduction: int = 0  # several processes: the sums passed between ranks, or gathered statistics
 
     @property
     def peak(self) -> int:
         return (
-            max(self.block_weights + self.statistics + self.solver + self.replay, self.non_block)
+            max(
+                self.block_weights + self.statistics + self.solver + self.replay + self.reduction,
+                self.non_block,
+            )
             + self.activations
             + self.writer_buffer
         )
@@ -212,7 +216,8 @@ class MergePlan:
             f"memory estimate: peak ≈ {m.peak} bytes ({_gb(m.peak)}) on top of the Python "
             f"process itself (torch, transformers: ~0.4 GB); one model ≈ {_gb(m.model_bytes)}",
             f"  block weights ({len(self.experts) + 2} blocks, float32): {_gb(m.block_weights)}",
-            f"  input statistics of one block (float64): {_gb(m.statistics)}",
+            f"  input statistics of one block "
+            f"({str(self.request.statistics_dtype).replace('torch.', '')}): {_gb(m.statistics)}",
             f"  method's solve for the widest group (float64, estimate): {_gb(m.solver)}",
             f"  calibration hidden states: {_gb(m.activations)}",
             f"  replayed linear outputs on the merged path (budget): {_gb(m.replay)}",
@@ -220,6 +225,29 @@ class MergePlan:
             f"  output shard buffer: {_gb(m.writer_buffer)} (shards of at most "
             f"{_gb(output_shard_bytes(self.options))})",
         ]
+        return "\n".join(lines)
+
+    def describe_ranks(self, world_size: int) -> str:
+        """The per-rank memory plan of a merge on ``world_size`` processes (``--dry-run``)."""
+        gathers = self.method.reduction(self.parameters) is None
+        lines = [
+            f"processes: {world_size}; rank r owns the tasks k mod {world_size} = r; "
+            + (
+                "every task's statistics are gathered to rank 0, which merges each group"
+                if gathers
+                else "the sums of each group pass from rank to rank in task order; rank 0 solves"
+            )
+        ]
+        for rank in range(world_size):
+            m = estimate_memory(self, world_size, rank)
+            own = [e.task for k, e in enumerate(self.experts) if k % world_size == rank]
+            lines += [
+                f"  rank {rank} (tasks {', '.join(own) or 'none'}): peak ≈ {_gb(m.peak)}",
+                f"    block weights {_gb(m.block_weights)}, statistics {_gb(m.statistics)}, "
+                f"replay cache {_gb(m.replay)}, reduction buffers {_gb(m.reduction)}, "
+                f"solve {_gb(m.solver)}, hidden states {_gb(m.activations)}, "
+                f"non-block phase {_gb(m.non_block)}, shard buffer {_gb(m.writer_buffer)}",
+            ]
         return "\n".join(lines)
 
 
@@ -292,14 +320,9 @@ def _expert_entries(cfg: ExtMergeConfig) -> list[tuple[ExtModelEntry, ModelRefer
     return out
 
 
-def _calibration_spec(cfg: ExtMergeConfig, entry: ExtModelEntry, method: str) -> CalibrationSpec:
+def _calibration_spec(cfg: ExtMergeConfig, entry: ExtModelEntry) -> CalibrationSpec:
     spec = cfg.calibration_for(entry)
-    if spec is None or not spec.has_data:
-        raise CalibrationError(
-            f"model {entry.model} (task {entry.name!r}) has no calibration data, which {method} "
-            "needs: add `calibration: {path: data.jsonl, field: text}` to its entry (or a "
-            "top-level `calibration:` default)"
-        )
+    assert spec is not None and spec.has_data  # ExtMergeConfig.check_data_aware
     return spec
 
 
@@ -321,10 +344,7 @@ def build_plan(
             f"{getattr(method, 'name', method)!r} is not a layerwise method; the sequential "
             "executor runs LayerwiseMethod implementations"
         )
-    if cfg.merge.base_model is None:
-        raise ConfigError(
-            f"{method.name} needs base_model (the pretrained model the experts share) in the YAML"
-        )
+    cfg.check_data_aware(method.name)
     parameters = method.parse(parameters)
     request = method.statistics_request(parameters)
     cache_dir = options.transformers_cache
@@ -342,7 +362,7 @@ def build_plan(
     experts: list[Expert] = []
     for entry, ref in entries:
         what = f"model {entry.model}"
-        spec = _calibration_spec(cfg, entry, method.name)
+        spec = _calibration_spec(cfg, entry)
         source, data_path = opened.reference(ref, entry.model, family, what)
         check_calibration(spec, task=entry.name, modality=family.modality)
         experts.append(Expert(entry.name, entry.model, source, data_path, spec))
@@ -532,37 +552,58 @@ def _solve_bytes(width: int, out: int, k: int, span_tokens: Optional[int]) -> in
     return weights + 2 * out * width * 8 + 4 * width * width * 8 + k * out * width * 4
 
 
-def estimate_memory(plan: MergePlan) -> MemoryEstimate:
-    """Bytes held at the peak of the merge (float32 weights, float64 statistics)."""
+def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> MemoryEstimate:
+    """Bytes held at the peak of the merge (float32 weights, statistics in their dtype).
+
+    With ``world_size`` > 1, those of process ``rank``, which holds its own tasks
+    ``k mod world_size = rank`` (rank 0 also the other experts' tensors it merges).
+    """
     base = plan.base
-    k = len(plan.experts)
+    k_all = len(plan.experts)
+    own = [i for i in range(k_all) if i % world_size == rank]
+    k = len(own)
+    several = world_size > 1
+    gathers = several and plan.method.reduction(plan.parameters) is None
     block_bytes = max(
         (sum(_numel(base.shapes[t]) for t in b.tensors) * 4 for b in plan.blocks), default=0
     )
+    others_bytes = max(
+        (sum(_numel(base.shapes[t]) for t in b.others) * 4 for b in plan.blocks), default=0
+    )
     request = plan.request
+    itemsize = request.statistics_dtype.itemsize
     paths = int(request.expert_path) + int(request.propagate)
     tokens = calibration_tokens(plan)
     ridge = getattr(plan.parameters, "ridge", None)
     alpha = getattr(plan.parameters, "reduce_non_diagonal", 1.0)
     grams_per_task = 0  # expert path: every group's statistics at once
     group_peak = (0, 0)  # (merged-path statistics, solve) of the group where their sum peaks
+    largest_gram = 0  # several processes, gathered: one group's statistics of one task
+    largest_sums = 0  # several processes: numerator + system of the widest group (float64)
     if plan.blocks:
         b = plan.blocks[0]
         for g in b.groups:
             width = int(base.shapes[b.group_weight(g.modules[0])][1])
             out = sum(int(base.shapes[b.group_weight(m)][0]) for m in g.modules)
-            gram = width * width * 8
+            largest_sums = max(largest_sums, (out * width + width * width + width + 1) * 8)
+            gram = width * width * itemsize
             normalized = gram if request.normalized_gram else 0
+            largest_gram = max(largest_gram, gram + normalized)
             # A task with fewer tokens than the group's inputs keeps its rows (float32)
             # instead of the Gram (ActivationStatistics(keep_rows=True)); the span solve
             # applies when all tasks together have fewer.
-            per_task = [int(e.data.num_tokens) for e in plan.experts if e.data is not None]
-            if request.keep_rows and per_task:
+            per_task = [
+                int(plan.experts[i].data.num_tokens)
+                for i in own
+                if plan.experts[i].data is not None
+            ]
+            keeps = request.keep_rows and request.statistics_dtype == torch.float64
+            if keeps and per_task:
                 raw = sum(n * width * 4 if n < width else gram for n in per_task)
             else:
                 raw = k * gram
             span = bool(
-                request.keep_rows
+                keeps
                 and tokens is not None
                 and tokens < width
                 and alpha > 0
@@ -579,7 +620,7 @@ def estimate_memory(plan: MergePlan) -> MemoryEstimate:
                 group_peak = (merged_stats, solve)
     statistics = (k * grams_per_task if request.expert_path else 0) + group_peak[0]
     activations = 0
-    for e in plan.experts:
+    for e in (plan.experts[i] for i in own):
         if e.data is None:
             continue
         for batch in e.data.batches:
@@ -594,7 +635,8 @@ def estimate_memory(plan: MergePlan) -> MemoryEstimate:
     non_block_names = plan.pre_block + plan.post_block
     largest = max((_numel(base.shapes[n]) for n in non_block_names), default=0) * 4
     pre_bytes = sum(_numel(base.shapes[n]) for n in plan.pre_block) * 4
-    non_block = (k + 2) * largest + 2 * pre_bytes
+    # Rank 0 merges the non-block tensors from every expert; the others hold their own.
+    non_block = ((k_all if rank == 0 else k) + 2) * largest + 2 * pre_bytes
     model_bytes = 0
     out_bytes = 0
     for name, shape in base.shapes.items():
@@ -602,15 +644,25 @@ def estimate_memory(plan: MergePlan) -> MemoryEstimate:
         model_bytes += size * safetensors_dtype(base.dtypes[name]).itemsize
         out_dtype = plan.out_dtype or safetensors_dtype(base.dtypes[name])
         out_bytes += size * out_dtype.itemsize
-    writer = min(out_bytes, output_shard_bytes(plan.options))
+    writer = min(out_bytes, output_shard_bytes(plan.options)) if rank == 0 else 0
     # Replayed linear outputs (executor._LinearOutputCache): up to four times the merged
     # path's hidden states (a Llama block's q, k, v and o outputs), at least 256 MB.
     replay = 0
     if request.propagate:
         merged_hidden = activations // paths
         replay = max(REPLAY_MIN_BYTES, REPLAY_HIDDEN_MULTIPLE * merged_hidden)
+    block_weights = (k + 2) * block_bytes
+    reduction = 0
+    if several:
+        if rank == 0:
+            # gathering: every expert's block and the other ranks' statistics of one group
+            block_weights += (k_all - k) * (block_bytes if gathers else others_bytes)
+        if gathers:  # rank 0 receives the other ranks' statistics of one group
+            reduction = (k_all - k) * largest_gram if rank == 0 else 0
+        else:  # every rank holds the sums passed along
+            reduction = largest_sums
     return MemoryEstimate(
-        block_weights=(k + 2) * block_bytes,
+        block_weights=block_weights,
         statistics=statistics,
         solver=group_peak[1],
         activations=activations,
@@ -618,4 +670,5 @@ def estimate_memory(plan: MergePlan) -> MemoryEstimate:
         writer_buffer=writer,
         model_bytes=model_bytes,
         replay=replay,
+        reduction=reduction,
     )

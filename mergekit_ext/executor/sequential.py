@@ -31,6 +31,18 @@ hidden state is kept at the current block and only that block runs.
 
 Statistics exclude padding (the batch's attention mask) and accumulate in float64 on the
 chosen device (:class:`~mergekit_ext.calibration.statistics.ActivationStatistics`).
+
+Several processes (:mod:`mergekit_ext.distributed`): rank r runs only its own tasks
+``{k : k mod W = r}`` (their embeddings, expert-path and merged-path passes, statistics)
+and loads, per block, the base, its own experts and the merged block. Rank 0 also loads the
+other experts' non-linear tensors (for the fallback merges) and, for a method without a
+:class:`~mergekit_ext.methods.layerwise.SumReduction`, their linear weights. Each group is
+merged either from sums over the tasks, added in task order as they pass from rank to
+rank (bit for bit the single process's sums) and solved on rank 0, or from every task's
+statistics gathered to rank 0 and merged with the method's own single-process code;
+either way rank 0 broadcasts the merged weights, so every rank carries its tasks' hidden
+states through the same merged group. Only rank 0 writes; the per-task diagnostics are
+gathered to it at the end.
 """
 
 from __future__ import annotations
@@ -51,6 +63,7 @@ from tqdm.auto import tqdm
 
 from mergekit_ext import finite
 from mergekit_ext.calibration.statistics import ActivationStatistics, flatten_tokens
+from mergekit_ext.distributed import DistributedContext
 from mergekit_ext.errors import MergekitExtError, TensorError
 from mergekit_ext.executor.checkpoint import HEAD_PREFIX, TAGALONG_FILES, build_skeleton
 from mergekit_ext.executor.families import GroupSpec
@@ -60,7 +73,7 @@ from mergekit_ext.executor.plan import (
     output_shard_bytes,
     safetensors_dtype,
 )
-from mergekit_ext.methods.layerwise import LinearGroup, TaskStatistics
+from mergekit_ext.methods.layerwise import LinearGroup, SumReduction, TaskStatistics
 from mergekit_ext.model_paths import TOKENIZER_FILES
 
 LOG = logging.getLogger(__name__)
@@ -170,6 +183,7 @@ class _TaskState:
     """One task's calibration batches and their hidden states at the current block."""
 
     name: str
+    index: int  # the task's position in the config (its owner is index mod W)
     inputs: list[dict[str, Any]]  # backbone forward kwargs per batch, on the device
     masks: list[Optional[torch.Tensor]]  # [B, T] token masks (None: every position)
     calls: list[list[tuple[tuple[Any, ...], dict[str, Any]]]] = field(default_factory=list)
@@ -222,6 +236,23 @@ def _trim_heap() -> None:
         _LIBC.malloc_trim(0)
 
 
+def _on(stats: TaskStatistics, device: Any) -> TaskStatistics:
+    """``stats`` with its tensors on ``device`` (CPU to travel between ranks)."""
+
+    def move(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return t.to(device) if t is not None else None
+
+    return TaskStatistics(
+        gram=move(stats.gram),
+        mean=stats.mean.to(device),
+        count=stats.count,
+        gram_normalized=move(stats.gram_normalized),
+        second_moment=move(stats.second_moment),
+        rows=move(stats.rows),
+        row_batches=stats.row_batches,
+    )
+
+
 def _group_name(output_names: Sequence[str], label: str) -> str:
     stems = [n[: -len(".weight")] if n.endswith(".weight") else n for n in output_names]
     if len(stems) == 1:
@@ -238,8 +269,20 @@ def _group_name(output_names: Sequence[str], label: str) -> str:
 class SequentialExecutor:
     """Runs one :class:`~mergekit_ext.executor.plan.MergePlan` into an output folder."""
 
-    def __init__(self, plan: MergePlan, out_dir: str, device: torch.device) -> None:
+    def __init__(
+        self,
+        plan: MergePlan,
+        out_dir: Optional[str],
+        device: torch.device,
+        distributed: Optional[DistributedContext] = None,
+    ) -> None:
         self.plan = plan
+        self.dist = distributed or DistributedContext()
+        self.dist.check_tasks(len(plan.experts))
+        self.owned = self.dist.owned(len(plan.experts))  # indices of this rank's tasks
+        self.writes = self.dist.is_writer
+        # Several processes and no SumReduction: rank 0 merges every group itself.
+        self._gathers = self.dist.enabled and plan.method.reduction(plan.parameters) is None
         self.out_dir = out_dir
         self.device = device
         self.method = plan.method
@@ -263,14 +306,19 @@ class SequentialExecutor:
         signature = inspect.signature(self.backbone.forward).parameters
         self.extra_inputs: dict[str, Any] = {"use_cache": False} if "use_cache" in signature else {}
 
-        self.writer = TensorWriter(
-            out_dir,
-            max_shard_size=output_shard_bytes(plan.options),
-            safe_serialization=True,
-            use_async=plan.options.async_write,
-            max_write_threads=plan.options.write_threads,
-        )
+        self.writer: Optional[TensorWriter] = None
+        if self.writes:
+            assert out_dir is not None, "rank 0 writes the output"
+            self.writer = TensorWriter(
+                out_dir,
+                max_shard_size=output_shard_bytes(plan.options),
+                safe_serialization=True,
+                use_async=plan.options.async_write,
+                max_write_threads=plan.options.write_threads,
+            )
         self.layer_diagnostics: list[dict[str, Any]] = []
+        # Several processes: {index of a layer record: {task: diagnostics}} of own tasks.
+        self.task_diagnostics: dict[int, dict[str, dict[str, Any]]] = {}
         self.not_merged: list[dict[str, Any]] = [
             {"tensor": name.removeprefix(HEAD_PREFIX), "reason": f"only in {', '.join(labels)}"}
             for name, labels in plan.expert_only.items()
@@ -297,26 +345,58 @@ class SequentialExecutor:
             )
             for block in progress:
                 self._merge_block(block, progress)
-            self._merge_post_block()
-            self._copy_unloaded()
-        self.writer.finalize()
-        self._write_support_files()
-        return {
+            if self.writes:
+                self._merge_post_block()
+                self._copy_unloaded()
+        self._collect_task_diagnostics()
+        if self.writer is not None:
+            self.writer.finalize()
+            self._write_support_files()
+        result: dict[str, Any] = {
             "layers": self.layer_diagnostics,
             "not_merged": self.not_merged,
             "calibration": {e.task: e.data.summary() for e in self.experts if e.data is not None},
         }
+        if self.dist.enabled:
+            result["distributed"] = {
+                "world_size": self.dist.world_size,
+                "backend": self.dist.backend,
+                "task_ranks": {e.task: self.dist.owner(k) for k, e in enumerate(self.experts)},
+            }
+        return result
+
+    def _collect_task_diagnostics(self) -> None:
+        """Several processes: every rank's per-task group records into rank 0's records."""
+        if not self.dist.enabled:
+            return
+        gathered = self.dist.gather_objects(self.task_diagnostics)
+        if gathered is None:
+            return
+        order = {e.task: k for k, e in enumerate(self.experts)}
+        for index, record in enumerate(self.layer_diagnostics):
+            tasks: dict[str, Any] = dict(record.get("tasks") or {})
+            for part in gathered:
+                tasks.update(part.get(index, {}))
+            if tasks:
+                record["tasks"] = dict(sorted(tasks.items(), key=lambda kv: order.get(kv[0], 0)))
 
     # ---------------------------------------------------------------------------------
     # Tensors in and out
 
     def _write(self, canonical: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Write a merged tensor; returns it as the saved model holds it (float32 on device)."""
+        """Write a merged tensor; returns it as the saved model holds it (float32 on device).
+
+        Ranks other than 0 write nothing and get the same value.
+        """
         if tensor.dtype.is_floating_point:
             dtype = self.plan.out_dtype or safetensors_dtype(self.base.dtypes[canonical])
             saved = tensor.to(dtype)
         else:
             saved = tensor
+        if self.writer is None:
+            if saved.dtype.is_floating_point:
+                return saved.to(device=self.device, dtype=torch.float32)
+            return saved.to(self.device)
         stored = saved.detach().to("cpu")
         if not stored.is_contiguous() or (
             stored.untyped_storage().nbytes() != stored.numel() * stored.element_size()
@@ -327,14 +407,34 @@ class SequentialExecutor:
             return saved.to(device=self.device, dtype=torch.float32)
         return saved.to(self.device)
 
+    def _share(self, canonical: str, merged: Optional[torch.Tensor]) -> torch.Tensor:
+        """Rank 0's merged (floating) tensor on every rank; the tensor itself for one process."""
+        if not self.dist.enabled:
+            assert merged is not None
+            return merged
+        shape = self.base.shapes[canonical]
+        wide = safetensors_dtype(self.base.dtypes[canonical]) == torch.float64
+        dtype = torch.float64 if wide else torch.float32
+        return self.dist.broadcast_tensor(merged, shape, dtype, self.device)
+
     def _merge_other(
-        self, canonical: str, base: torch.Tensor, experts: Sequence[torch.Tensor]
+        self,
+        canonical: str,
+        base: torch.Tensor,
+        experts: Sequence[torch.Tensor],
+        share: bool = True,
     ) -> torch.Tensor:
+        """The fallback merge of one tensor (on rank 0, broadcast when ``share``), written."""
         name = self.plan.output_name(canonical)
         if not base.dtype.is_floating_point:
             return self._write(canonical, base)  # integer buffers (position ids): the base's
-        merged = self.method.merge_other(name, base, list(experts), self.parameters)
-        self._check_merged(name, merged, base.shape)
+        merged: Optional[torch.Tensor] = None
+        if self.writes:
+            merged = self.method.merge_other(name, base, list(experts), self.parameters)
+            self._check_merged(name, merged, base.shape)
+        if share:
+            merged = self._share(canonical, merged)
+        assert merged is not None
         return self._write(canonical, merged)
 
     def _check_inputs(
@@ -364,7 +464,8 @@ class SequentialExecutor:
 
     def _prepare_tasks(self) -> None:
         self.states = []
-        for e in self.experts:
+        for k in self.owned:
+            e = self.experts[k]
             assert e.data is not None, "calibration data is loaded by the plan"
             inputs, masks = [], []
             for batch in e.data.batches:
@@ -373,7 +474,7 @@ class SequentialExecutor:
                 )
                 mask = self.family.token_mask(batch)
                 masks.append(mask.to(self.device).bool() if mask is not None else None)
-            self.states.append(_TaskState(e.task, inputs, masks))
+            self.states.append(_TaskState(e.task, k, inputs, masks))
 
     def _embed(
         self, params: dict[str, torch.Tensor], state: _TaskState
@@ -407,7 +508,10 @@ class SequentialExecutor:
         merged: dict[str, torch.Tensor] = {}
         for name in self.plan.pre_block:
             base = self.base.load(name, self.device)
-            experts = [e.source.load(name, self.device) for e in self.experts]
+            # Only rank 0 merges; the others receive the merged tensor.
+            experts = (
+                [e.source.load(name, self.device) for e in self.experts] if self.writes else []
+            )
             self._check_inputs({name: base}, [{name: w} for w in experts], "the embeddings")
             merged[name] = self._merge_other(name, base, experts)
             del base, experts
@@ -415,7 +519,8 @@ class SequentialExecutor:
         return merged
 
     def _embed_tasks(self, merged_pre: dict[str, torch.Tensor]) -> None:
-        for e, state in zip(self.experts, self.states):
+        for state in self.states:
+            e = self.experts[state.index]
             if self.request.propagate:
                 state.merged_hidden, state.calls = self._embed(merged_pre, state)
             if self.request.expert_path:
@@ -470,6 +575,7 @@ class SequentialExecutor:
             width,
             normalized_gram=request.normalized_gram and not reference,
             full_gram=full_gram,
+            dtype=request.statistics_dtype,
             product_dtype=request.product_dtype,
             device=self.device,
             keep_rows=request.keep_rows and not reference,
@@ -478,10 +584,11 @@ class SequentialExecutor:
     def _expert_path_statistics(
         self, block: BlockLayout, expert_blocks: list[dict[str, torch.Tensor]]
     ) -> dict[str, list[TaskStatistics]]:
-        """Each task through its expert's own block, every group's input hooked at once."""
+        """Each own task through its expert's own block, every group's input hooked at once."""
         stats: dict[str, list[TaskStatistics]] = {g.label: [] for g in block.groups}
         module = self.blocks[block.index]
-        for state, weights in zip(self.states, expert_blocks):
+        for state in self.states:
+            weights = expert_blocks[state.index]
             accumulators = {
                 g.label: self._new_accumulator(self._group_width(block, g), expert_path=True)
                 for g in block.groups
@@ -547,8 +654,8 @@ class SequentialExecutor:
         cache: dict[tuple[str, str], torch.Tensor] = {}
         base_block = {name: self.base.load(name, self.device, cache) for name in block.tensors}
         expert_blocks = [
-            {name: e.source.load(name, self.device, cache) for name in block.tensors}
-            for e in self.experts
+            {name: e.source.load(name, self.device, cache) for name in self._needed(block, k)}
+            for k, e in enumerate(self.experts)
         ]
         self._check_inputs(base_block, expert_blocks, f"layer {block.index}")
         local = len(block.prefix)
@@ -557,7 +664,7 @@ class SequentialExecutor:
         merged: dict[str, torch.Tensor] = {}
         for name in block.others:
             merged[name] = self._merge_other(
-                name, base_block[name], [w[name] for w in expert_blocks]
+                name, base_block[name], [w[name] for w in expert_blocks if name in w]
             )
 
         expert_stats: Optional[dict[str, list[TaskStatistics]]] = None
@@ -620,22 +727,24 @@ class SequentialExecutor:
                 name=_group_name(names, group.label),
                 weights=names,
                 base={n_: base_block[c] for n_, c in zip(names, canonical)},
-                experts=[{n_: w[c] for n_, c in zip(names, canonical)} for w in expert_blocks],
-                task_names=[e.task for e in self.experts],
+                experts=[
+                    {n_: expert_blocks[s.index][c] for n_, c in zip(names, canonical)}
+                    for s in self.states
+                ],
+                task_names=[s.name for s in self.states],
                 expert_stats=expert_stats[group.label] if expert_stats is not None else [],
                 merged_stats=merged_stats,
             )
-            result, group_diagnostics = self.method.merge_linear_group(
-                linear_group, self.parameters
-            )
-            missing = [n_ for n_ in names if n_ not in result]
-            if missing:
-                raise TensorError(
-                    f"{self.method.name} returned no merged weight for {missing[0]} "
-                    f"(linear group {linear_group.name})"
+            if self.dist.enabled:
+                result, group_diagnostics = self._merge_group_distributed(
+                    linear_group, canonical, base_block, expert_blocks
                 )
+            else:
+                result, group_diagnostics = self.method.merge_linear_group(
+                    linear_group, self.parameters
+                )
+                self._check_result(linear_group, result, canonical, base_block)
             for n_, c in zip(names, canonical):
-                self._check_merged(n_, result[n_], base_block[c].shape)
                 merged[c] = self._write(c, result[n_])
             record = {"layer": linear_group.name, "block": block.index, "group": group.label}
             record.update(group_diagnostics or {})
@@ -644,6 +753,136 @@ class SequentialExecutor:
             if expert_stats is not None:
                 del expert_stats[group.label]  # each group's statistics are used once
             _trim_heap()
+
+    def _check_result(
+        self,
+        group: LinearGroup,
+        result: dict[str, torch.Tensor],
+        canonical: Sequence[str],
+        base_block: dict[str, torch.Tensor],
+    ) -> None:
+        missing = [n_ for n_ in group.weights if n_ not in result]
+        if missing:
+            raise TensorError(
+                f"{self.method.name} returned no merged weight for {missing[0]} "
+                f"(linear group {group.name})"
+            )
+        for n_, c in zip(group.weights, canonical):
+            self._check_merged(n_, result[n_], base_block[c].shape)
+
+    def _needed(self, block: BlockLayout, k: int) -> list[str]:
+        """The tensors of expert ``k``'s block this rank loads."""
+        if not self.dist.enabled or k in self.owned:
+            return block.tensors
+        if not self.writes:
+            return []
+        # Rank 0 merges the non-linear tensors; and, gathering, every group itself.
+        return block.tensors if self._gathers else block.others
+
+    def _merge_group_distributed(
+        self,
+        local: LinearGroup,
+        canonical: Sequence[str],
+        base_block: dict[str, torch.Tensor],
+        expert_blocks: list[dict[str, torch.Tensor]],
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """One group over several ranks; ``local`` holds this rank's tasks.
+
+        Returns the merged weights (rank 0's, on every rank) and, on rank 0, the group's
+        diagnostics; the per-task ones of the method's reduction stay with the task's rank
+        until :meth:`_collect_task_diagnostics`.
+        """
+        reduction = self.method.reduction(self.parameters)
+        if reduction is not None:
+            # A task that kept its input rows instead of the Gram (fewer tokens than inputs):
+            # rank 0 solves on every task's rows, exactly as one process; all ranks agree.
+            votes = self.dist.gather_objects(reduction.needs_gather(local))
+            if self.dist.broadcast_object(any(votes) if votes is not None else None):
+                reduction = None
+        result: Optional[dict[str, torch.Tensor]] = None
+        diagnostics: dict[str, Any] = {}
+        if reduction is not None:
+            totals = self._sums_in_task_order(reduction, local)
+            if self.writes:
+                assert totals is not None
+                result, diagnostics = reduction.solve(totals, local)
+        else:
+            payload = (
+                [s.index for s in self.states],
+                [_on(st, "cpu") for st in local.expert_stats or []],
+                [_on(st, "cpu") for st in local.merged_stats] if local.merged_stats else None,
+            )
+            gathered = self.dist.gather_objects(payload)
+            if self.writes:
+                assert gathered is not None
+                result, diagnostics = self.method.merge_linear_group(
+                    self._whole_group(local, canonical, expert_blocks, gathered), self.parameters
+                )
+        if self.writes:
+            assert result is not None
+            self._check_result(local, result, canonical, base_block)
+        shared = {
+            n_: self._share(c, result[n_] if result is not None else None)
+            for n_, c in zip(local.weights, canonical)
+        }
+        if reduction is not None:
+            tasks = reduction.task_diagnostics(local, shared)
+            if tasks:
+                self.task_diagnostics[len(self.layer_diagnostics)] = tasks
+        return shared, diagnostics
+
+    def _sums_in_task_order(
+        self, reduction: SumReduction, local: LinearGroup
+    ) -> Optional[dict[str, torch.Tensor]]:
+        """Add every task's terms in task order: the sums travel from the rank of task k to
+        that of task k+1 (then to rank 0), so the floating-point additions are those of one
+        process; returns the totals on rank 0 (None elsewhere)."""
+        sums = reduction.prepare(local)
+        position = {k: i for i, k in enumerate(self.owned)}
+        holder = self.dist.owner(0)
+        for k in range(len(self.experts)):
+            owner = self.dist.owner(k)
+            if owner != holder:
+                self._pass(sums, holder, owner)
+                holder = owner
+            if owner == self.dist.rank:
+                reduction.add_task(sums, position[k])
+        if holder != 0:
+            self._pass(sums, holder, 0)
+        return sums if self.writes else None
+
+    def _pass(self, sums: dict[str, torch.Tensor], src: int, dst: int) -> None:
+        if self.dist.rank == src:
+            self.dist.send_tensors(sums, dst)
+        elif self.dist.rank == dst:
+            self.dist.recv_tensors(sums, src)
+
+    def _whole_group(
+        self,
+        local: LinearGroup,
+        canonical: Sequence[str],
+        expert_blocks: list[dict[str, torch.Tensor]],
+        gathered: list[Any],
+    ) -> LinearGroup:
+        """The group of every task on rank 0, from the statistics each rank gathered to it."""
+        k_all = len(self.experts)
+        expert_stats: list[Optional[TaskStatistics]] = [None] * k_all
+        merged_stats: list[Optional[TaskStatistics]] = [None] * k_all
+        for indices, own_expert, own_merged in gathered:
+            for position, k in enumerate(indices):
+                if own_expert:
+                    expert_stats[k] = _on(own_expert[position], self.device)
+                if own_merged is not None:
+                    merged_stats[k] = _on(own_merged[position], self.device)
+        return LinearGroup(
+            name=local.name,
+            weights=local.weights,
+            base=local.base,
+            experts=[{n_: w[c] for n_, c in zip(local.weights, canonical)} for w in expert_blocks],
+            task_names=[e.task for e in self.experts],
+            expert_stats=expert_stats if local.expert_stats else [],  # type: ignore[arg-type]
+            merged_stats=merged_stats if local.merged_stats is not None else None,  # type: ignore[arg-type]
+        )
 
     def _release(self) -> None:
         """Close the open checkpoint shards (their mapped pages count as resident memory)."""
@@ -692,7 +931,7 @@ class SequentialExecutor:
                 LOG.warning("%s: no expert has it with the base's shape; kept from the base", shown)
                 self._write(name, base)
             else:
-                self._merge_other(name, base, contributing)
+                self._merge_other(name, base, contributing, share=False)  # rank 0 only
             del base, contributing
             self._release()
 

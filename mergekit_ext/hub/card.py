@@ -216,6 +216,9 @@ class InputModel:
     license_name: Optional[str] = None
     license_link: Optional[str] = None
     license_origin: Optional[str] = None
+    # False for outputs whose diagnostics predate the ``inputs`` record (see collect_inputs).
+    recorded: bool = True
+    commit: Optional[str] = None
 
     @property
     def hub_ids(self) -> list[str]:
@@ -266,16 +269,103 @@ def _model_entries(cfg: Any) -> list[tuple[str, Any, Optional[str]]]:
     return out
 
 
-def collect_inputs(cfg: Any, cwd: Optional[str] = None) -> list[InputModel]:
-    """Every input of the config, classified offline as Hub id or local folder."""
+def _hub_commit(repo_id: str, revision: Optional[str]) -> Optional[str]:
+    """The commit of ``repo_id`` in the local Hugging Face cache (its snapshot folder name)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    for filename in ("config.json", "adapter_config.json", README_FILENAME):
+        try:
+            found = try_to_load_from_cache(repo_id, filename, revision=revision)
+        except Exception as e:  # noqa: BLE001 - a broken cache must not break the merge
+            LOG.debug("cache lookup for %s failed: %s", repo_id, e)
+            return None
+        if isinstance(found, str) and os.path.isfile(found):
+            return os.path.basename(os.path.dirname(found))
+    return None
+
+
+def _is_local(path: str) -> bool:
+    return os.path.exists(os.path.expanduser(path))
+
+
+def input_records(cfg: Any) -> list[dict[str, Any]]:
+    """Where each input of ``cfg`` comes from, decided where the merge reads them.
+
+    Called by the runner while the merge runs (relative paths resolve against that CWD, as
+    mergekit resolves them); the card reads the record back, so a card rebuilt from another
+    directory never takes a relative folder for a Hub repository. A reference that is not a
+    local path was read from the Hugging Face Hub (the merge resolved it from the cache or
+    downloaded it): its id, the revision asked for and the cached commit are recorded. The
+    license each input declares is recorded too (None: it declares none).
+    """
+    cwd = os.getcwd()
+    records = []
+    for role, ref, _ in _model_entries(cfg):
+        path = ref.model.path
+        lora = ref.lora.path if ref.lora is not None else None
+        is_hub = not _is_local(path)
+        lora_is_hub = bool(lora) and not _is_local(lora)
+        declared = _declared_license(path, is_hub, ref.model.revision, cwd)
+        if not declared and lora:
+            declared = _declared_license(lora, lora_is_hub, None, cwd)
+        records.append(
+            {
+                "role": role,
+                "model": path,
+                "revision": ref.model.revision,
+                "source": "hub" if is_hub else "local",
+                "commit": _hub_commit(path, ref.model.revision) if is_hub else None,
+                "lora": lora,
+                "lora_source": None if lora is None else ("hub" if lora_is_hub else "local"),
+                "license": declared or None,
+            }
+        )
+    return records
+
+
+def _in_hub_cache(path: str, revision: Optional[str]) -> bool:
+    """``owner/name`` found in the local Hugging Face cache (for outputs without a record)."""
+    if not _HUB_ID.match(path):
+        return False
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        return False
+    return _hub_commit(path, revision) is not None
+
+
+def collect_inputs(
+    cfg: Any, cwd: Optional[str] = None, recorded: Optional[Sequence[Mapping[str, Any]]] = None
+) -> list[InputModel]:
+    """Every input of the config, as Hub repository or local folder.
+
+    ``recorded`` is the diagnostics' ``inputs`` list, written when the merge ran: the
+    source of each input is taken from it, never from the current directory. Outputs
+    written before that record existed fall back to the local Hugging Face cache: an
+    ``owner/name`` found there is a Hub model, anything else a local folder.
+    """
     cwd = cwd or os.getcwd()
-    search = [cwd, cfg.base_dir] if getattr(cfg, "base_dir", None) else [cwd]
+    redact = local_path_redactor(cfg.raw, cwd)
+    by_key: dict[tuple[str, Optional[str]], Mapping[str, Any]] = {}
+    for record in recorded or ():
+        if isinstance(record, Mapping) and isinstance(record.get("model"), str):
+            by_key.setdefault((record["model"], record.get("lora")), record)
     result = []
     for role, ref, name in _model_entries(cfg):
         path = ref.model.path
         lora = ref.lora.path if ref.lora is not None else None
-        is_hub = is_hub_model_id(path, search)
-        lora_is_hub = bool(lora) and is_hub_model_id(lora, search)
+        # The record holds the paths as published (absolute ones shortened): compare so.
+        record = by_key.get((redact(path), redact(lora) if lora else None))
+        if record is not None:
+            is_hub = record.get("source") == "hub"
+            lora_is_hub = bool(lora) and record.get("lora_source") == "hub"
+        else:
+            is_hub = not os.path.isabs(os.path.expanduser(path)) and _in_hub_cache(
+                path, ref.model.revision
+            )
+            lora_is_hub = bool(lora) and _in_hub_cache(lora, None)
         display = path if is_hub else display_path(path, cwd)
         if lora:
             display += " + " + (lora if lora_is_hub else display_path(lora, cwd))
@@ -289,8 +379,16 @@ def collect_inputs(cfg: Any, cwd: Optional[str] = None) -> list[InputModel]:
                 is_hub=is_hub,
                 lora_is_hub=lora_is_hub,
                 display=display,
+                recorded=record is not None,
+                commit=(record or {}).get("commit") if is_hub else None,
             )
         )
+        if record is not None and "license" in record:
+            declared = record.get("license") or {}
+            result[-1].license = declared.get("license")
+            result[-1].license_name = declared.get("license_name")
+            result[-1].license_link = declared.get("license_link")
+            result[-1].license_origin = declared.get("origin")
     return result
 
 
@@ -670,24 +768,72 @@ def _hub_datasets(cfg: Any, cwd: str) -> list[str]:
     return found
 
 
-def _parameters(cfg: Any, method: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _parameters(cfg: Any, method: Mapping[str, Any]) -> dict[str, Any]:
+    """The parameters as the YAML gave them: a global table and a per-model table.
+
+    Global rows: every shared parameter of the method (given value, or none, beside its
+    default) and every per-model parameter that ``parameters:`` sets for all models. The
+    per-model table has one row per ``models:`` entry and one column per per-model
+    parameter, holding what that entry's ``parameters:`` gave (nothing: the global value, or
+    else the default, applies), followed by the global and default rows.
+    """
     given = cfg.parameters
-    rows = []
     documented = {p["name"]: p for p in method.get("parameters", [])}
+    per_model = [n for n, p in documented.items() if p.get("scope", "shared") != "shared"]
+    global_rows = []
     for name, doc in documented.items():
-        value = given.get(name, doc.get("default"))
-        rows.append(
+        if name in per_model and name not in given:
+            continue
+        global_rows.append(
             {
                 "name": name,
-                "value": value,
-                "set": name in given,
+                "given": name in given,
+                "value": given.get(name),
+                "default": doc.get("default"),
+                "required": bool(doc.get("required")),
                 "description": doc.get("description") or "",
             }
         )
     for name, value in given.items():
         if name not in documented:
-            rows.append({"name": name, "value": value, "set": True, "description": ""})
-    return rows
+            global_rows.append(
+                {
+                    "name": name,
+                    "given": True,
+                    "value": value,
+                    "default": None,
+                    "required": False,
+                    "description": f"not a parameter of `{method.get('name')}`",
+                }
+            )
+
+    entries = cfg.raw.get("models") if isinstance(cfg.raw.get("models"), list) else []
+    model_params = [
+        dict(e.get("parameters") or {}) if isinstance(e, Mapping) else {} for e in entries
+    ]
+    columns = list(per_model)
+    for params in model_params:
+        columns += [n for n in params if n not in columns]
+    model_rows = []
+    if any(model_params) or per_model:
+        for i, params in enumerate(model_params):
+            name = cfg.models[i].name if i < len(cfg.models) else str(i)
+            model_rows.append(
+                {"model": name, "cells": [(c in params, params.get(c)) for c in columns]}
+            )
+    return {
+        "global": global_rows,
+        "columns": columns,
+        "models": model_rows if columns else [],
+        "global_values": [(c in given, given.get(c)) for c in columns],
+        "defaults": [
+            (
+                c in documented and not documented[c].get("required"),
+                documented.get(c, {}).get("default"),
+            )
+            for c in columns
+        ],
+    }
 
 
 def _describe_method(name: str) -> dict[str, Any]:
@@ -710,7 +856,7 @@ def _describe_method(name: str) -> dict[str, Any]:
 
 
 def _diagnostic_sections(
-    diag: Mapping[str, Any], out_dir: str, raw_parameters: Mapping[str, Any]
+    diag: Mapping[str, Any], images_dir: str, raw_parameters: Mapping[str, Any]
 ) -> list[dict[str, Any]]:
     """One card section per method section of the diagnostics, through each method's report.
 
@@ -719,7 +865,6 @@ def _diagnostic_sections(
     """
     from mergekit_ext.methods import ext_method_info
 
-    images_dir = os.path.join(out_dir, IMAGES_DIR)
     result = []
     for key in sorted(diag.get("sections") or {}):
         section = diag["sections"][key]
@@ -799,6 +944,22 @@ class CardContext:
     template: str
 
 
+def _resources(diag: Mapping[str, Any]) -> Optional[dict[str, Any]]:
+    """Wall time and peak memory of the merge as the card shows them (None: not recorded)."""
+    from mergekit_ext.resources import format_bytes, format_duration
+
+    record = diag.get("resources")
+    if not isinstance(record, Mapping) or record.get("wall_time_s") is None:
+        return None
+    cuda = record.get("cuda_max_allocated_bytes")
+    return {
+        "wall_time": format_duration(float(record["wall_time_s"])),
+        "peak_rss": format_bytes(record.get("peak_rss_bytes")),
+        "process_scope": record.get("peak_rss_scope") == "process",
+        "cuda": format_bytes(cuda) if cuda is not None else None,
+    }
+
+
 def build_card_context(
     out_dir: str,
     *,
@@ -807,8 +968,16 @@ def build_card_context(
     repo_id: Optional[str] = None,
     cwd: Optional[str] = None,
     render_images: bool = True,
+    images_dir: Optional[str] = None,
+    card_eval_results: Optional[list[EvalResult]] = None,
 ) -> CardContext:
-    """Read a finished output folder and assemble the card's metadata and template variables."""
+    """Read a finished output folder and assemble the card's metadata and template variables.
+
+    ``images_dir`` draws the plots somewhere else than ``out_dir/images`` (the links stay
+    ``images/...``): :mod:`~mergekit_ext.hub.publish` renders the uploaded copy of the card
+    without touching the folder. ``card_eval_results`` passes evaluation results that are
+    already ``EvalResult`` objects (a card's model-index), instead of ``eval_results``.
+    """
     from mergekit_ext.config import parse_config
 
     cwd = os.path.abspath(cwd or os.getcwd())
@@ -829,8 +998,10 @@ def build_card_context(
     model_name = _model_name(out_dir, name, repo_id)
     method = _describe_method(cfg.method)
 
-    inputs = collect_inputs(cfg, cwd)
+    inputs = collect_inputs(cfg, cwd, diag.get("inputs"))
     for m in inputs:
+        if m.recorded:
+            continue  # the license was recorded with the merge
         declared = _declared_license(m.path, m.is_hub, m.revision, cwd)
         if not declared and m.lora:
             declared = _declared_license(m.lora, m.lora_is_hub, None, cwd)
@@ -848,6 +1019,8 @@ def build_card_context(
                 hub_ids.append(hub_id)
     datasets = _hub_datasets(cfg, cwd)
     card_eval = eval_results_to_card(eval_results, model_name) if eval_results else None
+    if card_eval_results:
+        card_eval = list(card_eval_results)
     extra: dict[str, Any] = {}
     if hub_ids:
         extra["base_model_relation"] = "merge"
@@ -868,7 +1041,11 @@ def build_card_context(
         **extra,
     )
 
-    sections = _diagnostic_sections(diag, out_dir, cfg.parameters) if render_images else []
+    sections = (
+        _diagnostic_sections(diag, images_dir or os.path.join(out_dir, IMAGES_DIR), cfg.parameters)
+        if render_images
+        else []
+    )
     shown_yaml, shortened = _shorten_yaml_paths(config_text.rstrip("\n"), cfg.raw, cwd)
     text_sha = hashlib.sha256(config_text.encode("utf-8")).hexdigest()
     recorded_sha = diag.get("config_sha256")
@@ -907,6 +1084,8 @@ def build_card_context(
         and recorded_sha != text_sha
         and diag.get("config_written_sha256") != text_sha,
         "seed": diag.get("seed"),
+        "resources": _resources(diag),
+        "distributed": diag.get("distributed"),
         "calibration": _calibration_rows(diag, cfg, cwd),
         "data_aware": bool(method.get("needs_calibration")),
         "sections": sections,
@@ -936,6 +1115,33 @@ def render_model_card(context: CardContext, template_dir: Optional[str] = None) 
         ) from e
     content = template.render(card_data=context.card_data.to_yaml(), **context.variables)
     return ModelCard(content)
+
+
+def render_card_for_repo(out_dir: str, repo_id: str, *, template_dir: Optional[str] = None) -> str:
+    """The card of ``out_dir`` as it should read on the Hub under ``repo_id``; writes nothing.
+
+    The local ``README.md`` is written for the folder (its name as the title, ``./NAME`` in
+    the loading snippets); the uploaded copy is rendered again here with the repository's
+    name as the title and ``repo_id`` in every snippet. Image links stay relative
+    (``images/...``, uploaded beside the card); the plots are drawn into a temporary folder
+    and thrown away, so ``out_dir`` is left exactly as it is. Evaluation results already in
+    the local card's model-index are kept.
+    """
+    import tempfile
+
+    readme = os.path.join(out_dir, README_FILENAME)
+    card_eval = None
+    if os.path.isfile(readme):
+        try:
+            card_eval = ModelCard.load(readme).data.eval_results
+        except Exception as e:  # noqa: BLE001 - publish checks the card itself
+            LOG.warning("could not read the evaluation results of %s: %s", readme, e)
+    with tempfile.TemporaryDirectory(prefix="mergekit-ext-card-") as images:
+        context = build_card_context(
+            out_dir, repo_id=repo_id, images_dir=images, card_eval_results=card_eval
+        )
+        text = str(render_model_card(context, template_dir))
+    return text if text.endswith("\n") else text + "\n"
 
 
 def write_model_card(

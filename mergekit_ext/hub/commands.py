@@ -88,6 +88,17 @@ def card_command(
 @click.option(
     "--endpoint", default=None, help="Hub endpoint (default: HF_ENDPOINT or huggingface.co)"
 )
+@click.option(
+    "--keep-card",
+    is_flag=True,
+    help="Upload README.md as it is (default: the card rendered for the repository)",
+)
+@click.option(
+    "--template-dir",
+    type=click.Path(exists=True, file_okay=False),
+    default=None,
+    help="Your own card templates for the uploaded card (as for `card`)",
+)
 @click.option("-v", "--verbose", count=True, help="Show logs (-vv: debug) and tracebacks")
 @_user_errors
 def publish_command(
@@ -100,9 +111,15 @@ def publish_command(
     token: Optional[str],
     dry_run: bool,
     endpoint: Optional[str],
+    keep_card: bool,
+    template_dir: Optional[str],
     verbose: int,
 ) -> None:
-    """Upload the finished merge in OUT_DIR to the Hugging Face Hub in one commit."""
+    """Upload the finished merge in OUT_DIR to the Hugging Face Hub in one commit.
+
+    The uploaded model card is rendered for the repository (its name as title, REPO_ID in
+    the loading snippets); README.md in OUT_DIR is left as it is.
+    """
     from mergekit_ext.hub.publish import publish_folder
 
     _setup_logging(verbose)
@@ -116,6 +133,8 @@ def publish_command(
         token=token,
         dry_run=dry_run,
         endpoint=endpoint,
+        keep_card=keep_card,
+        template_dir=template_dir,
     )
     click.echo(result if dry_run else f"published: {result}")
 

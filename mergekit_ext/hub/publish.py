@@ -6,6 +6,12 @@ id is valid, then uses :class:`huggingface_hub.HfApi`: ``create_repo(exist_ok=Tr
 **one commit**: LFS/Xet objects are uploaded first and the commit that references them is
 created last, so an upload that fails half-way commits nothing.
 
+The card: the local ``README.md`` is written for the folder (its name as title, ``./NAME``
+in the loading snippets). The uploaded copy is rendered again for the target repository
+(:func:`card_to_upload`) and sent from a temporary view of the folder
+(:func:`staged_folder`: links to the files, the new card), so the local folder is never
+modified; ``keep_card`` uploads the local card as it is.
+
 Large folders: above :data:`LARGE_FOLDER_BYTES` (50 GiB) the folder is sent with
 ``HfApi.upload_large_folder`` when the installed huggingface_hub has it (1.x): resumable,
 several commits, no pull requests. huggingface_hub 2.x removed that method because its
@@ -19,12 +25,13 @@ goes through :func:`_scrub`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -262,11 +269,66 @@ def _default_commit_message(out_dir: str) -> str:
     )
 
 
-def _front_matter_text(out_dir: str) -> str:
+def _front_matter_text(card_text: str) -> str:
     from huggingface_hub import ModelCard
 
-    text = Path(out_dir, "README.md").read_text(encoding="utf-8")
-    return "---\n" + ModelCard(text).data.to_yaml() + "\n---"
+    return "---\n" + ModelCard(card_text).data.to_yaml() + "\n---"
+
+
+def card_to_upload(
+    out_dir: str, repo_id: str, *, keep_card: bool = False, template_dir: Optional[str] = None
+) -> str:
+    """The ``README.md`` text that goes to ``repo_id``: the card rendered for the repository
+    (title, loading snippets), or the local file as it is with ``keep_card`` or for a folder
+    that is not a mergekit-ext merge (no ``mergekit_config.yml`` to render a card from)."""
+    from mergekit_ext.hub.card import CONFIG_FILENAME, render_card_for_repo
+
+    if keep_card:
+        return Path(out_dir, "README.md").read_text(encoding="utf-8")
+    if not Path(out_dir, CONFIG_FILENAME).is_file():
+        LOG.info("%s has no %s: README.md is uploaded as it is", out_dir, CONFIG_FILENAME)
+        return Path(out_dir, "README.md").read_text(encoding="utf-8")
+    text = render_card_for_repo(out_dir, repo_id, template_dir=template_dir)
+    missing = [link for link in _IMAGE_LINK.findall(text) if not Path(out_dir, link).is_file()]
+    if missing:
+        raise PublishError(
+            f"the card rendered for {repo_id} links to {missing[0]}, which is not in {out_dir}: "
+            "run `mergekit-ext card OUT_DIR` first, or pass --keep-card to upload README.md as it is"
+        )
+    return text
+
+
+def _place(source: Path, target: Path) -> None:
+    """``target`` shows ``source``'s bytes without copying them where the system allows."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(source, target)
+    except OSError:
+        try:
+            os.symlink(source, target)
+        except OSError:
+            import shutil
+
+            shutil.copy2(source, target)
+
+
+@contextlib.contextmanager
+def staged_folder(out_dir: str, card_text: str) -> Iterator[str]:
+    """A temporary view of ``out_dir`` whose ``README.md`` is ``card_text``.
+
+    Every other file is a hard link (or a symbolic link, or a copy across file systems
+    without links) to the file in ``out_dir``, so ``upload_folder`` uploads exactly that
+    folder, in one commit, while ``out_dir`` itself is never modified.
+    """
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="mergekit-ext-publish-") as staging:
+        root = Path(staging)
+        for f in list_upload_files(out_dir):
+            if f.path != "README.md":
+                _place(Path(out_dir).expanduser().resolve() / f.path, root / f.path)
+        (root / "README.md").write_text(card_text, encoding="utf-8")
+        yield staging
 
 
 def choose_uploader(total_bytes: int, create_pr: bool, api: Any) -> str:
@@ -411,6 +473,7 @@ def dry_run_report(
     commit_message: str,
     uploader: str,
     token_origin: str,
+    card_text: str,
 ) -> str:
     total = sum(f.size for f in files)
     width = max((len(f"{f.size:,}") for f in files), default=1)
@@ -437,8 +500,8 @@ def dry_run_report(
         "Files:",
         *(f"  {f.size:>{width},}  {_human(f.size):>9}  {f.path}" for f in files),
         "",
-        "Card front matter (README.md):",
-        _front_matter_text(out_dir),
+        "Card front matter (README.md, as uploaded):",
+        _front_matter_text(card_text),
     ]
     return "\n".join(lines)
 
@@ -472,8 +535,15 @@ def publish_folder(
     token: Optional[str] = None,
     dry_run: bool = False,
     endpoint: Optional[str] = None,
+    keep_card: bool = False,
+    template_dir: Optional[str] = None,
 ) -> str:
     """Upload the merge in ``out_dir`` to ``repo_id``; returns the commit (or PR) URL.
+
+    The uploaded ``README.md`` is the card rendered for ``repo_id`` (the repository's name
+    as title, ``repo_id`` in the loading snippets; ``template_dir`` as for ``card``); the
+    local one, written for the folder, is left as it is. ``keep_card`` uploads the local
+    file unchanged instead (a card edited by hand).
 
     With ``dry_run`` nothing is sent and the returned text lists the files, their sizes
     and the card's front matter. Raises :class:`PublishError` with a message that says what
@@ -496,6 +566,9 @@ def publish_folder(
             f"{out_dir} is not a complete merge, refusing to publish: " + "; ".join(problems)
         )
     files = list_upload_files(out_dir)
+    card_text = card_to_upload(out_dir, repo_id, keep_card=keep_card, template_dir=template_dir)
+    card_size = len(card_text.encode("utf-8"))
+    files = [FolderFile(f.path, card_size) if f.path == "README.md" else f for f in files]
     endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
     total = sum(f.size for f in files)
     api = HfApi(endpoint=endpoint, token=token or None)
@@ -516,6 +589,7 @@ def publish_folder(
                 commit_message=message,
                 uploader=uploader,
                 token_origin=origin,
+                card_text=card_text,
             ),
             resolved,
         )
@@ -547,6 +621,22 @@ def publish_folder(
             api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
         except Exception as e:  # noqa: BLE001
             raise _publish_error(e, "branch", target) from None
+    with staged_folder(out_dir, card_text) as staging:
+        return _upload(api, staging, target, revision, uploader, message, commit_message, create_pr)
+
+
+def _upload(
+    api: Any,
+    folder: str,
+    target: _Target,
+    revision: Optional[str],
+    uploader: str,
+    message: str,
+    commit_message: Optional[str],
+    create_pr: bool,
+) -> str:
+    """``upload_large_folder`` or ``upload_folder`` of ``folder``; the commit (or PR) URL."""
+    repo_id, endpoint = target.repo_id, target.endpoint
     try:
         if uploader == "upload_large_folder":
             if commit_message:
@@ -554,12 +644,12 @@ def publish_folder(
                     "upload_large_folder writes its own commit messages; --commit-message is ignored"
                 )
             api.upload_large_folder(
-                repo_id=repo_id, folder_path=out_dir, repo_type="model", revision=revision
+                repo_id=repo_id, folder_path=folder, repo_type="model", revision=revision
             )
             return f"{endpoint}/{repo_id}/tree/{revision or 'main'}"
         info = api.upload_folder(
             repo_id=repo_id,
-            folder_path=out_dir,
+            folder_path=folder,
             repo_type="model",
             revision=revision,
             commit_message=message,

@@ -5,6 +5,7 @@ from mergekit_ext.methods import chain_of_merges as chain_of_merges  # noqa: F40
 from mergekit_ext.methods import qp_projection as qp_projection  # noqa: F401
 from mergekit_ext.methods import regmean as regmean  # noqa: F401
 from mergekit_ext.methods import symerge as symerge  # noqa: F401
+from mergekit_ext.methods import wudi as wudi  # noqa: F401
 from mergekit_ext.methods.parameters import MethodParameters, ParameterDoc
 from mergekit_ext.methods.registry import (
     MethodInfo,

@@ -38,7 +38,6 @@ diagnostic, so above that width it keeps means and variances, not Grams.
 from __future__ import annotations
 
 import logging
-from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -52,16 +51,16 @@ from mergekit_ext.methods.layerwise import (
 )
 from mergekit_ext.methods.least_squares import (
     FULL_COVARIANCE_W2_MAX_DIM,
+    LeastSquaresReduction,
     RegMeanParameters,
     merge_group_least_squares,
 )
 from mergekit_ext.methods.registry import (
     MethodInfo,
-    MethodReport,
-    executor_only_method,
+    data_aware_method,
     register_method,
 )
-from mergekit_ext.methods.reports.least_squares import plot_layerwise, summarize_layerwise
+from mergekit_ext.methods.reports.least_squares import least_squares_report
 
 LOG = logging.getLogger(__name__)
 
@@ -126,15 +125,13 @@ class ChainOfMergesMethod(LayerwiseMethod):
             normalized_gram=p.normalize or p.task_weighting == "correlation",
             reference_gram_max_dim=FULL_COVARIANCE_W2_MAX_DIM if p.propagate else None,
             keep_rows=True,  # the span solve when a group has fewer tokens than inputs
+            statistics_dtype=getattr(torch, p.statistics_dtype),
         )
 
-    def merge_linear_group(
-        self, group: LinearGroup, parameters: Any
-    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def _settings(self, parameters: Any) -> dict[str, Any]:
         p = self.parse(parameters)
         correlation = p.task_weighting == "correlation"
-        return merge_group_least_squares(
-            group,
+        return dict(
             method=self.name,
             alpha=p.reduce_non_diagonal,
             ridge=p.ridge,
@@ -146,6 +143,15 @@ class ChainOfMergesMethod(LayerwiseMethod):
             task_weighting_label=p.task_weighting,
         )
 
+    def merge_linear_group(
+        self, group: LinearGroup, parameters: Any
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        return merge_group_least_squares(group, **self._settings(parameters))
+
+    def reduction(self, parameters: Any) -> LeastSquaresReduction:
+        # ω_k (correlation) reads only task k's own Gram: it is computed where task k lives.
+        return LeastSquaresReduction(**self._settings(parameters))
+
 
 INFO = MethodInfo(
     name="chain_of_merges",
@@ -156,12 +162,7 @@ INFO = MethodInfo(
     paper_url="https://arxiv.org/abs/2508.21421",
     parameters_model=ChainOfMergesParameters,
     implementation=ChainOfMergesMethod(),
-    report=MethodReport(
-        "Chain of Merges",
-        summarize_layerwise,
-        partial(plot_layerwise, "chain_of_merges", "Chain of Merges"),
-        template="least_squares",
-    ),
+    report=least_squares_report("chain_of_merges", "Chain of Merges"),
 )
 
-register_method(INFO, executor_only_method(INFO))
+register_method(INFO, data_aware_method(INFO))

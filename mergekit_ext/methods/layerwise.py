@@ -9,6 +9,12 @@ weights. Every other tensor (biases, norms, embeddings, heads) goes through
 :meth:`LayerwiseMethod.merge_other`.
 
 A method never loads files, runs models or writes output.
+
+Several processes (``torchrun``): each holds the statistics and expert weights of its own
+tasks only. A method whose merge depends on the tasks through sums returns a
+:class:`SumReduction` from :meth:`LayerwiseMethod.reduction`; otherwise (the default) the
+executor gathers every task's statistics to rank 0, which merges with
+:meth:`LayerwiseMethod.merge_linear_group` exactly as a single process does.
 """
 
 from __future__ import annotations
@@ -20,75 +26,16 @@ from typing import Any, Optional
 
 import torch
 
+from mergekit_ext.calibration.statistics import TaskStatistics
 from mergekit_ext.methods.parameters import MethodParameters
 
-
-@dataclass
-class TaskStatistics:
-    """Statistics of the inputs a linear group sees on one task's calibration data.
-
-    All are means over the task's (non-padding) tokens or patches, accumulated in float64:
-
-    - ``gram``: ``(1/N) sum_x x x^T`` (in x in); None when only moments were requested
-      (``StatisticsRequest.reference_gram_max_dim``)
-    - ``gram_normalized``: the same over ``x / ||x||`` (CoM's ``normalize``); None when
-      not requested
-    - ``mean``: ``(1/N) sum_x x`` (in,)
-    - ``count``: N, the number of tokens
-    - ``second_moment``: ``(1/N) sum_x x ⊙ x`` (in,), the diagonal of ``gram``; derived
-      from ``gram`` when not given
-    - ``rows``: the inputs themselves (``N x in``, float32 or float64), kept only when asked
-      (``StatisticsRequest.keep_rows``) and N < in, INSTEAD of ``gram`` (then None): the Gram
-      ``rowsᵀ rows / N`` has rank at most N, the least-squares merge solves in the rows' span
-      and :meth:`gram_from_rows` forms the Gram where something needs it; None otherwise
-    """
-
-    gram: Optional[torch.Tensor]
-    mean: torch.Tensor
-    count: int
-    gram_normalized: Optional[torch.Tensor] = None
-    second_moment: Optional[torch.Tensor] = None
-    rows: Optional[torch.Tensor] = None
-    row_batches: Optional[tuple[int, ...]] = None  # sizes of the batches ``rows`` came in
-
-    def __post_init__(self) -> None:
-        if self.second_moment is None:
-            if self.gram is None:
-                raise ValueError("TaskStatistics needs a gram or a second_moment")
-            self.second_moment = torch.diagonal(self.gram).clone()
-
-    def gram_from_rows(self) -> Optional[torch.Tensor]:
-        """``gram``, or ``rowsᵀ rows / N`` (float64) when the rows were kept instead; None
-        when only moments were kept.
-
-        Formed as :class:`~mergekit_ext.calibration.statistics.ActivationStatistics` would
-        have: each batch's product (``row_batches``) in the rows' dtype added to a float64
-        sum in order, divided by N, symmetrised; so it is bit for bit the Gram the
-        accumulator would have returned.
-        """
-        if self.gram is not None or self.rows is None:
-            return self.gram
-        sizes = list(self.row_batches) if self.row_batches else [self.rows.shape[0]]
-        total = torch.zeros(self.rows.shape[1], self.rows.shape[1], dtype=torch.float64)
-        total = total.to(self.rows.device)
-        for chunk in torch.split(self.rows, sizes):
-            total.add_(chunk.T @ chunk)
-        total.div_(self.count)
-        return (total + total.T).mul_(0.5)
-
-    @property
-    def covariance(self) -> torch.Tensor:
-        """``gram − mean meanᵀ`` (needs the full Gram or the rows)."""
-        gram = self.gram_from_rows()
-        if gram is None:
-            raise ValueError("these statistics keep only moments; the covariance needs the Gram")
-        return gram - torch.outer(self.mean, self.mean)
-
-    @property
-    def variance(self) -> torch.Tensor:
-        """Per-feature variance ``second_moment − mean²`` (clamped at 0)."""
-        assert self.second_moment is not None
-        return (self.second_moment - self.mean.square()).clamp_min(0.0)
+__all__ = [
+    "LayerwiseMethod",
+    "LinearGroup",
+    "StatisticsRequest",
+    "TaskStatistics",
+    "fallback_merge",
+]
 
 
 @dataclass
@@ -134,6 +81,8 @@ class StatisticsRequest:
       sum; None: float32 for float32 (or narrower) activations, the fast default (see
       :class:`~mergekit_ext.calibration.statistics.ActivationStatistics`); ``torch.float64``
       for float64 products throughout.
+    - ``statistics_dtype``: dtype of the running sums (and of the statistics handed to the
+      method): float64 (default) or float32 (half the memory of each Gram).
     """
 
     propagate: bool
@@ -142,6 +91,59 @@ class StatisticsRequest:
     reference_gram_max_dim: Optional[int] = None
     product_dtype: Optional[torch.dtype] = None
     keep_rows: bool = False
+    statistics_dtype: torch.dtype = torch.float64
+
+
+class SumReduction(ABC):
+    """One linear group's merge split over processes that own disjoint sets of tasks.
+
+    For a merge that depends on the tasks only through sums over them (RegMean and CoM:
+    ``Σ_k ω_k W_k G̃_k`` and ``Σ_k ω_k G̃_k``), the executor runs, per group:
+
+    1. :meth:`prepare` on every rank, with the :class:`LinearGroup` of that rank's tasks
+       (its experts' weights and statistics only): the per-task work (checks, products),
+       in parallel; it returns the zero accumulators;
+    2. :meth:`add_task` for k = 0, 1, …, K−1 on the rank of task k, the accumulators passed
+       from rank to rank in task order (``torch.distributed`` send/recv), so the
+       floating-point additions are exactly those of one process adding the tasks in order;
+    3. :meth:`solve` on rank 0 with the totals: the merged weights (broadcast to every
+       rank) and the group's task-independent diagnostics;
+    4. :meth:`task_diagnostics` on every rank for its own tasks, with the merged weights.
+
+    An object serves one group (:meth:`LayerwiseMethod.reduction` makes a new one per
+    group), so it keeps what :meth:`prepare` computed for the later calls.
+    """
+
+    @abstractmethod
+    def prepare(self, group: LinearGroup) -> dict[str, torch.Tensor]:
+        """Check ``group``'s tasks and precompute their terms; returns ``{name: zeros}``,
+        the same names, shapes and dtypes on every rank."""
+
+    @abstractmethod
+    def add_task(self, sums: dict[str, torch.Tensor], position: int) -> None:
+        """Add the term of ``group.task_names[position]`` to ``sums``, in place."""
+
+    @abstractmethod
+    def solve(
+        self, sums: Mapping[str, torch.Tensor], group: LinearGroup
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """``({weight name: merged weight}, group diagnostics)`` from the totals.
+
+        ``group`` is rank 0's own part (names, shapes, dtypes, its tasks' statistics).
+        """
+
+    def needs_gather(self, group: LinearGroup) -> bool:
+        """True when this rank's part of ``group`` cannot be reduced to sums (the executor
+        then gathers every task's statistics to rank 0 for this group, as without a
+        reduction, if any rank says so); False by default."""
+        return False
+
+    def task_diagnostics(
+        self, group: LinearGroup, merged: Mapping[str, torch.Tensor]
+    ) -> dict[str, dict[str, Any]]:
+        """``{task name: diagnostics}`` for ``group``'s tasks (the executor puts them under
+        the group record's ``"tasks"``); none by default."""
+        return {}
 
 
 class LayerwiseMethod(ABC):
@@ -167,6 +169,12 @@ class LayerwiseMethod(ABC):
         self, group: LinearGroup, parameters: Any
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Return ``({weight name: merged weight}, diagnostics for this group)``."""
+
+    def reduction(self, parameters: Any) -> Optional[SumReduction]:
+        """How several processes share a group's merge: a new :class:`SumReduction` per
+        group, or None (the default) to gather every task's statistics and weights to rank
+        0 and call :meth:`merge_linear_group` there, which any method supports unchanged."""
+        return None
 
     def merge_other(
         self,

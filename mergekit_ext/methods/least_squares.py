@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Optional, Union
 
@@ -29,8 +29,12 @@ import torch
 from pydantic import Field
 
 from mergekit_ext.errors import CalibrationError, TensorError
-from mergekit_ext.methods.layerwise import LinearGroup, TaskStatistics
-from mergekit_ext.methods.parameters import MethodParameters
+from mergekit_ext.methods.layerwise import LinearGroup, SumReduction, TaskStatistics
+from mergekit_ext.methods.parameters import (
+    MethodParameters,
+    StatisticsDtype,
+    statistics_dtype_field,
+)
 
 LOG = logging.getLogger(__name__)
 
@@ -313,74 +317,22 @@ def regmean_solve(
         assert rows is not None
         grams = [_gram_of(r) if g is None else g for g, r in zip(grams, rows)]
 
-    numerator = torch.zeros(shape, dtype=torch.float64)
-    system = torch.zeros((n_in, n_in), dtype=torch.float64)
-    system_diagonal = torch.zeros(n_in, dtype=torch.float64)
+    # The same sums and solve as the distributed reduction (LeastSquaresReduction), so one
+    # process and several add and solve bit for bit alike.
+    sums = regmean_zero_sums(shape, with_weighted_experts=relative_ridge > 0.0)
     products: list[torch.Tensor] = []
     for w, g, omega in zip(expert_weights, grams, weights):
         # W_k G̃_k = α W_k G_k + (1 − α) W_k diag(G_k): one GEMM, no shrunk copy of G_k.
         product = w.to(product_dtype) @ g.to(product_dtype)
-        diagonal = torch.diagonal(g).double()
-        numerator.add_(product.double(), alpha=omega * alpha)
-        numerator.add_(w.double() * diagonal, alpha=omega * (1.0 - alpha))
-        system.add_(g.double(), alpha=omega * alpha)
-        system_diagonal.add_(diagonal, alpha=omega * (1.0 - alpha))
+        regmean_add_task(sums, w, g, alpha, omega, product)
         if keep_products:
             products.append(product)
         del product
-    torch.diagonal(system).add_(system_diagonal)
-    system = 0.5 * (system + system.T)  # exact symmetry for eigh
-    if relative_ridge > 0.0:
-        strength = relative_ridge * float(torch.diagonal(system).mean())
-        torch.diagonal(system).add_(strength)
-        weighted_experts = sum(omega * w.double() for w, omega in zip(expert_weights, weights))
-        numerator += (strength / sum(weights)) * weighted_experts
-
-    n_eps = n_in * torch.finfo(torch.float64).eps
-    cholesky = _cholesky(system)
-    if cholesky is None and solver == "pinv":
-        # pinv's eigh below gives the condition number: no eigvalsh of the same matrix first
-        condition, condition_method = math.inf, "exact"
-    else:
-        condition, condition_method = _condition(system, cholesky)
-    used = solver
-    merged: Optional[torch.Tensor] = None
-    if solver == "solve":
-        try:
-            if cholesky is not None:
-                merged = torch.cholesky_solve(numerator.T, cholesky).T
-            else:
-                merged = torch.linalg.solve(system, numerator.T).T
-        except RuntimeError:  # torch.linalg.LinAlgError subclasses RuntimeError
-            merged = None
-        if merged is None or not torch.isfinite(merged).all():
-            LOG.warning("%s: Σ ω G̃ is singular; solving with the pseudo-inverse instead", name)
-            used = "pinv (solve failed: singular)"
-            merged = None
-    elif cholesky is not None and condition * n_eps < _CHOLESKY_PINV_MARGIN:
-        # No eigenvalue is anywhere near pinv's cut-off: the pseudo-inverse is the inverse,
-        # and a Cholesky solve gives it at a fraction of an eigendecomposition's cost.
-        merged = torch.cholesky_solve(numerator.T, cholesky).T
-    if merged is None:
-        if n_in > EXACT_CONDITION_MAX_DIM and relative_ridge == 0.0:
-            LOG.warning(
-                "%s: Σ ω G̃ (%d inputs) is singular or nearly so; taking its pseudo-inverse by "
-                "an eigendecomposition (slow at this width; ridge: auto or a small ridge avoids it)",
-                name,
-                n_in,
-            )
-        pinv, eigenvalues = _symmetric_pinv(system)
-        merged = numerator @ pinv
-        condition, condition_method = _condition_number(eigenvalues), "exact"
-    return RegMeanSolution(
-        merged.to(out_dtype),
-        condition,
-        used,
-        condition_method,
-        products if keep_products else None,
-        ridge=relative_ridge,
-        tokens=tokens,
+    solution = solve_regmean_sums(
+        sums, ridge=relative_ridge, solver=solver, name=name, out_dtype=out_dtype, tokens=tokens
     )
+    solution.products = products if keep_products else None
+    return solution
 
 
 def _gram_of(rows: torch.Tensor) -> torch.Tensor:
@@ -417,14 +369,16 @@ def span_solve(
     factorisation (O(in³)) is replaced by ``H``'s (O(T³)) and O(T · in · (T + out)) products;
     in the directions no token spans, ``W = W₀``.
 
-    Float64: ``H``, its Cholesky factor and the solve; the ``out x in x T`` products run in
-    float32 for float32 weights (as :func:`regmean_solve`'s ``W_k G_k``). The condition
+    Float64 throughout (``H``, its Cholesky factor, the solve and the ``out x in x T``
+    products), so the bytes do not depend on the number of torch threads. The condition
     number of ``A`` is exact (dense) up to :data:`EXACT_CONDITION_MAX_DIM` inputs, estimated
     above from ``A``'s action (``Rᵀ D R q + E q``) and its inverse (by Woodbury), with no
     ``in x in`` matrix formed.
     """
     out_dtype = expert_weights[0].dtype
-    product_dtype = torch.float64 if out_dtype == torch.float64 else torch.float32
+    # float64 throughout: float32 GEMMs of these shapes (T < in) gave bytes that depended on
+    # the number of torch threads; the same config and seed must give the same bytes
+    product_dtype = torch.float64
     out, n_in = expert_weights[0].shape
     weights = [float(w) for w in task_weights]
     total = sum(weights)
@@ -943,15 +897,342 @@ def merge_group_least_squares(
 
 
 # --------------------------------------------------------------------------------------
+# Several processes: the same merge from sums over disjoint task sets
+# --------------------------------------------------------------------------------------
+
+
+def regmean_zero_sums(
+    shape: Sequence[int], *, with_weighted_experts: bool = False, device: Any = None
+) -> dict[str, torch.Tensor]:
+    """The accumulators of :func:`regmean_solve`'s sums (float64 zeros), for
+    :func:`regmean_add_task`: ``numerator`` (out x in), ``system`` (in x in),
+    ``system_diagonal`` (in), ``task_weight_sum`` (1), ``tokens`` (1) and, for a ridge,
+    ``weighted_experts``."""
+    out, n_in = int(shape[0]), int(shape[1])
+    zeros = dict(dtype=torch.float64, device=device)
+    sums = {
+        "numerator": torch.zeros((out, n_in), **zeros),
+        "system": torch.zeros((n_in, n_in), **zeros),
+        "system_diagonal": torch.zeros(n_in, **zeros),
+        "task_weight_sum": torch.zeros(1, **zeros),
+        "tokens": torch.zeros(1, **zeros),  # Σ N_k over tasks with ω_k > 0 (for ridge: auto)
+    }
+    if with_weighted_experts:
+        sums["weighted_experts"] = torch.zeros((out, n_in), **zeros)
+    return sums
+
+
+def regmean_add_task(
+    sums: dict[str, torch.Tensor],
+    weight: torch.Tensor,
+    gram: torch.Tensor,
+    alpha: float,
+    omega: float,
+    product: Optional[torch.Tensor] = None,
+    count: int = 0,
+) -> None:
+    """Add one task's terms to the sums, in place: ``ω (α W G + (1 − α) W diag(G))`` to the
+    numerator, ``ω (α G + (1 − α) diag(G))`` to the system (its diagonal part kept apart),
+    ``ω``, ``ω W`` and (ω > 0) the task's token count ``count``.
+
+    The same operations in the same order as :func:`regmean_solve`'s loop, so adding the
+    tasks in order gives its sums bit for bit; ``product`` is ``W G`` when already computed
+    (as :func:`regmean_solve` forms it: float32 for float32 weights).
+    """
+    if product is None:
+        product_dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        product = weight.to(product_dtype) @ gram.to(product_dtype)
+    diagonal = torch.diagonal(gram).double()
+    sums["numerator"].add_(product.double(), alpha=omega * alpha)
+    sums["numerator"].add_(weight.double() * diagonal, alpha=omega * (1.0 - alpha))
+    sums["system"].add_(gram.double(), alpha=omega * alpha)
+    sums["system_diagonal"].add_(diagonal, alpha=omega * (1.0 - alpha))
+    sums["task_weight_sum"].add_(omega)
+    if omega > 0.0:
+        sums["tokens"].add_(float(count))
+    if "weighted_experts" in sums:
+        sums["weighted_experts"].add_(omega * weight.double())
+
+
+def solve_regmean_sums(
+    sums: dict[str, torch.Tensor],
+    *,
+    ridge: float = 0.0,
+    solver: Solver = "pinv",
+    name: str = "<weight>",
+    out_dtype: torch.dtype = torch.float32,
+    tokens: Optional[int] = None,
+) -> RegMeanSolution:
+    """``W = numerator · system⁻¹`` from the sums of :func:`regmean_add_task`.
+
+    The one dense solve of every least-squares merge (:func:`regmean_solve` and the
+    distributed :class:`LeastSquaresReduction`). ``ridge`` is the relative ridge already
+    resolved (:func:`resolve_ridge`); ``tokens`` is recorded in the solution. The
+    ``solver`` choice is :func:`regmean_solve`'s.
+    """
+    if float(sums["task_weight_sum"].sum()) <= 0.0:
+        raise TensorError(f"{name}: the task weights are all zero; use task_weighting: uniform")
+    numerator = sums["numerator"].double().clone()
+    system = sums["system"].double().clone()
+    n_in = system.shape[0]
+    torch.diagonal(system).add_(sums["system_diagonal"].double())
+    system = 0.5 * (system + system.T)  # exact symmetry for eigh
+    if ridge > 0.0:
+        strength = ridge * float(torch.diagonal(system).mean())
+        torch.diagonal(system).add_(strength)
+        numerator += (strength / float(sums["task_weight_sum"].sum())) * sums[
+            "weighted_experts"
+        ].double()
+
+    n_eps = n_in * torch.finfo(torch.float64).eps
+    cholesky = _cholesky(system)
+    if cholesky is None and solver == "pinv":
+        # pinv's eigh below gives the condition number: no eigvalsh of the same matrix first
+        condition, condition_method = math.inf, "exact"
+    else:
+        condition, condition_method = _condition(system, cholesky)
+    used = solver
+    merged: Optional[torch.Tensor] = None
+    if solver == "solve":
+        try:
+            if cholesky is not None:
+                merged = torch.cholesky_solve(numerator.T, cholesky).T
+            else:
+                merged = torch.linalg.solve(system, numerator.T).T
+        except RuntimeError:  # torch.linalg.LinAlgError subclasses RuntimeError
+            merged = None
+        if merged is None or not torch.isfinite(merged).all():
+            LOG.warning("%s: Σ ω G̃ is singular; solving with the pseudo-inverse instead", name)
+            used = "pinv (solve failed: singular)"
+            merged = None
+    elif cholesky is not None and condition * n_eps < _CHOLESKY_PINV_MARGIN:
+        # No eigenvalue is anywhere near pinv's cut-off: the pseudo-inverse is the inverse,
+        # and a Cholesky solve gives it at a fraction of an eigendecomposition's cost.
+        merged = torch.cholesky_solve(numerator.T, cholesky).T
+    if merged is None:
+        if n_in > EXACT_CONDITION_MAX_DIM and ridge == 0.0:
+            LOG.warning(
+                "%s: Σ ω G̃ (%d inputs) is singular or nearly so; taking its pseudo-inverse by "
+                "an eigendecomposition (slow at this width; ridge: auto or a small ridge avoids it)",
+                name,
+                n_in,
+            )
+        pinv, eigenvalues = _symmetric_pinv(system)
+        merged = numerator @ pinv
+        condition, condition_method = _condition_number(eigenvalues), "exact"
+    return RegMeanSolution(
+        merged.to(out_dtype),
+        condition,
+        used,
+        condition_method,
+        None,
+        ridge=ridge,
+        tokens=tokens,
+    )
+
+
+class LeastSquaresReduction(SumReduction):
+    """:func:`merge_group_least_squares` split over processes (:class:`SumReduction`).
+
+    Takes the same settings. Each rank computes its tasks' products ``W_k G_k`` and adds
+    its tasks' terms of ``Σ ω_k W_k G̃_k``, ``Σ ω_k G̃_k``, ``Σ ω_k`` (and ``Σ ω_k W_k`` with
+    a ridge) when the sums reach it in task order, so they equal :func:`regmean_solve`'s
+    bit for bit; the correlation weight ω_k needs only task k's own normalized Gram, so it
+    is computed where the task lives. The
+    per-task diagnostics (relative output error, covariate shift) are computed by the
+    task's rank once the merged weights are known; the group record is the one
+    :func:`merge_group_least_squares` writes.
+    """
+
+    def __init__(
+        self,
+        *,
+        method: str,
+        alpha: float,
+        ridge: Ridge,
+        solver: Solver,
+        use_merged_path: bool,
+        use_normalized_gram: bool,
+        task_weight: Optional[Callable[[TaskStatistics], float]] = None,
+        task_weight_needs_normalized_gram: bool = False,
+        task_weighting_label: str = "uniform",
+        full_covariance_max_dim: int = FULL_COVARIANCE_W2_MAX_DIM,
+    ) -> None:
+        self.method = method
+        self.alpha = alpha
+        self.ridge = ridge
+        self.solver = solver
+        self.use_merged_path = use_merged_path
+        self.use_normalized_gram = use_normalized_gram
+        self.task_weight = task_weight
+        self.task_weight_needs_normalized_gram = task_weight_needs_normalized_gram
+        self.task_weighting_label = task_weighting_label
+        self.full_covariance_max_dim = full_covariance_max_dim
+        self._stacked: list[torch.Tensor] = []
+        self._rows: list[int] = []
+        self._chosen: list[TaskStatistics] = []
+        self._other: Optional[list[TaskStatistics]] = None
+        self._omegas: list[float] = []
+        self._grams: list[torch.Tensor] = []
+        self._products: list[torch.Tensor] = []
+
+    def _paths(self, group: LinearGroup, n_in: int) -> None:
+        path = "merged-path" if self.use_merged_path else "expert-path"
+        self._chosen = _check_statistics(
+            group.merged_stats if self.use_merged_path else group.expert_stats,
+            group,
+            n_in,
+            self.method,
+            path,
+            need_normalized=self.use_normalized_gram or self.task_weight_needs_normalized_gram,
+        )
+        other, other_path = (
+            (group.expert_stats, "expert-path")
+            if self.use_merged_path
+            else (group.merged_stats, "merged-path")
+        )
+        self._other = (
+            _check_statistics(other, group, n_in, self.method, other_path, False, need_gram=False)
+            if other
+            else None
+        )
+
+    def needs_gather(self, group: LinearGroup) -> bool:
+        # Rows kept instead of a Gram (a task with fewer tokens than inputs): the span solve
+        # and the dense one on those rows both need every task's rows on the solving rank.
+        stats = group.merged_stats if self.use_merged_path else group.expert_stats
+        return any(st is not None and st.rows is not None for st in stats or [])
+
+    def prepare(self, group: LinearGroup) -> dict[str, torch.Tensor]:
+        self._stacked, self._rows, n_in = _stacked_weights(group, self.method)
+        self._paths(group, n_in)
+        self._omegas = [
+            float(self.task_weight(st)) if self.task_weight else 1.0 for st in self._chosen
+        ]
+        if any(not math.isfinite(w) or w < 0.0 for w in self._omegas):
+            raise TensorError(
+                f"{self.method}: task weights must be finite and non-negative for linear group "
+                f"{group.name}; got {self._omegas}"
+            )
+        self._grams = [
+            st.gram_normalized if self.use_normalized_gram else st.gram  # type: ignore[misc]
+            for st in self._chosen
+        ]
+        product_dtype = torch.float64 if self._stacked[0].dtype == torch.float64 else torch.float32
+        # The GEMMs W_k G_k of this rank's tasks, in parallel with the other ranks'.
+        self._products = [
+            w.to(product_dtype) @ g.to(product_dtype) for w, g in zip(self._stacked, self._grams)
+        ]
+        return regmean_zero_sums(
+            self._stacked[0].shape,
+            # auto is resolved in solve from the tokens of every task
+            with_weighted_experts=isinstance(self.ridge, str) or float(self.ridge) > 0.0,
+            device=self._stacked[0].device,
+        )
+
+    def add_task(self, sums: dict[str, torch.Tensor], position: int) -> None:
+        regmean_add_task(
+            sums,
+            self._stacked[position],
+            self._grams[position],
+            self.alpha,
+            self._omegas[position],
+            self._products[position],
+            count=self._chosen[position].count,
+        )
+
+    def solve(
+        self, sums: Mapping[str, torch.Tensor], group: LinearGroup
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        if not self._rows:
+            self._stacked, self._rows, _ = _stacked_weights(group, self.method)
+        reference = group.experts[0]
+        n_in = int(sums["system"].shape[0])
+        tokens = int(round(float(sums["tokens"].sum())))
+        solution = solve_regmean_sums(
+            dict(sums),
+            ridge=resolve_ridge(self.ridge, n_in, tokens),
+            tokens=tokens,
+            solver=self.solver,
+            name=f"linear group {group.name}",
+            out_dtype=reference[group.weights[0]].dtype,
+        )
+        parts = torch.split(solution.merged_weight, self._rows, dim=0)
+        merged = {
+            weight_name: part.to(reference[weight_name].dtype).contiguous()
+            for weight_name, part in zip(group.weights, parts)
+        }
+        shift_kind: Optional[str] = None
+        if self._other is not None and self._chosen:
+            merged_path, expert_path = (
+                (self._chosen[0], self._other[0])
+                if self.use_merged_path
+                else (self._other[0], self._chosen[0])
+            )
+            full = (
+                merged_path.mean.numel() <= self.full_covariance_max_dim
+                and merged_path.gram is not None
+                and expert_path.gram is not None
+            )
+            shift_kind = "full" if full else "diagonal"
+        diagnostics: dict[str, Any] = {
+            "layer": group.name,
+            "condition_number": solution.condition_number,
+            "condition_number_method": solution.condition_number_method,
+            "solver": solution.solver,
+            "reduce_non_diagonal": float(self.alpha),
+            "ridge": solution.ridge,
+            "ridge_setting": self.ridge if isinstance(self.ridge, str) else float(self.ridge),
+            "tokens": tokens,
+            "input_width": n_in,
+            "statistics": "merged_path" if self.use_merged_path else "expert_path",
+            "normalized_gram": bool(self.use_normalized_gram),
+            "task_weighting": self.task_weighting_label,
+            "covariate_shift_covariance": shift_kind,
+            "tasks": {},
+        }
+        return merged, diagnostics
+
+    def task_diagnostics(
+        self, group: LinearGroup, merged: Mapping[str, torch.Tensor]
+    ) -> dict[str, dict[str, Any]]:
+        merged_weight = torch.cat([merged[w].to(self._stacked[0].dtype) for w in group.weights])
+        tasks: dict[str, dict[str, Any]] = {}
+        for k, task in enumerate(group.task_names):
+            shift: Optional[float] = None
+            if self._other is not None:
+                merged_path, expert_path = (
+                    (self._chosen[k], self._other[k])
+                    if self.use_merged_path
+                    else (self._other[k], self._chosen[k])
+                )
+                shift, _ = covariate_shift_w2(
+                    merged_path, expert_path, full_covariance_max_dim=self.full_covariance_max_dim
+                )
+            tasks[task] = {
+                "weight": self._omegas[k],
+                "relative_output_error": relative_output_error(
+                    merged_weight,
+                    self._stacked[k],
+                    self._chosen[k].gram,  # type: ignore[arg-type]  # checked non-None above
+                    # W_k G_k of the diagnostic's own (raw) Gram, as the single process does
+                    None if self.use_normalized_gram else self._products[k],
+                ),
+                "covariate_shift_w2": shift,
+            }
+        return tasks
+
+
+# --------------------------------------------------------------------------------------
 # The parameters every least-squares method shares
 # --------------------------------------------------------------------------------------
 
 
 # The sweep behind reduce_non_diagonal's default (benchmarks/sweep.py; README, "Benchmark results")
 ALPHA_EVIDENCE = (
-    " (default chosen by benchmarks/sweep.py: over 0.5, 0.8, 0.9, 0.95, 1.0 it was best for "
-    "chain_of_merges and regmean on the text and vision suites, and equal or better than 0.95 "
-    "on the text-LoRA and LM suites)"
+    " (default chosen by a sweep over 0.5, 0.8, 0.9, 0.95, 1.0: best for chain_of_merges and "
+    "regmean on the text and vision suites, equal or better than 0.95 on the text-LoRA and LM "
+    'suites; docs/methods.md, section "RegMean")'
 )
 
 
@@ -982,3 +1263,4 @@ class RegMeanParameters(MethodParameters):
         "mean",
         description="merge of biases, norms, embeddings and heads: mean | base | task_arithmetic",
     )
+    statistics_dtype: StatisticsDtype = statistics_dtype_field()

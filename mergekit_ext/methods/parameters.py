@@ -17,9 +17,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.fields import FieldInfo
 
 from mergekit_ext.errors import ConfigError
@@ -66,6 +66,19 @@ def _literal_choices(annotation: Any) -> list[Any]:
     if origin is Union:
         return [c for arg in get_args(annotation) for c in _literal_choices(arg)]
     return []
+
+
+StatisticsDtype = Literal["float64", "float32"]
+
+
+def statistics_dtype_field() -> Any:
+    """The ``statistics_dtype`` parameter of the layerwise methods (one declaration)."""
+    return Field(
+        "float64",
+        description="dtype of the running sums of the calibration statistics (Grams, means): "
+        "float64 | float32, which halves the memory of every in x in Gram (for very wide "
+        "layers) at float32 rounding of the sums",
+    )
 
 
 class MethodParameters(BaseModel):

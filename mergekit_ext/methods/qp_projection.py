@@ -62,11 +62,15 @@ from mergekit_ext.methods.layerwise import (
     LinearGroup,
     StatisticsRequest,
 )
-from mergekit_ext.methods.parameters import MethodParameters
+from mergekit_ext.methods.parameters import (
+    MethodParameters,
+    StatisticsDtype,
+    statistics_dtype_field,
+)
 from mergekit_ext.methods.registry import (
     MethodInfo,
     MethodReport,
-    executor_only_method,
+    data_aware_method,
     register_method,
 )
 from mergekit_ext.methods.reports.qp import plot_qp, summarize_qp
@@ -581,6 +585,8 @@ class QPParameters(MethodParameters):
         "linears",
     )
 
+    statistics_dtype: StatisticsDtype = statistics_dtype_field()
+
     @field_validator("bounds")
     @classmethod
     def _ordered(cls, bounds: Optional[tuple[float, float]]) -> Optional[tuple[float, float]]:
@@ -603,7 +609,11 @@ class QPProjectionMethod(LayerwiseMethod):
 
     def statistics_request(self, parameters: Any) -> StatisticsRequest:
         resolved = self.parse(parameters)
-        return StatisticsRequest(propagate=resolved.propagate, expert_path=not resolved.propagate)
+        return StatisticsRequest(
+            propagate=resolved.propagate,
+            expert_path=not resolved.propagate,
+            statistics_dtype=getattr(torch, resolved.statistics_dtype),
+        )
 
     def merge_linear_group(
         self, group: LinearGroup, parameters: Any
@@ -717,4 +727,4 @@ INFO = MethodInfo(
     ),
 )
 
-register_method(INFO, executor_only_method(INFO))
+register_method(INFO, data_aware_method(INFO))

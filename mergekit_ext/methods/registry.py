@@ -6,7 +6,7 @@ executor runs it, and which paper it implements; :class:`MethodInfo` holds that.
 
 Adding a method: one new module in ``mergekit_ext/methods/`` that declares its parameters
 (one :class:`~mergekit_ext.methods.parameters.MethodParameters` model), builds a
-``MethodInfo`` and registers it (:func:`tensorwise_method` or :func:`executor_only_method`
+``MethodInfo`` and registers it (:func:`tensorwise_method` or :func:`data_aware_method`
 derive mergekit's side from the same model), plus one line in
 ``mergekit_ext/methods/__init__.py`` that imports it.
 """
@@ -196,7 +196,7 @@ def tensorwise_method(
     return FunctionalGroupMergeMethod(spec, run)
 
 
-def executor_only_method(info: MethodInfo) -> MergeMethod:
+def data_aware_method(info: MethodInfo) -> MergeMethod:
     """The mergekit-side face of a layerwise/adaptation method.
 
     mergekit's registry needs a ``MergeMethod`` so that ``mergekit-ext methods`` and YAML

@@ -8,20 +8,22 @@ pass (the math is in ``least_squares.py``; ``docs/methods.md`` has the equations
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 import torch
 
 from mergekit_ext.methods.layerwise import LayerwiseMethod, LinearGroup, StatisticsRequest
-from mergekit_ext.methods.least_squares import RegMeanParameters, merge_group_least_squares
+from mergekit_ext.methods.least_squares import (
+    LeastSquaresReduction,
+    RegMeanParameters,
+    merge_group_least_squares,
+)
 from mergekit_ext.methods.registry import (
     MethodInfo,
-    MethodReport,
-    executor_only_method,
+    data_aware_method,
     register_method,
 )
-from mergekit_ext.methods.reports.least_squares import plot_layerwise, summarize_layerwise
+from mergekit_ext.methods.reports.least_squares import least_squares_report
 
 
 class RegMeanMethod(LayerwiseMethod):
@@ -31,9 +33,13 @@ class RegMeanMethod(LayerwiseMethod):
     parameters_model = RegMeanParameters
 
     def statistics_request(self, parameters: Any) -> StatisticsRequest:
-        self.parse(parameters)
+        p = self.parse(parameters)
         return StatisticsRequest(
-            propagate=False, expert_path=True, normalized_gram=False, keep_rows=True
+            propagate=False,
+            expert_path=True,
+            normalized_gram=False,
+            keep_rows=True,  # the span solve when a group has fewer tokens than inputs
+            statistics_dtype=getattr(torch, p.statistics_dtype),
         )
 
     def merge_linear_group(
@@ -42,6 +48,17 @@ class RegMeanMethod(LayerwiseMethod):
         p = self.parse(parameters)
         return merge_group_least_squares(
             group,
+            method=self.name,
+            alpha=p.reduce_non_diagonal,
+            ridge=p.ridge,
+            solver=p.solver,
+            use_merged_path=False,
+            use_normalized_gram=False,
+        )
+
+    def reduction(self, parameters: Any) -> LeastSquaresReduction:
+        p = self.parse(parameters)
+        return LeastSquaresReduction(
             method=self.name,
             alpha=p.reduce_non_diagonal,
             ridge=p.ridge,
@@ -60,12 +77,7 @@ INFO = MethodInfo(
     paper_url="https://arxiv.org/abs/2212.09849",
     parameters_model=RegMeanParameters,
     implementation=RegMeanMethod(),
-    report=MethodReport(
-        "RegMean",
-        summarize_layerwise,
-        partial(plot_layerwise, "regmean", "RegMean"),
-        template="least_squares",
-    ),
+    report=least_squares_report("regmean", "RegMean"),
 )
 
-register_method(INFO, executor_only_method(INFO))
+register_method(INFO, data_aware_method(INFO))

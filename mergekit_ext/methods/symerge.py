@@ -34,7 +34,7 @@ from mergekit_ext.methods.parameters import MethodParameters
 from mergekit_ext.methods.registry import (
     MethodInfo,
     MethodReport,
-    executor_only_method,
+    data_aware_method,
     register_method,
 )
 from mergekit_ext.methods.reports.symerge import plot_symerge, summarize_symerge
@@ -63,8 +63,21 @@ class SyMergeParameters(MethodParameters):
         description="epochs; each takes one batch and one step per task (the reference uses 500)",
     )
     batch_size: int = Field(32, ge=1, description="samples per step")
-    init_lambda: float = Field(
-        0.3, allow_inf_nan=False, description="initial λ (task arithmetic's coefficient)"
+    init_lambda: Optional[float] = Field(
+        None,
+        allow_inf_nan=False,
+        description="initial λ; null: 0.3 (task arithmetic's coefficient) with the "
+        "task_arithmetic body, 0 with a data-aware body (epoch 0 is then that body's merge)",
+    )
+    body: Literal["task_arithmetic", "regmean", "chain_of_merges"] = Field(
+        "task_arithmetic",
+        description="the merge SyMerge adapts around: task_arithmetic adapts θ_0 + Σ λ_k Δ_k; "
+        "regmean | chain_of_merges first merge the body with that method (same calibration "
+        "data, body_parameters) and adapt W_body + Σ λ_k (W_k − W_body)",
+    )
+    body_parameters: dict[str, Any] = Field(
+        default_factory=dict,
+        description="parameters of the body's merge method (e.g. {propagate: true})",
     )
     clamp: bool = Field(True, description="clamp λ to [0, 1] after every step")
     target: Literal["hard", "soft"] = Field(
@@ -82,6 +95,26 @@ class SyMergeParameters(MethodParameters):
         "head", description="head | last_block | a module name: the layer adapted per task"
     )
     seed: int = Field(0, description="seed of the data split, batches and task order")
+    teacher_top_k: Optional[int] = Field(
+        256,
+        ge=1,
+        description="causal LMs: keep each position's teacher distribution as its k most likely "
+        "tokens plus one bucket for the rest, and fit the student's KL to that (memory grows "
+        "with k, not the vocabulary); null keeps the full distribution",
+    )
+    logit_chunk_tokens: int = Field(
+        512,
+        ge=1,
+        description="causal LMs with teacher_top_k: positions whose logits are formed at a time "
+        "(recomputed in the backward pass), so memory grows with this, not batch x length",
+    )
+    micro_batch_size: Optional[int] = Field(
+        None,
+        ge=1,
+        description="causal LMs: samples per forward/backward pass, their gradients added up "
+        "to the batch's (same step, less activation memory); null: the largest that keeps "
+        "one micro-batch's activations under 1 GiB",
+    )
     heldout_fraction: float = Field(
         0.1,
         ge=0.0,
@@ -109,4 +142,4 @@ INFO = MethodInfo(
     report=MethodReport("SyMerge", summarize_symerge, plot_symerge, template="symerge"),
 )
 
-register_method(INFO, executor_only_method(INFO))
+register_method(INFO, data_aware_method(INFO))

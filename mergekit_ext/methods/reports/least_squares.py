@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any
 
+from mergekit_ext.methods.registry import MethodReport
 from mergekit_ext.reporting import (
     Plot,
     as_float,
@@ -163,3 +165,13 @@ def summarize_layerwise(section: Mapping[str, Any], parameters: Any = None) -> d
             [as_float(layer.get("condition_number")) for layer in layers]
         ),
     }
+
+
+def least_squares_report(section_name: str, title: str) -> MethodReport:
+    """The card section and plots of a least-squares method (RegMean, CoM) named ``title``."""
+    return MethodReport(
+        title,
+        summarize_layerwise,
+        partial(plot_layerwise, section_name, title),
+        template="least_squares",
+    )

@@ -1,0 +1,162 @@
+"""Wall time and peak memory of one merge, for the diagnostics, the card and ``run``'s last line.
+
+Peak host memory is the resident set size's high-water mark. On Linux the kernel keeps it
+per process (``VmHWM`` in ``/proc/self/status``) and lets a process reset it by writing
+``5`` to ``/proc/self/clear_refs``, so the peak measured is the merge's own, not that of
+whatever the process did before (a notebook that already loaded a model). Where that
+reset is not available (macOS, restricted containers) the process's lifetime peak from
+``getrusage`` is used and the record says so (``peak_rss_scope: "process"``).
+
+On CUDA, ``torch.cuda.max_memory_allocated`` is reset at the start and read at the end, for
+every visible device (summed: a merge that spreads over devices needs them all).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+LOG = logging.getLogger(__name__)
+
+_STATUS = "/proc/self/status"
+_CLEAR_REFS = "/proc/self/clear_refs"
+
+
+def _vm_hwm_bytes() -> Optional[int]:
+    """The resident set's high-water mark from ``/proc/self/status`` (None off Linux)."""
+    try:
+        with open(_STATUS, encoding="ascii") as fp:
+            for line in fp:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # the kernel reports kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    """Reset ``VmHWM`` to the current RSS; False where the kernel does not allow it."""
+    try:
+        with open(_CLEAR_REFS, "w", encoding="ascii") as fp:
+            fp.write("5")
+    except OSError:
+        return False
+    return _vm_hwm_bytes() is not None
+
+
+def _rusage_peak_bytes() -> Optional[int]:
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024  # bytes vs kB
+
+
+def _cuda_devices() -> list[int]:
+    """CUDA devices already in use by this process (never initialises CUDA itself)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return []
+    return list(range(torch.cuda.device_count()))
+
+
+@dataclass
+class ResourceUsage:
+    """What one merge took: seconds, peak host RSS and (on GPU) CUDA's peak allocation."""
+
+    wall_time_s: float
+    peak_rss_bytes: Optional[int]
+    peak_rss_scope: str  # "merge" (reset at the start) | "process" (lifetime peak)
+    cuda_max_allocated_bytes: Optional[int] = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "wall_time_s": round(self.wall_time_s, 3),
+            "peak_rss_bytes": self.peak_rss_bytes,
+            "peak_rss_scope": self.peak_rss_scope,
+            "cuda_max_allocated_bytes": self.cuda_max_allocated_bytes,
+        }
+
+
+class ResourceMeter:
+    """Measures the block it wraps::
+
+    with ResourceMeter() as meter:
+        merge()
+    meter.usage  # ResourceUsage
+    """
+
+    def __init__(self) -> None:
+        self.usage: Optional[ResourceUsage] = None
+        self._start = 0.0
+        self._scope = "process"
+
+    def __enter__(self) -> ResourceMeter:
+        self._scope = "merge" if _reset_peak_rss() else "process"
+        torch = sys.modules.get("torch")
+        for device in _cuda_devices():
+            torch.cuda.reset_peak_memory_stats(device)
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        wall = time.perf_counter() - self._start
+        peak = _vm_hwm_bytes() if self._scope == "merge" else None
+        if peak is None:
+            peak, self._scope = _rusage_peak_bytes(), "process"
+        # CUDA may have been initialised by the merge itself: read every device it now uses.
+        torch = sys.modules.get("torch")
+        devices = _cuda_devices()
+        cuda = sum(int(torch.cuda.max_memory_allocated(d)) for d in devices) if devices else None
+        self.usage = ResourceUsage(wall, peak, self._scope, cuda)
+
+
+def format_duration(seconds: float) -> str:
+    """``0.4 s``, ``12 s``, ``1 min 12 s``, ``2 h 03 min``."""
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    whole = int(round(seconds))
+    if whole < 60:
+        return f"{whole} s"
+    minutes, secs = divmod(whole, 60)
+    if minutes < 60:
+        return f"{minutes} min {secs} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
+
+
+def format_bytes(size: Optional[float]) -> str:
+    """Decimal units as memory is usually quoted: ``812 MB``, ``3.4 GB``."""
+    if size is None:
+        return "unknown"
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1000:
+            return f"{size:.0f} {unit}" if unit in ("B", "KB", "MB") else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{size:.1f} TB"
+
+
+def summary_line(record: Optional[dict[str, Any]]) -> Optional[str]:
+    """``merged in 1 min 12 s, peak memory 3.4 GB`` (+ CUDA) from a diagnostics record."""
+    if not record or record.get("wall_time_s") is None:
+        return None
+    text = f"merged in {format_duration(float(record['wall_time_s']))}"
+    text += f", peak memory {format_bytes(record.get('peak_rss_bytes'))}"
+    if record.get("peak_rss_scope") == "process":
+        text += " (whole process)"
+    if record.get("cuda_max_allocated_bytes") is not None:
+        text += f", CUDA max allocated {format_bytes(record['cuda_max_allocated_bytes'])}"
+    return text
+
+
+__all__ = [
+    "ResourceMeter",
+    "ResourceUsage",
+    "format_bytes",
+    "format_duration",
+    "summary_line",
+]
