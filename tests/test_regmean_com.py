@@ -266,15 +266,20 @@ def test_w2_full_against_scipy_sqrtm_and_diagonal_switch():
 
 
 def test_statistics_requests():
-    assert RegMeanMethod().statistics_request({}) == StatisticsRequest(propagate=False)
+    assert RegMeanMethod().statistics_request({}) == StatisticsRequest(
+        propagate=False, keep_rows=True
+    )
     com = ChainOfMergesMethod()
     assert com.statistics_request({}) == StatisticsRequest(
-        propagate=True, normalized_gram=False, reference_gram_max_dim=FULL_COVARIANCE_W2_MAX_DIM
+        propagate=True,
+        normalized_gram=False,
+        reference_gram_max_dim=FULL_COVARIANCE_W2_MAX_DIM,
+        keep_rows=True,
     )
-    assert com.statistics_request(COM_OFF) == StatisticsRequest(propagate=False)
+    assert com.statistics_request(COM_OFF) == StatisticsRequest(propagate=False, keep_rows=True)
     assert com.statistics_request({"task_weighting": "correlation"}).normalized_gram
     assert com.statistics_request({"normalize": True, "propagate": False}) == StatisticsRequest(
-        propagate=False, normalized_gram=True
+        propagate=False, normalized_gram=True, keep_rows=True
     )
 
 
@@ -414,7 +419,7 @@ def test_registration():
         "normalize": False,
         "task_weighting": "uniform",
         "reduce_non_diagonal": 1.0,
-        "ridge": 0.0,
+        "ridge": "auto",
         "solver": "pinv",
         "fallback": "mean",
         "statistics_dtype": "float64",

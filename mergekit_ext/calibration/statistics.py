@@ -44,6 +44,10 @@ class TaskStatistics:
     - ``count``: N, the number of tokens
     - ``second_moment``: ``(1/N) sum_x x ⊙ x`` (in,), the diagonal of ``gram``; derived
       from ``gram`` when not given
+    - ``rows``: the inputs themselves (``N x in``, float32 or float64), kept only when asked
+      (``StatisticsRequest.keep_rows``) and N < in, INSTEAD of ``gram`` (then None): the Gram
+      ``rowsᵀ rows / N`` has rank at most N, the least-squares merge solves in the rows' span
+      and :meth:`gram_from_rows` forms the Gram where something needs it; None otherwise
     """
 
     gram: Optional[torch.Tensor]
@@ -51,6 +55,8 @@ class TaskStatistics:
     count: int
     gram_normalized: Optional[torch.Tensor] = None
     second_moment: Optional[torch.Tensor] = None
+    rows: Optional[torch.Tensor] = None
+    row_batches: Optional[tuple[int, ...]] = None  # sizes of the batches ``rows`` came in
 
     def __post_init__(self) -> None:
         if self.second_moment is None:
@@ -58,12 +64,31 @@ class TaskStatistics:
                 raise ValueError("TaskStatistics needs a gram or a second_moment")
             self.second_moment = torch.diagonal(self.gram).clone()
 
+    def gram_from_rows(self) -> Optional[torch.Tensor]:
+        """``gram``, or ``rowsᵀ rows / N`` (float64) when the rows were kept instead; None
+        when only moments were kept.
+
+        Formed as :class:`ActivationStatistics` would have: each batch's product
+        (``row_batches``) in the rows' dtype added to a float64 sum in order, divided by N,
+        symmetrised; so it is bit for bit the Gram the accumulator would have returned.
+        """
+        if self.gram is not None or self.rows is None:
+            return self.gram
+        sizes = list(self.row_batches) if self.row_batches else [self.rows.shape[0]]
+        total = torch.zeros(self.rows.shape[1], self.rows.shape[1], dtype=torch.float64)
+        total = total.to(self.rows.device)
+        for chunk in torch.split(self.rows, sizes):
+            total.add_(chunk.T @ chunk)
+        total.div_(self.count)
+        return (total + total.T).mul_(0.5)
+
     @property
     def covariance(self) -> torch.Tensor:
-        """``gram − mean meanᵀ`` (needs the full Gram)."""
-        if self.gram is None:
+        """``gram − mean meanᵀ`` (needs the full Gram or the rows)."""
+        gram = self.gram_from_rows()
+        if gram is None:
             raise ValueError("these statistics keep only moments; the covariance needs the Gram")
-        return self.gram - torch.outer(self.mean, self.mean)
+        return gram - torch.outer(self.mean, self.mean)
 
     @property
     def variance(self) -> torch.Tensor:
@@ -103,6 +128,14 @@ class ActivationStatistics:
     ``full_gram=False`` keeps only the mean and the per-feature second moment (``gram`` is
     then None in the result): what a diagonal-covariance diagnostic needs, at O(N·dim) cost
     instead of O(N·dim²).
+
+    ``keep_rows=True`` (with ``full_gram``) keeps the rows themselves (in the product dtype)
+    instead of the Gram while fewer than ``dim`` tokens have been seen: the result then has
+    ``rows`` and ``gram=None`` (``TaskStatistics.gram_from_rows`` forms it on demand); the
+    Gram has rank below ``dim`` and a least-squares solve is cheaper in the rows' span, and
+    ``N x dim`` rows take less memory than the ``dim x dim`` float64 sum. Once ``dim`` tokens
+    are reached the Gram sum is formed from the kept rows and they are dropped, so they never
+    take more than ``dim² · 4`` bytes (float32).
     """
 
     def __init__(
@@ -114,6 +147,7 @@ class ActivationStatistics:
         dtype: torch.dtype = torch.float64,
         product_dtype: Optional[torch.dtype] = None,
         device: Optional[torch.device | str] = None,
+        keep_rows: bool = False,
     ) -> None:
         if dtype not in (torch.float64, torch.float32):
             raise ValueError(f"ActivationStatistics accumulates in float64 or float32, not {dtype}")
@@ -132,14 +166,17 @@ class ActivationStatistics:
         self._sum: Optional[torch.Tensor] = None
         self._square_sum: Optional[torch.Tensor] = None
         self._normalized_gram_sum: Optional[torch.Tensor] = None
+        # rows instead of the Gram: only with float64 sums, which gram_from_rows reproduces
+        keep = keep_rows and full_gram and dtype == torch.float64
+        self._rows: Optional[list[torch.Tensor]] = [] if keep else None
 
     def _allocate(self, device: torch.device) -> None:
         self.device = self.device or device
         zeros = dict(dtype=self.dtype, device=self.device)
         self._sum = torch.zeros(self.dim, **zeros)
-        if self.full_gram:
+        if self.full_gram and self._rows is None:
             self._gram_sum = torch.zeros(self.dim, self.dim, **zeros)
-        else:
+        else:  # moments only, or rows instead of the Gram until ``dim`` tokens
             self._square_sum = torch.zeros(self.dim, **zeros)
         if self.normalized_gram:
             self._normalized_gram_sum = torch.zeros(self.dim, self.dim, **zeros)
@@ -162,6 +199,12 @@ class ActivationStatistics:
             self._allocate(x.device)
         rows = x.detach().to(device=self.device, dtype=self._product_dtype(x))
         self._sum.add_(rows.sum(0, dtype=self.dtype))
+        if self._rows is not None and self.count + int(rows.shape[0]) >= self.dim:
+            # ``dim`` tokens: the Gram may have full rank; form its sum from the kept rows
+            self._gram_sum = torch.zeros(self.dim, self.dim, dtype=self.dtype, device=self.device)
+            for kept in self._rows:
+                self._gram_sum.add_(kept.T @ kept)
+            self._rows, self._square_sum = None, None
         if self._gram_sum is not None:
             self._gram_sum.add_(rows.T @ rows)
         else:
@@ -171,6 +214,10 @@ class ActivationStatistics:
             unit = rows / rows.norm(dim=1, keepdim=True).clamp_min(torch.finfo(rows.dtype).tiny)
             self._normalized_gram_sum.add_(unit.T @ unit)
         self.count += int(x.shape[0])
+        if self._rows is not None:
+            # own copy: ``rows`` may be a view of the caller's activations
+            shared = rows.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+            self._rows.append(rows.clone() if shared else rows)
 
     def finalize(self) -> TaskStatistics:
         """Means over the accumulated tokens; raises when there were none or they were not finite."""
@@ -198,12 +245,18 @@ class ActivationStatistics:
                 "the Gram matrix of the layer inputs is not finite (inf/NaN activations); "
                 "check the checkpoint or use a wider dtype"
             )
+        kept, sizes = None, None
+        if self._rows is not None:
+            sizes = tuple(int(r.shape[0]) for r in self._rows)
+            kept, self._rows = torch.cat(self._rows), None
         return TaskStatistics(
             gram=gram,
             mean=self._sum / self.count,
             count=self.count,
             gram_normalized=normalized,
             second_moment=second_moment,
+            rows=kept,
+            row_batches=sizes,
         )
 
 

@@ -164,6 +164,7 @@ class MergePlan:
     out_dtype: Optional[torch.dtype]
     hidden_size: int
     memory: MemoryEstimate = field(default=None)  # type: ignore[assignment]
+    rank_warnings: list[str] = field(default_factory=list)  # groups with tokens < inputs
 
     @property
     def task_names(self) -> list[str]:
@@ -210,6 +211,7 @@ class MergePlan:
         lines.append(
             f"output dtype: {str(self.out_dtype).replace('torch.', '') if self.out_dtype else 'as the base model'}"
         )
+        lines += [f"warning: {w}" for w in self.rank_warnings]
         lines += [
             f"memory estimate: peak ≈ {m.peak} bytes ({_gb(m.peak)}) on top of the Python "
             f"process itself (torch, transformers: ~0.4 GB); one model ≈ {_gb(m.model_bytes)}",
@@ -477,8 +479,54 @@ def build_plan(
             )
             if not e.data.batches:
                 raise CalibrationError(f"model {e.label} (task {e.task!r}): no calibration batches")
+    plan.rank_warnings = rank_deficiency_warnings(plan)
+    for warning in plan.rank_warnings:
+        LOG.warning("%s", warning)
     plan.memory = estimate_memory(plan)
     return plan
+
+
+def calibration_tokens(plan: MergePlan) -> Optional[int]:
+    """Calibration tokens (or patches) of all tasks together; None before the data is loaded."""
+    if any(e.data is None for e in plan.experts):
+        return None
+    return sum(int(e.data.num_tokens) for e in plan.experts)  # type: ignore[union-attr]
+
+
+def rank_deficiency_warnings(plan: MergePlan) -> list[str]:
+    """One line per linear group whose merged Gram is rank-deficient by count, for methods that
+    solve on input Grams (``StatisticsRequest.keep_rows``): the Gram of a group with ``n``
+    inputs summed over tasks with ``T < n`` tokens has rank at most ``T``."""
+    tokens = calibration_tokens(plan)
+    if not plan.request.keep_rows or tokens is None or not plan.blocks:
+        return []
+    ridge = getattr(plan.parameters, "ridge", None)
+    block = plan.blocks[0]
+    out = []
+    for g in block.groups:
+        width = int(plan.base.shapes[block.group_weight(g.modules[0])][1])
+        if tokens >= width:
+            continue
+        if ridge == "auto":
+            remedy = (
+                "meanwhile ridge: auto applies a relative ridge of 1e-4 toward the experts' mean "
+                "(unseen directions keep the experts' mean) and solves in the tokens' span"
+            )
+        elif ridge == 0:
+            remedy = (
+                "with ridge: 0 the pseudo-inverse sets the merged weight to 0 in the unseen "
+                f"directions and needs an eigendecomposition of a {width} x {width} matrix "
+                "(slow): use ridge: auto"
+            )
+        else:
+            remedy = f"ridge: {ridge} regularises it toward the experts' mean"
+        out.append(
+            f"{plan.method.name}: the Gram of {g.label} ({width} inputs) has at most "
+            f"{tokens:,} ranks from {tokens:,} calibration tokens ({len(plan.experts)} tasks): "
+            f"add calibration data (at least {width:,} tokens in all) for the unregularised "
+            f"solution; {remedy}"
+        )
+    return out
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -486,6 +534,22 @@ def _numel(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= int(s)
     return n
+
+
+def _solve_bytes(width: int, out: int, k: int, span_tokens: Optional[int]) -> int:
+    """Working memory of the least-squares solve of one group (``least_squares.py``).
+
+    Both: the K stacked expert weights (float32). Span solve (``span_tokens`` T < width):
+    W₀ (float64) with its float32 copy and one ``W_k − W₀``, V (``out x T``, float32), the
+    float64 rows, R E⁻¹ and ``H⁻¹ R E⁻¹`` (``T x in``), H (``T x T``) and the float32
+    correction. Dense: the numerator (float64), Σ ω G̃, its symmetrised copy and its
+    Cholesky factor (``in x in``, float64) and the K products ``W_k G_k`` (float32).
+    """
+    weights = k * out * width * 4
+    if span_tokens is not None:
+        t = span_tokens
+        return weights + out * width * (8 + 4 + 4 + 4) + out * t * 4 + t * width * 28 + t * t * 8
+    return weights + 2 * out * width * 8 + 4 * width * width * 8 + k * out * width * 4
 
 
 def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> MemoryEstimate:
@@ -509,26 +573,52 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
     request = plan.request
     itemsize = request.statistics_dtype.itemsize
     paths = int(request.expert_path) + int(request.propagate)
+    tokens = calibration_tokens(plan)
+    ridge = getattr(plan.parameters, "ridge", None)
+    alpha = getattr(plan.parameters, "reduce_non_diagonal", 1.0)
     grams_per_task = 0  # expert path: every group's statistics at once
-    largest_gram = 0  # merged path: one group at a time
+    group_peak = (0, 0)  # (merged-path statistics, solve) of the group where their sum peaks
+    largest_gram = 0  # several processes, gathered: one group's statistics of one task
     largest_sums = 0  # several processes: numerator + system of the widest group (float64)
     if plan.blocks:
         b = plan.blocks[0]
         for g in b.groups:
             width = int(base.shapes[b.group_weight(g.modules[0])][1])
-            rows = sum(int(base.shapes[b.group_weight(m)][0]) for m in g.modules)
-            largest_sums = max(largest_sums, (rows * width + width * width + width + 1) * 8)
+            out = sum(int(base.shapes[b.group_weight(m)][0]) for m in g.modules)
+            largest_sums = max(largest_sums, (out * width + width * width + width + 1) * 8)
             gram = width * width * itemsize
             normalized = gram if request.normalized_gram else 0
             largest_gram = max(largest_gram, gram + normalized)
+            # A task with fewer tokens than the group's inputs keeps its rows (float32)
+            # instead of the Gram (ActivationStatistics(keep_rows=True)); the span solve
+            # applies when all tasks together have fewer.
+            per_task = [
+                int(plan.experts[i].data.num_tokens)
+                for i in own
+                if plan.experts[i].data is not None
+            ]
+            keeps = request.keep_rows and request.statistics_dtype == torch.float64
+            if keeps and per_task:
+                raw = sum(n * width * 4 if n < width else gram for n in per_task)
+            else:
+                raw = k * gram
+            span = bool(
+                keeps
+                and tokens is not None
+                and tokens < width
+                and alpha > 0
+                and (ridge == "auto" or (isinstance(ridge, (int, float)) and ridge > 0))
+            )
+            merged_stats = raw + k * normalized if request.propagate else 0
             if request.propagate:  # the expert path is a reference: no normalized Gram
                 limit = request.reference_gram_max_dim
                 grams_per_task += gram if limit is None or width <= limit else width * 16
             else:
-                grams_per_task += gram + normalized
-    statistics = (k * grams_per_task if request.expert_path else 0) + (
-        k * largest_gram if request.propagate else 0
-    )
+                grams_per_task += (raw // k if k else 0) + normalized
+            solve = _solve_bytes(width, out, k, tokens if span else None)
+            if merged_stats + solve > sum(group_peak):
+                group_peak = (merged_stats, solve)
+    statistics = (k * grams_per_task if request.expert_path else 0) + group_peak[0]
     activations = 0
     for e in (plan.experts[i] for i in own):
         if e.data is None:
@@ -574,7 +664,7 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
     return MemoryEstimate(
         block_weights=block_weights,
         statistics=statistics,
-        solver=4 * largest_gram,
+        solver=group_peak[1],
         activations=activations,
         non_block=non_block,
         writer_buffer=writer,

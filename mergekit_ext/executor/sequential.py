@@ -248,6 +248,8 @@ def _on(stats: TaskStatistics, device: Any) -> TaskStatistics:
         count=stats.count,
         gram_normalized=move(stats.gram_normalized),
         second_moment=move(stats.second_moment),
+        rows=move(stats.rows),
+        row_batches=stats.row_batches,
     )
 
 
@@ -576,6 +578,7 @@ class SequentialExecutor:
             dtype=request.statistics_dtype,
             product_dtype=request.product_dtype,
             device=self.device,
+            keep_rows=request.keep_rows and not reference,
         )
 
     def _expert_path_statistics(
@@ -790,6 +793,15 @@ class SequentialExecutor:
         until :meth:`_collect_task_diagnostics`.
         """
         reduction = self.method.reduction(self.parameters)
+        weights_along = False
+        if reduction is not None:
+            # A task that kept its input rows instead of the Gram (fewer tokens than inputs):
+            # rank 0 solves on every task's rows, exactly as one process; all ranks agree.
+            votes = self.dist.gather_objects(reduction.needs_gather(local))
+            if self.dist.broadcast_object(any(votes) if votes is not None else None):
+                reduction = None
+                # rank 0 holds only its own experts' linear weights here: they travel too
+                weights_along = True
         result: Optional[dict[str, torch.Tensor]] = None
         diagnostics: dict[str, Any] = {}
         if reduction is not None:
@@ -802,6 +814,9 @@ class SequentialExecutor:
                 [s.index for s in self.states],
                 [_on(st, "cpu") for st in local.expert_stats or []],
                 [_on(st, "cpu") for st in local.merged_stats] if local.merged_stats else None,
+                [{n_: w.cpu() for n_, w in e.items()} for e in local.experts]
+                if weights_along
+                else None,
             )
             gathered = self.dist.gather_objects(payload)
             if self.writes:
@@ -859,8 +874,13 @@ class SequentialExecutor:
         k_all = len(self.experts)
         expert_stats: list[Optional[TaskStatistics]] = [None] * k_all
         merged_stats: list[Optional[TaskStatistics]] = [None] * k_all
-        for indices, own_expert, own_merged in gathered:
+        experts = [
+            {n_: w[c] for n_, c in zip(local.weights, canonical) if c in w} for w in expert_blocks
+        ]
+        for indices, own_expert, own_merged, own_weights in gathered:
             for position, k in enumerate(indices):
+                if own_weights is not None:
+                    experts[k] = {n_: w.to(self.device) for n_, w in own_weights[position].items()}
                 if own_expert:
                     expert_stats[k] = _on(own_expert[position], self.device)
                 if own_merged is not None:
@@ -869,7 +889,7 @@ class SequentialExecutor:
             name=local.name,
             weights=local.weights,
             base=local.base,
-            experts=[{n_: w[c] for n_, c in zip(local.weights, canonical)} for w in expert_blocks],
+            experts=experts,
             task_names=[e.task for e in self.experts],
             expert_stats=expert_stats if local.expert_stats else [],  # type: ignore[arg-type]
             merged_stats=merged_stats if local.merged_stats is not None else None,  # type: ignore[arg-type]

@@ -19,7 +19,9 @@ with the same ``reduce_non_diagonal``/``ridge``/``solver``. Regularisation: the 
 off-diagonal shrink α (``reduce_non_diagonal``) with a pseudo-inverse solve. Our sweep over
 α ∈ {0.5, 0.8, 0.9, 0.95, 1.0} (``benchmarks/sweep.py``) found α = 1 (no shrink) best on
 all three benchmark suites, so that is the default; ``ridge`` adds
-``ridge · mean(diag) · I`` on top.
+``ridge · mean(diag) · I`` on top (default ``auto``: 0 where a group has at least as many
+calibration tokens as inputs, 1e-4 and the span solve where it has fewer; RegMean's section
+of ``docs/methods.md``).
 
 Weights are ``out x in`` (``y = W x``); the executor transposes HF ``Conv1D`` weights.
 
@@ -122,6 +124,7 @@ class ChainOfMergesMethod(LayerwiseMethod):
             expert_path=True,
             normalized_gram=p.normalize or p.task_weighting == "correlation",
             reference_gram_max_dim=FULL_COVARIANCE_W2_MAX_DIM if p.propagate else None,
+            keep_rows=True,  # the span solve when a group has fewer tokens than inputs
             statistics_dtype=getattr(torch, p.statistics_dtype),
         )
 

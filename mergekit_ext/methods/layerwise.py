@@ -74,6 +74,9 @@ class StatisticsRequest:
     - ``reference_gram_max_dim``: with ``propagate``, the expert path is only a reference
       (a diagnostic); above this input width its statistics keep only the mean and the
       per-feature second moment (``gram=None``). None: full Grams at every width.
+    - ``keep_rows``: on the path the merge uses, also keep the input rows while a task has
+      fewer tokens than the group has inputs (``TaskStatistics.rows``; at most half the
+      float64 Gram's memory)
     - ``product_dtype``: dtype of each batch's ``xᵀx`` before it is added to the float64
       sum; None: float32 for float32 (or narrower) activations, the fast default (see
       :class:`~mergekit_ext.calibration.statistics.ActivationStatistics`); ``torch.float64``
@@ -87,6 +90,7 @@ class StatisticsRequest:
     normalized_gram: bool = False
     reference_gram_max_dim: Optional[int] = None
     product_dtype: Optional[torch.dtype] = None
+    keep_rows: bool = False
     statistics_dtype: torch.dtype = torch.float64
 
 
@@ -127,6 +131,12 @@ class SumReduction(ABC):
 
         ``group`` is rank 0's own part (names, shapes, dtypes, its tasks' statistics).
         """
+
+    def needs_gather(self, group: LinearGroup) -> bool:
+        """True when this rank's part of ``group`` cannot be reduced to sums (the executor
+        then gathers every task's statistics to rank 0 for this group, as without a
+        reduction, if any rank says so); False by default."""
+        return False
 
     def task_diagnostics(
         self, group: LinearGroup, merged: Mapping[str, torch.Tensor]

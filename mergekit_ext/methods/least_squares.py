@@ -23,7 +23,7 @@ import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 import torch
 from pydantic import Field
@@ -52,6 +52,14 @@ EXACT_CONDITION_MAX_DIM = 1024
 _CHOLESKY_PINV_MARGIN = 1e-3
 _CONDITION_ITERATIONS = 10
 _CONDITION_BLOCK = 8
+# ``ridge: auto`` when a group's Gram is rank-deficient by count (fewer calibration tokens
+# than inputs): this relative ridge, toward the experts' mean (docs/methods.md, "The solve").
+# In the directions no token spans the merged weight is then the experts' mean whatever its
+# size; in the spanned ones it moves the solution by about AUTO_RIDGE relative. With at
+# least as many tokens as inputs ``auto`` is exactly 0 (outputs unchanged).
+AUTO_RIDGE = 1e-4
+
+Ridge = Union[float, Literal["auto"]]
 
 
 # --------------------------------------------------------------------------------------
@@ -79,6 +87,8 @@ class RegMeanSolution:
     solver: str  # "pinv", "solve", or "pinv (solve failed: singular)"
     condition_number_method: str = "exact"  # "exact" (all eigenvalues) | "estimate"
     products: Optional[list[torch.Tensor]] = None  # W_k G_k per task, when asked for
+    ridge: float = 0.0  # the relative ridge applied (``auto`` resolved)
+    tokens: Optional[int] = None  # calibration tokens behind Σ ω G̃ (None: not given)
 
 
 def _pinv_tolerance(eigenvalues: torch.Tensor, n: int) -> float:
@@ -130,24 +140,59 @@ def estimate_condition_number(
     so the estimate is never above the true condition number. O(iterations · block · n²)
     instead of the O(n³) of an eigendecomposition; deterministic.
     """
-    n = matrix.shape[0]
-    width = min(block, n)
-    generator = torch.Generator().manual_seed(0)
-    start = torch.randn(n, width, generator=generator, dtype=torch.float64)
-    start = start.to(device=matrix.device, dtype=matrix.dtype)
+    return estimate_condition_number_of(
+        lambda q: matrix @ q,
+        lambda q: torch.cholesky_solve(q, cholesky),
+        matrix.shape[0],
+        dtype=matrix.dtype,
+        device=matrix.device,
+        iterations=iterations,
+        block=block,
+    )
 
-    def extreme_ritz(apply: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        basis = torch.linalg.qr(start).Q
-        for _ in range(iterations):
-            basis = torch.linalg.qr(apply(basis)).Q
-        projected = basis.T @ matrix @ basis
-        return torch.linalg.eigvalsh(0.5 * (projected + projected.T))
 
-    largest = float(extreme_ritz(lambda q: matrix @ q).max())
-    smallest = float(extreme_ritz(lambda q: torch.cholesky_solve(q, cholesky)).min())
+def estimate_condition_number_of(
+    apply: Callable[[torch.Tensor], torch.Tensor],
+    apply_inverse: Callable[[torch.Tensor], torch.Tensor],
+    n: int,
+    *,
+    dtype: torch.dtype = torch.float64,
+    device: Optional[torch.device] = None,
+    iterations: int = _CONDITION_ITERATIONS,
+    block: int = _CONDITION_BLOCK,
+) -> float:
+    """:func:`estimate_condition_number` for a matrix given as ``apply`` / ``apply_inverse``.
+
+    Both map an ``n x b`` block to ``A @ block`` / ``A⁻¹ @ block``; the Rayleigh–Ritz steps
+    use ``apply`` too, so the matrix itself is never formed (the span solve's ``A`` is
+    ``Rᵀ D R + E``, applied in O(n · T) per vector).
+    """
+    largest = float(_ritz_values(apply, apply, n, dtype, device, iterations, block).max())
+    smallest = float(_ritz_values(apply, apply_inverse, n, dtype, device, iterations, block).min())
     if smallest <= 0.0:
         return math.inf
     return largest / smallest
+
+
+def _ritz_values(
+    apply: Callable[[torch.Tensor], torch.Tensor],
+    power: Callable[[torch.Tensor], torch.Tensor],
+    n: int,
+    dtype: torch.dtype = torch.float64,
+    device: Optional[torch.device] = None,
+    iterations: int = _CONDITION_ITERATIONS,
+    block: int = _CONDITION_BLOCK,
+) -> torch.Tensor:
+    """Ritz values of ``apply`` on the subspace that ``iterations`` steps of ``power`` reach
+    from a seeded random block: the extreme eigenvalues of ``power``'s dominant end."""
+    width = min(block, n)
+    generator = torch.Generator().manual_seed(0)
+    start = torch.randn(n, width, generator=generator, dtype=torch.float64)
+    basis = torch.linalg.qr(start.to(device=device, dtype=dtype)).Q
+    for _ in range(iterations):
+        basis = torch.linalg.qr(power(basis)).Q
+    projected = basis.T @ apply(basis)
+    return torch.linalg.eigvalsh(0.5 * (projected + projected.T))
 
 
 def _condition(system: torch.Tensor, cholesky: Optional[torch.Tensor]) -> tuple[float, str]:
@@ -157,68 +202,32 @@ def _condition(system: torch.Tensor, cholesky: Optional[torch.Tensor]) -> tuple[
     return estimate_condition_number(system, cholesky), "estimate"
 
 
-def _solve_assembled(
-    numerator: torch.Tensor,
-    system: torch.Tensor,
-    *,
-    ridge: float,
-    weighted_experts: Callable[[], torch.Tensor],
-    weight_sum: float,
-    solver: Solver,
-    name: str,
-) -> tuple[torch.Tensor, float, str, str]:
-    """``numerator · system⁻¹`` from the assembled sums (float64, ``system`` with its diagonal
-    part added): the ridge, the solver choice and the condition number of :func:`regmean_solve`,
-    shared with the distributed reduction's :func:`solve_regmean_sums`.
-
-    Returns ``(merged, condition number, solver used, condition_number_method)``.
-    """
-    n_in = system.shape[0]
-    system = 0.5 * (system + system.T)  # exact symmetry for eigh
-    if ridge > 0.0:
-        strength = ridge * float(torch.diagonal(system).mean())
-        torch.diagonal(system).add_(strength)
-        numerator = numerator + (strength / weight_sum) * weighted_experts()
-
-    n_eps = n_in * torch.finfo(torch.float64).eps
-    cholesky = _cholesky(system)
-    condition, condition_method = _condition(system, cholesky)
-    used = solver
-    merged: Optional[torch.Tensor] = None
-    if solver == "solve":
-        try:
-            if cholesky is not None:
-                merged = torch.cholesky_solve(numerator.T, cholesky).T
-            else:
-                merged = torch.linalg.solve(system, numerator.T).T
-        except RuntimeError:  # torch.linalg.LinAlgError subclasses RuntimeError
-            merged = None
-        if merged is None or not torch.isfinite(merged).all():
-            LOG.warning("%s: Σ ω G̃ is singular; solving with the pseudo-inverse instead", name)
-            used = "pinv (solve failed: singular)"
-            merged = None
-    elif cholesky is not None and condition * n_eps < _CHOLESKY_PINV_MARGIN:
-        # No eigenvalue is anywhere near pinv's cut-off: the pseudo-inverse is the inverse,
-        # and a Cholesky solve gives it at a fraction of an eigendecomposition's cost.
-        merged = torch.cholesky_solve(numerator.T, cholesky).T
-    if merged is None:
-        pinv, eigenvalues = _symmetric_pinv(system)
-        merged = numerator @ pinv
-        condition, condition_method = _condition_number(eigenvalues), "exact"
-    assert merged is not None
-    return merged, condition, used, condition_method
+def resolve_ridge(ridge: Ridge, n_in: int, tokens: Optional[int]) -> float:
+    """The relative ridge to apply: ``auto`` is :data:`AUTO_RIDGE` when fewer than ``n_in``
+    calibration tokens stand behind the Gram (it is then rank-deficient), exactly 0 otherwise
+    (or when the count is unknown); a number is used as given."""
+    if isinstance(ridge, str):
+        if ridge != "auto":
+            raise ValueError(f"ridge must be a number >= 0 or 'auto'; got {ridge!r}")
+        return AUTO_RIDGE if tokens is not None and tokens < n_in else 0.0
+    value = float(ridge)
+    if value < 0.0 or not math.isfinite(value):
+        raise ValueError(f"ridge must be a finite number >= 0 or 'auto'; got {ridge}")
+    return value
 
 
 def regmean_solve(
     expert_weights: Sequence[torch.Tensor],
-    grams: Sequence[torch.Tensor],
+    grams: Sequence[Optional[torch.Tensor]],
     alpha: float,
     *,
     task_weights: Optional[Sequence[float]] = None,
-    ridge: float = 0.0,
+    ridge: Ridge = 0.0,
     solver: Solver = "pinv",
     name: str = "<weight>",
     keep_products: bool = False,
+    tokens: Optional[int] = None,
+    rows: Optional[Sequence[torch.Tensor]] = None,
 ) -> RegMeanSolution:
     """``W = (Σ_k ω_k W_k G̃_k)(Σ_k ω_k G̃_k)⁻¹`` with diagnostics (RegMean eq. 3; CoM eq. for ω).
 
@@ -228,13 +237,21 @@ def regmean_solve(
       with ``λ = ridge · mean(diag(A)) / Σ_k ω_k``, ``A = Σ_k ω_k G̃_k``, it solves
       ``min_W Σ_k ω_k (‖W X_k − W_k X_k‖²/N_k + λ ‖W − W_k‖²_F)``, i.e. the inverted matrix is
       ``A + ridge · mean(diag(A)) · I`` and the numerator gains ``λ Σ_k ω_k W_k``
-      (so a huge ridge gives the weighted mean of the experts, not zero).
+      (so a huge ridge gives the weighted mean of the experts, not zero). ``"auto"``:
+      :func:`resolve_ridge` with ``tokens`` (:data:`AUTO_RIDGE` when ``tokens < in``, else 0).
     - ``solver``: ``pinv`` (Moore–Penrose pseudo-inverse, the CoM paper's choice) or
       ``solve`` (falls back to pinv with a warning when the matrix is singular). ``pinv`` is
       computed as a Cholesky solve when ``Σ ω G̃`` is positive definite and its condition
       number is far from pinv's cut-off (then the two are the same matrix), by ``eigh``
-      otherwise.
-    - ``keep_products``: also return each ``W_k G_k`` (for diagnostics that reuse them).
+      otherwise. With a ridge the matrix is positive definite and both are its inverse.
+    - ``tokens``: the calibration tokens behind the Grams (``Σ_k N_k``), for ``auto``.
+    - ``rows``: optionally each task's inputs ``X_kᵀ`` (``N_k x in``, ``G_k = X_kᵀ X_k / N_k``,
+      the rows of the Gram the solve uses; a Gram may then be None and is formed from its
+      rows where the dense path needs it). With a ridge and ``Σ N_k < in`` the solve is then
+      written in the span of the tokens (:func:`span_solve`: a ``T x T`` system, T = Σ N_k)
+      instead of the ``in x in`` one; same solution, O(T · in · (T + out)) instead of O(in³).
+    - ``keep_products``: also return each ``W_k G_k`` (for diagnostics that reuse them);
+      None on the span path, which never forms them.
 
     The Grams, ``Σ ω G̃`` and the solve are float64; the products ``W_k G_k`` are float32
     GEMMs for float32 weights (float64 for float64 weights). The result has the dtype of
@@ -252,8 +269,6 @@ def regmean_solve(
         raise TensorError(
             f"{name}: task weights must be finite, non-negative and not all zero; got {weights}"
         )
-    if ridge < 0.0 or not math.isfinite(ridge):
-        raise ValueError(f"ridge must be a finite number >= 0; got {ridge}")
     if solver not in ("pinv", "solve"):
         raise ValueError(f"solver must be pinv or solve; got {solver!r}")
 
@@ -264,46 +279,189 @@ def regmean_solve(
     if len(shape) != 2:
         raise TensorError(f"RegMean merges 2-D linear weights; {name} has shape {shape}")
     n_in = shape[1]
+    relative_ridge = resolve_ridge(ridge, n_in, tokens)
     for k, (w, g) in enumerate(zip(expert_weights, grams)):
         if tuple(w.shape) != shape:
             raise TensorError(
                 f"shape mismatch for {name}: task {k} has {tuple(w.shape)}, task 0 has {shape}"
             )
+        if g is None:
+            if rows is None:
+                raise TensorError(f"{name}: task {k} has neither an input Gram nor input rows")
+            continue
         if tuple(g.shape) != (n_in, n_in):
             raise TensorError(
                 f"{name}: the input Gram of task {k} is {tuple(g.shape)}, expected "
                 f"({n_in}, {n_in}) for an out x in weight of shape {shape}"
             )
+    if rows is not None:
+        if len(rows) != n_tasks or any(
+            r.ndim != 2 or r.shape[1] != n_in or r.shape[0] == 0 for r in rows
+        ):
+            raise TensorError(
+                f"{name}: rows must be one non-empty N_k x {n_in} tensor per task; got "
+                f"{[tuple(r.shape) for r in rows]}"
+            )
+        span_tokens = sum(r.shape[0] for r, omega in zip(rows, weights) if omega > 0.0)
+        if relative_ridge > 0.0 and alpha > 0.0 and span_tokens < n_in:
+            return span_solve(
+                expert_weights,
+                grams,
+                rows,
+                alpha,
+                task_weights=weights,
+                ridge=relative_ridge,
+                tokens=tokens,
+            )
+    if any(g is None for g in grams):
+        assert rows is not None
+        grams = [_gram_of(r) if g is None else g for g, r in zip(grams, rows)]
 
-    numerator = torch.zeros(shape, dtype=torch.float64)
-    system = torch.zeros((n_in, n_in), dtype=torch.float64)
-    system_diagonal = torch.zeros(n_in, dtype=torch.float64)
+    # The same sums and solve as the distributed reduction (LeastSquaresReduction), so one
+    # process and several add and solve bit for bit alike.
+    sums = regmean_zero_sums(shape, with_weighted_experts=relative_ridge > 0.0)
     products: list[torch.Tensor] = []
     for w, g, omega in zip(expert_weights, grams, weights):
         # W_k G̃_k = α W_k G_k + (1 − α) W_k diag(G_k): one GEMM, no shrunk copy of G_k.
         product = w.to(product_dtype) @ g.to(product_dtype)
-        diagonal = torch.diagonal(g).double()
-        numerator.add_(product.double(), alpha=omega * alpha)
-        numerator.add_(w.double() * diagonal, alpha=omega * (1.0 - alpha))
-        system.add_(g.double(), alpha=omega * alpha)
-        system_diagonal.add_(diagonal, alpha=omega * (1.0 - alpha))
+        regmean_add_task(sums, w, g, alpha, omega, product)
         if keep_products:
             products.append(product)
         del product
-    torch.diagonal(system).add_(system_diagonal)
-    merged, condition, used, condition_method = _solve_assembled(
-        numerator,
-        system,
-        ridge=ridge,
-        weighted_experts=lambda: sum(
-            omega * w.double() for w, omega in zip(expert_weights, weights)
-        ),
-        weight_sum=sum(weights),
-        solver=solver,
-        name=name,
+    solution = solve_regmean_sums(
+        sums, ridge=relative_ridge, solver=solver, name=name, out_dtype=out_dtype, tokens=tokens
     )
+    solution.products = products if keep_products else None
+    return solution
+
+
+def _gram_of(rows: torch.Tensor) -> torch.Tensor:
+    """``rowsᵀ rows / N`` in float64, exactly symmetric."""
+    r = rows.double()
+    gram = r.T @ r / r.shape[0]
+    return (gram + gram.T).mul_(0.5)
+
+
+def span_solve(
+    expert_weights: Sequence[torch.Tensor],
+    grams: Sequence[Optional[torch.Tensor]],
+    rows: Sequence[torch.Tensor],
+    alpha: float,
+    *,
+    task_weights: Sequence[float],
+    ridge: float,
+    tokens: Optional[int] = None,
+) -> RegMeanSolution:
+    """The ridge-regularised RegMean solution written in the span of the calibration tokens.
+
+    With ``R`` the ``T x in`` stack of every task's rows (tasks with ω_k = 0 left out),
+    ``D = diag(α ω_k / N_k)`` per row, ``E = diag((1 − α) Σ_k ω_k diag(G_k) + λ)``
+    (``λ = ridge · mean(diag(A))``, the same λ as :func:`regmean_solve`), the inverted matrix
+    is ``A = Rᵀ D R + E`` and the numerator ``N = Σ_k α ω_k W_k R_kᵀ R_k / N_k + M`` with
+    ``M = Σ_k ω_k W_k ((1 − α) diag(G_k) + λ / Σ ω)``. Let ``W₀ = M E⁻¹`` (a per-input-column
+    weighted mean of the experts; with α = 1 their ω-mean). Then ``N − W₀ A = V D R`` with
+    ``V = [(W_k − W₀) R_kᵀ]_k`` (``out x T``), and the push-through identity
+    ``D R (Rᵀ D R + E)⁻¹ = (R E⁻¹ Rᵀ + D⁻¹)⁻¹ R E⁻¹`` gives::
+
+        W = N A⁻¹ = W₀ + V H⁻¹ (R E⁻¹),     H = R E⁻¹ Rᵀ + D⁻¹     (T x T, positive definite)
+
+    exactly (Woodbury), for any T. It is used when T < in: then ``A``'s ``in x in``
+    factorisation (O(in³)) is replaced by ``H``'s (O(T³)) and O(T · in · (T + out)) products;
+    in the directions no token spans, ``W = W₀``.
+
+    Float64 throughout (``H``, its Cholesky factor, the solve and the ``out x in x T``
+    products), so the bytes do not depend on the number of torch threads. The condition
+    number of ``A`` is exact (dense) up to :data:`EXACT_CONDITION_MAX_DIM` inputs, estimated
+    above from ``A``'s action (``Rᵀ D R q + E q``) and its inverse (by Woodbury), with no
+    ``in x in`` matrix formed.
+    """
+    out_dtype = expert_weights[0].dtype
+    # float64 throughout: float32 GEMMs of these shapes (T < in) gave bytes that depended on
+    # the number of torch threads; the same config and seed must give the same bytes
+    product_dtype = torch.float64
+    out, n_in = expert_weights[0].shape
+    weights = [float(w) for w in task_weights]
+    total = sum(weights)
+    # mean(diag(A)) of the dense path: Σ_k ω_k mean(diag(G̃_k)) = Σ_k ω_k mean(diag(G_k))
+    diagonals = [
+        torch.diagonal(g).double() if g is not None else r.double().square().mean(0)
+        for g, r in zip(grams, rows)
+    ]
+    mean_diagonal = float(sum(omega * d for d, omega in zip(diagonals, weights)).mean())
+    strength = ridge * mean_diagonal
+    e = torch.full((n_in,), strength, dtype=torch.float64)
+    m = torch.zeros((out, n_in), dtype=torch.float64)
+    for w, d, omega in zip(expert_weights, diagonals, weights):
+        e.add_(d, alpha=omega * (1.0 - alpha))
+        m.add_(w.double() * (omega * ((1.0 - alpha) * d + strength / total)))
+    if not bool((e > 0.0).all()):
+        raise TensorError("span_solve needs a positive E = (1 − α) Σ ω diag(G) + λ; use a ridge")
+    w0 = m.div_(e)  # in place: M is not needed again
+    del m
+
+    stacked_rows, inverse_d, v_parts = [], [], []
+    w0_product = w0.to(product_dtype)  # one copy for every task's W_k − W₀
+    for w, r, omega in zip(expert_weights, rows, weights):
+        if omega <= 0.0:
+            continue
+        stacked_rows.append(r.double())
+        inverse_d.append(
+            torch.full((r.shape[0],), r.shape[0] / (alpha * omega), dtype=torch.float64)
+        )
+        delta = w.to(product_dtype) - w0_product
+        v_parts.append(delta @ r.to(product_dtype).T)
+        del delta
+    del w0_product
+    r_all = torch.cat(stacked_rows)
+    del stacked_rows
+    v = torch.cat(v_parts, dim=1)  # product dtype
+    del v_parts
+    d_inv = torch.cat(inverse_d)
+    f = r_all / e  # R E⁻¹
+    h = f @ r_all.T
+    torch.diagonal(h).add_(d_inv)
+    h = 0.5 * (h + h.T)
+    factor = _cholesky(h)
+    if factor is None:  # pragma: no cover - H ⪰ D⁻¹ > 0
+        raise TensorError("span_solve: H = R E⁻¹ Rᵀ + D⁻¹ is not positive definite")
+    if out <= n_in:
+        z = torch.cholesky_solve(v.T.double(), factor).T  # V H⁻¹, out x T
+        correction = z.to(product_dtype) @ f.to(product_dtype)
+    else:
+        p = torch.cholesky_solve(f, factor)  # H⁻¹ R E⁻¹, T x in
+        correction = v @ p.to(product_dtype)
+    merged = w0.add_(correction)  # float64 += float32: no float64 copy of the correction
+    del correction, v
+
+    d = 1.0 / d_inv
+    if n_in <= EXACT_CONDITION_MAX_DIM:
+        system = (r_all.T * d) @ r_all
+        torch.diagonal(system).add_(e)
+        eigenvalues = torch.linalg.eigvalsh(0.5 * (system + system.T))
+        condition, method = _condition_number(eigenvalues), "exact"
+    elif alpha == 1.0:
+        # E = λ I and T < in: λ_min(A) = λ exactly (A = λ I off the tokens' span) and
+        # λ_max(A) = λ · λ_max(D^½ H D^½), from the T x T matrix already formed.
+        root = d.sqrt()
+        scaled = root[:, None] * h * root[None, :]
+        condition = float(_ritz_values(lambda q: scaled @ q, lambda q: scaled @ q, len(d)).max())
+        method = "estimate"
+    else:
+        condition = estimate_condition_number_of(
+            lambda q: r_all.T @ (d[:, None] * (r_all @ q)) + e[:, None] * q,
+            lambda q: q / e[:, None] - f.T @ torch.cholesky_solve(f @ q, factor),
+            n_in,
+        )
+        method = "estimate"
+    total_rows = int(r_all.shape[0])
     return RegMeanSolution(
-        merged.to(out_dtype), condition, used, condition_method, products if keep_products else None
+        merged.to(out_dtype),
+        condition,
+        f"cholesky in the span of {total_rows} tokens",
+        method,
+        None,
+        ridge=ridge,
+        tokens=tokens if tokens is not None else total_rows,
     )
 
 
@@ -313,7 +471,7 @@ def regmean_merge_weights(
     alpha: float,
     *,
     task_weights: Optional[Sequence[float]] = None,
-    ridge: float = 0.0,
+    ridge: Ridge = 0.0,
     solver: Solver = "pinv",
 ) -> torch.Tensor:
     """``W = (Σ_k ω_k W_k G̃_k)(Σ_k ω_k G̃_k)⁻¹``; see :func:`regmean_solve` for the details."""
@@ -345,6 +503,24 @@ def relative_output_error(
         expert_product = w32 @ g
     reference = float((expert_product.float() * expert_weight.float()).sum(dtype=torch.float64))
     reference = max(reference, 0.0)
+    if reference == 0.0:
+        return 0.0 if error == 0.0 else math.inf
+    return math.sqrt(error / reference)
+
+
+def relative_output_error_rows(
+    merged_weight: torch.Tensor, expert_weight: torch.Tensor, rows: torch.Tensor
+) -> float:
+    """:func:`relative_output_error` from the inputs themselves (``rows``: ``N x in``).
+
+    ``‖(W − W_k) Xᵀ‖_F / ‖W_k Xᵀ‖_F``: two ``out x in x N`` products instead of two
+    ``out x in x in`` ones, the cheaper form when N < in. Same dtypes as the Gram form.
+    """
+    x = rows.float() if expert_weight.dtype != torch.float64 else rows.double()
+    # in the products' dtype: the difference of two float32 weights is exact to 1 ulp
+    diff = merged_weight.to(x.dtype) - expert_weight.to(x.dtype)
+    error = float((diff @ x.T).square().sum(dtype=torch.float64))
+    reference = float((expert_weight.to(x.dtype) @ x.T).square().sum(dtype=torch.float64))
     if reference == 0.0:
         return 0.0 if error == 0.0 else math.inf
     return math.sqrt(error / reference)
@@ -421,8 +597,8 @@ def covariate_shift_w2(
     """
     full = (
         merged_path.mean.numel() <= full_covariance_max_dim
-        and merged_path.gram is not None
-        and expert_path.gram is not None
+        and (merged_path.gram is not None or merged_path.rows is not None)
+        and (expert_path.gram is not None or expert_path.rows is not None)
     )
     if full:
         distance = gaussian_w2(
@@ -476,7 +652,9 @@ def _check_statistics(
             raise CalibrationError(
                 f"{where} were accumulated over {st.count} tokens; give that task calibration data"
             )
-        if st.gram is None and need_gram:
+        if st.rows is not None and (st.rows.ndim != 2 or tuple(st.rows.shape) != (st.count, n_in)):
+            st.rows = None  # not this Gram's rows (e.g. counts summed over processes)
+        if st.gram is None and st.rows is None and need_gram:
             raise CalibrationError(
                 f"{where} keep only moments, but the merge needs the full Gram; the executor "
                 "must not apply reference_gram_max_dim to the path a merge uses"
@@ -563,12 +741,24 @@ def _stacked_weights(group: LinearGroup, method: str) -> tuple[list[torch.Tensor
     return stacked, rows, n_in
 
 
+def _token_rows(stats: Sequence[TaskStatistics]) -> Optional[list[torch.Tensor]]:
+    """Every task's kept input rows (``TaskStatistics.rows``), or None unless all have them.
+
+    Rows whose count differs from the statistics' token count (statistics reduced from
+    several processes, say) are not the Gram's rows: then None, and the Gram path is used.
+    """
+    rows = [st.rows for st in stats]
+    if any(r is None or r.shape[0] != st.count for r, st in zip(rows, stats)):
+        return None
+    return rows  # type: ignore[return-value]
+
+
 def merge_group_least_squares(
     group: LinearGroup,
     *,
     method: str,
     alpha: float,
-    ridge: float,
+    ridge: Ridge,
     solver: Solver,
     use_merged_path: bool,
     use_normalized_gram: bool,
@@ -625,7 +815,25 @@ def merge_group_least_squares(
             f"{method}: all task weights are zero for linear group {group.name} ({omegas}); "
             "use task_weighting: uniform"
         )
+    # raw Grams may be None where the rows were kept instead (regmean_solve forms them if needed)
     grams = [st.gram_normalized if use_normalized_gram else st.gram for st in chosen]
+    # The rank of Σ ω G̃ is at most the tokens behind it (tasks with ω > 0)
+    tokens = sum(st.count for st, omega in zip(chosen, omegas) if omega > 0.0)
+    raw_rows = _token_rows(chosen)
+    span = (
+        raw_rows is not None
+        and alpha > 0.0
+        and tokens < n_in
+        and resolve_ridge(ridge, n_in, tokens) > 0.0
+    )
+    if not span:
+        # The n x n solve: the Gram of each task that kept rows, bit for bit as accumulated
+        grams = [g if g is not None else st.gram_from_rows() for g, st in zip(grams, chosen)]
+    solve_rows = raw_rows
+    if raw_rows is not None and use_normalized_gram:
+        solve_rows = [
+            r / r.norm(dim=1, keepdim=True).clamp_min(torch.finfo(r.dtype).tiny) for r in raw_rows
+        ]
     solution = regmean_solve(
         stacked,
         grams,  # type: ignore[arg-type]  # checked non-None above
@@ -635,7 +843,10 @@ def merge_group_least_squares(
         solver=solver,
         name=f"linear group {group.name}",
         keep_products=not use_normalized_gram,  # W_k G_k of the diagnostic's own Gram
+        tokens=tokens,
+        rows=solve_rows,
     )
+    del solve_rows
     merged_parts = torch.split(solution.merged_weight, rows, dim=0)
     merged = {
         weight_name: part.to(group.experts[0][weight_name].dtype).contiguous()
@@ -650,14 +861,20 @@ def merge_group_least_squares(
             shift, shift_kind = covariate_shift_w2(
                 merged_path[k], expert_path[k], full_covariance_max_dim=full_covariance_max_dim
             )
-        tasks[task] = {
-            "weight": omegas[k],
-            "relative_output_error": relative_output_error(
+        if solution.products is None and raw_rows is not None:
+            output_error = relative_output_error_rows(
+                solution.merged_weight, stacked[k], raw_rows[k]
+            )
+        else:
+            output_error = relative_output_error(
                 solution.merged_weight,
                 stacked[k],
-                chosen[k].gram,  # type: ignore[arg-type]  # checked non-None above
+                chosen[k].gram_from_rows(),  # type: ignore[arg-type]  # checked above
                 solution.products[k] if solution.products is not None else None,
-            ),
+            )
+        tasks[task] = {
+            "weight": omegas[k],
+            "relative_output_error": output_error,
             "covariate_shift_w2": shift,
         }
     diagnostics: dict[str, Any] = {
@@ -666,7 +883,10 @@ def merge_group_least_squares(
         "condition_number_method": solution.condition_number_method,
         "solver": solution.solver,
         "reduce_non_diagonal": float(alpha),
-        "ridge": float(ridge),
+        "ridge": solution.ridge,
+        "ridge_setting": ridge if isinstance(ridge, str) else float(ridge),
+        "tokens": tokens,
+        "input_width": n_in,
         "statistics": "merged_path" if use_merged_path else "expert_path",
         "normalized_gram": bool(use_normalized_gram),
         "task_weighting": task_weighting_label,
@@ -686,7 +906,8 @@ def regmean_zero_sums(
 ) -> dict[str, torch.Tensor]:
     """The accumulators of :func:`regmean_solve`'s sums (float64 zeros), for
     :func:`regmean_add_task`: ``numerator`` (out x in), ``system`` (in x in),
-    ``system_diagonal`` (in), ``task_weight_sum`` (1) and, for a ridge, ``weighted_experts``."""
+    ``system_diagonal`` (in), ``task_weight_sum`` (1), ``tokens`` (1) and, for a ridge,
+    ``weighted_experts``."""
     out, n_in = int(shape[0]), int(shape[1])
     zeros = dict(dtype=torch.float64, device=device)
     sums = {
@@ -694,6 +915,7 @@ def regmean_zero_sums(
         "system": torch.zeros((n_in, n_in), **zeros),
         "system_diagonal": torch.zeros(n_in, **zeros),
         "task_weight_sum": torch.zeros(1, **zeros),
+        "tokens": torch.zeros(1, **zeros),  # Σ N_k over tasks with ω_k > 0 (for ridge: auto)
     }
     if with_weighted_experts:
         sums["weighted_experts"] = torch.zeros((out, n_in), **zeros)
@@ -707,10 +929,11 @@ def regmean_add_task(
     alpha: float,
     omega: float,
     product: Optional[torch.Tensor] = None,
+    count: int = 0,
 ) -> None:
     """Add one task's terms to the sums, in place: ``ω (α W G + (1 − α) W diag(G))`` to the
     numerator, ``ω (α G + (1 − α) diag(G))`` to the system (its diagonal part kept apart),
-    ``ω`` and ``ω W``.
+    ``ω``, ``ω W`` and (ω > 0) the task's token count ``count``.
 
     The same operations in the same order as :func:`regmean_solve`'s loop, so adding the
     tasks in order gives its sums bit for bit; ``product`` is ``W G`` when already computed
@@ -725,6 +948,8 @@ def regmean_add_task(
     sums["system"].add_(gram.double(), alpha=omega * alpha)
     sums["system_diagonal"].add_(diagonal, alpha=omega * (1.0 - alpha))
     sums["task_weight_sum"].add_(omega)
+    if omega > 0.0:
+        sums["tokens"].add_(float(count))
     if "weighted_experts" in sums:
         sums["weighted_experts"].add_(omega * weight.double())
 
@@ -736,27 +961,74 @@ def solve_regmean_sums(
     solver: Solver = "pinv",
     name: str = "<weight>",
     out_dtype: torch.dtype = torch.float32,
+    tokens: Optional[int] = None,
 ) -> RegMeanSolution:
     """``W = numerator · system⁻¹`` from the sums of :func:`regmean_add_task`.
 
-    The ridge term, solver choice and condition number follow :func:`regmean_solve`
-    exactly (the same steps on the same sums).
+    The one dense solve of every least-squares merge (:func:`regmean_solve` and the
+    distributed :class:`LeastSquaresReduction`). ``ridge`` is the relative ridge already
+    resolved (:func:`resolve_ridge`); ``tokens`` is recorded in the solution. The
+    ``solver`` choice is :func:`regmean_solve`'s.
     """
     if float(sums["task_weight_sum"].sum()) <= 0.0:
         raise TensorError(f"{name}: the task weights are all zero; use task_weighting: uniform")
     numerator = sums["numerator"].double().clone()
     system = sums["system"].double().clone()
+    n_in = system.shape[0]
     torch.diagonal(system).add_(sums["system_diagonal"].double())
-    merged, condition, used, condition_method = _solve_assembled(
-        numerator,
-        system,
+    system = 0.5 * (system + system.T)  # exact symmetry for eigh
+    if ridge > 0.0:
+        strength = ridge * float(torch.diagonal(system).mean())
+        torch.diagonal(system).add_(strength)
+        numerator += (strength / float(sums["task_weight_sum"].sum())) * sums[
+            "weighted_experts"
+        ].double()
+
+    n_eps = n_in * torch.finfo(torch.float64).eps
+    cholesky = _cholesky(system)
+    if cholesky is None and solver == "pinv":
+        # pinv's eigh below gives the condition number: no eigvalsh of the same matrix first
+        condition, condition_method = math.inf, "exact"
+    else:
+        condition, condition_method = _condition(system, cholesky)
+    used = solver
+    merged: Optional[torch.Tensor] = None
+    if solver == "solve":
+        try:
+            if cholesky is not None:
+                merged = torch.cholesky_solve(numerator.T, cholesky).T
+            else:
+                merged = torch.linalg.solve(system, numerator.T).T
+        except RuntimeError:  # torch.linalg.LinAlgError subclasses RuntimeError
+            merged = None
+        if merged is None or not torch.isfinite(merged).all():
+            LOG.warning("%s: Σ ω G̃ is singular; solving with the pseudo-inverse instead", name)
+            used = "pinv (solve failed: singular)"
+            merged = None
+    elif cholesky is not None and condition * n_eps < _CHOLESKY_PINV_MARGIN:
+        # No eigenvalue is anywhere near pinv's cut-off: the pseudo-inverse is the inverse,
+        # and a Cholesky solve gives it at a fraction of an eigendecomposition's cost.
+        merged = torch.cholesky_solve(numerator.T, cholesky).T
+    if merged is None:
+        if n_in > EXACT_CONDITION_MAX_DIM and ridge == 0.0:
+            LOG.warning(
+                "%s: Σ ω G̃ (%d inputs) is singular or nearly so; taking its pseudo-inverse by "
+                "an eigendecomposition (slow at this width; ridge: auto or a small ridge avoids it)",
+                name,
+                n_in,
+            )
+        pinv, eigenvalues = _symmetric_pinv(system)
+        merged = numerator @ pinv
+        condition, condition_method = _condition_number(eigenvalues), "exact"
+    return RegMeanSolution(
+        merged.to(out_dtype),
+        condition,
+        used,
+        condition_method,
+        None,
         ridge=ridge,
-        weighted_experts=lambda: sums["weighted_experts"].double(),
-        weight_sum=float(sums["task_weight_sum"].sum()),
-        solver=solver,
-        name=name,
+        tokens=tokens,
     )
-    return RegMeanSolution(merged.to(out_dtype), condition, used, condition_method, None)
 
 
 class LeastSquaresReduction(SumReduction):
@@ -777,7 +1049,7 @@ class LeastSquaresReduction(SumReduction):
         *,
         method: str,
         alpha: float,
-        ridge: float,
+        ridge: Ridge,
         solver: Solver,
         use_merged_path: bool,
         use_normalized_gram: bool,
@@ -825,6 +1097,12 @@ class LeastSquaresReduction(SumReduction):
             else None
         )
 
+    def needs_gather(self, group: LinearGroup) -> bool:
+        # Rows kept instead of a Gram (a task with fewer tokens than inputs): the span solve
+        # and the dense one on those rows both need every task's rows on the solving rank.
+        stats = group.merged_stats if self.use_merged_path else group.expert_stats
+        return any(st is not None and st.rows is not None for st in stats or [])
+
     def prepare(self, group: LinearGroup) -> dict[str, torch.Tensor]:
         self._stacked, self._rows, n_in = _stacked_weights(group, self.method)
         self._paths(group, n_in)
@@ -847,7 +1125,8 @@ class LeastSquaresReduction(SumReduction):
         ]
         return regmean_zero_sums(
             self._stacked[0].shape,
-            with_weighted_experts=self.ridge > 0.0,
+            # auto is resolved in solve from the tokens of every task
+            with_weighted_experts=isinstance(self.ridge, str) or float(self.ridge) > 0.0,
             device=self._stacked[0].device,
         )
 
@@ -859,6 +1138,7 @@ class LeastSquaresReduction(SumReduction):
             self.alpha,
             self._omegas[position],
             self._products[position],
+            count=self._chosen[position].count,
         )
 
     def solve(
@@ -867,9 +1147,12 @@ class LeastSquaresReduction(SumReduction):
         if not self._rows:
             self._stacked, self._rows, _ = _stacked_weights(group, self.method)
         reference = group.experts[0]
+        n_in = int(sums["system"].shape[0])
+        tokens = int(round(float(sums["tokens"].sum())))
         solution = solve_regmean_sums(
             dict(sums),
-            ridge=self.ridge,
+            ridge=resolve_ridge(self.ridge, n_in, tokens),
+            tokens=tokens,
             solver=self.solver,
             name=f"linear group {group.name}",
             out_dtype=reference[group.weights[0]].dtype,
@@ -898,7 +1181,10 @@ class LeastSquaresReduction(SumReduction):
             "condition_number_method": solution.condition_number_method,
             "solver": solution.solver,
             "reduce_non_diagonal": float(self.alpha),
-            "ridge": float(self.ridge),
+            "ridge": solution.ridge,
+            "ridge_setting": self.ridge if isinstance(self.ridge, str) else float(self.ridge),
+            "tokens": tokens,
+            "input_width": n_in,
             "statistics": "merged_path" if self.use_merged_path else "expert_path",
             "normalized_gram": bool(self.use_normalized_gram),
             "task_weighting": self.task_weighting_label,
@@ -960,12 +1246,13 @@ class RegMeanParameters(MethodParameters):
         description="α of the off-diagonal shrink G̃ = α G + (1 − α) diag(G); 1 keeps the Gram, "
         "0 gives a per-column average weighted by diag(G)" + ALPHA_EVIDENCE,
     )
-    ridge: float = Field(
-        0.0,
-        ge=0.0,
-        allow_inf_nan=False,
+    ridge: Union[Literal["auto"], Annotated[float, Field(ge=0.0, allow_inf_nan=False)]] = Field(
+        "auto",
         description="Tikhonov term toward the experts' mean: adds ridge · mean(diag(Σ ω G̃)) · I "
-        "to the inverted matrix (and the matching term to the numerator)",
+        "to the inverted matrix (and the matching term to the numerator); auto: "
+        f"{AUTO_RIDGE:g} for a group whose calibration tokens are fewer than its inputs (a "
+        "rank-deficient Gram: unseen directions keep the experts' mean instead of 0, and the "
+        "solve runs in the span of the tokens), exactly 0 otherwise (outputs as with ridge: 0)",
     )
     solver: Solver = Field(
         "pinv",

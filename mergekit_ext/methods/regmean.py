@@ -38,6 +38,7 @@ class RegMeanMethod(LayerwiseMethod):
             propagate=False,
             expert_path=True,
             normalized_gram=False,
+            keep_rows=True,  # the span solve when a group has fewer tokens than inputs
             statistics_dtype=getattr(torch, p.statistics_dtype),
         )
 

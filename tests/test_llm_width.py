@@ -1,0 +1,318 @@
+"""The least-squares solve when a group has fewer calibration tokens than inputs (issue #18).
+
+Tiny widths, float64, against dense closed forms computed here: ``ridge: auto`` is exactly 0
+(same bytes) with at least as many tokens as inputs; below, both the dense regularised
+Cholesky solve and the span (Woodbury) solve on the kept rows equal the ridge-regularised
+closed form; the diagnostics stay finite and the plan warns with the numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mergekit_ext.calibration.statistics import ActivationStatistics
+from mergekit_ext.executor.plan import rank_deficiency_warnings
+from mergekit_ext.methods import least_squares
+from mergekit_ext.methods.chain_of_merges import ChainOfMergesMethod
+from mergekit_ext.methods.layerwise import LinearGroup, StatisticsRequest, TaskStatistics
+from mergekit_ext.methods.least_squares import (
+    AUTO_RIDGE,
+    RegMeanParameters,
+    regmean_solve,
+    relative_output_error,
+    relative_output_error_rows,
+    resolve_ridge,
+)
+from mergekit_ext.methods.regmean import RegMeanMethod
+
+DIM = 24
+
+
+def inputs(seed: int, n: int, dim: int = DIM) -> torch.Tensor:
+    """N x dim correlated inputs with a non-zero mean and one outlier feature (float64)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, dim, generator=g, dtype=torch.float64) @ torch.randn(
+        dim, dim, generator=g, dtype=torch.float64
+    )
+    x += torch.randn(dim, generator=g, dtype=torch.float64)
+    x[:, 0] *= 20.0
+    return x
+
+
+def expert_weights(k: int, out: int, dim: int = DIM) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(77)
+    base = torch.randn(out, dim, generator=g, dtype=torch.float64)
+    return [base + 0.1 * torch.randn(out, dim, generator=g, dtype=torch.float64) for _ in range(k)]
+
+
+def closed_form(ws, xs, alpha, omegas, ridge):
+    """``(Σ ω W_k G̃_k + λ/Σω Σ ω W_k)(Σ ω G̃_k + λ I)⁻¹``, λ = ridge · mean diag: dense float64."""
+    grams = [x.T @ x / x.shape[0] for x in xs]
+    shrunk = [alpha * g + (1 - alpha) * torch.diag(torch.diag(g)) for g in grams]
+    system = sum(o * g for o, g in zip(omegas, shrunk))
+    lam = ridge * float(torch.diag(system).mean())
+    numerator = sum(o * w @ g for o, w, g in zip(omegas, ws, shrunk))
+    numerator = numerator + lam / sum(omegas) * sum(o * w for o, w in zip(omegas, ws))
+    system = system + lam * torch.eye(system.shape[0], dtype=torch.float64)
+    return torch.linalg.solve(system, numerator.T).T
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def test_resolve_ridge():
+    assert resolve_ridge("auto", 100, 99) == AUTO_RIDGE
+    assert resolve_ridge("auto", 100, 100) == 0.0
+    assert resolve_ridge("auto", 100, None) == 0.0
+    assert resolve_ridge(0.25, 100, 3) == 0.25
+    with pytest.raises(ValueError, match="auto"):
+        resolve_ridge("sometimes", 100, 3)
+    assert RegMeanParameters().ridge == "auto"
+    assert RegMeanParameters(ridge=0.5).ridge == 0.5
+    with pytest.raises(ValueError):
+        RegMeanParameters(ridge=-1.0)
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.9])
+def test_full_rank_auto_is_bytes_identical_and_exact(alpha):
+    xs = [inputs(1, 30), inputs(2, 18)]  # 48 tokens >= 24 inputs
+    ws = expert_weights(2, 7)
+    grams = [x.T @ x / x.shape[0] for x in xs]
+    auto = regmean_solve(ws, grams, alpha, ridge="auto", tokens=48, rows=xs)
+    zero = regmean_solve(ws, grams, alpha, ridge=0.0)
+    assert torch.equal(auto.merged_weight, zero.merged_weight)
+    assert auto.solver == zero.solver == "pinv" and auto.ridge == 0.0
+    assert rel(auto.merged_weight, closed_form(ws, xs, alpha, [1.0, 1.0], 0.0)) < 1e-9
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.8])
+@pytest.mark.parametrize("out", [5, 40])  # out < in and out > in take different solve orders
+def test_fewer_tokens_than_inputs_equals_ridge_closed_form(alpha, out):
+    xs = [inputs(3, 6), inputs(4, 5), inputs(5, 4)]  # 15 tokens < 24 inputs
+    ws = expert_weights(3, out)
+    omegas = [1.0, 0.5, 2.0]
+    grams = [x.T @ x / x.shape[0] for x in xs]
+    expected = closed_form(ws, xs, alpha, omegas, AUTO_RIDGE)
+    dense = regmean_solve(ws, grams, alpha, task_weights=omegas, ridge="auto", tokens=15)
+    span = regmean_solve(ws, grams, alpha, task_weights=omegas, ridge="auto", tokens=15, rows=xs)
+    assert dense.ridge == span.ridge == AUTO_RIDGE
+    assert span.solver == "cholesky in the span of 15 tokens" and dense.solver == "pinv"
+    assert rel(dense.merged_weight, expected) < 1e-9
+    assert rel(span.merged_weight, expected) < 1e-9
+    assert span.condition_number == pytest.approx(dense.condition_number, rel=1e-6)
+    if alpha == 1.0:
+        # directions no token spans keep the ω-mean of the experts (pinv would give 0 there)
+        basis = torch.linalg.svd(torch.cat(xs), full_matrices=True).Vh[15:]  # ⊥ the tokens
+        mean = sum(o * w for o, w in zip(omegas, ws)) / sum(omegas)
+        torch.testing.assert_close(span.merged_weight @ basis.T, mean @ basis.T)
+
+
+def test_span_solve_float32_and_condition_estimate(monkeypatch):
+    xs = [inputs(6, 8), inputs(7, 9)]
+    ws = [w.float() for w in expert_weights(2, 10)]
+    grams = [x.T @ x / x.shape[0] for x in xs]
+    exact = regmean_solve(ws, grams, 1.0, ridge="auto", tokens=17, rows=[x.float() for x in xs])
+    assert exact.merged_weight.dtype == torch.float32 and exact.condition_number_method == "exact"
+    expected = closed_form([w.double() for w in ws], xs, 1.0, [1.0, 1.0], AUTO_RIDGE)
+    assert rel(exact.merged_weight, expected) < 1e-5
+    # above EXACT_CONDITION_MAX_DIM the condition number comes from the T x T matrix
+    monkeypatch.setattr(least_squares, "EXACT_CONDITION_MAX_DIM", 8)
+    for alpha in (1.0, 0.7):
+        est = regmean_solve(ws, grams, alpha, ridge="auto", tokens=17, rows=xs)
+        dense = regmean_solve(ws, grams, alpha, ridge="auto", tokens=17)
+        assert est.condition_number_method == "estimate"
+        assert 0.0 < est.condition_number <= dense.condition_number * (1 + 1e-9)
+        assert est.condition_number == pytest.approx(dense.condition_number, rel=1e-3)
+
+
+def test_output_error_from_rows_equals_gram_form():
+    x = inputs(8, 9)
+    w, w_k = expert_weights(2, 6)
+    gram = x.T @ x / x.shape[0]
+    assert relative_output_error_rows(w, w_k, x) == pytest.approx(
+        relative_output_error(w, w_k, gram), rel=1e-6
+    )
+
+
+def test_activation_statistics_keep_rows_below_the_width():
+    acc = ActivationStatistics(DIM, keep_rows=True)
+    x = inputs(9, 30).float()
+    acc.update(x[:10])
+    acc.update(x[10:20])
+    st = acc.finalize()
+    assert st.rows is not None and st.rows.shape == (20, DIM) and st.gram is None
+    torch.testing.assert_close(st.rows, x[:20])
+    reference = x[:20].double().T @ x[:20].double() / 20
+    torch.testing.assert_close(st.gram_from_rows(), reference, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(st.second_moment, torch.diagonal(reference), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(st.mean, x[:20].double().mean(0), rtol=1e-5, atol=1e-5)
+    # bit for bit the Gram an accumulator without rows returns
+    plain_acc = ActivationStatistics(DIM)
+    plain_acc.update(x[:10])
+    plain_acc.update(x[10:20])
+    assert torch.equal(st.gram_from_rows(), plain_acc.finalize().gram)
+    # crossing the width: the Gram sum is formed from the kept rows, which are dropped
+    full = ActivationStatistics(DIM, keep_rows=True)
+    full.update(x[:20])
+    full.update(x[20:])
+    done = full.finalize()
+    assert done.rows is None and done.gram is not None
+    plain_acc = ActivationStatistics(DIM)
+    plain_acc.update(x[:20])
+    plain_acc.update(x[20:])
+    assert torch.equal(done.gram, plain_acc.finalize().gram)
+    plain = ActivationStatistics(DIM)
+    plain.update(x[:5])
+    assert plain.finalize().rows is None
+
+
+def _stats(x: torch.Tensor, keep_rows: bool) -> TaskStatistics:
+    unit = x / x.norm(dim=1, keepdim=True)
+    n = x.shape[0]
+    return TaskStatistics(
+        gram=None if keep_rows else x.T @ x / n,
+        second_moment=x.square().mean(0),
+        mean=x.mean(0),
+        count=n,
+        gram_normalized=unit.T @ unit / n,
+        rows=x if keep_rows else None,
+    )
+
+
+def _group(xs, ws, keep_rows: bool, merged: bool) -> LinearGroup:
+    experts = [{"blk.fc.weight": w.float()} for w in ws]
+    stats = [_stats(x, keep_rows) for x in xs]
+    return LinearGroup(
+        name="blk.fc",
+        weights=["blk.fc.weight"],
+        base={"blk.fc.weight": torch.zeros_like(experts[0]["blk.fc.weight"])},
+        experts=experts,
+        task_names=[f"t{k}" for k in range(len(ws))],
+        expert_stats=stats,
+        merged_stats=[_stats(x + 0.1, keep_rows) for x in xs] if merged else None,
+    )
+
+
+@pytest.mark.parametrize("method", [RegMeanMethod(), ChainOfMergesMethod()])
+def test_group_merge_below_width_span_equals_dense_and_diagnostics_finite(method):
+    xs = [inputs(10, 7), inputs(11, 6)]  # 13 tokens < 24 inputs
+    ws = expert_weights(2, 9)
+    merged = isinstance(method, ChainOfMergesMethod)
+    span_w, span_d = method.merge_linear_group(_group(xs, ws, True, merged), {})
+    dense_w, dense_d = method.merge_linear_group(_group(xs, ws, False, merged), {})
+    used = [x + 0.1 for x in xs] if merged else xs  # CoM solves on the merged path
+    expected = closed_form([w.float().double() for w in ws], used, 1.0, [1.0, 1.0], AUTO_RIDGE)
+    # float32 weights: the span solve's products are out x in x T, the dense ones out x in x in
+    assert rel(span_w["blk.fc.weight"], expected) < 1e-5
+    assert rel(dense_w["blk.fc.weight"], expected) < 1e-2
+    assert span_d["solver"] == "cholesky in the span of 13 tokens"
+    for d in (span_d, dense_d):
+        assert d["ridge"] == AUTO_RIDGE and d["ridge_setting"] == "auto"
+        assert d["tokens"] == 13 and d["input_width"] == DIM
+        assert 1.0 < d["condition_number"] < float("inf")
+    for k, task in enumerate(span_d["tasks"]):
+        a = span_d["tasks"][task]["relative_output_error"]
+        b = dense_d["tasks"][task]["relative_output_error"]
+        x = used[k]
+        merged_w = span_w["blk.fc.weight"].double()
+        exact = relative_output_error(merged_w, ws[k].float().double(), x.T @ x / x.shape[0])
+        assert a == pytest.approx(exact, rel=2e-2)  # float32 products of a 2e-4 error
+        assert 0.0 < b < float("inf")
+
+
+def test_rows_that_do_not_match_the_count_are_ignored():
+    xs = [inputs(12, 7), inputs(13, 6)]
+    ws = expert_weights(2, 5)
+    group = _group(xs, ws, False, False)
+    group.expert_stats[0].rows = xs[0][:3]  # e.g. statistics summed over several processes
+    group.expert_stats[1].rows = xs[1]
+    _, diagnostics = RegMeanMethod().merge_linear_group(group, {})
+    assert diagnostics["solver"] == "pinv"
+
+
+def test_full_rank_group_merge_bytes_unchanged_by_the_new_defaults():
+    xs = [inputs(14, 30), inputs(15, 28)]
+    ws = expert_weights(2, 5)
+    auto_w, auto_d = RegMeanMethod().merge_linear_group(_group(xs, ws, True, False), {})
+    zero_w, _ = RegMeanMethod().merge_linear_group(_group(xs, ws, False, False), {"ridge": 0.0})
+    assert torch.equal(auto_w["blk.fc.weight"], zero_w["blk.fc.weight"])
+    assert auto_d["ridge"] == 0.0 and auto_d["solver"] == "pinv"
+
+
+def test_mixed_rows_and_grams_and_full_w2_from_rows():
+    xs = [inputs(16, 7), inputs(17, 30)]  # task 1 has more tokens than inputs: a Gram
+    ws = expert_weights(2, 5)
+    group = _group(xs, ws, False, True)
+    group.merged_stats[0] = _stats(xs[0] + 0.1, True)  # rows instead of the Gram
+    reference = _group(xs, ws, False, True)
+    w, d = ChainOfMergesMethod().merge_linear_group(group, {})
+    w_ref, d_ref = ChainOfMergesMethod().merge_linear_group(reference, {})
+    assert rel(w["blk.fc.weight"], w_ref["blk.fc.weight"]) < 1e-6  # 37 tokens: ridge 0
+    assert d["covariate_shift_covariance"] == "full"
+    for task in d["tasks"]:
+        assert d["tasks"][task]["covariate_shift_w2"] == pytest.approx(
+            d_ref["tasks"][task]["covariate_shift_w2"], rel=1e-6
+        )
+
+
+def _plan(tokens: list[int], ridge, keep_rows: bool = True):
+    shapes = {"layers.0.mlp.up_proj.weight": (64, 16), "layers.0.mlp.down_proj.weight": (16, 64)}
+    block = SimpleNamespace(
+        groups=(
+            SimpleNamespace(label="mlp.up", modules=("mlp.up_proj",)),
+            SimpleNamespace(label="mlp.down_proj", modules=("mlp.down_proj",)),
+        ),
+        group_weight=lambda m: f"layers.0.{m}.weight",
+    )
+    return SimpleNamespace(
+        request=StatisticsRequest(propagate=True, keep_rows=keep_rows),
+        experts=[SimpleNamespace(data=SimpleNamespace(num_tokens=t)) for t in tokens],
+        parameters=SimpleNamespace(ridge=ridge),
+        blocks=[block],
+        base=SimpleNamespace(shapes=shapes),
+        method=SimpleNamespace(name="chain_of_merges"),
+    )
+
+
+def test_plan_warns_when_tokens_are_fewer_than_inputs():
+    warnings = rank_deficiency_warnings(_plan([20, 21], "auto"))
+    assert len(warnings) == 1  # 41 tokens: only the 64-input group
+    assert (
+        "the Gram of mlp.down_proj (64 inputs) has at most 41 ranks from 41 calibration tokens"
+        in warnings[0]
+    )
+    assert "ridge: auto" in warnings[0]
+    zero = rank_deficiency_warnings(_plan([20, 21], 0.0))
+    assert "sets the merged weight to 0" in zero[0] and "64 x 64" in zero[0]
+    assert rank_deficiency_warnings(_plan([40, 40], "auto")) == []
+    assert rank_deficiency_warnings(_plan([5, 5], "auto", keep_rows=False)) == []
+    assert len(rank_deficiency_warnings(_plan([5, 5], "auto"))) == 2
+
+
+def test_plan_warning_is_logged_by_a_real_plan(tiny_llama_set, tmp_path, caplog):
+    import yaml
+    from mergekit.options import MergeOptions
+
+    from mergekit_ext.config import parse_config
+    from mergekit_ext.executor import plan_layerwise_merge
+
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "a b c"}\n{"text": "d e"}\n')
+    base, experts = tiny_llama_set.base, tiny_llama_set.experts[:2]
+    models = [
+        {"model": e, "name": f"t{k}", "calibration": {"path": str(data), "samples": 2}}
+        for k, e in enumerate(experts)
+    ]
+    cfg = parse_config(
+        yaml.safe_dump({"merge_method": "chain_of_merges", "base_model": base, "models": models})
+    )
+    with caplog.at_level(logging.WARNING, logger="mergekit_ext"):
+        plan = plan_layerwise_merge(cfg, MergeOptions(quiet=True), ChainOfMergesMethod(), {})
+    assert plan.rank_warnings and all("ranks from" in w for w in plan.rank_warnings)
+    assert any("ranks from" in r.getMessage() for r in caplog.records)
+    assert "warning: " + plan.rank_warnings[0] in plan.describe()
