@@ -385,7 +385,7 @@ def solve_only(experts: int, tokens: int, dense_max_inputs: int) -> list[dict[st
             _, diagnostics = merge_group_least_squares(
                 group,
                 method="regmean",
-                alpha=1.0,
+                reduce_non_diagonal=1.0,
                 ridge="auto",
                 solver="pinv",
                 use_merged_path=False,

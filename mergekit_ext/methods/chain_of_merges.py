@@ -133,7 +133,7 @@ class ChainOfMergesMethod(LayerwiseMethod):
         correlation = p.task_weighting == "correlation"
         return dict(
             method=self.name,
-            alpha=p.reduce_non_diagonal,
+            reduce_non_diagonal=p.reduce_non_diagonal,
             ridge=p.ridge,
             solver=p.solver,
             use_merged_path=p.propagate,

@@ -67,15 +67,17 @@ Ridge = Union[float, Literal["auto"]]
 # --------------------------------------------------------------------------------------
 
 
-def shrink_off_diagonal(gram: torch.Tensor, alpha: float) -> torch.Tensor:
+def shrink_off_diagonal(gram: torch.Tensor, reduce_non_diagonal: float) -> torch.Tensor:
     """RegMean's off-diagonal shrink ``G̃ = α G + (1 − α) diag(G)`` (Jin et al., §3.2).
 
-    ``alpha = 1`` keeps the Gram; ``alpha = 0`` keeps only its diagonal, which turns the
+    ``reduce_non_diagonal`` (α) = 1 keeps the Gram; 0 keeps only its diagonal, which turns the
     merge into a per-input-column average of the experts weighted by ``G[j, j]``.
     """
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"reduce_non_diagonal (alpha) must be in [0, 1]; got {alpha}")
-    return alpha * gram + (1.0 - alpha) * torch.diag_embed(torch.diagonal(gram))
+    if not 0.0 <= reduce_non_diagonal <= 1.0:
+        raise ValueError(f"reduce_non_diagonal must be in [0, 1]; got {reduce_non_diagonal}")
+    return reduce_non_diagonal * gram + (1.0 - reduce_non_diagonal) * torch.diag_embed(
+        torch.diagonal(gram)
+    )
 
 
 @dataclass
@@ -219,7 +221,7 @@ def resolve_ridge(ridge: Ridge, n_in: int, tokens: Optional[int]) -> float:
 def regmean_solve(
     expert_weights: Sequence[torch.Tensor],
     grams: Sequence[Optional[torch.Tensor]],
-    alpha: float,
+    reduce_non_diagonal: float,
     *,
     task_weights: Optional[Sequence[float]] = None,
     ridge: Ridge = 0.0,
@@ -303,12 +305,12 @@ def regmean_solve(
                 f"{[tuple(r.shape) for r in rows]}"
             )
         span_tokens = sum(r.shape[0] for r, omega in zip(rows, weights) if omega > 0.0)
-        if relative_ridge > 0.0 and alpha > 0.0 and span_tokens < n_in:
+        if relative_ridge > 0.0 and reduce_non_diagonal > 0.0 and span_tokens < n_in:
             return span_solve(
                 expert_weights,
                 grams,
                 rows,
-                alpha,
+                reduce_non_diagonal,
                 task_weights=weights,
                 ridge=relative_ridge,
                 tokens=tokens,
@@ -324,7 +326,7 @@ def regmean_solve(
     for w, g, omega in zip(expert_weights, grams, weights):
         # W_k G̃_k = α W_k G_k + (1 − α) W_k diag(G_k): one GEMM, no shrunk copy of G_k.
         product = w.to(product_dtype) @ g.to(product_dtype)
-        regmean_add_task(sums, w, g, alpha, omega, product)
+        regmean_add_task(sums, w, g, reduce_non_diagonal, omega, product)
         if keep_products:
             products.append(product)
         del product
@@ -346,7 +348,7 @@ def span_solve(
     expert_weights: Sequence[torch.Tensor],
     grams: Sequence[Optional[torch.Tensor]],
     rows: Sequence[torch.Tensor],
-    alpha: float,
+    reduce_non_diagonal: float,
     *,
     task_weights: Sequence[float],
     ridge: float,
@@ -392,8 +394,8 @@ def span_solve(
     e = torch.full((n_in,), strength, dtype=torch.float64)
     m = torch.zeros((out, n_in), dtype=torch.float64)
     for w, d, omega in zip(expert_weights, diagonals, weights):
-        e.add_(d, alpha=omega * (1.0 - alpha))
-        m.add_(w.double() * (omega * ((1.0 - alpha) * d + strength / total)))
+        e.add_(d, alpha=omega * (1.0 - reduce_non_diagonal))
+        m.add_(w.double() * (omega * ((1.0 - reduce_non_diagonal) * d + strength / total)))
     if not bool((e > 0.0).all()):
         raise TensorError("span_solve needs a positive E = (1 − α) Σ ω diag(G) + λ; use a ridge")
     w0 = m.div_(e)  # in place: M is not needed again
@@ -406,7 +408,9 @@ def span_solve(
             continue
         stacked_rows.append(r.double())
         inverse_d.append(
-            torch.full((r.shape[0],), r.shape[0] / (alpha * omega), dtype=torch.float64)
+            torch.full(
+                (r.shape[0],), r.shape[0] / (reduce_non_diagonal * omega), dtype=torch.float64
+            )
         )
         delta = w.to(product_dtype) - w0_product
         v_parts.append(delta @ r.to(product_dtype).T)
@@ -439,7 +443,7 @@ def span_solve(
         torch.diagonal(system).add_(e)
         eigenvalues = torch.linalg.eigvalsh(0.5 * (system + system.T))
         condition, method = _condition_number(eigenvalues), "exact"
-    elif alpha == 1.0:
+    elif reduce_non_diagonal == 1.0:
         # E = λ I and T < in: λ_min(A) = λ exactly (A = λ I off the tokens' span) and
         # λ_max(A) = λ · λ_max(D^½ H D^½), from the T x T matrix already formed.
         root = d.sqrt()
@@ -468,7 +472,7 @@ def span_solve(
 def regmean_merge_weights(
     expert_weights: Sequence[torch.Tensor],
     grams: Sequence[torch.Tensor],
-    alpha: float,
+    reduce_non_diagonal: float,
     *,
     task_weights: Optional[Sequence[float]] = None,
     ridge: Ridge = 0.0,
@@ -476,7 +480,12 @@ def regmean_merge_weights(
 ) -> torch.Tensor:
     """``W = (Σ_k ω_k W_k G̃_k)(Σ_k ω_k G̃_k)⁻¹``; see :func:`regmean_solve` for the details."""
     return regmean_solve(
-        expert_weights, grams, alpha, task_weights=task_weights, ridge=ridge, solver=solver
+        expert_weights,
+        grams,
+        reduce_non_diagonal,
+        task_weights=task_weights,
+        ridge=ridge,
+        solver=solver,
     ).merged_weight
 
 
@@ -757,7 +766,7 @@ def merge_group_least_squares(
     group: LinearGroup,
     *,
     method: str,
-    alpha: float,
+    reduce_non_diagonal: float,
     ridge: Ridge,
     solver: Solver,
     use_merged_path: bool,
@@ -822,7 +831,7 @@ def merge_group_least_squares(
     raw_rows = _token_rows(chosen)
     span = (
         raw_rows is not None
-        and alpha > 0.0
+        and reduce_non_diagonal > 0.0
         and tokens < n_in
         and resolve_ridge(ridge, n_in, tokens) > 0.0
     )
@@ -837,7 +846,7 @@ def merge_group_least_squares(
     solution = regmean_solve(
         stacked,
         grams,  # type: ignore[arg-type]  # checked non-None above
-        alpha,
+        reduce_non_diagonal,
         task_weights=omegas,
         ridge=ridge,
         solver=solver,
@@ -882,7 +891,7 @@ def merge_group_least_squares(
         "condition_number": solution.condition_number,
         "condition_number_method": solution.condition_number_method,
         "solver": solution.solver,
-        "reduce_non_diagonal": float(alpha),
+        "reduce_non_diagonal": float(reduce_non_diagonal),
         "ridge": solution.ridge,
         "ridge_setting": ridge if isinstance(ridge, str) else float(ridge),
         "tokens": tokens,
@@ -926,7 +935,7 @@ def regmean_add_task(
     sums: dict[str, torch.Tensor],
     weight: torch.Tensor,
     gram: torch.Tensor,
-    alpha: float,
+    reduce_non_diagonal: float,
     omega: float,
     product: Optional[torch.Tensor] = None,
     count: int = 0,
@@ -943,10 +952,10 @@ def regmean_add_task(
         product_dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
         product = weight.to(product_dtype) @ gram.to(product_dtype)
     diagonal = torch.diagonal(gram).double()
-    sums["numerator"].add_(product.double(), alpha=omega * alpha)
-    sums["numerator"].add_(weight.double() * diagonal, alpha=omega * (1.0 - alpha))
-    sums["system"].add_(gram.double(), alpha=omega * alpha)
-    sums["system_diagonal"].add_(diagonal, alpha=omega * (1.0 - alpha))
+    sums["numerator"].add_(product.double(), alpha=omega * reduce_non_diagonal)
+    sums["numerator"].add_(weight.double() * diagonal, alpha=omega * (1.0 - reduce_non_diagonal))
+    sums["system"].add_(gram.double(), alpha=omega * reduce_non_diagonal)
+    sums["system_diagonal"].add_(diagonal, alpha=omega * (1.0 - reduce_non_diagonal))
     sums["task_weight_sum"].add_(omega)
     if omega > 0.0:
         sums["tokens"].add_(float(count))
@@ -1048,7 +1057,7 @@ class LeastSquaresReduction(SumReduction):
         self,
         *,
         method: str,
-        alpha: float,
+        reduce_non_diagonal: float,
         ridge: Ridge,
         solver: Solver,
         use_merged_path: bool,
@@ -1059,7 +1068,7 @@ class LeastSquaresReduction(SumReduction):
         full_covariance_max_dim: int = FULL_COVARIANCE_W2_MAX_DIM,
     ) -> None:
         self.method = method
-        self.alpha = alpha
+        self.reduce_non_diagonal = reduce_non_diagonal
         self.ridge = ridge
         self.solver = solver
         self.use_merged_path = use_merged_path
@@ -1135,7 +1144,7 @@ class LeastSquaresReduction(SumReduction):
             sums,
             self._stacked[position],
             self._grams[position],
-            self.alpha,
+            self.reduce_non_diagonal,
             self._omegas[position],
             self._products[position],
             count=self._chosen[position].count,
@@ -1180,7 +1189,7 @@ class LeastSquaresReduction(SumReduction):
             "condition_number": solution.condition_number,
             "condition_number_method": solution.condition_number_method,
             "solver": solution.solver,
-            "reduce_non_diagonal": float(self.alpha),
+            "reduce_non_diagonal": float(self.reduce_non_diagonal),
             "ridge": solution.ridge,
             "ridge_setting": self.ridge if isinstance(self.ridge, str) else float(self.ridge),
             "tokens": tokens,

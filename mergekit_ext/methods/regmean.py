@@ -49,7 +49,7 @@ class RegMeanMethod(LayerwiseMethod):
         return merge_group_least_squares(
             group,
             method=self.name,
-            alpha=p.reduce_non_diagonal,
+            reduce_non_diagonal=p.reduce_non_diagonal,
             ridge=p.ridge,
             solver=p.solver,
             use_merged_path=False,
@@ -60,7 +60,7 @@ class RegMeanMethod(LayerwiseMethod):
         p = self.parse(parameters)
         return LeastSquaresReduction(
             method=self.name,
-            alpha=p.reduce_non_diagonal,
+            reduce_non_diagonal=p.reduce_non_diagonal,
             ridge=p.ridge,
             solver=p.solver,
             use_merged_path=False,
