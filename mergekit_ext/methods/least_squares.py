@@ -91,6 +91,9 @@ class RegMeanSolution:
     products: Optional[list[torch.Tensor]] = None  # W_k G_k per task, when asked for
     ridge: float = 0.0  # the relative ridge applied (``auto`` resolved)
     tokens: Optional[int] = None  # calibration tokens behind Σ ω G̃ (None: not given)
+    # span solve: each task's ‖W X_kᵀ − W_k X_kᵀ‖²_F on the rows it solved with (None where
+    # not computed: the solve did not form V H⁻¹, or the task had ω_k = 0)
+    row_errors: Optional[list[Optional[float]]] = None
 
 
 def _pinv_tolerance(eigenvalues: torch.Tensor, n: int) -> float:
@@ -371,6 +374,10 @@ def span_solve(
     factorisation (O(in³)) is replaced by ``H``'s (O(T³)) and O(T · in · (T + out)) products;
     in the directions no token spans, ``W = W₀``.
 
+    On the calibration rows, ``W Rᵀ − [W_k R_kᵀ]_k = W₀Rᵀ + V H⁻¹(H − D⁻¹) − (W₀Rᵀ + V)
+    = −V H⁻¹ D⁻¹``: where ``V H⁻¹`` is formed (``out ≤ in``) each task's squared output error
+    comes with it (``RegMeanSolution.row_errors``).
+
     Float64 throughout (``H``, its Cholesky factor, the solve and the ``out x in x T``
     products), so the bytes do not depend on the number of torch threads. The condition
     number of ``A`` is exact (dense) up to :data:`EXACT_CONDITION_MAX_DIM` inputs, estimated
@@ -378,9 +385,9 @@ def span_solve(
     ``in x in`` matrix formed.
     """
     out_dtype = expert_weights[0].dtype
-    # float64 throughout: float32 GEMMs of these shapes (T < in) gave bytes that depended on
-    # the number of torch threads; the same config and seed must give the same bytes
-    product_dtype = torch.float64
+    # float64 throughout: BLAS splits a GEMM's reduction differently with the number of
+    # threads (float32 and float64 alike); in float64 those last-bit differences do not reach
+    # the float32/bf16 result, so one process and several give the same bytes
     out, n_in = expert_weights[0].shape
     weights = [float(w) for w in task_weights]
     total = sum(weights)
@@ -392,35 +399,38 @@ def span_solve(
     mean_diagonal = float(sum(omega * d for d, omega in zip(diagonals, weights)).mean())
     strength = ridge * mean_diagonal
     e = torch.full((n_in,), strength, dtype=torch.float64)
-    m = torch.zeros((out, n_in), dtype=torch.float64)
+    # At LLM widths these are GB-sized: accumulate into one float64 buffer (mixed-dtype
+    # in-place ops convert on the fly) instead of a float64 copy of every expert weight.
+    w0 = torch.zeros((out, n_in), dtype=torch.float64)
     for w, d, omega in zip(expert_weights, diagonals, weights):
         e.add_(d, alpha=omega * (1.0 - reduce_non_diagonal))
-        m.add_(w.double() * (omega * ((1.0 - reduce_non_diagonal) * d + strength / total)))
+        if reduce_non_diagonal == 1.0:
+            w0.add_(w, alpha=omega * strength / total)
+        else:
+            w0.addcmul_(w, omega * ((1.0 - reduce_non_diagonal) * d + strength / total))
     if not bool((e > 0.0).all()):
         raise TensorError("span_solve needs a positive E = (1 − α) Σ ω diag(G) + λ; use a ridge")
-    w0 = m.div_(e)  # in place: M is not needed again
-    del m
+    w0.div_(e)  # W₀ = M E⁻¹
 
-    stacked_rows, inverse_d, v_parts = [], [], []
-    w0_product = w0.to(product_dtype)  # one copy for every task's W_k − W₀
-    for w, r, omega in zip(expert_weights, rows, weights):
-        if omega <= 0.0:
-            continue
-        stacked_rows.append(r.double())
-        inverse_d.append(
-            torch.full(
-                (r.shape[0],), r.shape[0] / (reduce_non_diagonal * omega), dtype=torch.float64
-            )
-        )
-        delta = w.to(product_dtype) - w0_product
-        v_parts.append(delta @ r.to(product_dtype).T)
-        del delta
-    del w0_product
-    r_all = torch.cat(stacked_rows)
-    del stacked_rows
-    v = torch.cat(v_parts, dim=1)  # product dtype
-    del v_parts
-    d_inv = torch.cat(inverse_d)
+    kept = [k for k, omega in enumerate(weights) if omega > 0.0]
+    r_all = torch.cat([rows[k].double() for k in kept])  # T x in
+    counts = [int(rows[k].shape[0]) for k in kept]
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + c)
+    d_inv = torch.cat(
+        [
+            torch.full((c,), c / (reduce_non_diagonal * weights[k]), dtype=torch.float64)
+            for k, c in zip(kept, counts)
+        ]
+    )
+    # Vᵀ = [R_k (W_k − W₀)ᵀ]_k (T x out), each task's rows a contiguous slice
+    v_t = torch.empty((int(r_all.shape[0]), out), dtype=torch.float64)
+    delta = torch.empty((out, n_in), dtype=torch.float64)
+    for k, a, b in zip(kept, offsets, offsets[1:]):
+        delta.copy_(expert_weights[k]).sub_(w0)
+        torch.mm(r_all[a:b], delta.T, out=v_t[a:b])
+    del delta
     f = r_all / e  # R E⁻¹
     h = f @ r_all.T
     torch.diagonal(h).add_(d_inv)
@@ -428,14 +438,23 @@ def span_solve(
     factor = _cholesky(h)
     if factor is None:  # pragma: no cover - H ⪰ D⁻¹ > 0
         raise TensorError("span_solve: H = R E⁻¹ Rᵀ + D⁻¹ is not positive definite")
+    row_errors: Optional[list[Optional[float]]] = None
     if out <= n_in:
-        z = torch.cholesky_solve(v.T.double(), factor).T  # V H⁻¹, out x T
-        correction = z.to(product_dtype) @ f.to(product_dtype)
+        z_t = torch.cholesky_solve(v_t, factor)  # (V H⁻¹)ᵀ, T x out
+        del v_t
+        w0.addmm_(z_t.T, f)  # W = W₀ + V H⁻¹ R E⁻¹, in place
+        # On the calibration rows W Rᵀ − [W_k R_kᵀ]_k = −V H⁻¹ D⁻¹ (from H = R E⁻¹ Rᵀ + D⁻¹):
+        # each task's output error comes free with Z, no out x in x N product
+        row_errors = [None] * len(weights)
+        for k, a, b in zip(kept, offsets, offsets[1:]):
+            scale = (b - a) / (reduce_non_diagonal * weights[k])
+            row_errors[k] = float(z_t[a:b].square().sum()) * scale * scale
+        del z_t
     else:
         p = torch.cholesky_solve(f, factor)  # H⁻¹ R E⁻¹, T x in
-        correction = v @ p.to(product_dtype)
-    merged = w0.add_(correction)  # float64 += float32: no float64 copy of the correction
-    del correction, v
+        w0.addmm_(v_t.T, p)
+        del v_t, p
+    merged = w0
 
     d = 1.0 / d_inv
     if n_in <= EXACT_CONDITION_MAX_DIM:
@@ -466,6 +485,7 @@ def span_solve(
         None,
         ridge=ridge,
         tokens=tokens if tokens is not None else total_rows,
+        row_errors=row_errors,
     )
 
 
@@ -518,17 +538,25 @@ def relative_output_error(
 
 
 def relative_output_error_rows(
-    merged_weight: torch.Tensor, expert_weight: torch.Tensor, rows: torch.Tensor
+    merged_weight: torch.Tensor,
+    expert_weight: torch.Tensor,
+    rows: torch.Tensor,
+    squared_error: Optional[float] = None,
 ) -> float:
     """:func:`relative_output_error` from the inputs themselves (``rows``: ``N x in``).
 
     ``‖(W − W_k) Xᵀ‖_F / ‖W_k Xᵀ‖_F``: two ``out x in x N`` products instead of two
-    ``out x in x in`` ones, the cheaper form when N < in. Same dtypes as the Gram form.
+    ``out x in x in`` ones, the cheaper form when N < in; one when the solve already gave
+    ``squared_error`` = ``‖(W − W_k) Xᵀ‖²_F`` (:attr:`RegMeanSolution.row_errors`). Same
+    dtypes as the Gram form.
     """
     x = rows.float() if expert_weight.dtype != torch.float64 else rows.double()
-    # in the products' dtype: the difference of two float32 weights is exact to 1 ulp
-    diff = merged_weight.to(x.dtype) - expert_weight.to(x.dtype)
-    error = float((diff @ x.T).square().sum(dtype=torch.float64))
+    if squared_error is None:
+        # in the products' dtype: the difference of two float32 weights is exact to 1 ulp
+        diff = merged_weight.to(x.dtype) - expert_weight.to(x.dtype)
+        squared_error = float((diff @ x.T).square().sum(dtype=torch.float64))
+        del diff
+    error = squared_error
     reference = float((expert_weight.to(x.dtype) @ x.T).square().sum(dtype=torch.float64))
     if reference == 0.0:
         return 0.0 if error == 0.0 else math.inf
@@ -871,8 +899,13 @@ def merge_group_least_squares(
                 merged_path[k], expert_path[k], full_covariance_max_dim=full_covariance_max_dim
             )
         if solution.products is None and raw_rows is not None:
+            # the span solve's own errors are on the rows it solved with: the raw ones unless
+            # the Gram was normalized
+            known = None
+            if solution.row_errors is not None and not use_normalized_gram:
+                known = solution.row_errors[k]
             output_error = relative_output_error_rows(
-                solution.merged_weight, stacked[k], raw_rows[k]
+                solution.merged_weight, stacked[k], raw_rows[k], known
             )
         else:
             output_error = relative_output_error(
