@@ -18,16 +18,16 @@ from mergekit_ext.config import ExtMergeConfig
 from mergekit_ext.errors import ConfigError, ModelInputError
 from mergekit_ext.methods.registry import all_method_names, ext_method_info
 from mergekit_ext.model_paths import (
+    PICKLE_PATTERNS,
     cached_snapshot,
+    checkpoint_shapes,
     hub_offline,
+    is_config_only,
     model_paths,
     read_config_json,
-    tensor_shapes,
 )
 
 LOG = logging.getLogger(__name__)
-
-_PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 
 
 def check_method(name: str) -> None:
@@ -48,7 +48,14 @@ def looks_like_hub_id(path: str) -> bool:
     return len(parts) == 2 and all(parts)
 
 
-def check_model_paths(cfg: ExtMergeConfig, allow_pickle: bool) -> None:
+def check_model_paths(cfg: ExtMergeConfig, allow_pickle: bool, dry_run: bool = False) -> None:
+    """Every input exists and holds a config and weights (safetensors; pickles if allowed).
+
+    With ``dry_run`` a folder with only a ``config.json`` is accepted: its shapes come
+    from its transformers class (:func:`~mergekit_ext.model_paths.config_shapes`), so the
+    memory of a merge can be planned before the weights are downloaded.
+    """
+    weightless: list[str] = []
     for ref in _referenced(cfg):
         for path in model_paths(ref):
             if looks_like_hub_id(path):
@@ -62,8 +69,12 @@ def check_model_paths(cfg: ExtMergeConfig, allow_pickle: bool) -> None:
                 )
             if os.path.exists(os.path.join(path, "adapter_config.json")):
                 continue  # a PEFT adapter: its weights are checked when merged
+            if is_config_only(path):
+                if path not in weightless:
+                    weightless.append(path)
+                continue
             has_safetensors = bool(glob.glob(os.path.join(path, "*.safetensors")))
-            pickles = [f for pat in _PICKLE_PATTERNS for f in glob.glob(os.path.join(path, pat))]
+            pickles = [f for pat in PICKLE_PATTERNS for f in glob.glob(os.path.join(path, pat))]
             if not has_safetensors and pickles:
                 if not allow_pickle:
                     raise ModelInputError(
@@ -75,6 +86,17 @@ def check_model_paths(cfg: ExtMergeConfig, allow_pickle: bool) -> None:
                 raise ModelInputError(f"model {path!r} has no .safetensors weights")
             if not os.path.exists(os.path.join(path, "config.json")):
                 raise ModelInputError(f"model {path!r} has no config.json")
+    weightless.sort()  # mergekit's referenced models come in no fixed order
+    if weightless and not dry_run:
+        one = len(weightless) == 1
+        raise ModelInputError(
+            f"model{'' if one else 's'} {', '.join(repr(p) for p in weightless)} "
+            f"{'has' if one else 'have'} no weights (only config.json): download the "
+            "*.safetensors files to merge; `mergekit-ext run CONFIG OUT --dry-run` plans the "
+            "merge (shapes and memory per rank) without them"
+        )
+    for path in weightless:
+        LOG.warning("%s: shapes from config.json (no weights): dry run only", path)
 
 
 def hub_model_folder(repo_id: str, ref: str) -> Optional[str]:
@@ -120,11 +142,11 @@ def check_compatible(cfg: ExtMergeConfig, allow_crimes: bool, shapes: bool = Tru
                 )
     if not shapes:
         return
-    base_shapes = _strip_prefixes(tensor_shapes(base_ref))
+    base_shapes = _strip_prefixes(checkpoint_shapes(base_ref))
     for ref in local:
         if ref == base_ref:
             continue
-        shapes = _strip_prefixes(tensor_shapes(ref))
+        shapes = _strip_prefixes(checkpoint_shapes(ref))
         for name in sorted(set(base_shapes) & set(shapes)):
             if base_shapes[name] != shapes[name]:
                 raise ModelInputError(
@@ -377,7 +399,7 @@ def _tying_input(path: str) -> Any:
     except Exception as e:  # a class we cannot build offline: nothing to decide from
         LOG.debug("%s: cannot build its transformers class (%s); tensors taken as listed", path, e)
         return model_class.TyingInput(path, {}, frozenset())
-    module_keys = model_class.rename_to_module_keys(model, tensor_shapes(path))
+    module_keys = model_class.rename_to_module_keys(model, checkpoint_shapes(path))
     model_class.log_unloaded(
         path, model_class.unloaded_keys(model, module_keys), type(model).__name__
     )

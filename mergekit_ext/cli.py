@@ -118,6 +118,15 @@ def _options_verbosity(kwargs: dict[str, Any]) -> int:
     "--allow-pickle", is_flag=True, help="Accept pickle (.bin/.pt) checkpoints (runs their code)"
 )
 @click.option("--dry-run", is_flag=True, help="Validate and print the plan, write nothing")
+@click.option(
+    "--world-size",
+    "plan_world_size",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="W",
+    help="With --dry-run: plan the merge on W processes (as under torchrun "
+    "--nproc-per-node W) and print the memory of each rank",
+)
 @click.option("--force", is_flag=True, help="SyMerge: run even above the memory estimate")
 @click.option(
     "--task-layers-only",
@@ -153,6 +162,7 @@ def run_command(
     overwrite: bool,
     allow_pickle: bool,
     dry_run: bool,
+    plan_world_size: Optional[int],
     force: bool,
     task_layers_only: bool,
     push_to_hub: Optional[str],
@@ -173,7 +183,20 @@ def run_command(
     for plugin in plugins:
         _import_plugin(plugin)
     cfg = load_config(config_file)
-    check_distributable(cfg, distributed.world_size_from_env())  # before any rendezvous
+    launched = distributed.world_size_from_env()
+    if plan_world_size is not None:
+        if not dry_run:
+            raise click.UsageError(
+                "--world-size plans a merge (with --dry-run); to merge on W processes, launch "
+                "`torchrun --nproc-per-node W -m mergekit_ext run CONFIG OUT`"
+            )
+        if launched > 1 and launched != plan_world_size:
+            raise click.UsageError(
+                f"--world-size {plan_world_size} but the launcher started {launched} processes "
+                "(WORLD_SIZE); give one of them"
+            )
+    # before any rendezvous
+    check_distributable(cfg, plan_world_size or launched, planned=plan_world_size is not None)
     if not dry_run:  # a dry run plans every rank from rank 0 and needs no process group
         distributed.init_from_env(merge_options.device, distributed_timeout)
     with _sigterm_as_interrupt(), contextlib.ExitStack() as stack:
@@ -186,6 +209,7 @@ def run_command(
                 overwrite=overwrite,
                 allow_pickle=allow_pickle,
                 dry_run=dry_run,
+                plan_world_size=plan_world_size,
                 force=force,
                 task_layers_only=task_layers_only,
                 push_to_hub=push_to_hub,

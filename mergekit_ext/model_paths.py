@@ -5,10 +5,12 @@ a clear error when offline and not cached).
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import logging
 import os
+import re
 from typing import Any, Optional
 
 from mergekit_ext.errors import ModelInputError
@@ -18,6 +20,9 @@ LOG = logging.getLogger(__name__)
 # What the executors read from a model repository: configs, safetensors weights, tokenizer
 # and processor files, chat templates. Pickled weights are never downloaded.
 DOWNLOAD_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken")
+
+# Pickled weights (``torch.load`` runs their code): accepted only with --allow-pickle.
+PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 
 # Tokenizer files a merge copies from its donor model (mergekit's list, plus vocabularies of
 # WordPiece/BPE tokenizers); replaced as a whole when the tokenizer is rewritten.
@@ -46,6 +51,150 @@ def read_config_json(path: str) -> dict[str, Any]:
     """A model folder's ``config.json``."""
     with open(os.path.join(path, "config.json"), encoding="utf-8") as fp:
         return json.load(fp)
+
+
+def has_weights(path: str) -> bool:
+    """Whether a model folder holds weight files (safetensors or pickles)."""
+    return any(glob.glob(os.path.join(path, pat)) for pat in ("*.safetensors", *PICKLE_PATTERNS))
+
+
+def is_config_only(path: str) -> bool:
+    """A model folder with a ``config.json`` and no weights (PEFT adapters excluded).
+
+    Such a folder (``hf download ORG/NAME --include "*.json"``: config, tokenizer, the
+    safetensors index, but no shard) can be planned with ``--dry-run`` and never merged.
+    """
+    return (
+        os.path.isfile(os.path.join(path, "config.json"))
+        and not os.path.isfile(os.path.join(path, "adapter_config.json"))
+        and not has_weights(path)
+    )
+
+
+def checkpoint_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """Checkpoint keys and shapes of a model folder: its safetensors headers, or, for a
+    folder with only a ``config.json`` (:func:`is_config_only`), :func:`config_shapes`."""
+    if is_config_only(path):
+        return config_shapes(path)[0]
+    return tensor_shapes(path)
+
+
+def config_shapes(path: str) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """What ``save_pretrained`` would write for the model of ``path/config.json``, without
+    weights: ``({checkpoint key: shape}, {checkpoint key: safetensors dtype name})``.
+
+    The class named by ``config.architectures`` (never remote code) is built on the meta
+    device, and its ``state_dict()`` goes through ``save_pretrained``'s own steps: keys to
+    ignore on save, tied weights (a tied ``lm_head`` is not written), and transformers'
+    reverted load-time renaming. Non-persistent buffers are no part of a ``state_dict``.
+    Floating tensors take the config's ``dtype``/``torch_dtype`` (float32 when absent), but
+    for modules the class keeps in float32 (``_keep_in_fp32_modules``).
+    """
+    config_file = os.path.join(path, "config.json")
+    stat = os.stat(config_file)
+    shapes, dtypes = _config_shapes(os.path.realpath(config_file), stat.st_mtime_ns, stat.st_size)
+    return dict(shapes), dict(dtypes)
+
+
+_SAFETENSORS_NAMES = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+}
+_ITEMSIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2}
+_ITEMSIZES.update(I8=1, U8=1, BOOL=1)
+
+
+def safetensors_itemsize(name: str) -> int:
+    """Bytes per element of a safetensors dtype name (``"BF16"`` → 2)."""
+    return _ITEMSIZES.get(name, 4)
+
+
+# A dry run reads one config several times (compatibility, tying, the plan); a 70B model
+# takes a fraction of a second to build on the meta device each time.
+@functools.lru_cache(maxsize=16)
+def _config_shapes(
+    config_file: str, mtime_ns: int, size: int
+) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    import torch
+    import transformers
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    from mergekit_ext import model_class
+
+    path = os.path.dirname(config_file)
+    try:
+        config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - an unknown model_type, a malformed file
+        raise ModelInputError(
+            f"model {path!r} has no weights and its config.json cannot be read by "
+            f"transformers ({type(e).__name__}: {' '.join(str(e).split())}); its shapes are "
+            "unknown without the weights"
+        ) from None
+    architectures = getattr(config, "architectures", None) or []
+    if architectures and model_class.model_class(config) is None:
+        # AutoModel would drop the head the checkpoint has: the shapes would be wrong.
+        raise ModelInputError(
+            f"model {path!r} has no weights, and transformers has no class for its "
+            f"architectures ({', '.join(architectures)}); its shapes come from that class: "
+            "download the *.safetensors files, or use a transformers version that has it"
+        )
+    dtype = _config_dtype(read_config_json(path), path)
+    try:
+        model = model_class.meta_model(config)
+    except Exception as e:  # noqa: BLE001 - whatever the class raises for this config
+        raise ModelInputError(
+            f"model {path!r} has no weights and its transformers class cannot be built from "
+            f"its config.json ({type(e).__name__}: {' '.join(str(e).split())})"
+        ) from None
+    state = model.state_dict()
+    for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
+        state.pop(key, None)
+    state = remove_tied_weights_from_state_dict(state, model)
+    try:  # the checkpoint format (e.g. Mixtral's per-expert tensors), as save_pretrained writes
+        state = revert_weight_conversion(model, state)
+    except Exception as e:  # noqa: BLE001 - a conversion that needs real tensors
+        raise ModelInputError(
+            f"model {path!r} has no weights, and transformers cannot derive its checkpoint "
+            f"names on the meta device ({type(e).__name__}: {' '.join(str(e).split())}); "
+            "download the *.safetensors files"
+        ) from None
+    keep_fp32 = list(model._get_dtype_plan(dtype)) if hasattr(model, "_get_dtype_plan") else []
+    shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, str] = {}
+    for key, tensor in state.items():
+        shapes[key] = tuple(tensor.shape)
+        if not tensor.dtype.is_floating_point:
+            stored = tensor.dtype
+        elif any(re.search(rf"(^|\.){re.escape(m)}(\.|$)", key) for m in keep_fp32):
+            stored = torch.float32
+        else:
+            stored = dtype
+        dtypes[key] = _SAFETENSORS_NAMES.get(str(stored).removeprefix("torch."), "F32")
+    return shapes, dtypes
+
+
+def _config_dtype(config: dict[str, Any], path: str) -> Any:
+    """The dtype a config declares for its weights (``dtype``, older ``torch_dtype``)."""
+    import torch
+
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    name = str(name).removeprefix("torch.")
+    dtype = getattr(torch, name, None) if name != "auto" else torch.float32
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ModelInputError(
+            f"model {path!r}: config.json declares dtype {name!r}, not a floating dtype; "
+            "write float32, float16 or bfloat16"
+        )
+    return dtype
 
 
 def tensor_shapes(path: str) -> dict[str, tuple[int, ...]]:

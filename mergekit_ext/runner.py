@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import tempfile
 from dataclasses import dataclass
@@ -32,7 +33,12 @@ from mergekit_ext import distributed as dist_context
 from mergekit_ext.config import ExtMergeConfig
 from mergekit_ext.errors import MergekitExtError, PublishError
 from mergekit_ext.methods.registry import ext_method_info
-from mergekit_ext.model_paths import resolve_model_folder
+from mergekit_ext.model_paths import (
+    config_shapes,
+    is_config_only,
+    resolve_model_folder,
+    safetensors_itemsize,
+)
 from mergekit_ext.output import (
     atomic_output_dir,
     check_replaceable,
@@ -51,6 +57,8 @@ class RunOptions:
     overwrite: bool = False
     allow_pickle: bool = False
     dry_run: bool = False
+    # --dry-run --world-size W: plan for W processes without a launcher (default: WORLD_SIZE)
+    plan_world_size: Optional[int] = None
     force: bool = False  # SyMerge: run even when the memory estimate exceeds the machine's
     task_layers_only: bool = False  # SyMerge: save task layers as PEFT adapters only
     push_to_hub: Optional[str] = None
@@ -66,7 +74,7 @@ def validate(cfg: ExtMergeConfig, options: MergeOptions, run: RunOptions) -> lis
     info = ext_method_info(cfg.method)
     data_aware = info is not None and info.kind != "tensorwise"
     checks.check_models_list(cfg)
-    checks.check_model_paths(cfg, allow_pickle=run.allow_pickle)
+    checks.check_model_paths(cfg, allow_pickle=run.allow_pickle, dry_run=run.dry_run)
     checks.check_compatible(cfg, allow_crimes=options.allow_crimes, shapes=data_aware)
     checks.check_layer_counts(cfg)
     checks.check_checkpoint_classes(cfg)
@@ -76,14 +84,20 @@ def validate(cfg: ExtMergeConfig, options: MergeOptions, run: RunOptions) -> lis
     return warnings
 
 
-def check_distributable(cfg: ExtMergeConfig, world_size: int) -> None:
-    """Refuse several processes for a method the distributed executor does not run."""
+def check_distributable(cfg: ExtMergeConfig, world_size: int, planned: bool = False) -> None:
+    """Refuse several processes for a method the distributed executor does not run
+    (``planned``: asked by ``--dry-run --world-size``, not by a launcher)."""
     if world_size <= 1:
         return
     info = ext_method_info(cfg.method)
     kind = info.kind if info else "tensorwise"
     if kind != "layerwise":
         what = "mergekit's tensor-wise methods" if kind == "tensorwise" else "SyMerge"
+        if planned:
+            raise MergekitExtError(
+                f"{cfg.method} runs in a single process ({what} are not distributed): "
+                f"--world-size {world_size} cannot plan it; drop --world-size"
+            )
         raise MergekitExtError(
             f"{cfg.method} runs in a single process ({what} are not distributed); launch it "
             f"without torchrun/accelerate (WORLD_SIZE is {world_size}), e.g. `mergekit-ext run "
@@ -120,9 +134,11 @@ def run_merge_config(
     )
 
     if run.dry_run:
-        world = dist_context.world_size_from_env()
-        if world > 1 and os.environ.get("RANK", "0") != "0":
+        launched = dist_context.world_size_from_env()
+        if launched > 1 and os.environ.get("RANK", "0") != "0":
             return None  # under a launcher, rank 0 prints the plan of every rank
+        world = run.plan_world_size or launched
+        check_distributable(cfg, world, planned=run.plan_world_size is not None)
         validate(cfg, options, run)
         print(_describe_plan(cfg, options, kind, world))
         return None
@@ -430,7 +446,12 @@ def _describe_plan(
     sizes = []
     for ref in cfg.merge.referenced_models():
         path = checks.model_paths(str(ref))[0]
-        if os.path.isdir(path):
+        if is_config_only(path):  # no weights yet: the size save_pretrained would write
+            shapes, dtypes = config_shapes(path)
+            sizes.append(
+                sum(math.prod(s) * safetensors_itemsize(dtypes[k]) for k, s in shapes.items())
+            )
+        elif os.path.isdir(path):
             sizes.append(
                 sum(
                     os.path.getsize(os.path.join(path, f))

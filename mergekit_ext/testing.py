@@ -54,6 +54,13 @@ def _tokenizer(kind: str) -> transformers.PreTrainedTokenizerFast:
     )
 
 
+def save_tiny_tokenizer(path: str, kind: str = "llama") -> str:
+    """Save the tiny word-level tokenizer (``"llama"`` or ``"bert"`` style) into ``path``."""
+    os.makedirs(path, exist_ok=True)
+    _tokenizer(kind).save_pretrained(path)
+    return path
+
+
 def _save(model: torch.nn.Module, path: str, extra: Sequence[object] = ()) -> str:
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from mergekit_ext.errors import MergekitExtError
-from mergekit_ext.model_paths import tensor_shapes
+from mergekit_ext.model_paths import checkpoint_shapes
 
 LOG = logging.getLogger(__name__)
 
@@ -36,8 +36,9 @@ class AdaptationMemoryError(MergekitExtError):
 
 
 def checkpoint_parameter_count(path: str) -> int:
-    """Number of parameters in a safetensors checkpoint folder (headers only)."""
-    return sum(math.prod(shape) for shape in tensor_shapes(path).values())
+    """Number of parameters in a checkpoint folder (safetensors headers, or the class of a
+    folder with only a config.json)."""
+    return sum(math.prod(shape) for shape in checkpoint_shapes(path).values())
 
 
 def _config_value(config: Mapping[str, Any], key: str, default: int) -> int:

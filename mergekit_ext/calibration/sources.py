@@ -221,7 +221,19 @@ def detect_modality(model_path: str) -> Modality:
 def _load_tokenizer(model_path: str, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
+    from mergekit_ext.model_paths import is_config_only
+
     folder = _model_folder(model_path)
+    if is_config_only(folder) and not _has_tokenizer_files(folder):
+        # A dry run of a folder with only config.json: name what to download, not the
+        # tokenizer class's own error about a missing vocabulary file.
+        raise CalibrationError(
+            f"model {model_path!r} has no weights and no tokenizer (only config.json); the "
+            "calibration text is tokenized with the model's tokenizer: download its tokenizer "
+            'files too (`hf download ORG/NAME --include "*.json" "*.model" --local-dir '
+            f"{folder}` fetches config and tokenizer, no weights), or give pre-tokenized "
+            "calibration data (a .safetensors file of input_ids)"
+        )
     try:
         return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     except Exception as e:
@@ -229,6 +241,11 @@ def _load_tokenizer(model_path: str, trust_remote_code: bool = False) -> Any:
             f"cannot load the tokenizer of model {model_path!r} ({type(e).__name__}: {e}); "
             "save the tokenizer next to the weights"
         ) from e
+
+
+def _has_tokenizer_files(folder: str) -> bool:
+    names = ("tokenizer.json", "tokenizer.model", "vocab.txt", "vocab.json", "spiece.model")
+    return any(os.path.isfile(os.path.join(folder, n)) for n in names)
 
 
 def check_tokenizers_match(model_paths: Sequence[str]) -> None:

@@ -31,7 +31,9 @@ def plan_layerwise_merge(
 ) -> MergePlan:
     """Check the merge (models, family, shapes, calibration, tokenizers) and plan it.
 
-    Reads configs, safetensors headers and the calibration data, never a weight.
+    Reads configs, safetensors headers and the calibration data, never a weight. A model
+    folder with only a ``config.json`` is planned from its class (shapes, memory); the
+    merge itself refuses it (:meth:`MergePlan.check_weights`).
     """
     return build_plan(cfg, options, method, dict(parameters or {}))
 
@@ -58,6 +60,7 @@ def run_layerwise_merge(
     if distributed is not None and distributed.enabled and torch_device.type == "cuda":
         torch_device = torch.device("cuda", distributed.local_rank)
     plan = plan_layerwise_merge(cfg, options, method, parameters)
+    plan.check_weights()
     return SequentialExecutor(plan, out_dir, torch_device, distributed).run()
 
 

@@ -36,6 +36,7 @@ from torch import nn
 from mergekit_ext import model_class
 from mergekit_ext.errors import ModelInputError
 from mergekit_ext.executor.families import ModelFamily
+from mergekit_ext.model_paths import config_shapes, is_config_only
 from mergekit_ext.model_paths import resolve_model_folder as resolve_model_folder
 
 LOG = logging.getLogger(__name__)
@@ -93,6 +94,8 @@ class ModelSource:
     # canonical of a weight the class ties but the checkpoint does not store -> the canonical
     # it shares (an ``lm_head`` tied to the embeddings): read as that tensor
     tied: dict[str, str] = field(default_factory=dict)
+    # only a config.json (no weights): shapes from its class, for a dry run; never read
+    weightless: bool = False
     _loader: Optional[LazyTensorLoader] = field(default=None, repr=False)
 
     @property
@@ -136,6 +139,7 @@ class ModelSource:
         return tensor
 
     def _read(self, canonical: str, device: torch.device | str) -> torch.Tensor:
+        self._check_readable()
         if self._loader is None:
             self._loader = LazyTensorLoader(ShardedTensorIndex.from_disk(self.path))
         try:
@@ -149,9 +153,18 @@ class ModelSource:
 
     def read_checkpoint_key(self, key: str) -> torch.Tensor:
         """One tensor as stored (dtype and all), by checkpoint key, on the CPU."""
+        self._check_readable()
         if self._loader is None:
             self._loader = LazyTensorLoader(ShardedTensorIndex.from_disk(self.path))
         return self._loader.get_tensor(key)
+
+    def _check_readable(self) -> None:
+        # The runner refuses such inputs before anything loads; this guards direct API use.
+        if self.weightless:
+            raise ModelInputError(
+                f"model {self.label}: {self.path!r} has no weights (only config.json); "
+                "it can be planned (--dry-run), not merged"
+            )
 
     def release(self) -> None:
         """Close the open shard (tensors already returned stay valid)."""
@@ -175,7 +188,10 @@ def read_config(path: str, what: str) -> transformers.PretrainedConfig:
 
 
 def _header_shapes(path: str, what: str) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
-    """Checkpoint key -> shape and dtype, from the safetensors headers only."""
+    """Checkpoint key -> shape and dtype, from the safetensors headers only (a folder with
+    only a ``config.json``: from its class, :func:`~mergekit_ext.model_paths.config_shapes`)."""
+    if is_config_only(path):
+        return config_shapes(path)
     try:
         index = ShardedTensorIndex.from_disk(path)
     except RuntimeError as e:
@@ -246,6 +262,7 @@ def open_model(label: str, path: str, family: Optional[ModelFamily], *, what: st
         dtypes=dtypes,
         unloaded=unloaded,
         tied=tied,
+        weightless=is_config_only(path),
     )
 
 

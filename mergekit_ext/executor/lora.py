@@ -81,6 +81,10 @@ class LoraModelSource:
         return self.base.config
 
     @property
+    def weightless(self) -> bool:
+        return self.base.weightless
+
+    @property
     def family(self):
         return self.base.family
 

@@ -3,7 +3,9 @@
 :func:`build_plan` resolves the models (full checkpoints and PEFT LoRA adapters), finds the
 family, the blocks and their linear groups, checks shapes, calibration data and tokenizers,
 loads (tokenizes) the calibration data and estimates peak memory. It reads config files,
-safetensors headers and calibration data only, never a weight.
+safetensors headers and calibration data only, never a weight; a model folder with only a
+``config.json`` takes its shapes from its class (``model_paths.config_shapes``), so a dry
+run can plan a merge before the weights are downloaded.
 """
 
 from __future__ import annotations
@@ -173,14 +175,29 @@ class MergePlan:
     def output_name(self, canonical: str) -> str:
         return self.base.checkpoint_key[canonical]
 
+    @property
+    def weightless(self) -> list[str]:
+        """Labels of the inputs planned from a ``config.json`` alone (no weights to merge)."""
+        sources = [(self.base.label, self.base), *((e.label, e.source) for e in self.experts)]
+        return list(dict.fromkeys(label for label, s in sources if s.weightless))
+
+    def check_weights(self) -> None:
+        """Refuse to merge a plan whose inputs have no weights (only a dry run plans them)."""
+        if self.weightless:
+            raise ModelInputError(
+                f"{', '.join(self.weightless)}: no weights (only config.json); download the "
+                "*.safetensors files to merge, or plan the merge with --dry-run"
+            )
+
     def describe(self) -> str:
         m = self.memory
         groups = self.blocks[0].groups if self.blocks else ()
+        base_note = " (config.json only: no weights)" if self.base.weightless else ""
         lines = [
             f"method: {self.method.name} (layerwise, sequential executor)",
             f"family: {self.family.name} ({self.base.config.model_type}, "
             f"{(self.base.config.architectures or ['?'])[0]})",
-            f"base_model: {self.base.label}",
+            f"base_model: {self.base.label}{base_note}",
             f"blocks: {len(self.blocks)} ({self.layers_path}.{{i}}), "
             f"{len(groups)} linear groups per block in forward order:",
         ]
@@ -194,6 +211,8 @@ class MergePlan:
         lines.append(f"tasks ({len(self.experts)}):")
         for e in self.experts:
             kind = "LoRA adapter" if isinstance(e.source, LoraModelSource) else "full checkpoint"
+            if e.source.weightless:
+                kind += ", config.json only: no weights"
             summary = e.data.summary() if e.data is not None else {}
             lines.append(
                 f"  - {e.task}: {e.label} ({kind}); calibration {summary.get('source', e.calibration.describe())}: "
@@ -212,6 +231,11 @@ class MergePlan:
             f"output dtype: {str(self.out_dtype).replace('torch.', '') if self.out_dtype else 'as the base model'}"
         )
         lines += [f"warning: {w}" for w in self.rank_warnings]
+        if self.weightless:
+            lines.append(
+                f"shapes from config.json (no weights) for {len(self.weightless)} model(s): "
+                "dry run only; download the *.safetensors files to merge"
+            )
         lines += [
             f"memory estimate: peak ≈ {m.peak} bytes ({_gb(m.peak)}) on top of the Python "
             f"process itself (torch, transformers: ~0.4 GB); one model ≈ {_gb(m.model_bytes)}",
