@@ -16,6 +16,11 @@ most 0.65x that of W = 1 (which needs two idle cores).
     python -m benchmarks.distributed            # full size (~0.43B, K = 4): long on 2 cores
     python -m benchmarks.distributed --probe    # full widths, 4 blocks
     python -m benchmarks.distributed --small    # a quick check
+    python -m benchmarks.distributed --llm-width [DIR]   # memory probe at Llama-3-8B widths
+
+``--llm-width``: the two-block Llama-3-8B-width model of ``benchmarks/llm_width.py`` (bf16,
+built there under DIR, default its ``--models-dir``) with K = 4 experts: peak RSS per rank for
+W = 1 and W = 2 next to the plan's estimate for that rank (``--dry-run``'s numbers).
 """
 
 from __future__ import annotations
@@ -177,11 +182,55 @@ def _compare(a: str, b: str) -> tuple[float, int, int]:
     return worst, same, len(ia)
 
 
+# What --dry-run says the process itself holds besides the plan (torch, transformers)
+PROCESS_BASELINE = int(0.4e9)
+
+
+def _parameters(folder: str) -> int:
+    from mergekit_ext.model_paths import tensor_shapes
+
+    total = 0
+    for shape in tensor_shapes(folder).values():
+        n = 1
+        for d in shape:
+            n *= d
+        total += n
+    return total
+
+
+def _estimates(config: str) -> dict[tuple[int, int], int]:
+    """The plan's peak memory for W = 1 and for each rank of W = 2: ``{(W, rank): bytes}``."""
+    from mergekit.options import MergeOptions
+
+    import mergekit_ext  # noqa: F401  (registers the methods)
+    from mergekit_ext.config import load_config
+    from mergekit_ext.executor import plan_layerwise_merge
+    from mergekit_ext.executor.plan import estimate_memory
+    from mergekit_ext.methods.registry import ext_method_info
+
+    cfg = load_config(config)
+    info = ext_method_info(cfg.merge_method)
+    assert info is not None
+    plan = plan_layerwise_merge(cfg, MergeOptions(quiet=True), info.implementation, cfg.parameters)
+    found = {(1, 0): estimate_memory(plan).peak}
+    for rank in range(2):
+        found[(2, rank)] = estimate_memory(plan, 2, rank).peak
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", action="store_true", help="a tiny model for a quick check")
     parser.add_argument("--probe", action="store_true", help="full widths, 4 blocks")
     parser.add_argument("--cache", default=None, help="cache folder for the synthetic models")
+    parser.add_argument(
+        "--llm-width",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="DIR",
+        help="memory probe at Llama-3-8B widths (benchmarks/llm_width.py's model, K = 4)",
+    )
     parser.add_argument("--child", nargs=2, metavar=("CONFIG", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -190,10 +239,23 @@ def main(argv: list[str] | None = None) -> int:
 
     from benchmarks.cache import default_cache_dir
 
-    size_name = "small" if args.small else "probe" if args.probe else "full"
-    size = SIZES[size_name]
-    folder, record = build(args.cache or default_cache_dir(), size_name)
-    config = _config(folder, size)
+    estimates: dict[tuple[int, int], int] = {}
+    if args.llm_width is not None:
+        from benchmarks import llm_width
+
+        folder = args.llm_width or llm_width.DEFAULT_MODELS_DIR
+        llm_width._build(folder, NUM_EXPERTS)
+        size_name, size = "llm-width", {**llm_width.SIZE}
+        record = {"parameters": _parameters(os.path.join(folder, "base"))}
+        config = os.path.join(folder, "chain_of_merges_k4.yml")
+        with open(config, "w", encoding="utf-8") as fp:
+            fp.write(llm_width._yaml("chain_of_merges", folder, NUM_EXPERTS))
+        estimates = _estimates(config)
+    else:
+        size_name = "small" if args.small else "probe" if args.probe else "full"
+        size = SIZES[size_name]
+        folder, record = build(args.cache or default_cache_dir(), size_name)
+        config = _config(folder, size)
     work = tempfile.mkdtemp(prefix="distributed-bench-")
     me = ["-m", "benchmarks.distributed", "--child", config]
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -229,15 +291,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"{os.cpu_count()} CPUs; load average (1 min) at the end: {load:.1f}")
-    print(
-        f"{'W':<4}{'rank':<6}{'wall s':>10}{'CPU s':>10}{'peak RSS GB':>14}{'launch-to-exit s':>18}"
-    )
+    header = f"{'W':<4}{'rank':<6}{'wall s':>10}{'CPU s':>10}{'peak RSS GB':>14}"
+    header += f"{'launch-to-exit s':>18}"
+    if estimates:
+        header += f"{'estimate GB':>13}{'estimate / peak':>17}"
+    print(header)
     for w, outer, records in ((1, outer1, one), (2, outer2, two)):
         for r in records:
-            print(
+            line = (
                 f"{w:<4}{r['rank']:<6}{r['wall_s']:>10.1f}{r['cpu_s']:>10.1f}"
                 f"{r['peak_rss'] / gb:>14.3f}{outer:>18.1f}"
             )
+            if estimates:
+                # the plan's figure is on top of the Python process (torch, transformers)
+                estimate = estimates[(w, r["rank"])] + PROCESS_BASELINE
+                line += f"{estimate / gb:>13.2f}{estimate / r['peak_rss']:>17.2f}"
+            print(line)
+    if estimates:
+        print(
+            f"(estimate = the plan's peak for that rank + {PROCESS_BASELINE / gb:.1f} GB for the "
+            "Python process with torch and transformers, as --dry-run states)"
+        )
     wall1 = max(r["wall_s"] for r in one)
     wall2 = max(r["wall_s"] for r in two)
     ratio = wall2 / wall1

@@ -91,7 +91,7 @@ def test_full_rank_auto_is_bytes_identical_and_exact(alpha):
 
 
 @pytest.mark.parametrize("alpha", [1.0, 0.8])
-@pytest.mark.parametrize("out", [5, 40])  # out < in and out > in take different solve orders
+@pytest.mark.parametrize("out", [5, 60])  # out ≤ 2 in and out > 2 in take different solve orders
 def test_fewer_tokens_than_inputs_equals_ridge_closed_form(alpha, out):
     xs = [inputs(3, 6), inputs(4, 5), inputs(5, 4)]  # 15 tokens < 24 inputs
     ws = expert_weights(3, out)
@@ -323,7 +323,7 @@ def test_span_solve_output_errors_equal_direct_ones(alpha):
     """``W Rᵀ − [W_k R_kᵀ]_k = −V H⁻¹ D⁻¹``: the errors the span solve returns (out ≤ in) are
     those measured from the merged weight and the rows; a task with ω = 0 gets none."""
     xs = [inputs(9, 6), inputs(10, 5), inputs(11, 7)]
-    ws = expert_weights(3, 5)  # out 5 ≤ 24 inputs: V H⁻¹ is formed
+    ws = expert_weights(3, 40)  # out 40 ≤ 2 x 24 inputs: V H⁻¹ is formed
     omegas = [1.0, 0.0, 2.0]
     grams = [x.T @ x / x.shape[0] for x in xs]
     span = regmean_solve(ws, grams, alpha, task_weights=omegas, ridge="auto", tokens=13, rows=xs)
@@ -333,6 +333,6 @@ def test_span_solve_output_errors_equal_direct_ones(alpha):
         direct = float(((span.merged_weight - ws[k]) @ xs[k].T).square().sum())
         assert span.row_errors[k] == pytest.approx(direct, rel=1e-9)
     wide = regmean_solve(
-        expert_weights(3, 40), grams, alpha, task_weights=omegas, ridge="auto", tokens=13, rows=xs
+        expert_weights(3, 60), grams, alpha, task_weights=omegas, ridge="auto", tokens=13, rows=xs
     )
-    assert wide.row_errors is None  # out > in: the solve never forms V H⁻¹
+    assert wide.row_errors is None  # out > 2 in: the solve never forms V H⁻¹

@@ -564,15 +564,17 @@ def _solve_bytes(width: int, out: int, k: int, span_tokens: Optional[int]) -> in
     """Working memory of the least-squares solve of one group (``least_squares.py``).
 
     Both: the K stacked expert weights (float32). Span solve (``span_tokens`` T < width):
-    W₀ (float64) with its float32 copy and one ``W_k − W₀``, V (``out x T``, float32), the
-    float64 rows, R E⁻¹ and ``H⁻¹ R E⁻¹`` (``T x in``), H (``T x T``) and the float32
-    correction. Dense: the numerator (float64), Σ ω G̃, its symmetrised copy and its
+    W₀ and one ``W_k − W₀`` (float64), the float32 result, Vᵀ and ``(V H⁻¹)ᵀ`` (``T x out``),
+    the rows, R E⁻¹ and ``H⁻¹ R E⁻¹`` (``T x in``), H, its symmetrised copy and its factor
+    (``T x T``), all float64. Dense: the numerator (float64), Σ ω G̃, its symmetrised copy and its
     Cholesky factor (``in x in``, float64) and the K products ``W_k G_k`` (float32).
     """
     weights = k * out * width * 4
     if span_tokens is not None:
         t = span_tokens
-        return weights + out * width * (8 + 4 + 4 + 4) + out * t * 4 + t * width * 28 + t * t * 8
+        return (
+            weights + out * width * (8 + 8 + 4) + 2 * out * t * 8 + t * width * 24 + 3 * t * t * 8
+        )
     return weights + 2 * out * width * 8 + 4 * width * width * 8 + k * out * width * 4
 
 
@@ -604,6 +606,7 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
     group_peak = (0, 0)  # (merged-path statistics, solve) of the group where their sum peaks
     largest_gram = 0  # several processes, gathered: one group's statistics of one task
     largest_sums = 0  # several processes: numerator + system of the widest group (float64)
+    gathered_span = 0  # several processes, rank 0: the other tasks' rows and weights of a group
     if plan.blocks:
         b = plan.blocks[0]
         for g in b.groups:
@@ -639,7 +642,23 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
                 grams_per_task += gram if limit is None or width <= limit else width * 16
             else:
                 grams_per_task += (raw // k if k else 0) + normalized
-            solve = _solve_bytes(width, out, k, tokens if span else None)
+            if several:
+                # rank 0 solves for every task, the others only pass their terms along; a span
+                # group is gathered whole to rank 0 (every task's rows and linear weights)
+                solve = (
+                    _solve_bytes(width, out, k_all, tokens if span else None) if rank == 0 else 0
+                )
+                if span and rank == 0:
+                    others = [
+                        int(e.data.num_tokens)
+                        for i, e in enumerate(plan.experts)
+                        if i not in own and e.data is not None
+                    ]
+                    gathered_span = max(
+                        gathered_span, sum(n * width * 4 + out * width * 4 for n in others)
+                    )
+            else:
+                solve = _solve_bytes(width, out, k, tokens if span else None)
             if merged_stats + solve > sum(group_peak):
                 group_peak = (merged_stats, solve)
     statistics = (k * grams_per_task if request.expert_path else 0) + group_peak[0]
@@ -683,8 +702,8 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
             block_weights += (k_all - k) * (block_bytes if gathers else others_bytes)
         if gathers:  # rank 0 receives the other ranks' statistics of one group
             reduction = (k_all - k) * largest_gram if rank == 0 else 0
-        else:  # every rank holds the sums passed along
-            reduction = largest_sums
+        else:  # every rank holds the sums passed along (or rank 0 a gathered span group)
+            reduction = max(largest_sums, gathered_span)
     return MemoryEstimate(
         block_weights=block_weights,
         statistics=statistics,

@@ -347,6 +347,20 @@ def _gram_of(rows: torch.Tensor) -> torch.Tensor:
     return (gram + gram.T).mul_(0.5)
 
 
+def _outer_gram(rows: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """``rows @ rows.T`` (``T x T``) from its lower block triangle: about half the flops of
+    one GEMM at T ≫ block, and exactly symmetric."""
+    t = int(rows.shape[0])
+    out = torch.empty((t, t), dtype=rows.dtype)
+    for i in range(0, t, block):
+        top = min(i + block, t)
+        torch.mm(rows[i:top], rows[:top].T, out=out[i:top, :top])
+        out[:i, i:top] = out[i:top, :i].T
+        diagonal = out[i:top, i:top]
+        diagonal.copy_(0.5 * (diagonal + diagonal.T))
+    return out
+
+
 def span_solve(
     expert_weights: Sequence[torch.Tensor],
     grams: Sequence[Optional[torch.Tensor]],
@@ -431,15 +445,20 @@ def span_solve(
         delta.copy_(expert_weights[k]).sub_(w0)
         torch.mm(r_all[a:b], delta.T, out=v_t[a:b])
     del delta
-    f = r_all / e  # R E⁻¹
-    h = f @ r_all.T
+    root_e = e.sqrt()
+    scaled = r_all / root_e  # R E^(-1/2)
+    h = _outer_gram(scaled)  # R E⁻¹ Rᵀ, exactly symmetric
+    f = scaled.div_(root_e)  # R E⁻¹, in place
+    del scaled
     torch.diagonal(h).add_(d_inv)
-    h = 0.5 * (h + h.T)
     factor = _cholesky(h)
     if factor is None:  # pragma: no cover - H ⪰ D⁻¹ > 0
         raise TensorError("span_solve: H = R E⁻¹ Rᵀ + D⁻¹ is not positive definite")
     row_errors: Optional[list[Optional[float]]] = None
-    if out <= n_in:
+    # Forming V H⁻¹ costs 2T²·out in triangular solves against 2T²·in for H⁻¹ R E⁻¹, but it
+    # gives the output errors for free (below), which otherwise take an out x in x T product:
+    # the cheaper of the two up to about out = 2·in (a Llama q/k/v group, not gate/up).
+    if out <= 2 * n_in:
         z_t = torch.cholesky_solve(v_t, factor)  # (V H⁻¹)ᵀ, T x out
         del v_t
         w0.addmm_(z_t.T, f)  # W = W₀ + V H⁻¹ R E⁻¹, in place
