@@ -261,20 +261,14 @@ def _run_json(cmd: list[str], env_extra: dict[str, str]) -> dict[str, Any]:
     return json.loads(line[len("RESULT ") :])
 
 
-def run_child(
-    method: str, folder: str, out: str, size_name: str, threads: int | None
-) -> dict[str, Any]:
-    """Run one merge in a subprocess: its own ru_maxrss, plus psutil polling of its RSS."""
+def run_polled(cmd: list[str], env: dict[str, str], interval: float) -> tuple[int, str, str, int]:
+    """Run ``cmd`` from the repository root, polling its RSS with psutil every ``interval``
+    seconds: ``(return code, stdout, stderr, largest RSS seen)``. Output goes through files,
+    not pipes, so a chatty child never blocks on a full pipe while we poll."""
     import tempfile
 
     import psutil
 
-    cmd = [*_self_command(), "--child", method, "--models", folder, "--out", out]
-    cmd += ["--size", size_name]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT}
-    if threads:
-        cmd += ["--threads", str(threads)]
-        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=stdout, stderr=stderr, text=True)
         watched = psutil.Process(proc.pid)
@@ -284,12 +278,26 @@ def run_child(
                 polled = max(polled, watched.memory_info().rss)
             except psutil.Error:
                 pass
-            time.sleep(0.1)
+            time.sleep(interval)
         stdout.seek(0)
         stderr.seek(0)
-        output, errors = stdout.read(), stderr.read()
-    if proc.returncode != 0:
-        raise RuntimeError(f"{method} failed ({proc.returncode}):\n{errors[-4000:]}")
+        return proc.returncode, stdout.read(), stderr.read(), polled
+
+
+def run_child(
+    method: str, folder: str, out: str, size_name: str, threads: int | None
+) -> dict[str, Any]:
+    """Run one merge in a subprocess: its own ru_maxrss, plus psutil polling of its RSS."""
+
+    cmd = [*_self_command(), "--child", method, "--models", folder, "--out", out]
+    cmd += ["--size", size_name]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT}
+    if threads:
+        cmd += ["--threads", str(threads)]
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    returncode, output, errors, polled = run_polled(cmd, env, 0.1)
+    if returncode != 0:
+        raise RuntimeError(f"{method} failed ({returncode}):\n{errors[-4000:]}")
     line = next(line for line in output.splitlines() if line.startswith("RESULT "))
     result = json.loads(line[len("RESULT ") :])
     result["polled_rss"] = polled

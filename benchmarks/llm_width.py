@@ -223,8 +223,6 @@ def _child(method: str, folder: str, experts: int, out: str, threads: int) -> No
 
 
 def _run_child(method: str, folder: str, experts: int, threads: int) -> dict[str, Any]:
-    import psutil
-
     out = tempfile.mkdtemp(prefix="llm-width-out-", dir=os.path.dirname(folder))
     cmd = [sys.executable, "-m", "benchmarks.llm_width", "--child", method]
     cmd += ["--models-dir", folder, "--experts", str(experts), "--threads", str(threads)]
@@ -236,24 +234,14 @@ def _run_child(method: str, folder: str, experts: int, threads: int) -> dict[str
         "OMP_NUM_THREADS": str(threads),
         "MKL_NUM_THREADS": str(threads),
     }
+    from benchmarks.executor_memory import run_polled
+
     try:
-        with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=stdout, stderr=stderr, text=True)
-            watched = psutil.Process(proc.pid)
-            polled = 0
-            while proc.poll() is None:
-                try:
-                    polled = max(polled, watched.memory_info().rss)
-                except psutil.Error:
-                    pass
-                time.sleep(0.2)
-            stdout.seek(0)
-            stderr.seek(0)
-            output, errors = stdout.read(), stderr.read()
+        returncode, output, errors, polled = run_polled(cmd, env, 0.2)
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{method} K={experts} failed ({proc.returncode}):\n{errors[-4000:]}")
+    if returncode != 0:
+        raise RuntimeError(f"{method} K={experts} failed ({returncode}):\n{errors[-4000:]}")
     line = next(line for line in output.splitlines() if line.startswith("RESULT "))
     result = json.loads(line[len("RESULT ") :])
     result["polled_rss"] = polled

@@ -502,7 +502,9 @@ def test_rank_memory_estimates_split_the_tasks(tiny_llama_set, tmp_path):
     assert rank1.statistics < rank0.statistics < one.statistics
     assert rank0.activations + rank1.activations == one.activations
     assert rank1.block_weights < rank0.block_weights < one.block_weights
-    assert rank0.reduction == rank1.reduction > 0 and rank1.writer_buffer == 0
+    assert rank0.reduction >= rank1.reduction > 0 and rank1.writer_buffer == 0
+    # rank 0 solves every group for all tasks; the others only pass their terms along
+    assert rank0.solver == one.solver > 0 and rank1.solver == 0
     float32 = plan_layerwise_merge(
         cfg, MergeOptions(quiet=True), method, {**cfg.parameters, "statistics_dtype": "float32"}
     )
