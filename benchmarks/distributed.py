@@ -209,7 +209,7 @@ def _estimates(config: str) -> dict[tuple[int, int], int]:
     from mergekit_ext.methods.registry import ext_method_info
 
     cfg = load_config(config)
-    info = ext_method_info(cfg.merge_method)
+    info = ext_method_info(cfg.method)
     assert info is not None
     plan = plan_layerwise_merge(cfg, MergeOptions(quiet=True), info.implementation, cfg.parameters)
     found = {(1, 0): estimate_memory(plan).peak}
