@@ -89,21 +89,26 @@ class DistributedContext:
         )
 
     def broadcast_tensor(
-        self, tensor: Optional[torch.Tensor], shape: Sequence[int], dtype: torch.dtype, device
+        self,
+        tensor: Optional[torch.Tensor],
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        device,
+        src: int = 0,
     ) -> torch.Tensor:
-        """Rank 0's ``tensor`` on every rank (the others pass None and get a new tensor)."""
+        """Rank ``src``'s ``tensor`` on every rank (the others pass None and get a new one)."""
         if not self.enabled:
             assert tensor is not None
             return tensor
         import torch.distributed as dist
 
-        if self.is_writer:
+        if self.rank == src:
             assert tensor is not None
             buffer = tensor.to(device=device, dtype=dtype).contiguous()
         else:
             buffer = torch.empty(tuple(shape), dtype=dtype, device=device)
         try:
-            dist.broadcast(buffer, src=0)
+            dist.broadcast(buffer, src=src)
         except RuntimeError as e:  # DistBackendError, timeouts, closed connections
             raise self._failed("a broadcast of merged weights", e) from e
         return buffer
@@ -141,14 +146,15 @@ class DistributedContext:
             raise self._failed("a gather of per-task statistics", e) from e
         return gathered
 
-    def broadcast_object(self, obj: Any) -> Any:
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` (picklable, CPU tensors only) on every rank."""
         if not self.enabled:
             return obj
         import torch.distributed as dist
 
-        box = [obj if self.is_writer else None]
+        box = [obj if self.rank == src else None]
         try:
-            dist.broadcast_object_list(box, src=0, group=self._object_group)
+            dist.broadcast_object_list(box, src=src, group=self._object_group)
         except RuntimeError as e:
             raise self._failed("a broadcast of diagnostics", e) from e
         return box[0]

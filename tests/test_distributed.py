@@ -391,7 +391,7 @@ def _group(indices: list[int], weights, expert_stats, merged_stats) -> LinearGro
     return LinearGroup(
         name="layers.0.qkv",
         weights=["q", "k"],
-        base={"q": torch.zeros(3, 6), "k": torch.zeros(2, 6)},
+        base={name: torch.zeros_like(w) for name, w in weights[0].items()},
         experts=[weights[i] for i in indices],
         task_names=[f"task{i}" for i in indices],
         expert_stats=[expert_stats[i] for i in indices],
@@ -399,44 +399,97 @@ def _group(indices: list[int], weights, expert_stats, merged_stats) -> LinearGro
     )
 
 
-@pytest.mark.parametrize(
-    "method, parameters",
-    [
-        (RegMeanMethod(), {}),
-        (RegMeanMethod(), {"reduce_non_diagonal": 0.8, "ridge": 0.1}),
-        (ChainOfMergesMethod(), {}),
-        (ChainOfMergesMethod(), {"normalize": True, "task_weighting": "correlation"}),
-        (ChainOfMergesMethod(), {"ridge": 0.5, "solver": "solve", "task_weighting": "correlation"}),
-    ],
-)
-def test_sum_reduction_over_task_subsets_equals_the_whole_merge(method, parameters):
+def _row_stats(x: torch.Tensor) -> TaskStatistics:
+    """A task that kept its input rows instead of the Gram (fewer tokens than inputs)."""
+    x = x.double()
+    unit = x / x.norm(dim=1, keepdim=True)
+    return TaskStatistics(
+        gram=None,
+        mean=x.mean(0),
+        count=x.shape[0],
+        gram_normalized=unit.T @ unit / x.shape[0],
+        second_moment=x.square().mean(0),
+        rows=x,
+        row_batches=(x.shape[0],),
+    )
+
+
+def _reduce_like_two_ranks(method, parameters, weights, expert, merged_path):
+    """The executor's protocol for K = 3 on W = 2 in one process: votes, sums passed in task
+    order, the solve on rank 1, every rank's task diagnostics; None when the group is
+    gathered instead."""
+    parts = [[0, 2], [1]]  # what ranks 0 and 1 own for K = 3, W = 2
+    reductions = [method.reduction(parameters) for _ in parts]
+    locals_ = [_group(p, weights, expert, merged_path) for p in parts]
+    votes = [r.gather_vote(g) for r, g in zip(reductions, locals_)]
+    if reductions[0].needs_gather(votes):
+        return None
+    zeros = [r.prepare(g) for r, g in zip(reductions, locals_)]
+    assert {k: v.shape for k, v in zeros[0].items()} == {k: v.shape for k, v in zeros[1].items()}
+    sums = zeros[0]  # the accumulators travel 0 -> 1 -> 0 -> 1 (the solver) in task order
+    for k in range(3):
+        rank = k % 2
+        reductions[rank].add_task(sums, parts[rank].index(k))
+    merged, diag = reductions[1].solve(sums, locals_[1])
+    tasks: dict[str, Any] = {}
+    for r, g in zip(reductions, locals_):
+        tasks.update(r.task_diagnostics(g, merged))
+    return merged, {**diag, "tasks": tasks}
+
+
+REDUCTION_CASES = [
+    (RegMeanMethod(), {}),
+    (RegMeanMethod(), {"reduce_non_diagonal": 0.8, "ridge": 0.1}),
+    (ChainOfMergesMethod(), {}),
+    (ChainOfMergesMethod(), {"normalize": True, "task_weighting": "correlation"}),
+    (ChainOfMergesMethod(), {"ridge": 0.5, "solver": "solve", "task_weighting": "correlation"}),
+]
+
+
+@pytest.mark.parametrize("method, parameters", REDUCTION_CASES)
+@pytest.mark.parametrize("kept_rows", [False, True])
+def test_sum_reduction_over_task_subsets_equals_the_whole_merge(method, parameters, kept_rows):
     gen = torch.Generator().manual_seed(0)
     k = 3
     weights = [
         {"q": torch.randn(3, 6, generator=gen), "k": torch.randn(2, 6, generator=gen)}
         for _ in range(k)
     ]
-    expert = [_stats(torch.randn(40, 6, generator=gen) * (1 + i)) for i in range(k)]
-    merged_path = [_stats(torch.randn(40, 6, generator=gen) + i) for i in range(k)]
+    # kept rows: 4 tokens per task for 6 inputs, 12 in all: each task keeps its rows, and the
+    # dense solve (every task's Gram formed from its rows) is reduced to sums all the same
+    tokens, stats = (4, _row_stats) if kept_rows else (40, _stats)
+    expert = [stats(torch.randn(tokens, 6, generator=gen) * (1 + i)) for i in range(k)]
+    merged_path = [stats(torch.randn(tokens, 6, generator=gen) + i) for i in range(k)]
     whole = _group(list(range(k)), weights, expert, merged_path)
     expected, expected_diag = method.merge_linear_group(whole, parameters)
-
-    parts = [[0, 2], [1]]  # what ranks 0 and 1 own for K = 3, W = 2
-    reductions = [method.reduction(parameters) for _ in parts]
-    locals_ = [_group(p, weights, expert, merged_path) for p in parts]
-    zeros = [r.prepare(g) for r, g in zip(reductions, locals_)]
-    assert {k: v.shape for k, v in zeros[0].items()} == {k: v.shape for k, v in zeros[1].items()}
-    sums = zeros[0]  # the accumulators travel 0 -> 1 -> 0 in task order
-    for k in range(3):
-        rank = k % 2
-        reductions[rank].add_task(sums, parts[rank].index(k))
-    merged, diag = reductions[0].solve(sums, locals_[0])
+    reduced = _reduce_like_two_ranks(method, parameters, weights, expert, merged_path)
+    assert reduced is not None, "a dense group must not be gathered"
+    merged, diag = reduced
     for name in expected:  # the same additions in the same order: the same bits
         assert torch.equal(merged[name], expected[name]), name
-    tasks: dict[str, Any] = {}
-    for r, g in zip(reductions, locals_):
-        tasks.update(r.task_diagnostics(g, merged))
-    assert {**diag, "tasks": tasks} == expected_diag
+    assert diag == expected_diag
+
+
+@pytest.mark.parametrize("method, parameters", REDUCTION_CASES)
+def test_a_span_group_is_gathered_and_a_dense_one_is_not(method, parameters):
+    """Rows kept and fewer tokens in all than inputs (with a ridge): the span solve needs every
+    task's rows on one rank, so the vote gathers; with as many tokens as inputs it does not."""
+    gen = torch.Generator().manual_seed(2)
+    weights = [
+        {"q": torch.randn(3, 16, generator=gen), "k": torch.randn(2, 16, generator=gen)}
+        for _ in range(3)
+    ]
+    for per_task, gathered in [(5, True), (6, False)]:  # 15 < 16 <= 18 tokens in all
+        expert = [_row_stats(torch.randn(per_task, 16, generator=gen)) for _ in range(3)]
+        merged_path = [_row_stats(torch.randn(per_task, 16, generator=gen)) for _ in range(3)]
+        reduced = _reduce_like_two_ranks(method, parameters, weights, expert, merged_path)
+        assert (reduced is None) == gathered, (per_task, parameters)  # every case has a ridge
+        if reduced is not None:
+            expected, expected_diag = method.merge_linear_group(
+                _group([0, 1, 2], weights, expert, merged_path), parameters
+            )
+            assert all(torch.equal(reduced[0][n], expected[n]) for n in expected)
+            assert reduced[1] == expected_diag
 
 
 def test_regmean_sums_added_in_order_equal_regmean_solve():
@@ -503,8 +556,9 @@ def test_rank_memory_estimates_split_the_tasks(tiny_llama_set, tmp_path):
     assert rank0.activations + rank1.activations == one.activations
     assert rank1.block_weights < rank0.block_weights < one.block_weights
     assert rank0.reduction >= rank1.reduction > 0 and rank1.writer_buffer == 0
-    # rank 0 solves every group for all tasks; the others only pass their terms along
-    assert rank0.solver == one.solver > 0 and rank1.solver == 0
+    # the groups' solves take turns over the ranks: each rank holds its own tasks' products
+    # (rank 1 one task, rank 0 two, one process three) beside the solve's buffers
+    assert 0 < rank1.solver < rank0.solver < one.solver
     float32 = plan_layerwise_merge(
         cfg, MergeOptions(quiet=True), method, {**cfg.parameters, "statistics_dtype": "float32"}
     )

@@ -259,7 +259,8 @@ class MergePlan:
             + (
                 "every task's statistics are gathered to rank 0, which merges each group"
                 if gathers
-                else "the sums of each group pass from rank to rank in task order; rank 0 solves"
+                else "the sums of each group pass from rank to rank in task order; the groups' "
+                "solves take turns over the ranks (a span solve on every task's rows: rank 0)"
             )
         ]
         for rank in range(world_size):
@@ -642,9 +643,15 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
                 grams_per_task += gram if limit is None or width <= limit else width * 16
             else:
                 grams_per_task += (raw // k if k else 0) + normalized
-            if several:
-                # rank 0 solves for every task, the others only pass their terms along; a span
-                # group is gathered whole to rank 0 (every task's rows and linear weights)
+            # The dense solve of a task that kept its rows forms its Gram from them (float64)
+            formed = (
+                sum(width * width * 8 for n in per_task if n < width)
+                if keeps and not span and not request.normalized_gram
+                else 0
+            )
+            if several and (gathers or span):
+                # gathered: rank 0 merges the whole group (a span group: every task's rows
+                # and linear weights)
                 solve = (
                     _solve_bytes(width, out, k_all, tokens if span else None) if rank == 0 else 0
                 )
@@ -658,7 +665,9 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
                         gathered_span, sum(n * width * 4 + out * width * 4 for n in others)
                     )
             else:
-                solve = _solve_bytes(width, out, k, tokens if span else None)
+                # one process, or the reduction: each rank holds its own tasks' products, and
+                # the groups' solves take turns over the ranks (any rank solves any group)
+                solve = _solve_bytes(width, out, k, tokens if span else None) + formed
             if merged_stats + solve > sum(group_peak):
                 group_peak = (merged_stats, solve)
     statistics = (k * grams_per_task if request.expert_path else 0) + group_peak[0]

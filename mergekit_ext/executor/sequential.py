@@ -407,15 +407,15 @@ class SequentialExecutor:
             return saved.to(device=self.device, dtype=torch.float32)
         return saved.to(self.device)
 
-    def _share(self, canonical: str, merged: Optional[torch.Tensor]) -> torch.Tensor:
-        """Rank 0's merged (floating) tensor on every rank; the tensor itself for one process."""
+    def _share(self, canonical: str, merged: Optional[torch.Tensor], src: int = 0) -> torch.Tensor:
+        """Rank ``src``'s merged (floating) tensor on every rank; itself for one process."""
         if not self.dist.enabled:
             assert merged is not None
             return merged
         shape = self.base.shapes[canonical]
         wide = safetensors_dtype(self.base.dtypes[canonical]) == torch.float64
         dtype = torch.float64 if wide else torch.float32
-        return self.dist.broadcast_tensor(merged, shape, dtype, self.device)
+        return self.dist.broadcast_tensor(merged, shape, dtype, self.device, src=src)
 
     def _merge_other(
         self,
@@ -737,7 +737,13 @@ class SequentialExecutor:
             )
             if self.dist.enabled:
                 result, group_diagnostics = self._merge_group_distributed(
-                    linear_group, canonical, base_block, expert_blocks
+                    linear_group,
+                    canonical,
+                    base_block,
+                    expert_blocks,
+                    # the groups take turns over the ranks, so that over W blocks each rank
+                    # solves each group of the block once
+                    solver=(block.index + index) % self.dist.world_size,
                 )
             else:
                 result, group_diagnostics = self.method.merge_linear_group(
@@ -785,28 +791,35 @@ class SequentialExecutor:
         canonical: Sequence[str],
         base_block: dict[str, torch.Tensor],
         expert_blocks: list[dict[str, torch.Tensor]],
+        solver: int = 0,
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """One group over several ranks; ``local`` holds this rank's tasks.
 
-        Returns the merged weights (rank 0's, on every rank) and, on rank 0, the group's
-        diagnostics; the per-task ones of the method's reduction stay with the task's rank
-        until :meth:`_collect_task_diagnostics`.
+        With the method's reduction, the sums reach rank ``solver``, which solves and
+        broadcasts; gathered, rank 0 merges the whole group. Returns the merged weights (on
+        every rank) and, on rank 0, the group's diagnostics; the per-task ones of the
+        reduction stay with the task's rank until :meth:`_collect_task_diagnostics`.
         """
         reduction = self.method.reduction(self.parameters)
         weights_along = False
         if reduction is not None:
-            # A task that kept its input rows instead of the Gram (fewer tokens than inputs):
-            # rank 0 solves on every task's rows, exactly as one process; all ranks agree.
-            votes = self.dist.gather_objects(reduction.needs_gather(local))
-            if self.dist.broadcast_object(any(votes) if votes is not None else None):
+            # The reduction may need the whole group on one rank (e.g. a span solve on every
+            # task's rows): rank 0 decides from every rank's vote and all ranks follow.
+            votes = self.dist.gather_objects(reduction.gather_vote(local))
+            if self.dist.broadcast_object(
+                reduction.needs_gather(votes) if votes is not None else None
+            ):
                 reduction = None
                 # rank 0 holds only its own experts' linear weights here: they travel too
                 weights_along = True
+        if reduction is None:
+            solver = 0
+        solves = self.dist.rank == solver
         result: Optional[dict[str, torch.Tensor]] = None
         diagnostics: dict[str, Any] = {}
         if reduction is not None:
-            totals = self._sums_in_task_order(reduction, local)
-            if self.writes:
+            totals = self._sums_in_task_order(reduction, local, solver)
+            if solves:
                 assert totals is not None
                 result, diagnostics = reduction.solve(totals, local)
         else:
@@ -824,13 +837,17 @@ class SequentialExecutor:
                 result, diagnostics = self.method.merge_linear_group(
                     self._whole_group(local, canonical, expert_blocks, gathered), self.parameters
                 )
-        if self.writes:
+        if solves:
             assert result is not None
             self._check_result(local, result, canonical, base_block)
         shared = {
-            n_: self._share(c, result[n_] if result is not None else None)
+            n_: self._share(c, result[n_] if result is not None else None, src=solver)
             for n_, c in zip(local.weights, canonical)
         }
+        if solver != 0:
+            diagnostics = self.dist.broadcast_object(diagnostics, src=solver)
+            if not self.writes:
+                diagnostics = {}
         if reduction is not None:
             tasks = reduction.task_diagnostics(local, shared)
             if tasks:
@@ -838,11 +855,11 @@ class SequentialExecutor:
         return shared, diagnostics
 
     def _sums_in_task_order(
-        self, reduction: SumReduction, local: LinearGroup
+        self, reduction: SumReduction, local: LinearGroup, solver: int = 0
     ) -> Optional[dict[str, torch.Tensor]]:
         """Add every task's terms in task order: the sums travel from the rank of task k to
-        that of task k+1 (then to rank 0), so the floating-point additions are those of one
-        process; returns the totals on rank 0 (None elsewhere)."""
+        that of task k+1 (then to rank ``solver``), so the floating-point additions are those
+        of one process; returns the totals on rank ``solver`` (None elsewhere)."""
         sums = reduction.prepare(local)
         position = {k: i for i, k in enumerate(self.owned)}
         holder = self.dist.owner(0)
@@ -853,9 +870,9 @@ class SequentialExecutor:
                 holder = owner
             if owner == self.dist.rank:
                 reduction.add_task(sums, position[k])
-        if holder != 0:
-            self._pass(sums, holder, 0)
-        return sums if self.writes else None
+        if holder != solver:
+            self._pass(sums, holder, solver)
+        return sums if self.dist.rank == solver else None
 
     def _pass(self, sums: dict[str, torch.Tensor], src: int, dst: int) -> None:
         if self.dist.rank == src:

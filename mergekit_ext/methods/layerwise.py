@@ -106,8 +106,9 @@ class SumReduction(ABC):
     2. :meth:`add_task` for k = 0, 1, …, K−1 on the rank of task k, the accumulators passed
        from rank to rank in task order (``torch.distributed`` send/recv), so the
        floating-point additions are exactly those of one process adding the tasks in order;
-    3. :meth:`solve` on rank 0 with the totals: the merged weights (broadcast to every
-       rank) and the group's task-independent diagnostics;
+    3. :meth:`solve` on one rank with the totals (the groups take turns over the ranks, so
+       the solves run in parallel with the other ranks' passes): the merged weights
+       (broadcast to every rank) and the group's task-independent diagnostics;
     4. :meth:`task_diagnostics` on every rank for its own tasks, with the merged weights.
 
     An object serves one group (:meth:`LayerwiseMethod.reduction` makes a new one per
@@ -129,14 +130,21 @@ class SumReduction(ABC):
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """``({weight name: merged weight}, group diagnostics)`` from the totals.
 
-        ``group`` is rank 0's own part (names, shapes, dtypes, its tasks' statistics).
+        ``group`` is the solving rank's own part (names, shapes, dtypes, its tasks'
+        statistics; every rank owns at least one task).
         """
 
-    def needs_gather(self, group: LinearGroup) -> bool:
-        """True when this rank's part of ``group`` cannot be reduced to sums (the executor
-        then gathers every task's statistics to rank 0 for this group, as without a
-        reduction, if any rank says so); False by default."""
+    def gather_vote(self, group: LinearGroup) -> Any:
+        """What this rank's part of ``group`` says about reducing it to sums (any picklable
+        value; every rank's goes to :meth:`needs_gather`); False by default."""
         return False
+
+    def needs_gather(self, votes: Sequence[Any]) -> bool:
+        """From every rank's :meth:`gather_vote` (rank order): True when the group cannot be
+        reduced to sums, and the executor then gathers every task's statistics to rank 0 and
+        calls :meth:`LayerwiseMethod.merge_linear_group` there; by default when any vote is
+        true."""
+        return any(votes)
 
     def task_diagnostics(
         self, group: LinearGroup, merged: Mapping[str, torch.Tensor]

@@ -640,6 +640,18 @@ def _trace_sqrt_product(cov_a: torch.Tensor, cov_b: torch.Tensor) -> float:
     return float(eigenvalues.sqrt().sum())
 
 
+def shift_covariance(
+    merged_path: TaskStatistics, expert_path: TaskStatistics, full_covariance_max_dim: int
+) -> Literal["full", "diagonal"]:
+    """Which covariances :func:`covariate_shift_w2` compares for these two paths."""
+    full = (
+        merged_path.mean.numel() <= full_covariance_max_dim
+        and (merged_path.gram is not None or merged_path.rows is not None)
+        and (expert_path.gram is not None or expert_path.rows is not None)
+    )
+    return "full" if full else "diagonal"
+
+
 def covariate_shift_w2(
     merged_path: TaskStatistics,
     expert_path: TaskStatistics,
@@ -651,12 +663,7 @@ def covariate_shift_w2(
     Full covariances when the input width is at most ``full_covariance_max_dim`` and both
     paths kept their Gram, diagonal ones otherwise. Returns ``(W2, "full" | "diagonal")``.
     """
-    full = (
-        merged_path.mean.numel() <= full_covariance_max_dim
-        and (merged_path.gram is not None or merged_path.rows is not None)
-        and (expert_path.gram is not None or expert_path.rows is not None)
-    )
-    if full:
+    if shift_covariance(merged_path, expert_path, full_covariance_max_dim) == "full":
         distance = gaussian_w2(
             merged_path.mean,
             merged_path.covariance.double(),
@@ -797,6 +804,11 @@ def _stacked_weights(group: LinearGroup, method: str) -> tuple[list[torch.Tensor
     return stacked, rows, n_in
 
 
+def _kept_rows(st: TaskStatistics) -> Optional[torch.Tensor]:
+    """The task's kept input rows when they are its Gram's rows, else None."""
+    return st.rows if st.rows is not None and st.rows.shape[0] == st.count else None
+
+
 def _token_rows(stats: Sequence[TaskStatistics]) -> Optional[list[torch.Tensor]]:
     """Every task's kept input rows (``TaskStatistics.rows``), or None unless all have them.
 
@@ -917,20 +929,22 @@ def merge_group_least_squares(
             shift, shift_kind = covariate_shift_w2(
                 merged_path[k], expert_path[k], full_covariance_max_dim=full_covariance_max_dim
             )
-        if solution.products is None and raw_rows is not None:
+        task_rows = _kept_rows(chosen[k])
+        if solution.products is None and task_rows is not None:
             # the span solve's own errors are on the rows it solved with: the raw ones unless
-            # the Gram was normalized
+            # the Gram was normalized (then no product of the raw Gram either: use the rows)
             known = None
             if solution.row_errors is not None and not use_normalized_gram:
                 known = solution.row_errors[k]
             output_error = relative_output_error_rows(
-                solution.merged_weight, stacked[k], raw_rows[k], known
+                solution.merged_weight, stacked[k], task_rows, known
             )
         else:
             output_error = relative_output_error(
                 solution.merged_weight,
                 stacked[k],
-                chosen[k].gram_from_rows(),  # type: ignore[arg-type]  # checked above
+                # the raw Gram: the solve's own unless it was normalized (formed once)
+                chosen[k].gram_from_rows() if use_normalized_gram else grams[k],  # type: ignore[arg-type]
                 solution.products[k] if solution.products is not None else None,
             )
         tasks[task] = {
@@ -1158,13 +1172,10 @@ class LeastSquaresReduction(SumReduction):
             else None
         )
 
-    def needs_gather(self, group: LinearGroup) -> bool:
-        # Rows kept instead of a Gram (a task with fewer tokens than inputs): the span solve
-        # and the dense one on those rows both need every task's rows on the solving rank.
-        stats = group.merged_stats if self.use_merged_path else group.expert_stats
-        return any(st is not None and st.rows is not None for st in stats or [])
-
-    def prepare(self, group: LinearGroup) -> dict[str, torch.Tensor]:
+    def _setup(self, group: LinearGroup) -> None:
+        """This rank's weights, checked statistics and task weights (once per group)."""
+        if self._chosen:
+            return
         self._stacked, self._rows, n_in = _stacked_weights(group, self.method)
         self._paths(group, n_in)
         self._omegas = [
@@ -1175,8 +1186,34 @@ class LeastSquaresReduction(SumReduction):
                 f"{self.method}: task weights must be finite and non-negative for linear group "
                 f"{group.name}; got {self._omegas}"
             )
+
+    def gather_vote(self, group: LinearGroup) -> dict[str, Any]:
+        self._setup(group)
+        return {
+            "rows": _token_rows(self._chosen) is not None,
+            "tokens": sum(st.count for st, w in zip(self._chosen, self._omegas) if w > 0.0),
+            "inputs": int(self._stacked[0].shape[1]),
+        }
+
+    def needs_gather(self, votes: Sequence[Any]) -> bool:
+        # The span solve (every task kept its rows and all tasks together have fewer tokens
+        # than inputs, with a ridge) needs every task's rows on one rank; the dense solve
+        # needs only the sums, each task's Gram formed from its rows where it kept them.
+        tokens = sum(v["tokens"] for v in votes)
+        n_in = votes[0]["inputs"]
+        return bool(
+            all(v["rows"] for v in votes)
+            and self.reduce_non_diagonal > 0.0
+            and tokens < n_in
+            and resolve_ridge(self.ridge, n_in, tokens) > 0.0
+        )
+
+    def prepare(self, group: LinearGroup) -> dict[str, torch.Tensor]:
+        self._setup(group)
+        # A task that kept its rows gets its Gram formed from them, bit for bit as the
+        # single process's dense path forms it
         self._grams = [
-            st.gram_normalized if self.use_normalized_gram else st.gram  # type: ignore[misc]
+            st.gram_normalized if self.use_normalized_gram else st.gram_from_rows()  # type: ignore[misc]
             for st in self._chosen
         ]
         product_dtype = torch.float64 if self._stacked[0].dtype == torch.float64 else torch.float32
@@ -1230,12 +1267,7 @@ class LeastSquaresReduction(SumReduction):
                 if self.use_merged_path
                 else (self._other[0], self._chosen[0])
             )
-            full = (
-                merged_path.mean.numel() <= self.full_covariance_max_dim
-                and merged_path.gram is not None
-                and expert_path.gram is not None
-            )
-            shift_kind = "full" if full else "diagonal"
+            shift_kind = shift_covariance(merged_path, expert_path, self.full_covariance_max_dim)
         diagnostics: dict[str, Any] = {
             "layer": group.name,
             "condition_number": solution.condition_number,
@@ -1261,6 +1293,22 @@ class LeastSquaresReduction(SumReduction):
         tasks: dict[str, dict[str, Any]] = {}
         for k, task in enumerate(group.task_names):
             shift: Optional[float] = None
+            task_rows = _kept_rows(self._chosen[k])
+            if self.use_normalized_gram and task_rows is not None:
+                # as merge_group_least_squares: no product of the raw Gram, so the rows
+                output_error = relative_output_error_rows(
+                    merged_weight, self._stacked[k], task_rows, None
+                )
+            else:
+                output_error = relative_output_error(
+                    merged_weight,
+                    self._stacked[k],
+                    # W_k G_k of the diagnostic's own (raw) Gram, as the single process does
+                    self._chosen[k].gram_from_rows()  # type: ignore[arg-type]  # checked above
+                    if self.use_normalized_gram
+                    else self._grams[k],
+                    None if self.use_normalized_gram else self._products[k],
+                )
             if self._other is not None:
                 merged_path, expert_path = (
                     (self._chosen[k], self._other[k])
@@ -1272,13 +1320,7 @@ class LeastSquaresReduction(SumReduction):
                 )
             tasks[task] = {
                 "weight": self._omegas[k],
-                "relative_output_error": relative_output_error(
-                    merged_weight,
-                    self._stacked[k],
-                    self._chosen[k].gram,  # type: ignore[arg-type]  # checked non-None above
-                    # W_k G_k of the diagnostic's own (raw) Gram, as the single process does
-                    None if self.use_normalized_gram else self._products[k],
-                ),
+                "relative_output_error": output_error,
                 "covariate_shift_w2": shift,
             }
         return tasks
