@@ -25,6 +25,9 @@ from benchmarks.sweep import sweep_settings
 _SWEEP_KEY = re.compile(r"^(?P<key>[^\[]+)\[(?P<inner>.*)\]$")
 
 
+_EXPONENT_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
+
+
 def method_row(key: str) -> Optional[MethodRow]:
     """The :class:`MethodRow` a result row key names (None for the reference rows)."""
     if key in REFERENCE_ROWS:
@@ -38,6 +41,11 @@ def method_row(key: str) -> Optional[MethodRow]:
         return replace(base, key=key)
     # "p=v" (one parameter) or "p=v, q=w" (a settings sweep); "as is" = no change
     setting = {} if inner == "as is" else yaml.safe_load("{" + inner.replace("=", ": ") + "}")
+    # Keys print floats as Python does (1e-06), which YAML 1.1 reads as a string
+    setting = {
+        k: float(v) if isinstance(v, str) and _EXPONENT_FLOAT.match(v) else v
+        for k, v in setting.items()
+    }
     (row,) = sweep_settings([base], [setting])
     if row.key != key:
         raise ValueError(f"sweep key {key!r} does not round-trip (got {row.key!r})")
