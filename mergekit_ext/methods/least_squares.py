@@ -207,6 +207,14 @@ def _condition(system: torch.Tensor, cholesky: Optional[torch.Tensor]) -> tuple[
     return estimate_condition_number(system, cholesky), "estimate"
 
 
+def span_solve_applies(
+    reduce_non_diagonal: float, relative_ridge: float, tokens: int, n_in: int
+) -> bool:
+    """Whether a group whose tasks all kept their input rows is solved in the rows' span
+    (:func:`span_solve`): a ridge, an off-diagonal part, and fewer tokens than inputs."""
+    return relative_ridge > 0.0 and reduce_non_diagonal > 0.0 and tokens < n_in
+
+
 def resolve_ridge(ridge: Ridge, n_in: int, tokens: Optional[int]) -> float:
     """The relative ridge to apply: ``auto`` is :data:`AUTO_RIDGE` when fewer than ``n_in``
     calibration tokens stand behind the Gram (it is then rank-deficient), exactly 0 otherwise
@@ -308,7 +316,7 @@ def regmean_solve(
                 f"{[tuple(r.shape) for r in rows]}"
             )
         span_tokens = sum(r.shape[0] for r, omega in zip(rows, weights) if omega > 0.0)
-        if relative_ridge > 0.0 and reduce_non_diagonal > 0.0 and span_tokens < n_in:
+        if span_solve_applies(reduce_non_diagonal, relative_ridge, span_tokens, n_in):
             return span_solve(
                 expert_weights,
                 grams,
@@ -809,6 +817,25 @@ def _kept_rows(st: TaskStatistics) -> Optional[torch.Tensor]:
     return st.rows if st.rows is not None and st.rows.shape[0] == st.count else None
 
 
+def _task_output_error(
+    merged: torch.Tensor,
+    weight: torch.Tensor,
+    st: TaskStatistics,
+    raw_gram: Optional[torch.Tensor],
+    product: Optional[torch.Tensor],
+    known: Optional[float] = None,
+) -> float:
+    """One task's relative output error, on the raw inputs: from its kept rows where no
+    product ``W_k G_k`` of the raw Gram was formed (span solve, normalized Gram), else from
+    ``raw_gram`` (formed from the rows when None) and ``product``; ``known``: the span
+    solve's own squared error on those rows."""
+    rows = _kept_rows(st)
+    if product is None and rows is not None:
+        return relative_output_error_rows(merged, weight, rows, known)
+    gram = raw_gram if raw_gram is not None else st.gram_from_rows()
+    return relative_output_error(merged, weight, gram, product)  # type: ignore[arg-type]
+
+
 def _token_rows(stats: Sequence[TaskStatistics]) -> Optional[list[torch.Tensor]]:
     """Every task's kept input rows (``TaskStatistics.rows``), or None unless all have them.
 
@@ -888,11 +915,8 @@ def merge_group_least_squares(
     # The rank of Σ ω G̃ is at most the tokens behind it (tasks with ω > 0)
     tokens = sum(st.count for st, omega in zip(chosen, omegas) if omega > 0.0)
     raw_rows = _token_rows(chosen)
-    span = (
-        raw_rows is not None
-        and reduce_non_diagonal > 0.0
-        and tokens < n_in
-        and resolve_ridge(ridge, n_in, tokens) > 0.0
+    span = raw_rows is not None and span_solve_applies(
+        reduce_non_diagonal, resolve_ridge(ridge, n_in, tokens), tokens, n_in
     )
     if not span:
         # The n x n solve: the Gram of each task that kept rows, bit for bit as accumulated
@@ -929,24 +953,18 @@ def merge_group_least_squares(
             shift, shift_kind = covariate_shift_w2(
                 merged_path[k], expert_path[k], full_covariance_max_dim=full_covariance_max_dim
             )
-        task_rows = _kept_rows(chosen[k])
-        if solution.products is None and task_rows is not None:
-            # the span solve's own errors are on the rows it solved with: the raw ones unless
-            # the Gram was normalized (then no product of the raw Gram either: use the rows)
-            known = None
-            if solution.row_errors is not None and not use_normalized_gram:
-                known = solution.row_errors[k]
-            output_error = relative_output_error_rows(
-                solution.merged_weight, stacked[k], task_rows, known
-            )
-        else:
-            output_error = relative_output_error(
-                solution.merged_weight,
-                stacked[k],
-                # the raw Gram: the solve's own unless it was normalized (formed once)
-                chosen[k].gram_from_rows() if use_normalized_gram else grams[k],  # type: ignore[arg-type]
-                solution.products[k] if solution.products is not None else None,
-            )
+        # the span solve's own errors are on the rows it solved with (raw ones only)
+        known = None
+        if solution.row_errors is not None and not use_normalized_gram:
+            known = solution.row_errors[k]
+        output_error = _task_output_error(
+            solution.merged_weight,
+            stacked[k],
+            chosen[k],
+            None if use_normalized_gram else grams[k],
+            solution.products[k] if solution.products is not None else None,
+            known,
+        )
         tasks[task] = {
             "weight": omegas[k],
             "relative_output_error": output_error,
@@ -1201,11 +1219,8 @@ class LeastSquaresReduction(SumReduction):
         # needs only the sums, each task's Gram formed from its rows where it kept them.
         tokens = sum(v["tokens"] for v in votes)
         n_in = votes[0]["inputs"]
-        return bool(
-            all(v["rows"] for v in votes)
-            and self.reduce_non_diagonal > 0.0
-            and tokens < n_in
-            and resolve_ridge(self.ridge, n_in, tokens) > 0.0
+        return all(v["rows"] for v in votes) and span_solve_applies(
+            self.reduce_non_diagonal, resolve_ridge(self.ridge, n_in, tokens), tokens, n_in
         )
 
     def prepare(self, group: LinearGroup) -> dict[str, torch.Tensor]:
@@ -1293,22 +1308,14 @@ class LeastSquaresReduction(SumReduction):
         tasks: dict[str, dict[str, Any]] = {}
         for k, task in enumerate(group.task_names):
             shift: Optional[float] = None
-            task_rows = _kept_rows(self._chosen[k])
-            if self.use_normalized_gram and task_rows is not None:
-                # as merge_group_least_squares: no product of the raw Gram, so the rows
-                output_error = relative_output_error_rows(
-                    merged_weight, self._stacked[k], task_rows, None
-                )
-            else:
-                output_error = relative_output_error(
-                    merged_weight,
-                    self._stacked[k],
-                    # W_k G_k of the diagnostic's own (raw) Gram, as the single process does
-                    self._chosen[k].gram_from_rows()  # type: ignore[arg-type]  # checked above
-                    if self.use_normalized_gram
-                    else self._grams[k],
-                    None if self.use_normalized_gram else self._products[k],
-                )
+            # W_k G_k of the diagnostic's own (raw) Gram, as the single process does
+            output_error = _task_output_error(
+                merged_weight,
+                self._stacked[k],
+                self._chosen[k],
+                None if self.use_normalized_gram else self._grams[k],
+                None if self.use_normalized_gram else self._products[k],
+            )
             if self._other is not None:
                 merged_path, expert_path = (
                     (self._chosen[k], self._other[k])
