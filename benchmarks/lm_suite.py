@@ -154,6 +154,7 @@ class LMSuite(Suite):
             "data": data.fingerprint,
             "base": base_record["hash"],
             "settings": self.recipe_settings(),
+            "adapter": "adapter",  # the LoRA adapter is kept beside the merged weights
         }
 
         def build(out: str) -> dict[str, Any]:
@@ -195,6 +196,9 @@ class LMSuite(Suite):
                 weight_decay=0.0,
                 desc=f"lm/{task}",
             )
+            # the adapter as users publish it (SyMerge keeps its task vector as the factors);
+            # its config names the base folder of this cache
+            model.save_pretrained(os.path.join(out, "adapter"))
             merged = model.merge_and_unload().eval()
             merged.save_pretrained(out)
             tok.save_pretrained(out)
@@ -202,7 +206,14 @@ class LMSuite(Suite):
 
         folder = os.path.join(self.root, variant, task)
         record = cached_build(folder, recipe, build)
-        return Expert(task=task, body=folder, full=folder, head=None, record=record)
+        return Expert(
+            task=task,
+            body=folder,
+            full=folder,
+            head=None,
+            record=record,
+            adapter=os.path.join(folder, "adapter"),
+        )
 
     # -- calibration ----------------------------------------------------------------
     def calibration(self, task: str) -> dict[str, Any]:

@@ -27,7 +27,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(HERE)
 
 BaseUse = Literal["required", "none"]
-Inputs = Literal["body", "full"]
+# body: the experts' bodies; full: whole experts with heads (SyMerge); adapter: the LoRA
+# adapters the experts were merged from, for suites that keep them (else not run)
+Inputs = Literal["body", "full", "adapter"]
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,14 @@ ROWS: tuple[MethodRow, ...] = (
         "SyMerge on a CoM body (10 epochs)",
         {"epochs": 10, "body": "chain_of_merges"},
         inputs="full",
+    ),
+    # the same run with each expert given as its LoRA adapter: task vectors kept as factors
+    MethodRow(
+        "symerge_lora",
+        "symerge",
+        "SyMerge (10 epochs, LoRA adapters as experts)",
+        {"epochs": 10},
+        inputs="adapter",
     ),
 )
 ROW_KEYS = tuple(r.key for r in ROWS)

@@ -101,6 +101,15 @@ def _row(
     return row
 
 
+def merge_input(row: MethodRow, expert: Expert) -> str:
+    """The folder (or adapter folder) the row's YAML names for ``expert``."""
+    if row.inputs == "body":
+        return expert.body
+    if row.inputs == "adapter" and expert.adapter is not None:
+        return expert.adapter
+    return expert.full
+
+
 def evaluate_merge(
     suite: Suite, row: MethodRow, out_dir: str, experts: dict[str, Expert]
 ) -> dict[str, float]:
@@ -237,7 +246,14 @@ def run_variant(
             if needs_calibration(row.method)
             else None
         )
-        inputs = {t: (e.body if row.inputs == "body" else e.full) for t, e in experts.items()}
+        if row.inputs == "adapter" and any(e.adapter is None for e in experts.values()):
+            reason = "not available (this suite does not keep its experts' LoRA adapters)"
+            LOG.info("%s: %s", row.key, reason)
+            result_rows.append(
+                _row(row.key, row.label, metric, None, None, None, status=reason, **row_recipe(row))
+            )
+            continue
+        inputs = {t: merge_input(row, e) for t, e in experts.items()}
         config = build_config(row, base_dir, inputs, calibration)
         work = os.path.join(run_root, row.key)
         merged = os.path.join(work, "merged")

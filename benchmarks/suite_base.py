@@ -36,13 +36,16 @@ class Expert:
     - ``body``: the merge input, with exactly the base's tensor names (``BertModel``,
       ``ViTModel``, or the whole ``LlamaForCausalLM``);
     - ``full``: the expert with its head (``...ForSequenceClassification``), for SyMerge;
-    - ``head``: ``head.safetensors`` (``weight``, ``bias``) for classifiers, else None.
+    - ``head``: ``head.safetensors`` (``weight``, ``bias``) for classifiers, else None;
+    - ``adapter``: the PEFT LoRA adapter folder the expert was merged from, when the suite
+      keeps it (its ``adapter_config.json`` names the base), else None.
     """
 
     task: str
     body: str
     full: str
     head: Optional[str]
+    adapter: Optional[str] = None
     record: dict[str, Any] = field(default_factory=dict)
 
 

@@ -160,6 +160,11 @@ def test_smoke_run_all_suites(tmp_path):
         merged = load_file(
             str(suite_root / "runs" / result["variant"] / "linear" / "merged" / "model.safetensors")
         )
+        if result["suite"] == "lm":  # the adapters stay beside the merged LoRA experts
+            for t in result["tasks"]:
+                assert (
+                    suite_root / result["variant"] / t / "adapter" / "adapter_config.json"
+                ).exists()
         body = "." if result["suite"] == "lm" else "body"  # an LM expert is its own body
         bodies = [
             load_file(str(suite_root / result["variant"] / t / body / "model.safetensors"))
@@ -278,6 +283,7 @@ def test_select_rows_by_method_key_or_exact_row():
         "symerge",
         "symerge_default",
         "symerge_com_body",
+        "symerge_lora",
     ]
     assert [r.key for r in select_rows(["row:symerge"], smoke=False)] == ["symerge"]
     assert len(select_rows(["chain_of_merges"], smoke=False)) == 4

@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import numpy as np
-import peft
 import pytest
+import tiny_models
 import torch
 import transformers
 import yaml
@@ -470,38 +470,9 @@ def test_never_holds_more_than_k_plus_two_blocks(tiny_llama_set, data_dir, tmp_p
 # LoRA experts
 
 
-def _lora_experts(
-    base: str, root: str, cls, targets: list[str], **lora_kw
-) -> tuple[list[str], list[str]]:
-    """Two PEFT adapters on ``base`` and the same experts merged into full checkpoints."""
-    adapters, full = [], []
-    for i in range(2):
-        torch.manual_seed(10 + i)
-        model = cls.from_pretrained(base)
-        config = peft.LoraConfig(
-            r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False, **lora_kw
-        )
-        peft_model = peft.get_peft_model(model, config)
-        with torch.no_grad():  # small random updates of realistic size
-            for name, p in peft_model.named_parameters():
-                if "lora_B" in name or "lora_embedding_B" in name:
-                    p.mul_(0.1)
-        adapter = os.path.join(root, f"adapter{i}")
-        peft_model.save_pretrained(adapter)
-        merged = peft_model.merge_and_unload()
-        path = os.path.join(root, f"full{i}")
-        merged.save_pretrained(path)
-        for f in ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json"):
-            if os.path.exists(os.path.join(base, f)):
-                shutil.copy(os.path.join(base, f), os.path.join(path, f))
-        adapters.append(adapter)
-        full.append(path)
-    return adapters, full
-
-
 def test_lora_experts_equal_premerged_checkpoints_llama(tiny_llama_set, data_dir, tmp_path):
     base = tiny_llama_set.base
-    adapters, full = _lora_experts(
+    adapters, full = tiny_models.make_lora_experts(
         base,
         str(tmp_path),
         transformers.LlamaForCausalLM,
@@ -535,7 +506,7 @@ def test_lora_experts_equal_premerged_checkpoints_llama(tiny_llama_set, data_dir
 def test_lora_experts_equal_premerged_checkpoints_vit(tiny_vit_set, data_dir, tmp_path):
     """ViT: adapters name transformers-5 modules (q_proj), checkpoints the legacy keys."""
     base = tiny_vit_set.base
-    adapters, full = _lora_experts(
+    adapters, full = tiny_models.make_lora_experts(
         base,
         str(tmp_path),
         transformers.ViTForImageClassification,

@@ -271,7 +271,7 @@ def test_saved_checkpoints_reproduce_in_memory_predictions(problem_set, main_run
     key = "encoder.layer.0.attention.self.query.weight"
     p = problem.shared_keys.index(key)
     manual = problem.base_tensors[key] + sum(
-        problem.lambdas[p, k].detach() * problem.task_vectors[key][k] for k in range(3)
+        problem.lambdas[p, k].detach() * problem.task_vectors[key].task(k) for k in range(3)
     )
     assert torch.allclose(expected[key], manual, atol=1e-6)
     assert os.path.exists(os.path.join(out, "tokenizer.json"))
@@ -382,10 +382,10 @@ def test_invariants_during_adaptation(problem_set):
         for name, param in layer.items():  # the task layer starts as the expert's head
             assert torch.equal(param.detach(), expert[name])
         key = "encoder.layer.1.output.dense.weight"  # task vectors are W_k - W_0
-        assert torch.allclose(problem.task_vectors[key][k], expert["bert." + key] - base[key])
+        assert torch.allclose(problem.task_vectors[key].task(k), expert["bert." + key] - base[key])
     frozen = {
         "theta0": {k: v.clone() for k, v in problem.base_tensors.items()},
-        "deltas": {k: v.clone() for k, v in problem.task_vectors.items()},
+        "deltas": {k: v.stack.clone() for k, v in problem.task_vectors.items()},
     }
     heads = [{n: p.detach().clone() for n, p in t.layer.items()} for t in problem.tasks]
     settings = AdaptationSettings(epochs=4, lr=0.5, seed=3)  # a large lr pushes λ to the box
@@ -396,7 +396,7 @@ def test_invariants_during_adaptation(problem_set):
     for key, value in frozen["theta0"].items():
         assert torch.equal(problem.base_tensors[key], value)
     for key, value in frozen["deltas"].items():
-        assert torch.equal(problem.task_vectors[key], value)
+        assert torch.equal(problem.task_vectors[key].stack, value)
     for task, before in zip(problem.tasks, heads):
         assert any(not torch.equal(task.layer[n].detach(), before[n]) for n in before)
     # without the clamp the same steps leave the box
@@ -641,7 +641,7 @@ def test_chain_of_merges_body_is_epoch_zero(problem_set, tmp_path):
     name = next(n for n, k in first.roles.shared.items() if k == key)
     expert = load_file(os.path.join(session.expert_paths[0], "model.safetensors"))
     torch.testing.assert_close(
-        problem.task_vectors[key][0], expert[name] - merged[key].detach(), rtol=0, atol=1e-6
+        problem.task_vectors[key].task(0), expert[name] - merged[key].detach(), rtol=0, atol=1e-6
     )
 
     section = adapt_session(session, progress=False)

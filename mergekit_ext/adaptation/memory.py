@@ -2,7 +2,9 @@
 
 Float32 throughout (adaptation accumulates in float32 whatever the checkpoint dtype):
 
-- the base θ_0 (P floats), K task vectors (K·P), one merged copy and its gradient (2·P);
+- the base θ_0 (P floats), K task vectors (K·P for full checkpoints; a LoRA expert keeps
+  its factors and the tensors it saves whole), one merged copy and its gradient (2·P, or
+  twice the tensors some LoRA changes when every expert is an adapter);
 - the task layers with Adam (value, gradient, two moments, the expert's copy: 5 per float);
 - training activations: per layer ``34·s·b·h + 5·a·s²·b`` bytes in 16-bit (Korthikanti et
   al., "Reducing Activation Recomputation in Large Transformer Models", 2022, eq. 1),
@@ -97,6 +99,26 @@ class AdaptationMemory:
         return f"{self.total / GIB:.2f} GiB ({items})"
 
 
+def adapter_floats(source: Any) -> int:
+    """Floats a LoRA expert's task vector keeps: the factors ``r·(out + in)`` of each
+    adapted weight and each tensor it saves whole (``LoraModelSource``, headers only)."""
+    total = 0
+    for canonical, delta in source.deltas.items():
+        if canonical not in source.replacements:
+            rows, cols = source.shape(canonical)
+            total += delta.rank * (rows + cols)
+    return total + sum(math.prod(source.shape(c)) for c in source.replacements)
+
+
+def changed_parameters(base_parameters: int, adapters: Sequence[Any]) -> int:
+    """Parameters whose merged value differs from θ_0 (a copy and a gradient each): all of
+    them with any full checkpoint, else those some adapter changes."""
+    if any(source is None for source in adapters):
+        return base_parameters
+    changed = {c: math.prod(s.shape(c)) for s in adapters for c in (*s.deltas, *s.replacements)}
+    return sum(changed.values())
+
+
 def estimate_adaptation_memory(
     *,
     base_parameters: int,
@@ -107,10 +129,14 @@ def estimate_adaptation_memory(
     causal_lm: bool,
     teacher_cache_bytes: Optional[int],
     logit_rows: Optional[int] = None,
+    task_vector_floats: Optional[Sequence[int]] = None,
+    changed_parameters: Optional[int] = None,
 ) -> AdaptationMemory:
     """The peak memory of a SyMerge run (see the module docstring for the terms).
 
     ``teacher_cache_bytes`` None means the teacher runs per batch (one reconstructed expert).
+    ``task_vector_floats`` (per expert) and ``changed_parameters`` default to full
+    checkpoints' (``base_parameters`` each).
     """
     k = len(expert_parameters)
     layers = max(1, _config_value(config, "num_hidden_layers", 12))
@@ -118,8 +144,11 @@ def estimate_adaptation_memory(
     task_layer = max(largest - base_parameters, base_parameters // layers)
     parts = {
         "base": FLOAT32 * base_parameters,
-        "task_vectors": FLOAT32 * k * base_parameters,
-        "merged_copy_and_gradient": 2 * FLOAT32 * base_parameters,
+        "task_vectors": FLOAT32
+        * (k * base_parameters if task_vector_floats is None else sum(task_vector_floats)),
+        "merged_copy_and_gradient": 2
+        * FLOAT32
+        * (base_parameters if changed_parameters is None else changed_parameters),
         "task_layers_adam": 5 * FLOAT32 * k * task_layer,
         "activations": activation_bytes(config, seq_len, batch_size, causal_lm, logit_rows),
         "teacher": teacher_cache_bytes if teacher_cache_bytes is not None else FLOAT32 * largest,

@@ -7,6 +7,7 @@ Every function takes the already validated ``SyMergeParameters``.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from mergekit_ext import model_class, model_paths
 from mergekit_ext.adaptation import export, memory
@@ -42,6 +44,7 @@ from mergekit_ext.adaptation.trainer import (
 )
 from mergekit_ext.config import ExtMergeConfig, ExtModelEntry
 from mergekit_ext.errors import CalibrationError, ConfigError, ModelInputError
+from mergekit_ext.executor.checkpoint import ResolvedReference, resolve_reference
 
 if TYPE_CHECKING:  # the parameters are declared in the method file, which imports this one
     from mergekit_ext.methods.symerge import SyMergeParameters
@@ -71,23 +74,90 @@ def _experts(cfg: ExtMergeConfig) -> tuple[str, list[ExtModelEntry]]:
 
 
 def _local_path(ref: str) -> str:
+    """The local folder of the full checkpoint ``ref`` names (the base model)."""
     paths = model_paths.model_paths(ref)
-    if len(paths) != 1:
+    if len(paths) != 1 or (
+        os.path.isdir(paths[0]) and os.path.exists(os.path.join(paths[0], "adapter_config.json"))
+    ):
         raise ModelInputError(
-            f"symerge needs full checkpoints; {ref!r} is a base+LoRA reference: merge the "
-            "adapter into its base first (e.g. peft's merge_and_unload) and give that folder"
+            f"symerge: base_model {ref!r} must be a full checkpoint, not a LoRA adapter"
         )
     path = paths[0]
     if os.path.isdir(path):
-        if os.path.exists(os.path.join(path, "adapter_config.json")):
-            raise ModelInputError(
-                f"symerge needs full checkpoints; {path!r} is a PEFT adapter: merge it into "
-                "its base first (peft's merge_and_unload) and give that folder"
-            )
         return path
     from mergekit_ext.model_paths import resolve_model_folder
 
     return resolve_model_folder(path, what=f"model {ref}")
+
+
+def _expert_input(ref: str, base_path: str) -> ResolvedReference:
+    """An expert as local folders: a full checkpoint, or a LoRA adapter on ``base_path``.
+
+    A LoRA expert's task vector is its update ``s · B A`` itself, kept as the factors; that
+    holds only against the base the adapter was trained on, so the adapter's base must be the
+    YAML's ``base_model``.
+    """
+    from mergekit.common import ModelReference
+
+    resolved = resolve_reference(ModelReference.parse(ref), f"symerge: model {ref}")
+    if resolved.adapter is not None and os.path.realpath(resolved.folder) != os.path.realpath(
+        base_path
+    ):
+        raise ModelInputError(
+            f"symerge: expert {ref!r} is a LoRA adapter on {resolved.label!r}, not on base_model "
+            f"{base_path!r}; its task vector would not be its low-rank update: merge the adapter "
+            "into its base first (peft's merge_and_unload) and give that folder"
+        )
+    return resolved
+
+
+def _open_adapters(inputs: Sequence[ResolvedReference], base_path: str) -> list[Any]:
+    """Each LoRA expert's adapter indexed against the base (None for a full checkpoint)."""
+    if all(r.adapter is None for r in inputs):
+        return [None] * len(inputs)
+    from mergekit_ext.executor.checkpoint import open_model
+    from mergekit_ext.executor.lora import open_lora_expert
+
+    base = open_model(base_path, base_path, None, what="symerge: base_model")
+    return [
+        None
+        if r.adapter is None
+        else open_lora_expert(r.adapter, r.adapter, base, what=f"symerge: expert {r.adapter}")
+        for r in inputs
+    ]
+
+
+def _lora_updates(
+    source: Any, base_tensors: Mapping[str, torch.Tensor], device: str
+) -> dict[str, Any]:
+    """A LoRA expert's changes by the base model's parameter names: each adapted weight's
+    factors (:class:`LowRankUpdate`) and each tensor the adapter saves whole
+    (``modules_to_save``, e.g. a classifier) as that tensor."""
+    from mergekit_ext.executor.checkpoint import module_key_of
+
+    updates: dict[str, Any] = {}
+    for canonical in sorted({*source.deltas, *source.replacements}):
+        name = module_key_of(canonical, source.base.backbone_path)
+        if name not in base_tensors:
+            raise ModelInputError(
+                f"symerge: adapter {source.adapter_path} changes {name}, which the base model's "
+                "class does not hold as its own parameter (it is tied to another); merge the "
+                "adapter into its base first (peft's merge_and_unload) and give that folder"
+            )
+        if canonical in source.replacements:
+            updates[name] = source.load(canonical, device)
+        else:
+            updates[name] = source.factors(source.deltas[canonical], device)
+    return updates
+
+
+def _apply(base: torch.Tensor, update: Any) -> torch.Tensor:
+    """The expert's tensor: the base's (unchanged), a whole replacement, or base + s·B A."""
+    if update is None:
+        return base
+    if isinstance(update, torch.Tensor):
+        return update
+    return base + update.dense()
 
 
 def _model_class(path: str, config: Mapping[str, Any], trust_remote_code: bool) -> type:
@@ -199,7 +269,7 @@ class SyMergeSession:
     data: list[TaskData]
     base_path: str
     base_config: dict[str, Any]
-    expert_paths: list[str]
+    expert_paths: list[str]  # where each task's tokenizer/processor files are copied from
     expert_configs: list[dict[str, Any]]
     calibration: dict[str, dict[str, Any]]
     estimate: memory.AdaptationMemory
@@ -227,7 +297,11 @@ def prepare_symerge(
     base_ref, entries = _experts(cfg)
     names = [e.name for e in entries]
     base_path = _local_path(base_ref)
-    expert_paths = [_local_path(e.model) for e in entries]
+    inputs = [_expert_input(e.model, base_path) for e in entries]
+    # LoRA experts: indexed against the base now (their deltas are checked before loading)
+    adapters = _open_adapters(inputs, base_path)
+    expert_paths = [r.folder for r in inputs]  # config and class (a LoRA expert's: its base's)
+    processing_paths = [r.processing_folder for r in inputs]
     base_config = model_paths.read_config_json(base_path)
     expert_configs = [model_paths.read_config_json(path) for path in expert_paths]
     base_cls = _model_class(base_path, base_config, trust_remote_code)
@@ -247,27 +321,27 @@ def prepare_symerge(
     for cls, path, name in zip(expert_classes, expert_paths, names):
         resolve_task_layer(_meta_model(cls, path), p.task_layer, name)
     estimate, cache_teacher, micro_batch_size = _check_memory(
-        p, base_path, base_config, expert_paths, expert_configs, expert_classes, specs,
+        p, base_path, base_config, expert_paths, adapters, expert_configs, expert_classes, specs,
         modality=modality, device=device, force=force,
     )  # fmt: skip
 
     # The data, then the models one expert at a time: its teacher outputs, then its tensors.
     pad_id = int(base_config.get("pad_token_id") or 0)
     calibration, data = {}, []
-    for k, (spec, entry, path) in enumerate(zip(specs, entries, expert_paths)):
+    for k, (spec, entry, path) in enumerate(zip(specs, entries, processing_paths)):
         loaded = load_calibration(
             spec, path, task=entry.name, modality=modality, trust_remote_code=trust_remote_code
         )
         calibration[entry.name] = loaded.summary()
-        inputs = stack_batches(loaded.batches, pad_id)
-        n = num_samples(inputs)
+        batches = stack_batches(loaded.batches, pad_id)
+        n = num_samples(batches)
         if n < 2:
             raise CalibrationError(
                 f"symerge: task {entry.name} has {n} adaptation sample(s); give it at least 2"
             )
         generator = torch.Generator().manual_seed(p.seed + 1000 + k)
         adapt_index, heldout_index = split_heldout(n, p.heldout_fraction, generator)
-        data.append(TaskData(entry.name, inputs, adapt_index, heldout_index))
+        data.append(TaskData(entry.name, batches, adapt_index, heldout_index))
     data_loaded = time.perf_counter()
     # θ_0 of the adaptation: the base (task arithmetic) or a data-aware body merged first,
     # before any model is loaded here (the executor streams one block at a time)
@@ -275,17 +349,30 @@ def prepare_symerge(
 
     base = _load(base_cls, base_path, device)
     base_tied = model_class.tied_weights(base)
+    # the base's own tensors; the skeleton left behind saves the result
+    base_own: Optional[dict[str, torch.Tensor]] = free_parameters(base)
     skeletons, expert_tensors, kinds = [], [], []
-    for k, (cls, path) in enumerate(zip(expert_classes, expert_paths)):
-        expert = _load(cls, path, device)
-        untie_like(expert, base_tied)
+    for k, cls in enumerate(expert_classes):
+        if adapters[k] is None:
+            expert = _load(cls, expert_paths[k], device)
+            untie_like(expert, base_tied)
+            run_params: Optional[dict[str, torch.Tensor]] = None
+        else:  # the base's skeleton, run with θ_base + s·B A while its teacher outputs are taken
+            assert base_own is not None
+            expert = copy.deepcopy(base)
+            updates = _lora_updates(adapters[k], base_own, device)
+            run_params = {n: _apply(base_own[n], updates.get(n)) for n in base_own}
 
         def forward(
             batch: Mapping[str, torch.Tensor],
             expert: nn.Module = expert,
+            params: Optional[dict[str, torch.Tensor]] = run_params,
             accepts: Optional[frozenset[str]] = forward_keys(expert),
         ) -> Any:
-            return expert(**model_inputs(expert, batch, accepts))
+            kwargs = model_inputs(expert, batch, accepts)
+            if params is None:
+                return expert(**kwargs)
+            return functional_call(expert, params, args=(), kwargs=kwargs)
 
         if cache_teacher:
             causal = cls.__name__.endswith("ForCausalLM")
@@ -302,10 +389,16 @@ def prepare_symerge(
             first = {key: v[:1] for key, v in data[k].inputs.items()}
             probe = teacher_outputs(forward, first, 1, device)
         kinds.append(output_kind(expert, probe))
-        expert_tensors.append(free_parameters(expert))
+        if run_params is None:
+            expert_tensors.append(free_parameters(expert))
+        elif body_tensors is None:  # relative to θ_0 = the base: factors, None where unchanged
+            expert_tensors.append({n: updates.get(n) for n in base_own})
+        else:  # relative to a merged body: the expert's own tensors
+            expert_tensors.append(run_params)
+        del run_params, forward
         skeletons.append(expert)
     if body_tensors is not None:
-        free_parameters(base)  # the skeleton saves the result; the body's merge is θ_0
+        base_own = None  # the body's merge is θ_0
     problem = build_problem(
         base,
         skeletons,
@@ -314,7 +407,7 @@ def prepare_symerge(
         task_layer=p.task_layer,
         init_lambda=resolved_init_lambda(p),
         expert_labels=[e.model for e in entries],
-        base_tensors=body_tensors,
+        base_tensors=body_tensors if body_tensors is not None else base_own,
     )
     for task, found in zip(problem.tasks, kinds):
         task.output_kind = found
@@ -323,7 +416,7 @@ def prepare_symerge(
         "load_models_and_teacher_s": time.perf_counter() - data_loaded,
     }
     session = SyMergeSession(
-        p, problem, data, base_path, base_config, expert_paths, expert_configs,
+        p, problem, data, base_path, base_config, processing_paths, expert_configs,
         calibration, estimate, cache_teacher, device, timing, out_dtype, micro_batch_size,
     )  # fmt: skip
     return session
@@ -354,6 +447,7 @@ def _check_memory(
     base_path: str,
     base_config: Mapping[str, Any],
     expert_paths: Sequence[str],
+    adapters: Sequence[Any],
     expert_configs: Sequence[Mapping[str, Any]],
     expert_classes: Sequence[type],
     specs: Sequence[Any],
@@ -373,9 +467,15 @@ def _check_memory(
         for s, c, lm in zip(specs, expert_configs, causal)
     )
     micro = resolved_micro_batch_size(p, base_config, seq_len) if any(causal) else None
+    base_parameters = memory.checkpoint_parameter_count(base_path)
     common = dict(
-        base_parameters=memory.checkpoint_parameter_count(base_path),
+        base_parameters=base_parameters,
         expert_parameters=[memory.checkpoint_parameter_count(path) for path in expert_paths],
+        task_vector_floats=[
+            base_parameters if source is None else memory.adapter_floats(source)
+            for source in adapters
+        ],
+        changed_parameters=memory.changed_parameters(base_parameters, adapters),
         config=base_config,
         seq_len=seq_len,
         batch_size=micro or p.batch_size,
@@ -440,8 +540,10 @@ def task_layers_are_lm_blocks(problem: Any) -> bool:
     )
 
 
-# A causal LM's training activations per micro-batch stay under this (memory.activation_bytes)
-MICRO_BATCH_ACTIVATIONS_BYTES = 1 << 30
+# A causal LM's training activations per micro-batch stay under this (memory.activation_bytes).
+# The step is the same whatever the micro-batch; at 1 GiB (8 samples of 64 tokens on the LM
+# suite) activations were a third of a 3.4 GB peak once LoRA task vectors were kept as factors.
+MICRO_BATCH_ACTIVATIONS_BYTES = 384 * 2**20
 
 
 def resolved_micro_batch_size(p: SyMergeParameters, config: Mapping[str, Any], seq_len: int) -> int:

@@ -25,7 +25,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import transformers
@@ -287,6 +287,52 @@ def is_adapter_folder(path: str) -> bool:
 def adapter_base_path(adapter_path: str) -> Optional[str]:
     with open(os.path.join(adapter_path, "adapter_config.json"), encoding="utf-8") as fp:
         return json.load(fp).get("base_model_name_or_path")
+
+
+@dataclass(frozen=True)
+class ResolvedReference:
+    """A mergekit model reference as local folders: the full checkpoint ``folder`` and, for
+    a LoRA expert, its ``adapter`` folder (``folder`` is then the adapter's base)."""
+
+    folder: str
+    label: str  # how the full checkpoint is named (the YAML's, or the adapter config's)
+    adapter: Optional[str] = None
+
+    @property
+    def processing_folder(self) -> str:
+        """Where the tokenizer/processor is read: the adapter's when it ships one."""
+        if self.adapter is not None and has_tokenizer(self.adapter):
+            return self.adapter
+        return self.folder
+
+
+def resolve_reference(ref: Any, what: str, cache_dir: Optional[str] = None) -> ResolvedReference:
+    """Resolve a mergekit ``ModelReference``: ``base+adapter``, an adapter folder whose
+    ``adapter_config.json`` names a local base, or a full checkpoint."""
+    folder = resolve_model_folder(
+        ref.model.path, what=what, cache_dir=cache_dir, revision=ref.model.revision
+    )
+    if ref.lora is not None:
+        adapter = resolve_model_folder(
+            ref.lora.path, what=what, cache_dir=cache_dir, revision=ref.lora.revision
+        )
+        return ResolvedReference(folder, str(ref.model), adapter)
+    if is_adapter_folder(folder) and not os.path.isfile(os.path.join(folder, "config.json")):
+        base_name = adapter_base_path(folder)
+        if not base_name:
+            raise ModelInputError(
+                f"{what}: adapter {folder} does not name its base model "
+                "(base_model_name_or_path); write the model as `base_path+adapter_path`"
+            )
+        try:
+            base_folder = resolve_model_folder(base_name, what=what, cache_dir=cache_dir)
+        except ModelInputError:
+            raise ModelInputError(
+                f"{what}: adapter {folder} names base model {base_name!r}, which is not a local "
+                "folder; write the model as `base_path+adapter_path`"
+            ) from None
+        return ResolvedReference(base_folder, base_name, folder)
+    return ResolvedReference(folder, str(ref))
 
 
 TAGALONG_FILES = (

@@ -56,6 +56,31 @@ class LoraDelta:
     module_type: Literal["linear", "embedding"]
     scale: float
     fan_in_fan_out: bool
+    rank: int
+
+
+@dataclass(frozen=True)
+class LowRankUpdate:
+    """A weight update kept as its LoRA factors: ``scale · B A`` (``B`` out x r, ``A`` r x in),
+    or its transpose for embeddings and ``fan_in_fan_out`` layers (``transposed``)."""
+
+    b: torch.Tensor
+    a: torch.Tensor
+    scale: float
+    transposed: bool = False
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        rows, cols = self.b.shape[0], self.a.shape[1]
+        return (cols, rows) if self.transposed else (rows, cols)
+
+    @property
+    def numel(self) -> int:
+        return self.b.numel() + self.a.numel()
+
+    def dense(self) -> torch.Tensor:
+        product = self.b @ self.a
+        return self.scale * (product.T if self.transposed else product)
 
 
 @dataclass
@@ -152,12 +177,16 @@ class LoraModelSource:
 
     # LoRA --------------------------------------------------------------------------------
     def delta_weight(self, delta: LoraDelta, device: torch.device | str) -> torch.Tensor:
-        a = self._adapter_tensor(delta.a_key).to(device=device, dtype=torch.float32)
-        b = self._adapter_tensor(delta.b_key).to(device=device, dtype=torch.float32)
-        product = b @ a
-        if delta.module_type == "embedding" or delta.fan_in_fan_out:
-            product = product.T
-        return delta.scale * product
+        return self.factors(delta, device).dense()
+
+    def factors(self, delta: LoraDelta, device: torch.device | str) -> LowRankUpdate:
+        """``delta``'s update as its float32 factors (nothing ``out x in`` is formed)."""
+        return LowRankUpdate(
+            b=self._adapter_tensor(delta.b_key).to(device=device, dtype=torch.float32),
+            a=self._adapter_tensor(delta.a_key).to(device=device, dtype=torch.float32),
+            scale=delta.scale,
+            transposed=delta.module_type == "embedding" or delta.fan_in_fan_out,
+        )
 
     def _adapter_tensor(self, key: str) -> torch.Tensor:
         with safe_open(self.adapter_file, framework="pt") as f:
@@ -311,6 +340,7 @@ def open_lora_expert(
             module_type=entry["module_type"],
             scale=scale,
             fan_in_fan_out=fan_in_fan_out and entry["module_type"] == "linear",
+            rank=rank,
         )
     if not deltas:
         LOG.warning("adapter %s has no LoRA weights; the expert equals its base", adapter_path)

@@ -31,11 +31,9 @@ from mergekit_ext.errors import CalibrationError, ConfigError, MergekitExtError,
 from mergekit_ext.executor.checkpoint import (
     HEAD_PREFIX,
     ModelSource,
-    adapter_base_path,
     has_tokenizer,
-    is_adapter_folder,
     open_model,
-    resolve_model_folder,
+    resolve_reference,
 )
 from mergekit_ext.executor.families import GroupSpec, ModelFamily
 from mergekit_ext.executor.lora import LoraModelSource, open_lora_expert
@@ -299,34 +297,12 @@ class _Opened:
         self, ref: ModelReference, label: str, family: Optional[ModelFamily], what: str
     ) -> tuple[Source, str]:
         """The source for a mergekit reference and the folder holding its tokenizer/processor."""
-        folder = resolve_model_folder(
-            ref.model.path, what=what, cache_dir=self.cache_dir, revision=ref.model.revision
-        )
-        if ref.lora is not None:
-            adapter = resolve_model_folder(
-                ref.lora.path, what=what, cache_dir=self.cache_dir, revision=ref.lora.revision
-            )
-            base = self.full_model(str(ref.model), folder, family, what)
-            source = open_lora_expert(label, adapter, base, what=what)
-            return source, adapter if has_tokenizer(adapter) else folder
-        if is_adapter_folder(folder) and not os.path.isfile(os.path.join(folder, "config.json")):
-            base_name = adapter_base_path(folder)
-            if not base_name:
-                raise ModelInputError(
-                    f"{what}: adapter {folder} does not name its base model "
-                    "(base_model_name_or_path); write the model as `base_path+adapter_path`"
-                )
-            try:
-                base_folder = resolve_model_folder(base_name, what=what, cache_dir=self.cache_dir)
-            except ModelInputError:
-                raise ModelInputError(
-                    f"{what}: adapter {folder} names base model {base_name!r}, which is not a local "
-                    "folder; write the model as `base_path+adapter_path`"
-                ) from None
-            base = self.full_model(base_name, base_folder, family, what)
-            source = open_lora_expert(label, folder, base, what=what)
-            return source, folder if has_tokenizer(folder) else base_folder
-        return self.full_model(label, folder, family, what), folder
+        resolved = resolve_reference(ref, what, self.cache_dir)
+        if resolved.adapter is None:
+            return self.full_model(label, resolved.folder, family, what), resolved.folder
+        base = self.full_model(resolved.label, resolved.folder, family, what)
+        source = open_lora_expert(label, resolved.adapter, base, what=what)
+        return source, resolved.processing_folder
 
 
 def _expert_entries(cfg: ExtMergeConfig) -> list[tuple[ExtModelEntry, ModelReference]]:

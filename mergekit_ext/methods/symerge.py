@@ -113,7 +113,7 @@ class SyMergeParameters(MethodParameters):
         ge=1,
         description="causal LMs: samples per forward/backward pass, their gradients added up "
         "to the batch's (same step, less activation memory); null: the largest that keeps "
-        "one micro-batch's activations under 1 GiB",
+        "one micro-batch's activations under 384 MiB",
     )
     heldout_fraction: float = Field(
         0.1,
