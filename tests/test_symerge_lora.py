@@ -109,7 +109,7 @@ def test_memory_estimate_counts_the_factors(llama_lora) -> None:
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     targeted = [s for n, s in shapes.items() if any(f".{t}." in n for t in LLAMA_TARGETS)]
     assert lora["task_vectors"] == memory.FLOAT32 * 2 * sum(4 * (o + i) for o, i in targeted)
-    assert lora["merged_copy_and_gradient"] == 2 * memory.FLOAT32 * sum(o * i for o, i in targeted)
+    assert lora["merged_copy_and_gradient"] == 0  # the layers add B (A x): nothing is formed
     total = memory.checkpoint_parameter_count(base)
     assert dense["task_vectors"] == memory.FLOAT32 * 2 * total
     assert lora["task_vectors"] < dense["task_vectors"] / 4
@@ -172,3 +172,28 @@ def test_dora_adapter_is_refused_before_loading(llama_lora, tmp_path, monkeypatc
     monkeypatch.setattr(transformers.LlamaForCausalLM, "from_pretrained", no_loading)
     with pytest.raises(ModelInputError, match="DoRA"):
         _session(base, [dora, adapters[1]], data)
+
+
+def test_factored_layers_equal_the_formed_merged_weights(llama_lora) -> None:
+    """The layers that add ``Σ λ_k s_k B_k (A_k x)`` to ``θ_0 x`` give the outputs and the
+    λ-gradients of the model run on the formed weights ``θ_0 + Σ λ_k Δ_k``."""
+    base, adapters, full, data = llama_lora
+    session = _session(base, adapters, data)
+    problem = session.problem
+    assert set(problem.factored_keys) == {
+        k for k in problem.shared_keys if any(t in k for t in LLAMA_TARGETS)
+    }
+    assert not _session(base, full, data).problem.factored_keys  # full checkpoints: dense
+    with torch.no_grad():
+        problem.lambdas.uniform_(0.0, 1.0, generator=torch.Generator().manual_seed(0))
+    batch = {key: v[:4] for key, v in session.data[0].inputs.items()}
+    outputs, grads = [], []
+    for merged in (None, problem.merged_tensors()):  # factored, then formed
+        problem.lambdas.grad = None
+        logits = problem.forward(0, batch, merged).logits
+        (logits.square().mean()).backward()
+        outputs.append(logits.detach())
+        grads.append(problem.lambdas.grad.clone())
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-7)
+    assert grads[0][list(problem.factored_keys.values())].abs().sum() > 0

@@ -3,8 +3,9 @@
 Float32 throughout (adaptation accumulates in float32 whatever the checkpoint dtype):
 
 - the base θ_0 (P floats), K task vectors (K·P for full checkpoints; a LoRA expert keeps
-  its factors and the tensors it saves whole), one merged copy and its gradient (2·P, or
-  twice the tensors some LoRA changes when every expert is an adapter);
+  its factors and the tensors it saves whole), one merged copy and its gradient (2·P; with
+  adapters only, of the tensors that are not a linear's LoRA update, which the layer adds to
+  its output from the factors);
 - the task layers with Adam (value, gradient, two moments, the expert's copy: 5 per float);
 - training activations: per layer ``34·s·b·h + 5·a·s²·b`` bytes in 16-bit (Korthikanti et
   al., "Reducing Activation Recomputation in Large Transformer Models", 2022, eq. 1),
@@ -111,11 +112,20 @@ def adapter_floats(source: Any) -> int:
 
 
 def changed_parameters(base_parameters: int, adapters: Sequence[Any]) -> int:
-    """Parameters whose merged value differs from θ_0 (a copy and a gradient each): all of
-    them with any full checkpoint, else those some adapter changes."""
+    """Parameters whose merged value is formed (a copy and a gradient each): all of them with
+    any full checkpoint; with adapters only, the tensors some adapter saves whole and its
+    embedding / ``fan_in_fan_out`` updates. A linear's LoRA update is added to its output
+    from the factors instead (``TaskVectors.apply``)."""
     if any(source is None for source in adapters):
         return base_parameters
-    changed = {c: math.prod(s.shape(c)) for s in adapters for c in (*s.deltas, *s.replacements)}
+    changed = {
+        c: math.prod(s.shape(c))
+        for s in adapters
+        for c in (
+            *s.replacements,
+            *(c for c, d in s.deltas.items() if d.module_type == "embedding" or d.fan_in_fan_out),
+        )
+    }
     return sum(changed.values())
 
 

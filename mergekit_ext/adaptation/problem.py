@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -30,6 +31,11 @@ LOG = logging.getLogger(__name__)
 TaskUpdate = Union[torch.Tensor, LowRankUpdate, None]
 
 
+class FactoredTensors(dict):
+    """Merged tensors whose factored keys hold θ_0: the model adds their low-rank update in
+    its layers (:meth:`SyMergeProblem.merged_tensors` with ``factored=True``)."""
+
+
 class TaskVectors:
     """The K task vectors ``Δ_k`` of one shared tensor, in the least memory that keeps them.
 
@@ -44,6 +50,8 @@ class TaskVectors:
         self.shape = tuple(shape)
         self.updates: list[TaskUpdate] = list(updates)
         self.stack: Optional[torch.Tensor] = None
+        # (A's, B's, task of each rank, scale of each rank), concatenated once for apply()
+        self._factors: Optional[tuple[torch.Tensor, ...]] = None
         if self.updates and all(isinstance(u, torch.Tensor) for u in self.updates):
             self.stack = torch.stack(self.updates)  # type: ignore[arg-type]
             self.updates = []
@@ -83,6 +91,42 @@ class TaskVectors:
             if isinstance(u, torch.Tensor):
                 total = coefficients[k] * u if total is None else total + coefficients[k] * u
         return total
+
+    @property
+    def factored(self) -> bool:
+        """True when every non-zero ``Δ_k`` is LoRA factors of a plain ``out x in`` weight:
+        its layer can then add ``Σ_k λ_k s_k B_k (A_k x)`` to ``θ_0 x`` (:meth:`apply`)."""
+        if self.stack is not None:
+            return False
+        factors = [u for u in self.updates if u is not None]
+        return bool(factors) and all(
+            isinstance(u, LowRankUpdate) and not u.transposed for u in factors
+        )
+
+    def apply(self, x: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
+        """``Σ_k coefficients[k] Δ_k x`` for inputs ``x`` (…, in) of a factored tensor.
+
+        ``((x [A_k]ᵀ) ⊙ [c_k s_k]) [B_k]ᵀ``: two thin products (…, Σr), so neither the merged
+        weight nor any ``Δ_k`` is formed, and λ's gradient needs only the (…, Σr) projections.
+        """
+        if self._factors is None:
+            parts = [u for u in self.updates if isinstance(u, LowRankUpdate)]
+            self._factors = (
+                torch.cat([u.a for u in parts]),  # Σr x in
+                torch.cat([u.b for u in parts], 1),  # out x Σr
+                torch.tensor(
+                    [
+                        k
+                        for k, u in enumerate(self.updates)
+                        if u is not None
+                        for _ in range(u.a.shape[0])
+                    ]
+                ),  # fmt: skip
+                torch.cat([torch.full((u.a.shape[0],), u.scale) for u in parts]),
+            )
+        a, b, task_of_rank, scales = self._factors
+        weights = coefficients[task_of_rank] * scales.to(coefficients.device)
+        return ((x @ a.T) * weights) @ b.T
 
     def task(self, k: int) -> Optional[torch.Tensor]:
         """``Δ_k`` as a dense tensor (None for an exact zero)."""
@@ -208,6 +252,12 @@ class SyMergeProblem:
         self.task_vectors = dict(task_vectors)  # canonical key -> the K tasks' Δ_k
         self.tasks = list(tasks)
         self.init_lambda = float(init_lambda)
+        # keys whose layers add their low-rank update themselves (plain linear weights)
+        self.factored_keys = {
+            key: p
+            for p, key in enumerate(self.shared_keys)
+            if self.task_vectors[key].factored and self._is_linear_weight(key)
+        }
         first = next(iter(self.base_tensors.values()))
         self.lambdas = nn.Parameter(
             torch.full(
@@ -218,17 +268,62 @@ class SyMergeProblem:
             )
         )
 
+    def _is_linear_weight(self, key: str) -> bool:
+        """True when ``key`` is the weight of an ``nn.Linear`` in every task's model."""
+        for task in self.tasks:
+            name = next((n for n, k in task.roles.shared.items() if k == key), None)
+            if name is None or not name.endswith(".weight"):
+                return False
+            module = task.module.get_submodule(name[: -len(".weight")])
+            if type(module) is not nn.Linear:
+                return False
+        return True
+
     # ------------------------------------------------------------------ merged weights
-    def merged_tensors(self) -> dict[str, torch.Tensor]:
+    def merged_tensors(self, factored: bool = False) -> dict[str, torch.Tensor]:
         """``{key: θ_0 + Σ_k λ[p,k] Δ_k}`` for every shared key (differentiable in λ);
-        θ_0 itself, no copy, where no task changed the tensor."""
-        merged = {}
+        θ_0 itself, no copy, where no task changed the tensor.
+
+        ``factored``: the keys of :attr:`factored_keys` map to θ_0 too; run the model with
+        them through :meth:`forward` / :meth:`hidden_and_head`, whose layers then add
+        ``Σ_k λ_k Δ_k x`` themselves (the merged weights are never formed).
+        """
+        merged = FactoredTensors() if factored else {}
         for p, key in enumerate(self.shared_keys):
+            if factored and key in self.factored_keys:
+                merged[key] = self.base_tensors[key]
+                continue
             update = self.task_vectors[key].combine(self.lambdas[p])
             merged[key] = (
                 self.base_tensors[key] if update is None else self.base_tensors[key] + update
             )
         return merged
+
+    @contextmanager
+    def _low_rank_layers(self, k: int, merged: Mapping[str, torch.Tensor]) -> Iterator[None]:
+        """While task k's model runs on ``merged`` from ``merged_tensors(factored=True)``: a
+        forward hook on each factored linear adds ``Σ_j λ[p,j] Δ_j x`` to its ``θ_0 x``."""
+        if not isinstance(merged, FactoredTensors):
+            yield
+            return
+        task = self.tasks[k]
+        handles = []
+        for name, key in task.roles.shared.items():
+            p = self.factored_keys.get(key)
+            if p is None:
+                continue
+            vectors = self.task_vectors[key]
+
+            def add_update(module, args, output, vectors=vectors, p=p):
+                return output + vectors.apply(args[0], self.lambdas[p])
+
+            module = task.module.get_submodule(name[: -len(".weight")])
+            handles.append(module.register_forward_hook(add_update))
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def task_parameters(
         self, k: int, merged: Optional[Mapping[str, torch.Tensor]] = None
@@ -247,10 +342,14 @@ class SyMergeProblem:
         batch: Mapping[str, torch.Tensor],
         merged: Optional[Mapping[str, torch.Tensor]] = None,
     ) -> Any:
+        """Task k's model on ``batch`` with the merged weights (``merged``: from
+        :meth:`merged_tensors`; None: formed now, factored)."""
         task = self.tasks[k]
-        return functional_call(
-            task.module, self.task_parameters(k, merged), args=(), kwargs=task.inputs(batch)
-        )
+        merged = self.merged_tensors(factored=True) if merged is None else merged
+        with self._low_rank_layers(k, merged):
+            return functional_call(
+                task.module, self.task_parameters(k, merged), args=(), kwargs=task.inputs(batch)
+            )
 
     def hidden_and_head(
         self,
@@ -272,12 +371,15 @@ class SyMergeProblem:
         if split is None:
             return None
         body_name, head_name = split
+        if not teacher and merged is None:
+            merged = self.merged_tensors(factored=True)
         params = self.expert_parameters(k) if teacher else self.task_parameters(k, merged)
         prefix = body_name + "."
         body_params = {n[len(prefix) :]: v for n, v in params.items() if n.startswith(prefix)}
         body = getattr(task.module, body_name)
         inputs = {key: v for key, v in task.inputs(batch).items() if key != "logits_to_keep"}
-        out = functional_call(body, body_params, args=(), kwargs=inputs)
+        with self._low_rank_layers(k, {} if teacher else merged):
+            out = functional_call(body, body_params, args=(), kwargs=inputs)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         return hidden, params[head_name]
 

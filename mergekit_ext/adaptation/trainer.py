@@ -471,7 +471,7 @@ def evaluate(
     (default: :class:`AdaptationSettings`'s).
     """
     settings = settings or AdaptationSettings()
-    merged = problem.merged_tensors()
+    merged = problem.merged_tensors(factored=True)
     result = {}
     for k, (task, d) in enumerate(zip(problem.tasks, data)):
         index = d.heldout_index if which == "heldout" else d.adapt_index
