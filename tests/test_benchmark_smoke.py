@@ -303,3 +303,22 @@ def test_sweep_settings_set_several_parameters_per_row():
     assert rows[1].parameters == {"basis": "diagonal", "prior": 1.0, "ridge": 10.0}
     with pytest.raises(SystemExit, match="mapping"):
         sweep_settings(rows_for(["qp_diagonal"]), [0.5])
+
+
+def test_merge_rows_needs_the_same_reference_scores():
+    from benchmarks.merge_rows import merge_rows
+
+    def table(pretrained: float, rows: list[dict]) -> dict:
+        meta = {"suite": "lm", "variant": "lora", "metric": "loss", "settings": {}, "tasks": ["a"]}
+        ref = {"key": "pretrained", "scores": {"a": pretrained}}
+        return {**meta, "rows": [ref, *rows], "commands": ["run"]}
+
+    committed = table(4.0, [{"key": "linear", "scores": {"a": 3.5}}])
+    fresh = table(4.0 * (1 + 3e-6), [{"key": "symerge_lora", "scores": {"a": 3.2}}])
+    with pytest.raises(SystemExit, match="reference row 'pretrained'"):
+        merge_rows(committed, fresh, ["symerge_lora"])
+    merged = merge_rows(committed, fresh, ["symerge_lora"], tolerance=1e-5)
+    assert [r["key"] for r in merged["rows"]] == ["pretrained", "linear", "symerge_lora"]
+    assert "within a relative 1e-05" in merged["commands"][-1]
+    with pytest.raises(SystemExit):
+        merge_rows(committed, fresh, ["symerge_lora"], tolerance=1e-6)
