@@ -372,6 +372,11 @@ def test_mergekit_ext_run_with_model_output_on_bert(tiny_bert_set, tmp_path):
     }
     (tmp_path / "c.yml").write_text(yaml.safe_dump(config))
     out = tmp_path / "out"
+    dry = CliRunner().invoke(
+        main, ["run", str(tmp_path / "c.yml"), str(out), "--dry-run"], catch_exceptions=False
+    )
+    assert dry.exit_code == 0, dry.output
+    assert "objective: model output" in dry.output and "merged_model" in dry.output
     result = CliRunner().invoke(
         main, ["run", str(tmp_path / "c.yml"), str(out)], catch_exceptions=False
     )

@@ -236,6 +236,18 @@ class MergePlan:
                 f"shapes from config.json (no weights) for {len(self.weightless)} model(s): "
                 "dry run only; download the *.safetensors files to merge"
             )
+        if self.request.model_output is not None:
+            from mergekit_ext.executor.model_output import estimate_model_output_memory
+
+            out = self.request.model_output
+            lines += [
+                f"objective: model output (whole model in memory, one linear at a time; "
+                f"{out.sketch_rows or 'every'} output projections per sample, tokens "
+                f"{out.tokens})",
+                "memory estimate (whole-model path): "
+                + estimate_model_output_memory(self).describe(),
+            ]
+            return "\n".join(lines)
         lines += [
             f"memory estimate: peak ≈ {m.peak} bytes ({_gb(m.peak)}) on top of the Python "
             f"process itself (torch, transformers: ~0.4 GB); one model ≈ {_gb(m.model_bytes)}",
