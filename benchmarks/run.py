@@ -162,9 +162,13 @@ def run_variant(
     *,
     result_id: Optional[str] = None,
     title_suffix: str = "",
+    calibration_overrides: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """Build or reuse the models, score the reference rows and every row in ``rows``, and
-    write the table as ``out/<result_id>.{md,json,png}`` (default id: ``<suite>_<variant>``)."""
+    write the table as ``out/<result_id>.{md,json,png}`` (default id: ``<suite>_<variant>``).
+
+    ``calibration_overrides``: keys replaced in every task's calibration section (e.g.
+    ``{"samples": 32}`` for a method whose cost grows with each sample)."""
     title = f"{suite.name} suite" + (f" ({variant} experts)" if len(suite.variants) > 1 else "")
     title += title_suffix
     if suite.smoke:
@@ -242,7 +246,10 @@ def run_variant(
             )
             continue
         calibration = (
-            {task: suite.calibration(task) for task in suite.tasks}
+            {
+                task: {**suite.calibration(task), **(calibration_overrides or {})}
+                for task in suite.tasks
+            }
             if needs_calibration(row.method)
             else None
         )

@@ -89,6 +89,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         default=[],
         help="rows run as they are, for comparison in the same table (e.g. ties)",
     )
+    parser.add_argument(
+        "--calibration",
+        default=None,
+        help="YAML mapping replacing keys of every task's calibration (e.g. '{samples: 32}')",
+    )
     parser.add_argument("--smoke", action="store_true", help="small subsets (a code-path check)")
     parser.add_argument("--cache-dir", default=default_cache_dir())
     parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
@@ -125,6 +130,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         keep_merges=False,
         result_id=f"sweep_{args.suite}_{variant}_{table}",
         title_suffix=f", sweep of {table}",
+        calibration_overrides=yaml.safe_load(args.calibration) if args.calibration else None,
     )
     print(f"\n{result['title']}: {time.perf_counter() - start:.1f}s")
     return 0

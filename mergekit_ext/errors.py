@@ -30,3 +30,7 @@ class PublishError(MergekitExtError):
 
 class TensorError(MergekitExtError, ValueError):
     """A tensor cannot be merged (NaN, shape mismatch, too few experts): names the tensor."""
+
+
+class NotSupportedError(MergekitExtError, NotImplementedError):
+    """A documented option that is not implemented for this input (says what is missing)."""

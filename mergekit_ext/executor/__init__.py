@@ -20,6 +20,7 @@ from mergekit.options import MergeOptions
 
 from mergekit_ext.config import ExtMergeConfig
 from mergekit_ext.distributed import DistributedContext
+from mergekit_ext.errors import MergekitExtError
 from mergekit_ext.executor.families import family_for, family_names
 from mergekit_ext.executor.plan import MemoryEstimate, MergePlan, build_plan
 from mergekit_ext.executor.sequential import SequentialExecutor, resolve_device
@@ -61,6 +62,21 @@ def run_layerwise_merge(
         torch_device = torch.device("cuda", distributed.local_rank)
     plan = plan_layerwise_merge(cfg, options, method, parameters)
     plan.check_weights()
+    if plan.request.model_output is not None:
+        # Whole-model path (qp_projection objective: model_output): one process, memory
+        # checked before any weight is read.
+        from mergekit_ext.executor.model_output import (
+            ModelOutputExecutor,
+            check_model_output_memory,
+        )
+
+        if distributed is not None and distributed.enabled:
+            raise MergekitExtError(
+                f"{method.name} with the model-output objective runs in a single process; "
+                "launch it without torchrun/accelerate"
+            )
+        check_model_output_memory(plan, torch_device)
+        return ModelOutputExecutor(plan, out_dir, torch_device).run()
     return SequentialExecutor(plan, out_dir, torch_device, distributed).run()
 
 

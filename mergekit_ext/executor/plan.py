@@ -234,6 +234,18 @@ class MergePlan:
                 f"shapes from config.json (no weights) for {len(self.weightless)} model(s): "
                 "dry run only; download the *.safetensors files to merge"
             )
+        if self.request.model_output is not None:
+            from mergekit_ext.executor.model_output import estimate_model_output_memory
+
+            out = self.request.model_output
+            lines += [
+                f"objective: model output (whole model in memory, one linear at a time; "
+                f"{out.sketch_rows or 'every'} output projections per sample, tokens "
+                f"{out.tokens})",
+                "memory estimate (whole-model path): "
+                + estimate_model_output_memory(self).describe(),
+            ]
+            return "\n".join(lines)
         lines += [
             f"memory estimate: peak ≈ {m.peak} bytes ({_gb(m.peak)}) on top of the Python "
             f"process itself (torch, transformers: ~0.4 GB); one model ≈ {_gb(m.model_bytes)}",
@@ -356,6 +368,10 @@ def build_plan(
         cfg.merge.base_model, base_label, None, f"base model {base_label}"
     )
     family = base.family
+    if request.model_output is not None and family.causal_lm:
+        from mergekit_ext.executor.model_output import check_model_output_supported
+
+        check_model_output_supported(family, method.name)
     entries = _expert_entries(cfg)
     if not entries:
         raise ConfigError(f"{method.name} needs at least one expert model besides the base model")

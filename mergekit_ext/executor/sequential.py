@@ -922,8 +922,10 @@ class SequentialExecutor:
     # ---------------------------------------------------------------------------------
     # After the blocks
 
-    def _merge_post_block(self) -> None:
-        """Final norm, pooler and heads, one tensor at a time, over the experts that share it."""
+    def _merge_post_block(self) -> dict[str, torch.Tensor]:
+        """Final norm, pooler and heads, one tensor at a time, over the experts that share it;
+        returns the merged tensors of the backbone (as written, float32), not the heads."""
+        backbone: dict[str, torch.Tensor] = {}
         for name in self.plan.post_block:
             shown = self.plan.output_name(name)
             base = self.base.load(name, self.device)
@@ -957,11 +959,14 @@ class SequentialExecutor:
                 )
             if not contributing:
                 LOG.warning("%s: no expert has it with the base's shape; kept from the base", shown)
-                self._write(name, base)
+                written = self._write(name, base)
             else:
-                self._merge_other(name, base, contributing, share=False)  # rank 0 only
-            del base, contributing
+                written = self._merge_other(name, base, contributing, share=False)  # rank 0 only
+            if not name.startswith(HEAD_PREFIX):
+                backbone[name] = written
+            del base, contributing, written
             self._release()
+        return backbone
 
     def _copy_unloaded(self) -> None:
         """The base's tensors that its class does not load (old buffers), unchanged.

@@ -10,6 +10,12 @@ weights. Every other tensor (biases, norms, embeddings, heads) goes through
 
 A method never loads files, runs models or writes output.
 
+A method may instead fit each linear weight to the *model's output*
+(``StatisticsRequest.model_output``): the executor then runs the whole model and
+hands the method, per linear and calibration batch, the linear's inputs, the output's
+vector-Jacobian products with respect to the linear's output and the sketched output error
+(:class:`ModelOutputFit`); the method still only does tensor arithmetic.
+
 Several processes (``torchrun``): each holds the statistics and expert weights of its own
 tasks only. A method whose merge depends on the tasks through sums returns a
 :class:`SumReduction` from :meth:`LayerwiseMethod.reduction`; otherwise (the default) the
@@ -32,6 +38,8 @@ from mergekit_ext.methods.parameters import MethodParameters
 __all__ = [
     "LayerwiseMethod",
     "LinearGroup",
+    "ModelOutputFit",
+    "ModelOutputRequest",
     "StatisticsRequest",
     "TaskStatistics",
     "fallback_merge",
@@ -83,6 +91,9 @@ class StatisticsRequest:
       for float64 products throughout.
     - ``statistics_dtype``: dtype of the running sums (and of the statistics handed to the
       method): float64 (default) or float32 (half the memory of each Gram).
+    - ``model_output``: the method fits each linear to the model's output instead
+      (:class:`ModelOutputRequest`): the executor runs the whole-model path and calls
+      :meth:`LayerwiseMethod.model_output_fit` per linear; no statistics are computed.
     """
 
     propagate: bool
@@ -92,6 +103,51 @@ class StatisticsRequest:
     product_dtype: Optional[torch.dtype] = None
     keep_rows: bool = False
     statistics_dtype: torch.dtype = torch.float64
+    model_output: Optional[ModelOutputRequest] = None
+
+
+@dataclass(frozen=True)
+class ModelOutputRequest:
+    """A method that fits each linear to the model's output asks the executor for it.
+
+    - ``sketch_rows``: random projections of each sample's output (Gaussian rows of variance
+      ``1/sketch_rows``, an independent sketch per sample and linear); 0: every output
+      coordinate (exact, one vector-Jacobian product per coordinate)
+    - ``tokens``: ``first``: the output is the first position of the backbone's last hidden
+      state (ViT's and BERT's CLS, what their classification heads read); ``all``: every
+      unmasked position
+    - ``seed``: the sketches' seed
+    """
+
+    sketch_rows: int
+    tokens: str = "first"
+    seed: int = 0
+
+
+class ModelOutputFit(ABC):
+    """One linear weight's model-output fit, fed batch by batch by the executor.
+
+    The executor runs the model merged so far (the weights not yet merged at the base)
+    with the linear's output ``z`` (``[B, T, m]``) replaced by ``z + ε``; for sketch row p,
+    ``output_grads[p] = ∂(s_p · f)/∂ε`` at ε = 0 (``[P, B, T, m]``), and ``residual[b, p] =
+    s_p · (f(x_b) − f_t(x_b))``, the sketched error against task t's expert.
+    """
+
+    @abstractmethod
+    def add_batch(
+        self,
+        inputs: torch.Tensor,
+        output_grads: torch.Tensor,
+        residual: torch.Tensor,
+        sample_weight: float,
+    ) -> None:
+        """Add one batch of one task: ``inputs`` ``[B, T, in]`` (the linear's input),
+        ``output_grads`` ``[P, B, T, m]``, ``residual`` ``[B, P]``, every sample weighted
+        ``sample_weight`` (``1/N_t``: each task counts once)."""
+
+    @abstractmethod
+    def solve(self) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The merged weight (``out x in``) and its diagnostics."""
 
 
 class SumReduction(ABC):
@@ -183,6 +239,18 @@ class LayerwiseMethod(ABC):
         group, or None (the default) to gather every task's statistics and weights to rank
         0 and call :meth:`merge_linear_group` there, which any method supports unchanged."""
         return None
+
+    def model_output_fit(
+        self,
+        name: str,
+        base: torch.Tensor,
+        experts: Sequence[torch.Tensor],
+        task_names: Sequence[str],
+        parameters: Any,
+    ) -> ModelOutputFit:
+        """The fit of linear weight ``name`` to the model's output (only called when
+        :meth:`statistics_request` asks for ``model_output``)."""
+        raise NotImplementedError(f"{self.name} does not fit linears to the model's output")
 
     def merge_other(
         self,

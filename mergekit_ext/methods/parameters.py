@@ -111,7 +111,12 @@ class MethodParameters(BaseModel):
             return cls.model_validate(given)
         except ValidationError as e:
             first = e.errors()[0]
-            name = str(first["loc"][0]) if first["loc"] else ""
+            if not first["loc"]:  # a rule across fields (a model validator): its own words
+                message = first["msg"].removeprefix("Value error, ")
+                raise ConfigError(
+                    f"{method}: parameters: {message}; fix it in the YAML's parameters: section"
+                ) from e
+            name = str(first["loc"][0])
             field = cls.model_fields.get(name)
             allowed = describe_allowed(field) if field is not None else ""
             where = f" (allowed: {allowed})" if allowed else ""

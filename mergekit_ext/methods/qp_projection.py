@@ -59,12 +59,14 @@ from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from mergekit_ext.errors import ConfigError, TensorError
 from mergekit_ext.methods.layerwise import (
     LayerwiseMethod,
     LinearGroup,
+    ModelOutputFit,
+    ModelOutputRequest,
     StatisticsRequest,
 )
 from mergekit_ext.methods.parameters import (
@@ -83,6 +85,7 @@ from mergekit_ext.methods.reports.qp import plot_qp, summarize_qp
 LOG = logging.getLogger(__name__)
 
 BasisKind = Literal["diagonal", "residual_eigen"]
+OBJECTIVES: tuple[str, ...] = ("layer_output", "model_output")
 FallbackKind = Literal["mean", "base", "task_arithmetic"]
 BASES: tuple[str, ...] = ("diagonal", "residual_eigen")
 FALLBACKS: tuple[str, ...] = ("mean", "base", "task_arithmetic")
@@ -692,12 +695,63 @@ class QPParameters(MethodParameters):
 
     statistics_dtype: StatisticsDtype = statistics_dtype_field()
 
+    objective: Literal["layer_output", "model_output"] = Field(
+        "layer_output",
+        description="layer_output | model_output: fit each linear to its own output (streamed "
+        "block by block), or to the model's output, the paper's objective (whole model in "
+        "memory; diagonal basis; encoder families)",
+    )
+    output_sketch: int = Field(
+        32,
+        ge=0,
+        description="model_output: random projections of each sample's output (one backward "
+        "pass each per linear); 0 = every output coordinate (exact)",
+    )
+    output_tokens: Literal["first", "all"] = Field(
+        "first",
+        description="model_output: the output is the backbone's last hidden state at the "
+        "first position (CLS, what classification heads read) or at every unmasked position",
+    )
+    output_seed: int = Field(0, ge=0, description="model_output: seed of the output sketches")
+
     @field_validator("bounds")
     @classmethod
     def _ordered(cls, bounds: Optional[tuple[float, float]]) -> Optional[tuple[float, float]]:
         if bounds is not None and not bounds[0] <= bounds[1]:
             raise ValueError(f"bounds must be [lo, hi] with lo <= hi; got {list(bounds)}")
         return bounds
+
+    @model_validator(mode="after")
+    def _objective_options(self) -> QPParameters:
+        if self.objective == "layer_output":
+            given = sorted(
+                {"output_sketch", "output_tokens", "output_seed"} & self.model_fields_set
+            )
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)}: used only with objective: model_output "
+                    "(the objective is layer_output)"
+                )
+            return self
+        unsupported = {
+            "basis": (self.basis != "diagonal", "only the diagonal basis is implemented"),
+            "energy_floor": (
+                self.energy_floor != 0.0,
+                "the model-output QP is one dense system, without per-direction energies",
+            ),
+            "task_weighting": (
+                self.task_weighting != "samples",
+                "tasks are weighted by their samples (1/N_t)",
+            ),
+            "propagate": (not self.propagate, "the output is always that of the merged model"),
+            "diagnose_both_bases": (self.diagnose_both_bases, "only the diagonal basis exists"),
+        }
+        bad = [f"{name} ({why})" for name, (is_set, why) in unsupported.items() if is_set]
+        if bad:
+            raise ValueError(
+                "objective: model_output does not support " + "; ".join(bad) + "; remove them"
+            )
+        return self
 
 
 class QPProjectionMethod(LayerwiseMethod):
@@ -714,16 +768,52 @@ class QPProjectionMethod(LayerwiseMethod):
 
     def statistics_request(self, parameters: Any) -> StatisticsRequest:
         resolved = self.parse(parameters)
+        if resolved.objective == "model_output":
+            return StatisticsRequest(
+                propagate=False,
+                expert_path=False,
+                model_output=ModelOutputRequest(
+                    sketch_rows=resolved.output_sketch,
+                    tokens=resolved.output_tokens,
+                    seed=resolved.output_seed,
+                ),
+            )
         return StatisticsRequest(
             propagate=resolved.propagate,
             expert_path=not resolved.propagate,
             statistics_dtype=getattr(torch, resolved.statistics_dtype),
         )
 
+    def model_output_fit(
+        self,
+        name: str,
+        base: torch.Tensor,
+        experts: Sequence[torch.Tensor],
+        task_names: Sequence[str],
+        parameters: Any,
+    ) -> ModelOutputFit:
+        from mergekit_ext.methods.qp_model_output import QPModelOutputFit
+
+        resolved = self.parse(parameters)
+        return QPModelOutputFit(
+            name,
+            base,
+            experts,
+            task_names,
+            ridge=resolved.ridge,
+            prior=resolved.prior,
+            bounds=resolved.bounds,
+        )
+
     def merge_linear_group(
         self, group: LinearGroup, parameters: Any
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         resolved = self.parse(parameters)
+        if resolved.objective == "model_output":
+            raise TensorError(
+                f"qp_projection with objective: model_output fits {group.name} to the model's "
+                "output; the executor must run its whole-model path (statistics_request)"
+            )
         stats = group.merged_stats if resolved.propagate else group.expert_stats
         if stats is None:
             raise TensorError(
@@ -793,8 +883,12 @@ def _check_pairs(residual_maps: Sequence[torch.Tensor], grams: Sequence[torch.Te
 
 
 def _check_weight_inputs(
-    base: torch.Tensor, experts: Sequence[torch.Tensor], grams: Sequence[torch.Tensor], name: str
+    base: torch.Tensor,
+    experts: Sequence[torch.Tensor],
+    grams: Optional[Sequence[torch.Tensor]],
+    name: str,
 ) -> None:
+    """Shapes and finiteness of one weight's inputs (``grams`` None: no Grams to check)."""
     if len(experts) < 2:
         raise TensorError(
             f"qp_projection needs at least two experts besides the base; {name} has {len(experts)}"
@@ -809,6 +903,8 @@ def _check_weight_inputs(
             )
         if not torch.isfinite(tensor).all():
             raise TensorError(f"{name} of {who} contains NaN or Inf values; fix that checkpoint")
+    if grams is None:
+        return
     if len(grams) != len(experts):
         raise TensorError(f"{name}: {len(experts)} experts but {len(grams)} task Grams")
     for i, gram in enumerate(grams):

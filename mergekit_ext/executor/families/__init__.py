@@ -57,6 +57,9 @@ class ModelFamily:
     # Classes whose instance is the backbone (searched in the model when set); otherwise the
     # model's ``base_model``.
     backbone_class_names: ClassVar[tuple[str, ...]] = ()
+    # A causal language model: its output is next-token distributions over the vocabulary
+    # (the model-output objective would need the per-token KL form; not implemented).
+    causal_lm: ClassVar[bool] = False
 
     def backbone_path(self, model: nn.Module) -> str:
         """Dotted path of the backbone module in ``model`` (``""`` for the model itself)."""

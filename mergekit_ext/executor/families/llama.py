@@ -13,6 +13,7 @@ class LlamaFamily(ModelFamily):
     name = "llama"
     model_types = frozenset({"llama", "mistral", "qwen2", "qwen3"})
     modality = "text"
+    causal_lm = True
     layers_paths = ("layers",)
     pre_block_modules = ("embed_tokens",)
     group_layouts = (

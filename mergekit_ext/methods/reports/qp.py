@@ -109,6 +109,7 @@ def plot_qp(section: Mapping[str, Any], images_dir: str, parameters: Any = None)
 def summarize_qp(section: Mapping[str, Any], parameters: Any = None) -> dict[str, Any]:
     layers: Sequence[Mapping[str, Any]] = section.get("layers") or []
     bases: set[str] = set()
+    objectives: set[str] = set()
     j0 = j_opt = 0.0
     j_ta: dict[str, list[float]] = {}
     other_j: list[float] = []
@@ -120,6 +121,7 @@ def summarize_qp(section: Mapping[str, Any], parameters: Any = None) -> dict[str
             n_weights += 1
             if w.get("basis"):
                 bases.add(str(w["basis"]))
+            objectives.add(str(w.get("objective", "layer_output")))
             a, b = as_float(w.get("J0")), as_float(w.get("J_opt"))
             if math.isfinite(a) and math.isfinite(b):
                 j0, j_opt = j0 + a, j_opt + b
@@ -140,10 +142,19 @@ def summarize_qp(section: Mapping[str, Any], parameters: Any = None) -> dict[str
         if j0 > 0 and len(js) == n_weights and all(math.isfinite(j) for j in js)
     ]
     other_complete = j0 > 0 and other_j and len(other_j) == n_weights
+    output = section.get("model_output")
     return {
         "n_layers": len(layers),
         "n_weights": n_weights,
         "bases": sorted(bases),
+        "objectives": sorted(objectives),
+        # objective model_output: the model's output error before and after the merge
+        "output_error_initial": as_float(output.get("output_error_initial"))
+        if isinstance(output, Mapping)
+        else math.nan,
+        "output_error_final": as_float(output.get("output_error_final"))
+        if isinstance(output, Mapping)
+        else math.nan,
         "captured_total": 1.0 - j_opt / j0 if j0 > 0 else math.nan,
         "task_arithmetic": ta_rows,
         "other_basis": ", ".join(sorted(other_bases)) or None,

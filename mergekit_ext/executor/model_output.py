@@ -1,0 +1,451 @@
+"""The whole-model path: fit each linear weight to the model's output.
+
+A method whose :class:`~mergekit_ext.methods.layerwise.StatisticsRequest` carries
+``model_output`` (``qp_projection`` with ``objective: model_output``) does not fit a
+linear to its own layer's output but to the output of the whole backbone: for the
+paper's QP (arXiv 2605.29101) ``J(d) = Σ_j w_j ‖A_j d + b_j‖²`` with ``b_j`` the error of
+the model merged so far against task t's expert on sample j and ``A_j`` its Jacobian with
+respect to the linear's coefficients, recomputed after every merged linear. That needs, per
+linear, one forward pass of every calibration batch through the whole model and one
+backward pass per sketch row from the output back to the linear, so the streaming
+executor's one-block-at-a-time memory does not apply: this path holds the whole backbone
+(float32) and runs it with transformers' own modules (``torch.func.functional_call`` on the
+model class's skeleton, as the streaming executor runs its blocks).
+
+The order is the family's: blocks, their linear groups, the linears of a group (e.g.
+``q, k, v, o, fc1, fc2``), one linear at a time. Before the first linear every tensor that
+is not a merged linear takes the method's fallback merge (embeddings, norms, biases, the
+final norm and pooler), so the output the linears are fitted to is that of the model being
+built; the linears not yet merged are at the base. The targets ``f_t(x_j)`` come from each
+expert's own backbone, loaded one expert at a time at the start.
+
+Memory: the backbone twice (the merged model, and one expert's while its targets are
+computed), the targets, one batch's graph and vector-Jacobian products, the method's dense
+system (:func:`estimate_model_output_memory`); the merge refuses before loading a weight
+when that exceeds the available memory. Causal LMs are not supported (their output is the
+vocabulary; the per-token KL / Gauss-Newton form is not implemented). One process only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from mergekit_ext import finite
+from mergekit_ext.adaptation.memory import GIB, activation_bytes, available_memory_bytes
+from mergekit_ext.errors import MergekitExtError, ModelInputError, NotSupportedError
+from mergekit_ext.executor.checkpoint import HEAD_PREFIX
+from mergekit_ext.executor.families import ModelFamily
+from mergekit_ext.executor.plan import MergePlan, _numel
+from mergekit_ext.executor.sequential import SequentialExecutor, _group_name, _TaskState
+from mergekit_ext.methods.layerwise import ModelOutputRequest
+
+LOG = logging.getLogger(__name__)
+
+# Sketch rows whose vector-Jacobian products run as one batched backward pass.
+_VJP_CHUNK = 32
+
+
+class ModelOutputMemoryError(MergekitExtError):
+    """The whole-model path would not fit the available memory."""
+
+
+def check_model_output_supported(family: ModelFamily, method: str) -> None:
+    """Refuse what the whole-model path does not implement, before anything loads."""
+    if family.causal_lm:
+        raise NotSupportedError(
+            f"{method}: the model-output objective is not implemented for causal "
+            f"language models ({family.name} family): their output is a next-token "
+            "distribution over the vocabulary, which needs the per-token KL (Gauss-Newton) "
+            "form of the objective; use objective: layer_output for this model"
+        )
+
+
+# ------------------------------------------------------------------------------------------
+# Memory
+
+
+@dataclass
+class ModelOutputMemory:
+    parts: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def describe(self) -> str:
+        items = ", ".join(f"{k} {v / GIB:.2f}" for k, v in self.parts.items())
+        return f"{self.total / GIB:.2f} GiB ({items})"
+
+
+def _output_width(plan: MergePlan, tokens: str, positions: int) -> int:
+    return plan.hidden_size * (1 if tokens == "first" else positions)
+
+
+def estimate_model_output_memory(plan: MergePlan) -> ModelOutputMemory:
+    """Peak bytes of the whole-model path, from the plan (checkpoint headers, data).
+
+    - ``merged_model``, ``expert_model``: the backbone in float32, twice (the merged model,
+      and one expert's while its targets are computed);
+    - ``targets``: every task's expert outputs (float32);
+    - ``batch_graph``: one batch's forward graph (Korthikanti et al. 2022, as SyMerge's
+      estimate) and its vector-Jacobian products (``P x B x T x m``, float32 and float64);
+    - ``solve``: the widest linear's base, updates and dense ``mK x mK`` system (float64:
+      the sums, the regularised copy and the factorisation/eigenvalue work, ≈ 4 copies).
+    """
+    request = plan.request.model_output
+    assert request is not None
+    base = plan.base
+    backbone = sum(_numel(s) for n, s in base.shapes.items() if not n.startswith(HEAD_PREFIX))
+    k = len(plan.experts)
+    widest = (0, 0)  # (out, in) of the linear with the largest m
+    for block in plan.blocks[:1]:
+        for group in block.groups:
+            for module in group.modules:
+                shape = tuple(base.shapes[block.group_weight(module)])
+                widest = max(widest, (int(shape[0]), int(shape[1])))
+    out_dim, in_dim = widest
+    samples = positions = batch = 0
+    for e in plan.experts:
+        if e.data is None:
+            continue
+        for b in e.data.batches:
+            key = "input_ids" if "input_ids" in b else "pixel_values"
+            samples += int(b[key].shape[0])
+            batch = max(batch, int(b[key].shape[0]))
+        positions = max(positions, int(e.data.num_tokens / max(e.data.num_samples, 1)) + 1)
+    rows = request.sketch_rows or _output_width(plan, request.tokens, positions)
+    config = base.config.to_dict()
+    graph = activation_bytes(config, positions, batch, causal_lm=False)
+    vjp = min(rows, _VJP_CHUNK) * batch * positions * out_dim * 4 * 3
+    design = batch * rows * out_dim * k * 8 * 2
+    parts = {
+        "merged_model": 4 * backbone,
+        "expert_model": 4 * backbone,
+        "targets": 4 * samples * _output_width(plan, request.tokens, positions),
+        "batch_graph": graph + vjp + design,
+        "solve": 8 * ((k + 1) * out_dim * in_dim + 4 * (out_dim * k) ** 2),
+    }
+    return ModelOutputMemory(parts)
+
+
+def check_model_output_memory(plan: MergePlan, device: torch.device) -> ModelOutputMemory:
+    """Refuse when the estimate exceeds the memory available on ``device``."""
+    estimate = estimate_model_output_memory(plan)
+    available = available_memory_bytes(str(device))
+    if estimate.total > available:
+        raise ModelOutputMemoryError(
+            f"{plan.method.name} with the model-output objective holds the whole model: it "
+            f"needs about {estimate.describe()} on {device} but only {available / GIB:.2f} GiB "
+            "is available; use fewer calibration samples, a smaller output_sketch, another "
+            "device (--device cuda), or objective: layer_output (streamed block by block)"
+        )
+    LOG.info(
+        "model-output memory estimate %s; %.2f GiB available", estimate.describe(), available / GIB
+    )
+    return estimate
+
+
+# ------------------------------------------------------------------------------------------
+# The executor
+
+
+def sketch_seed(seed: int, linear: int, task: int, batch: int) -> int:
+    """The seed of one sketch: independent streams per linear, task and batch."""
+    return int(np.random.SeedSequence([seed, linear, task, batch]).generate_state(1)[0])
+
+
+def output_sketch(
+    request: ModelOutputRequest,
+    shape: torch.Size,
+    mask: Optional[torch.Tensor],
+    seed: int,
+) -> torch.Tensor:
+    """``[P, *shape]`` rows ``s_p`` (one per sample in each row: per-sample sketches).
+
+    ``sketch_rows`` 0: the identity over the output coordinates of each sample (``P`` = the
+    per-sample output size), so the products are the exact Jacobian rows. Otherwise Gaussian
+    of variance ``1/P``, so ``E[SᵀS] = I``. Masked positions (padding) get 0.
+    """
+    per_sample = int(math.prod(shape[1:]))
+    if request.sketch_rows == 0:
+        eye = torch.eye(per_sample, dtype=torch.float32)
+        rows = eye.reshape(per_sample, 1, *shape[1:]).expand(per_sample, *shape).clone()
+    else:
+        generator = torch.Generator().manual_seed(seed)
+        rows = torch.randn(request.sketch_rows, *shape, generator=generator)
+        rows /= math.sqrt(request.sketch_rows)
+    if mask is not None and len(shape) == 3:
+        rows *= mask[None, :, :, None].to(rows.dtype)
+    return rows
+
+
+class ModelOutputExecutor(SequentialExecutor):
+    """Runs a plan whose method fits linears to the model's output (module docstring)."""
+
+    def __init__(self, plan: MergePlan, out_dir: Optional[str], device: torch.device) -> None:
+        super().__init__(plan, out_dir, device)
+        request = plan.request.model_output
+        assert request is not None, "the plan's method does not ask for the model output"
+        self.output_request = request
+        # The whole backbone runs in one functional_call: the real blocks go back in place
+        # of the streaming executor's call recorders.
+        block_list = self.backbone.get_submodule(plan.layers_path)
+        for i, block in enumerate(self.blocks):
+            block_list[i] = block
+        self.params: dict[str, torch.Tensor] = {}
+
+    # ---------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        with torch.no_grad():
+            self._prepare_tasks()
+            self.params.update(self._merge_pre_block())
+            self._merge_block_others()
+            self.params.update(self._merge_post_block())
+            self._drop_absent_modules()
+            targets = self._targets()
+            initial = self._output_error(targets)
+            order = [
+                (block, group, module)
+                for block in self.plan.blocks
+                for group in block.groups
+                for module in group.modules
+            ]
+            for index, (block, group, module) in enumerate(order):
+                LOG.info(
+                    "model-output fit %d/%d: %s", index + 1, len(order), block.group_weight(module)
+                )
+                self._merge_linear(index, block, group, module, targets)
+            final = self._output_error(targets)
+            self._copy_unloaded()
+        assert self.writer is not None
+        self.writer.finalize()
+        self._write_support_files()
+        request = self.output_request
+        return {
+            "layers": self.layer_diagnostics,
+            "not_merged": self.not_merged,
+            "calibration": {e.task: e.data.summary() for e in self.experts if e.data is not None},
+            "model_output": {
+                "objective": "model_output",
+                "output_tokens": request.tokens,
+                "output_sketch": request.sketch_rows,
+                "output_seed": request.seed,
+                "output_error_initial": initial,
+                "output_error_final": final,
+            },
+        }
+
+    # ---------------------------------------------------------------------------------
+    # Tensors
+
+    def _merge_block_others(self) -> None:
+        """Every block's non-linear tensors take the fallback merge; its linears start at
+        the base (they are fitted one by one)."""
+        for block in self.plan.blocks:
+            linears = block.group_weights
+            for name in block.tensors:
+                base = self.base.load(name, self.device)
+                finite.check_loaded_finite(
+                    {name: base}, model=self.base.label, task="base", where=f"layer {block.index}"
+                )
+                if name in linears:
+                    self.params[name] = base
+                    continue
+                experts = [e.source.load(name, self.device) for e in self.experts]
+                self._check_inputs(
+                    {name: base}, [{name: w} for w in experts], f"layer {block.index}"
+                )
+                self.params[name] = self._merge_other(name, base, experts)
+                del experts
+            self._release()
+
+    def _drop_absent_modules(self) -> None:
+        """Backbone modules none of whose parameters the checkpoint has (a ``ViTModel``
+        saved without its pooler, ``add_pooling_layer=False``) are removed from the
+        skeleton, as transformers' ``forward`` skips them when they are None."""
+        for child, module in list(self.backbone.named_children()):
+            names = [f"{child}.{n}" for n, _ in module.named_parameters()]
+            if names and not any(n in self.params for n in names):
+                LOG.info("%s: not in the checkpoint; the forward passes skip it", child)
+                setattr(self.backbone, child, None)
+
+    def _expert_params(self, k: int) -> dict[str, torch.Tensor]:
+        """Expert ``k``'s own backbone (the base's tensors where it has none, e.g. a pooler)."""
+        source = self.experts[k].source
+        own = {}
+        for name, merged in self.params.items():
+            if merged.dtype.is_floating_point and source.provides(name):
+                own[name] = source.load(name, self.device)
+            else:
+                own[name] = self.base.load(name, self.device)
+        finite.check_loaded_finite(
+            own, model=self.experts[k].label, task=self.experts[k].task, where="the backbone"
+        )
+        return own
+
+    # ---------------------------------------------------------------------------------
+    # Forward passes
+
+    def _output(
+        self,
+        params: Mapping[str, torch.Tensor],
+        inputs: Mapping[str, torch.Tensor],
+        mask: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        """The fitted output: the backbone's last hidden state at the first position
+        (``[B, h]``) or at every position, padding zeroed (``[B, T, h]``), float32."""
+        out = torch.func.functional_call(
+            self.backbone, dict(params), args=(), kwargs={**inputs, **self.extra_inputs}
+        )
+        hidden = getattr(out, "last_hidden_state", None)
+        if hidden is None:
+            hidden = out[0]
+        hidden = hidden.to(torch.float32)
+        if self.output_request.tokens == "first":
+            return hidden[:, 0]
+        if mask is not None:
+            hidden = hidden * mask[..., None].to(hidden.dtype)
+        return hidden
+
+    def _targets(self) -> list[list[torch.Tensor]]:
+        """Each task's expert outputs on its calibration batches (one expert in memory)."""
+        targets = []
+        for state in self.states:
+            own = self._expert_params(state.index)
+            targets.append(
+                [self._output(own, inputs, mask) for inputs, mask in zip(state.inputs, state.masks)]
+            )
+            del own
+            self._release()
+        return targets
+
+    @staticmethod
+    def _sample_weight(state: _TaskState) -> float:
+        samples = sum(int(next(iter(inputs.values())).shape[0]) for inputs in state.inputs)
+        if samples == 0:
+            raise ModelInputError(f"task {state.name}: no calibration samples")
+        return 1.0 / samples
+
+    def _output_error(self, targets: list[list[torch.Tensor]]) -> float:
+        """``Σ_t (1/N_t) Σ_j ‖f(x_j) − f_t(x_j)‖²`` of the model as it is now (exact)."""
+        total = 0.0
+        for state, task_targets in zip(self.states, targets):
+            weight = self._sample_weight(state)
+            for inputs, mask, target in zip(state.inputs, state.masks, task_targets):
+                error = (self._output(self.params, inputs, mask) - target).double()
+                total += weight * float(error.pow(2).sum())
+        return total
+
+    def _linearise(
+        self,
+        module_path: str,
+        inputs: Mapping[str, torch.Tensor],
+        mask: Optional[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One forward pass with the linear's output ``z`` replaced by ``z + ε`` (ε = 0,
+        differentiable); returns the output, the linear's input and ε."""
+        captured: dict[str, torch.Tensor] = {}
+
+        def hook(
+            module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor
+        ) -> torch.Tensor:
+            captured["x"] = args[0].detach()
+            perturbation = torch.zeros_like(output, requires_grad=True)
+            captured["eps"] = perturbation
+            return output + perturbation
+
+        handle = self.backbone.get_submodule(module_path).register_forward_hook(hook)
+        try:
+            with torch.enable_grad():
+                out = self._output(self.params, inputs, mask)
+        finally:
+            handle.remove()
+        if "eps" not in captured:  # pragma: no cover - every block's linears run
+            raise MergekitExtError(f"the forward pass did not call {module_path}")
+        return out, captured["x"], captured["eps"]
+
+    @staticmethod
+    def _output_grads(out: torch.Tensor, eps: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``[P, *eps.shape]``: ``∂(s_p · f)/∂ε`` for every sketch row, in batched backward
+        passes of up to ``_VJP_CHUNK`` rows (``is_grads_batched``)."""
+        grads = []
+        count = rows.shape[0]
+        for start in range(0, count, _VJP_CHUNK):
+            chunk = rows[start : start + _VJP_CHUNK].to(out.dtype)
+            (grad,) = torch.autograd.grad(
+                out,
+                eps,
+                grad_outputs=chunk,
+                retain_graph=start + _VJP_CHUNK < count,
+                is_grads_batched=True,
+            )
+            grads.append(grad.detach())
+        return torch.cat(grads)
+
+    def _merge_linear(
+        self,
+        index: int,
+        block: Any,
+        group: Any,
+        module: str,
+        targets: list[list[torch.Tensor]],
+    ) -> None:
+        canonical = block.group_weight(module)
+        name = self.plan.output_name(canonical)
+        base = self.params[canonical]
+        experts = [e.source.load(canonical, self.device) for e in self.experts]
+        self._check_inputs(
+            {canonical: base}, [{canonical: w} for w in experts], f"layer {block.index}"
+        )
+        fit = self.method.model_output_fit(
+            name, base, experts, [s.name for s in self.states], self.parameters
+        )
+        del experts
+        self._release()
+        module_path = canonical[: -len(".weight")]
+        error_before = 0.0
+        for state, task_targets in zip(self.states, targets):
+            weight = self._sample_weight(state)
+            for b, (inputs, mask, target) in enumerate(
+                zip(state.inputs, state.masks, task_targets)
+            ):
+                out, x, eps = self._linearise(module_path, inputs, mask)
+                residual = (out.detach() - target).to(torch.float64)
+                error_before += weight * float(residual.pow(2).sum())
+                rows = output_sketch(
+                    self.output_request,
+                    out.shape,
+                    mask if self.output_request.tokens == "all" else None,
+                    sketch_seed(self.output_request.seed, index, state.index, b),
+                ).to(self.device)
+                sketched = torch.einsum("pb...,b...->bp", rows.to(torch.float64), residual)
+                grads = self._output_grads(out, eps, rows)
+                del out, eps
+                fit.add_batch(x, grads, sketched, weight)
+                del x, grads
+        merged, diagnostics = fit.solve()
+        self._check_merged(name, merged, base.shape)
+        diagnostics["output_error_before"] = error_before
+        self.params[canonical] = self._write(canonical, merged)
+        record = {
+            "layer": _group_name([name], group.label),
+            "block": block.index,
+            "group": group.label,
+            "weights": {name: diagnostics},
+        }
+        self.layer_diagnostics.append(record)
+        LOG.info(
+            "%s: J0 %.4g, J(d*) %.4g (linearised, sketched); output error before %.4g",
+            name,
+            diagnostics.get("J0", math.nan),
+            diagnostics.get("J_opt", math.nan),
+            error_before,
+        )

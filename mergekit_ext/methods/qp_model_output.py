@@ -1,0 +1,196 @@
+"""QP projection with the paper's model-output objective (``objective: model_output``).
+
+arXiv 2605.29101 states the QP at the *model's output*: ``J(d) = Σ_j w_j ‖A_j d + b_j‖²``
+with ``b_j = f(x_j) − f_t(x_j)``, the error of the model merged so far against task t's
+expert on sample j, and ``A_j`` the linearised effect of each masked update on the output,
+recomputed after each merged linear. ``qp_projection``'s default objective fits each linear
+to its own output instead (``qp_projection.py``).
+
+Derivation, diagonal basis (``δ(d) = Σ_k diag(d_k) Δ_k``, d_k masks output rows). Let ``z``
+(``T x m``) be the linear's output on sample j and ``ε`` a perturbation of it; the model's
+output is ``f(z + ε)``. Changing the weight by δ changes z by ``δ x_τ`` at token τ, so to
+first order
+
+    f(W_0 + δ) − f(W_0) = Σ_τ ∂f/∂z_τ · δ x_τ = Σ_{r,k} d[r,k] Σ_τ ∂f/∂z_τ[r] (Δ_k x_τ)[r].
+
+Column ``(r, k)`` of ``A_j`` is ``Σ_τ g_τ[r] (Δ_k x_τ)[r]`` with ``g = ∂f/∂ε``: one
+vector-Jacobian product per output coordinate o gives row o of ``A_j`` for every column
+(``g_o = ∂f_o/∂ε``). With a sketch ``S`` (``P x O``, Gaussian, ``E[SᵀS] = I``) the P
+products ``∂(s_p · f)/∂ε`` give ``S A_j`` and the residual becomes ``S b_j``: an unbiased
+estimate of J at P instead of O backward passes. ``w_j = 1/N_t``: each task counts once.
+
+Unlike the layer objective, the Jacobian mixes output rows, so J does not separate by
+direction: it is one dense quadratic in the ``m·K`` coefficients,
+``J(d) = dᵀ N d − 2 dᵀ h + e`` with ``N = Σ_j w_j A_jᵀ A_j``, ``h = −Σ_j w_j A_jᵀ b_j`` and
+``e = Σ_j w_j ‖b_j‖²`` (``J(0)``, the error with the linear at the base). It is handed to
+``qp_projection``'s solver as a batch of one ``mK x mK`` system (:func:`~mergekit_ext.
+methods.qp_projection.solve_qp`: the same relative ridge, prior and box), so ``d`` is the
+flattened ``[m, K]`` coefficient matrix, column ``r·K + k``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+
+from mergekit_ext.errors import TensorError
+from mergekit_ext.methods import qp_projection as qp
+from mergekit_ext.methods.layerwise import ModelOutputFit
+
+LOG = logging.getLogger(__name__)
+
+_COMPUTE_DTYPE = torch.float64
+
+
+def output_design(output_grads: torch.Tensor, projected: torch.Tensor) -> torch.Tensor:
+    """The sketched design rows ``S A_j`` of a batch (see the module docstring).
+
+    Args:
+        output_grads: ``[P, B, T, m]``, row p = ``∂(s_p · f)/∂z`` per sample and token.
+        projected: ``[K, B, T, m]``, ``Δ_k x_τ`` per update, sample and token.
+
+    Returns:
+        ``[B, P, m·K]`` (float64): ``A[b, p, r·K + k] = Σ_τ g_p[b, τ, r] (Δ_k x_τ)[b, τ, r]``.
+    """
+    if output_grads.shape[1:] != projected.shape[1:]:
+        raise TensorError(
+            f"output gradients {tuple(output_grads.shape)} and projected updates "
+            f"{tuple(projected.shape)} must agree in [B, T, m]"
+        )
+    design = torch.einsum(
+        "pbtr,kbtr->bprk", output_grads.to(_COMPUTE_DTYPE), projected.to(_COMPUTE_DTYPE)
+    )
+    return design.reshape(design.shape[0], design.shape[1], -1)
+
+
+class OutputNormalEquations:
+    """Running sums ``N = Σ_j w_j A_jᵀ A_j``, ``h = −Σ_j w_j A_jᵀ b_j``, ``e = Σ_j w_j ‖b_j‖²``
+    (float64), over batches of design rows."""
+
+    def __init__(self, columns: int, device: Any = None) -> None:
+        self.normal = torch.zeros(columns, columns, dtype=_COMPUTE_DTYPE, device=device)
+        self.rhs = torch.zeros(columns, dtype=_COMPUTE_DTYPE, device=device)
+        self.energy = torch.zeros((), dtype=_COMPUTE_DTYPE, device=device)
+        self.samples = 0
+
+    def add(self, design: torch.Tensor, residual: torch.Tensor, sample_weight: float) -> None:
+        """Add a batch: ``design`` ``[B, P, n]``, ``residual`` ``[B, P]``, weight ``w`` each.
+
+        ``√w`` scales the rows, so ``N += Σ_rows (√w a)(√w a)ᵀ`` is one matrix product."""
+        if design.shape[:2] != residual.shape or design.shape[-1] != self.rhs.shape[0]:
+            raise TensorError(
+                f"design {tuple(design.shape)} and residual {tuple(residual.shape)} do not fit "
+                f"{self.rhs.shape[0]} coefficients"
+            )
+        if sample_weight <= 0 or not math.isfinite(sample_weight):
+            raise TensorError(f"sample weights must be finite and > 0; got {sample_weight}")
+        scale = math.sqrt(sample_weight)
+        rows = design.to(_COMPUTE_DTYPE).reshape(-1, design.shape[-1]) * scale
+        targets = residual.to(_COMPUTE_DTYPE).reshape(-1) * scale
+        self.normal += rows.T @ rows
+        self.rhs -= rows.T @ targets
+        self.energy += targets @ targets
+        self.samples += int(design.shape[0])
+
+    def equations(self, k_updates: int) -> qp.QPNormalEquations:
+        """The sums as ``qp_projection``'s :class:`QPNormalEquations`: one dense direction."""
+        normal = (self.normal + self.normal.T) / 2
+        return qp.QPNormalEquations(
+            normal.unsqueeze(0),
+            self.rhs.unsqueeze(0).clone(),
+            self.energy.reshape(1).clone(),
+            None,
+            f"model_output (K={k_updates})",
+        )
+
+
+class QPModelOutputFit(ModelOutputFit):
+    """One linear's model-output QP (diagonal basis): sums of design rows, then the
+    ridge/prior/box solve of ``qp_projection`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        name: str,
+        base: torch.Tensor,
+        experts: Sequence[torch.Tensor],
+        task_names: Sequence[str],
+        *,
+        ridge: float,
+        prior: float,
+        bounds: Optional[Sequence[float]],
+    ) -> None:
+        qp._check_weight_inputs(base, experts, None, name)
+        self.name = name
+        self.base = base
+        self.task_names = list(task_names)
+        self.w0 = base.to(_COMPUTE_DTYPE)
+        self.task_vectors = [e.to(_COMPUTE_DTYPE) - self.w0 for e in experts]
+        self.ridge, self.prior, self.bounds = ridge, prior, bounds
+        out_dim = base.shape[0]
+        self.sums = OutputNormalEquations(out_dim * len(experts), device=base.device)
+        # Δ_k stacked for one product per batch: [K·m, in]
+        self._stacked = torch.cat(self.task_vectors)
+
+    def add_batch(
+        self,
+        inputs: torch.Tensor,
+        output_grads: torch.Tensor,
+        residual: torch.Tensor,
+        sample_weight: float,
+    ) -> None:
+        k_dim, out_dim = len(self.task_vectors), self.base.shape[0]
+        batch, tokens = inputs.shape[0], inputs.shape[1]
+        projected = inputs.to(_COMPUTE_DTYPE) @ self._stacked.T  # [B, T, K·m]
+        projected = projected.reshape(batch, tokens, k_dim, out_dim).permute(2, 0, 1, 3)
+        self.sums.add(output_design(output_grads, projected), residual, sample_weight)
+
+    def solve(self) -> tuple[torch.Tensor, dict[str, Any]]:
+        k_dim, out_dim = len(self.task_vectors), self.base.shape[0]
+        equations = self.sums.equations(k_dim)
+        solution = qp.solve_qp(equations, ridge=self.ridge, bounds=self.bounds, prior=self.prior)
+        j_zero = qp.base_energy(equations)
+        j_opt = qp.qp_objective(equations, solution.d)
+        n = out_dim * k_dim
+        j_task_arithmetic = {
+            "1/K": qp.qp_objective(equations, qp.task_arithmetic_coefficients(n, 1.0 / k_dim)),
+            "1": qp.qp_objective(equations, qp.task_arithmetic_coefficients(n, 1.0)),
+        }
+        d = solution.d.reshape(out_dim, k_dim)  # column r·K + k is d[r, k]
+        merged = (self.w0 + qp.merged_update(self.task_vectors, d)).to(self.base.dtype)
+        if not torch.isfinite(merged).all():
+            raise TensorError(
+                f"the model-output QP merge of {self.name} produced NaN/Inf; raise ridge"
+            )
+        lo, hi = (-math.inf, math.inf) if self.bounds is None else self.bounds
+        diagnostics: dict[str, Any] = {
+            "basis": "diagonal",
+            "objective": "model_output",
+            "J0": j_zero,
+            "J_opt": j_opt,
+            "captured_energy": qp.captured_energy_fraction(
+                j_opt, j_zero, zero_feasible=lo <= 0.0 <= hi and self.prior == 0.0
+            ),
+            "J_task_arithmetic": j_task_arithmetic,
+            "d_stats": {
+                task: {
+                    "mean": float(d[:, i].mean()),
+                    "min": float(d[:, i].min()),
+                    "max": float(d[:, i].max()),
+                }
+                for i, task in enumerate(self.task_names)
+            },
+            "samples": self.sums.samples,
+            "mu": solution.mu,
+            "pinv_directions": solution.fallback_rows,
+        }
+        if solution.box is not None:
+            diagnostics["box_qp"] = {
+                "iterations": solution.box.iterations,
+                "unconverged_directions": solution.box.unconverged,
+                "max_kkt_residual": solution.box.max_kkt,
+            }
+        return merged, diagnostics
