@@ -20,18 +20,21 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from mergekit_ext.errors import MergekitExtError
+from mergekit_ext.memory_model import (  # noqa: F401  (re-exported: SyMerge's estimate uses them)
+    FLOAT32,
+    GIB,
+    _config_value,
+    activation_bytes,
+    available_memory_bytes,
+)
 from mergekit_ext.model_paths import checkpoint_shapes
 
 LOG = logging.getLogger(__name__)
-
-FLOAT32 = 4
-GIB = 2**30
 
 
 class AdaptationMemoryError(MergekitExtError):
@@ -44,15 +47,6 @@ def checkpoint_parameter_count(path: str) -> int:
     return sum(math.prod(shape) for shape in checkpoint_shapes(path).values())
 
 
-def _config_value(config: Mapping[str, Any], key: str, default: int) -> int:
-    if config.get(key) is not None:
-        return int(config[key])
-    for sub in ("text_config", "vision_config"):
-        if isinstance(config.get(sub), Mapping) and config[sub].get(key) is not None:
-            return int(config[sub][key])
-    return default
-
-
 def tokens_per_sample(config: Mapping[str, Any], modality: str, max_length: int) -> int:
     """Sequence length the model sees: text truncated to ``max_length``; ViT patches + CLS."""
     if modality == "image":
@@ -60,31 +54,6 @@ def tokens_per_sample(config: Mapping[str, Any], modality: str, max_length: int)
         patch = _config_value(config, "patch_size", 16)
         return (image // max(patch, 1)) ** 2 + 1
     return min(max_length, _config_value(config, "max_position_embeddings", max_length))
-
-
-def activation_bytes(
-    config: Mapping[str, Any],
-    seq_len: int,
-    batch_size: int,
-    causal_lm: bool,
-    logit_rows: Optional[int] = None,
-) -> int:
-    """Training activations of one batch (float32), after Korthikanti et al. (2022).
-
-    A causal LM holds its logits, their softmax and gradient for ``batch_size × seq_len``
-    positions, or for ``logit_rows`` positions at a time when the loss is chunked.
-    """
-    hidden = _config_value(config, "hidden_size", 768)
-    layers = _config_value(config, "num_hidden_layers", 12)
-    heads = _config_value(config, "num_attention_heads", 12)
-    per_layer_16bit = 34 * seq_len * batch_size * hidden + 5 * heads * seq_len**2 * batch_size
-    total = 2 * layers * per_layer_16bit
-    if causal_lm:  # logits, their softmax and gradient
-        positions = (
-            batch_size * seq_len if logit_rows is None else min(logit_rows, batch_size * seq_len)
-        )
-        total += 3 * FLOAT32 * positions * _config_value(config, "vocab_size", 32000)
-    return total
 
 
 @dataclass
@@ -164,26 +133,6 @@ def estimate_adaptation_memory(
         "teacher": teacher_cache_bytes if teacher_cache_bytes is not None else FLOAT32 * largest,
     }
     return AdaptationMemory(parts)
-
-
-def available_memory_bytes(device: str = "cpu") -> int:
-    """Free memory on ``device``: CUDA's free memory, else psutil (or /proc/meminfo)."""
-    if device.startswith("cuda"):
-        import torch
-
-        return int(torch.cuda.mem_get_info(torch.device(device))[0])
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-    except ImportError:
-        pass
-    if os.path.exists("/proc/meminfo"):
-        with open("/proc/meminfo", encoding="utf-8") as fp:
-            for line in fp:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    return 1 << 62  # unknown: do not refuse
 
 
 def check_memory(estimate: AdaptationMemory, available: int, *, force: bool, device: str) -> None:

@@ -38,12 +38,12 @@ import numpy as np
 import torch
 
 from mergekit_ext import finite
-from mergekit_ext.adaptation.memory import GIB, activation_bytes, available_memory_bytes
 from mergekit_ext.errors import MergekitExtError, ModelInputError, NotSupportedError
 from mergekit_ext.executor.checkpoint import HEAD_PREFIX
 from mergekit_ext.executor.families import ModelFamily
 from mergekit_ext.executor.plan import MergePlan, _numel
 from mergekit_ext.executor.sequential import SequentialExecutor, _group_name, _TaskState
+from mergekit_ext.memory_model import GIB, activation_bytes, available_memory_bytes
 from mergekit_ext.methods.layerwise import ModelOutputRequest
 
 LOG = logging.getLogger(__name__)
