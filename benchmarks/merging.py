@@ -72,6 +72,16 @@ ROWS: tuple[MethodRow, ...] = (
         {"weight": 1.0, "density": 0.5},
     ),
     MethodRow("ace", "ace", "ACE"),
+    # issue #15: a heterogeneity rule that does not depend on the task vectors' absolute size;
+    # threshold chosen on text (full, LoRA) and LM: benchmarks/results/sweep_*_ace_heterogeneity
+    MethodRow(
+        "ace_scale_invariant",
+        "ace",
+        "ACE (scale-invariant rule, Var(log τ) > 0.02)",
+        {"heterogeneity": "scale_invariant", "spread_threshold": 0.02},
+    ),
+    # the normalized branch on every weight: what a heterogeneity rule can at most switch to
+    MethodRow("ace_always", "ace", "ACE (normalize: always)", {"normalize": "always"}),
     MethodRow("wudi", "wudi", "WUDI (300 Adam steps, lr 1e-5)"),
     MethodRow("regmean", "regmean", "RegMean"),
     MethodRow("chain_of_merges", "chain_of_merges", "Chain of Merges (defaults)"),

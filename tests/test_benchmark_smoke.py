@@ -322,3 +322,25 @@ def test_merge_rows_needs_the_same_reference_scores():
     assert "within a relative 1e-05" in merged["commands"][-1]
     with pytest.raises(SystemExit):
         merge_rows(committed, fresh, ["symerge_lora"], tolerance=1e-6)
+
+
+def test_ace_normalization_share_reads_each_rows_diagnostics(tmp_path):
+    from benchmarks.ace_normalization_share import DIAGNOSTICS, share_rows, statistic_line
+    from benchmarks.sweep import sweep_settings
+
+    rows = sweep_settings(rows_for(["ace"]), [{}, {"normalize": "always"}])
+    merges = {}
+    for row, flags in zip(rows, ([True, False, False, False], [True] * 4)):
+        folder = tmp_path / row.key
+        folder.mkdir()
+        tensors = {
+            f"w{i}": {"normalized": f, "gamma": 0.01 * i, "log_energy_spread": 0.1 * i}
+            for i, f in enumerate(flags)
+        }
+        (folder / DIAGNOSTICS).write_text(json.dumps({"sections": {"ace": {"tensors": tensors}}}))
+        merges[row.key] = str(folder)
+    lines = share_rows("t_full", rows, merges)
+    assert lines[0].endswith("| defaults | 1 / 4 | 25% |")
+    assert lines[1].endswith("| normalize: always | 4 / 4 | 100% |")
+    # min / quartiles / max of γ (0, 0.01, 0.02, 0.03) and of the spread
+    assert statistic_line("t_full", merges[rows[0].key]).startswith("| t_full | 4 | 0 / ")
