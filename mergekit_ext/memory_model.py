@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Optional
 
 FLOAT32 = 4
@@ -64,3 +65,18 @@ def available_memory_bytes(device: str = "cpu") -> int:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
     return 1 << 62  # unknown: do not refuse
+
+
+@dataclass
+class MemoryParts:
+    """A memory estimate as named parts (bytes), summed."""
+
+    parts: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def describe(self) -> str:
+        items = ", ".join(f"{k} {v / GIB:.2f}" for k, v in self.parts.items())
+        return f"{self.total / GIB:.2f} GiB ({items})"

@@ -21,13 +21,13 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Optional
 
 from mergekit_ext.errors import MergekitExtError
 from mergekit_ext.memory_model import (  # noqa: F401  (re-exported: SyMerge's estimate uses them)
     FLOAT32,
     GIB,
+    MemoryParts,
     _config_value,
     activation_bytes,
     available_memory_bytes,
@@ -56,17 +56,8 @@ def tokens_per_sample(config: Mapping[str, Any], modality: str, max_length: int)
     return min(max_length, _config_value(config, "max_position_embeddings", max_length))
 
 
-@dataclass
-class AdaptationMemory:
-    parts: dict[str, int]
-
-    @property
-    def total(self) -> int:
-        return sum(self.parts.values())
-
-    def describe(self) -> str:
-        items = ", ".join(f"{k} {v / GIB:.2f}" for k, v in self.parts.items())
-        return f"{self.total / GIB:.2f} GiB ({items})"
+class AdaptationMemory(MemoryParts):
+    """SyMerge's peak memory by part (see the module docstring)."""
 
 
 def adapter_floats(source: Any) -> int:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
@@ -43,7 +42,12 @@ from mergekit_ext.executor.checkpoint import HEAD_PREFIX
 from mergekit_ext.executor.families import ModelFamily
 from mergekit_ext.executor.plan import MergePlan, _numel
 from mergekit_ext.executor.sequential import SequentialExecutor, _group_name, _TaskState
-from mergekit_ext.memory_model import GIB, activation_bytes, available_memory_bytes
+from mergekit_ext.memory_model import (
+    GIB,
+    MemoryParts,
+    activation_bytes,
+    available_memory_bytes,
+)
 from mergekit_ext.methods.layerwise import ModelOutputRequest
 
 LOG = logging.getLogger(__name__)
@@ -71,17 +75,8 @@ def check_model_output_supported(family: ModelFamily, method: str) -> None:
 # Memory
 
 
-@dataclass
-class ModelOutputMemory:
-    parts: dict[str, int]
-
-    @property
-    def total(self) -> int:
-        return sum(self.parts.values())
-
-    def describe(self) -> str:
-        items = ", ".join(f"{k} {v / GIB:.2f}" for k, v in self.parts.items())
-        return f"{self.total / GIB:.2f} GiB ({items})"
+class ModelOutputMemory(MemoryParts):
+    """The whole-model path's peak memory by part."""
 
 
 def _output_width(plan: MergePlan, tokens: str, positions: int) -> int:

@@ -187,10 +187,5 @@ class QPModelOutputFit(ModelOutputFit):
             "mu": solution.mu,
             "pinv_directions": solution.fallback_rows,
         }
-        if solution.box is not None:
-            diagnostics["box_qp"] = {
-                "iterations": solution.box.iterations,
-                "unconverged_directions": solution.box.unconverged,
-                "max_kkt_residual": solution.box.max_kkt,
-            }
+        diagnostics.update(qp.box_diagnostics(solution))
         return merged, diagnostics

@@ -625,13 +625,22 @@ def qp_merge_weight(
         "pinv_directions": solution.fallback_rows,
         "floored_directions": solution.floored_directions,
     }
-    if solution.box is not None:
-        diagnostics["box_qp"] = {
+    diagnostics.update(box_diagnostics(solution))
+    return merged, diagnostics
+
+
+def box_diagnostics(solution: Any) -> dict[str, Any]:
+    """``{"box_qp": …}`` for a box-constrained solve (iterations, unconverged directions,
+    largest KKT residual); empty otherwise."""
+    if solution.box is None:
+        return {}
+    return {
+        "box_qp": {
             "iterations": solution.box.iterations,
             "unconverged_directions": solution.box.unconverged,
             "max_kkt_residual": solution.box.max_kkt,
         }
-    return merged, diagnostics
+    }
 
 
 # --------------------------------------------------------------------------------------
