@@ -77,8 +77,8 @@ ROWS: tuple[MethodRow, ...] = (
     MethodRow(
         "ace_scale_invariant",
         "ace",
-        "ACE (scale-invariant rule, Var(log τ) > 0.02)",
-        {"heterogeneity": "scale_invariant", "spread_threshold": 0.02},
+        "ACE (scale-invariant rule, Var(log τ) > 0.1)",
+        {"heterogeneity": "scale_invariant", "spread_threshold": 0.1},
     ),
     # the normalized branch on every weight: what a heterogeneity rule can at most switch to
     MethodRow("ace_always", "ace", "ACE (normalize: always)", {"normalize": "always"}),

@@ -247,7 +247,7 @@ def test_methods_lists_mergekit_and_ours():
         "k_frac": 0.3,
         "gamma_threshold": 0.3,
         "heterogeneity": "paper",
-        "spread_threshold": 0.02,
+        "spread_threshold": 0.1,
         "normalize": "auto",
         "scale": 1.0,
     }
