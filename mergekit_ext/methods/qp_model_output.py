@@ -175,14 +175,7 @@ class QPModelOutputFit(ModelOutputFit):
                 j_opt, j_zero, zero_feasible=lo <= 0.0 <= hi and self.prior == 0.0
             ),
             "J_task_arithmetic": j_task_arithmetic,
-            "d_stats": {
-                task: {
-                    "mean": float(d[:, i].mean()),
-                    "min": float(d[:, i].min()),
-                    "max": float(d[:, i].max()),
-                }
-                for i, task in enumerate(self.task_names)
-            },
+            "d_stats": qp.coefficient_stats(d, self.task_names),
             "samples": self.sums.samples,
             "mu": solution.mu,
             "pinv_directions": solution.fallback_rows,

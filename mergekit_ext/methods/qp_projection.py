@@ -612,14 +612,7 @@ def qp_merge_weight(
         "J_opt": j_opt,
         "captured_energy": captured_energy_fraction(j_opt, j_zero, zero_feasible=zero_bound),
         "J_task_arithmetic": j_task_arithmetic,
-        "d_stats": {
-            task: {
-                "mean": float(d[:, i].mean()),
-                "min": float(d[:, i].min()),
-                "max": float(d[:, i].max()),
-            }
-            for i, task in enumerate(task_names)
-        },
+        "d_stats": coefficient_stats(d, task_names),
         "other_basis": other,
         "mu": solution.mu,
         "pinv_directions": solution.fallback_rows,
@@ -627,6 +620,18 @@ def qp_merge_weight(
     }
     diagnostics.update(box_diagnostics(solution))
     return merged, diagnostics
+
+
+def coefficient_stats(d: torch.Tensor, task_names: Sequence[str]) -> dict[str, dict[str, float]]:
+    """Mean, min and max of each task's coefficients (column k of ``d``), for diagnostics."""
+    return {
+        task: {
+            "mean": float(d[:, i].mean()),
+            "min": float(d[:, i].min()),
+            "max": float(d[:, i].max()),
+        }
+        for i, task in enumerate(task_names)
+    }
 
 
 def box_diagnostics(solution: Any) -> dict[str, Any]:
