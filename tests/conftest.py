@@ -116,3 +116,19 @@ def tiny_clip_vision_projection_set(tmp_path_factory: pytest.TempPathFactory) ->
 def tiny_clip_set(tmp_path_factory: pytest.TempPathFactory) -> TinySet:
     """A whole CLIPModel (text + vision towers, projections, logit scale)."""
     return _build_set(tmp_path_factory, "clip", "CLIPModel", tiny_models.make_tiny_clip)
+
+
+@pytest.fixture
+def recorded_fits(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Every QP model-output fit the executor solves, in order (to inspect their sums)."""
+    from mergekit_ext.methods.qp_model_output import QPModelOutputFit
+
+    fits: list = []
+    original = QPModelOutputFit.solve
+
+    def recording(self):
+        fits.append(self)
+        return original(self)
+
+    monkeypatch.setattr(QPModelOutputFit, "solve", recording)
+    return fits

@@ -22,8 +22,12 @@ expert's own backbone, loaded one expert at a time at the start.
 Memory: the backbone twice (the merged model, and one expert's while its targets are
 computed), the targets, one batch's graph and vector-Jacobian products, the method's dense
 system (:func:`estimate_model_output_memory`); the merge refuses before loading a weight
-when that exceeds the available memory. Causal LMs are not supported (their output is the
-vocabulary; the per-token KL / Gauss-Newton form is not implemented). One process only.
+when that exceeds the available memory. One process only.
+
+Causal LMs: the output is every position's next-token distribution, and the error against
+expert t the per-token ``KL(p_t ‖ p)``; its Gauss-Newton form is sketched with next tokens
+sampled from the model (:func:`next_token_sketch`), so no Jacobian ever has a vocabulary
+dimension; the linear term is the KL's exact gradient.
 """
 
 from __future__ import annotations
@@ -35,10 +39,11 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from mergekit_ext import finite
 from mergekit_ext.errors import MergekitExtError, ModelInputError, NotSupportedError
-from mergekit_ext.executor.checkpoint import HEAD_PREFIX
+from mergekit_ext.executor.checkpoint import HEAD_PREFIX, canonical_name
 from mergekit_ext.executor.families import ModelFamily
 from mergekit_ext.executor.plan import MergePlan, _numel
 from mergekit_ext.executor.sequential import SequentialExecutor, _group_name, _TaskState
@@ -60,14 +65,15 @@ class ModelOutputMemoryError(MergekitExtError):
     """The whole-model path would not fit the available memory."""
 
 
-def check_model_output_supported(family: ModelFamily, method: str) -> None:
+def check_model_output_supported(
+    family: ModelFamily, method: str, request: ModelOutputRequest
+) -> None:
     """Refuse what the whole-model path does not implement, before anything loads."""
-    if family.causal_lm:
+    if family.causal_lm and request.sketch_rows == 0:
         raise NotSupportedError(
-            f"{method}: the model-output objective is not implemented for causal "
-            f"language models ({family.name} family): their output is a next-token "
-            "distribution over the vocabulary, which needs the per-token KL (Gauss-Newton) "
-            "form of the objective; use objective: layer_output for this model"
+            f"{method}: output_sketch: 0 (every output coordinate) is not available for causal "
+            f"language models ({family.name} family): it would take one backward pass per "
+            "vocabulary entry; use output_sketch >= 1 (next tokens sampled per position)"
         )
 
 
@@ -115,18 +121,25 @@ def estimate_model_output_memory(plan: MergePlan) -> ModelOutputMemory:
             samples += int(b[key].shape[0])
             batch = max(batch, int(b[key].shape[0]))
         positions = max(positions, int(e.data.num_tokens / max(e.data.num_samples, 1)) + 1)
-    rows = request.sketch_rows or _output_width(plan, request.tokens, positions)
+    causal = plan.family.causal_lm
     config = base.config.to_dict()
-    graph = activation_bytes(config, positions, batch, causal_lm=False)
-    vjp = min(rows, _VJP_CHUNK) * batch * positions * out_dim * 4 * 3
+    if causal:  # every position's next-token log-probabilities; P sampled rows + the gradient
+        width = positions * int(config.get("vocab_size") or 32000)
+        rows = request.sketch_rows + 1
+    else:
+        width = _output_width(plan, request.tokens, positions)
+        rows = request.sketch_rows or width
+    graph = activation_bytes(config, positions, batch, causal_lm=causal)
+    vjp = min(rows, _VJP_CHUNK) * batch * positions * max(out_dim, plan.hidden_size) * 4 * 3
     design = batch * rows * out_dim * k * 8 * 2
     parts = {
         "merged_model": 4 * backbone,
         "expert_model": 4 * backbone,
-        "targets": 4 * samples * _output_width(plan, request.tokens, positions),
+        "targets": 4 * samples * width,
         "batch_graph": graph + vjp + design,
         "solve": 8 * ((k + 1) * out_dim * in_dim + 4 * (out_dim * k) ** 2),
     }
+
     return ModelOutputMemory(parts)
 
 
@@ -181,6 +194,86 @@ def output_sketch(
     return rows
 
 
+def output_head_name(source: Any) -> str:
+    """Canonical name of the output embedding (``@lm_head.weight``) of a causal LM's source."""
+    skeleton = source.skeleton
+    head = skeleton.get_output_embeddings()
+    if head is None:
+        raise ModelInputError(f"{source.label}: its class has no output embedding (lm_head)")
+    if getattr(head, "bias", None) is not None:
+        raise NotSupportedError(
+            f"{source.label}: its output embedding has a bias, which the model-output "
+            "objective does not handle; use objective: layer_output"
+        )
+    for name, module in skeleton.named_modules():
+        if module is head:
+            return canonical_name(f"{name}.weight", source.backbone_path)
+    raise ModelInputError(f"{source.label}: its output embedding is not a named module")
+
+
+def next_token_log_probs(hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    """``log softmax(h Wᵀ)`` (``[B, T, V]``, float32) from the last hidden state."""
+    return torch.log_softmax(hidden.to(torch.float32) @ head.to(torch.float32).T, dim=-1)
+
+
+def next_token_sketch(
+    hidden: torch.Tensor,
+    target_log_probs: torch.Tensor,
+    head: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    rows: int,
+    seed: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The per-token KL's Gauss-Newton form, sketched by sampled next tokens.
+
+    Per position, ``KL(p_t ‖ softmax(ℓ + δ)) ≈ KL + gᵀδ + ½ δᵀ H δ`` with ``g = p − p_t`` and
+    ``H = diag(p) − p pᵀ`` (exact gradient and Hessian in the logits ``ℓ``). With
+    ``M = (I − √p √pᵀ) diag(√p)`` (``MᵀM = H``) and ``b = (p − p_t)/√p`` (``Mᵀ b = g``) this is
+    ``½ ‖M δ + b‖²`` plus a constant: the least-squares form ``‖A d + b‖²`` of the QP with
+    ``A = M ∂ℓ/∂d``. Sketch rows ``s = e_y/√p_y`` with ``y ~ p`` have ``E[s sᵀ] = I``, so the
+    P sampled rows per position (scaled ``1/√P``) estimate ``AᵀA`` without ever forming a
+    vocabulary-sized Jacobian: ``Mᵀ s = e_y − p`` (the score of the sampled token), whose
+    effect on the hidden state is ``W_y − pᵀW``; the sketched residual is ``s · b =
+    1 − p_t(y)/p(y)``. Positions add up within a sample (their scores have mean 0, so the
+    cross terms vanish in expectation). The gradient ``g`` itself is exact: ``(p − p_t) W``
+    at the hidden state, one more backward row.
+
+    Args:
+        hidden: ``[B, T, h]`` last hidden state of the model merged so far.
+        target_log_probs: ``[B, T, V]`` the expert's next-token log-probabilities.
+        head: ``[V, h]`` the merged output embedding.
+        mask: ``[B, T]`` positions that count (None: all).
+        rows: sampled tokens per position (P).
+        seed: the sampling seed.
+
+    Returns:
+        ``residual`` ``[B, P]`` (float64), the backward rows at the hidden state
+        ``[P, B, T, h]`` and the KL's gradient there ``[B, T, h]`` (float32).
+    """
+    log_p = next_token_log_probs(hidden, head)
+    batch, tokens, vocab = log_p.shape
+    probs = log_p.exp()
+    generator = torch.Generator().manual_seed(seed)
+    sampled = torch.multinomial(
+        probs.reshape(-1, vocab).cpu(), rows, replacement=True, generator=generator
+    )
+    sampled = sampled.to(hidden.device).T.reshape(rows, batch, tokens)  # [P, B, T]
+    weight = head.to(torch.float32)
+    expected = probs @ weight  # [B, T, h]: pᵀW per position
+    scale = 1.0 / math.sqrt(rows)
+    backward_rows = (weight[sampled] - expected.unsqueeze(0)) * scale
+    index = sampled.permute(1, 2, 0)  # [B, T, P]
+    ratio = (target_log_probs.gather(-1, index) - log_p.gather(-1, index)).exp()
+    per_token = (1.0 - ratio.to(torch.float64)) * scale  # [B, T, P]
+    error_grad = (probs - target_log_probs.exp()) @ weight
+    if mask is not None:
+        keep = mask.to(torch.float32)
+        backward_rows = backward_rows * keep[None, :, :, None]
+        per_token = per_token * keep[..., None].to(torch.float64)
+        error_grad = error_grad * keep[..., None]
+    return per_token.sum(1), backward_rows, error_grad
+
+
 class ModelOutputExecutor(SequentialExecutor):
     """Runs a plan whose method fits linears to the model's output (module docstring)."""
 
@@ -189,12 +282,15 @@ class ModelOutputExecutor(SequentialExecutor):
         request = plan.request.model_output
         assert request is not None, "the plan's method does not ask for the model output"
         self.output_request = request
+        self.causal_lm = plan.family.causal_lm
         # The whole backbone runs in one functional_call: the real blocks go back in place
         # of the streaming executor's call recorders.
         block_list = self.backbone.get_submodule(plan.layers_path)
         for i, block in enumerate(self.blocks):
             block_list[i] = block
         self.params: dict[str, torch.Tensor] = {}
+        self.head_name = output_head_name(plan.base) if self.causal_lm else None
+        self.head: Optional[torch.Tensor] = None  # the merged output embedding (causal LMs)
 
     # ---------------------------------------------------------------------------------
 
@@ -203,8 +299,12 @@ class ModelOutputExecutor(SequentialExecutor):
             self._prepare_tasks()
             self.params.update(self._merge_pre_block())
             self._merge_block_others()
-            self.params.update(self._merge_post_block())
+            heads: dict[str, torch.Tensor] = {}
+            self.params.update(self._merge_post_block(heads))
             self._drop_absent_modules()
+            if self.causal_lm:
+                self.head = self._head_of(heads, self.params)
+            del heads
             targets = self._targets()
             initial = self._output_error(targets)
             order = [
@@ -213,9 +313,18 @@ class ModelOutputExecutor(SequentialExecutor):
                 for group in block.groups
                 for module in group.modules
             ]
-            for index, (block, group, module) in enumerate(order):
+            progress = tqdm(
+                order,
+                desc=f"{self.method.name} (model output)",
+                unit="linear",
+                disable=self.plan.options.quiet,
+            )
+            for index, (block, group, module) in enumerate(progress):
                 LOG.info(
-                    "model-output fit %d/%d: %s", index + 1, len(order), block.group_weight(module)
+                    "model-output fit %d/%d: %s",
+                    index + 1,
+                    len(order),
+                    block.group_weight(module),
                 )
                 self._merge_linear(index, block, group, module, targets)
             final = self._output_error(targets)
@@ -230,7 +339,8 @@ class ModelOutputExecutor(SequentialExecutor):
             "calibration": {e.task: e.data.summary() for e in self.experts if e.data is not None},
             "model_output": {
                 "objective": "model_output",
-                "output_tokens": request.tokens,
+                "output": "next_token_kl" if self.causal_lm else "hidden_state",
+                "output_tokens": "all" if self.causal_lm else request.tokens,
                 "output_sketch": request.sketch_rows,
                 "output_seed": request.seed,
                 "output_error_initial": initial,
@@ -286,8 +396,45 @@ class ModelOutputExecutor(SequentialExecutor):
         )
         return own
 
+    def _head_of(
+        self, heads: Mapping[str, torch.Tensor], backbone: Mapping[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """The merged output embedding: the merged head, or the merged tensor it is tied to."""
+        assert self.head_name is not None
+        if self.head_name in heads:
+            return heads[self.head_name]
+        tied = self.base.tied.get(self.head_name)
+        if tied is not None and tied in backbone:
+            return backbone[tied]
+        raise ModelInputError(
+            f"{self.base.label}: its output embedding {self.head_name.removeprefix(HEAD_PREFIX)} "
+            "is neither stored nor tied to a merged tensor; the model-output objective needs "
+            "the next-token logits"
+        )
+
+    def _expert_head(self, k: int, own: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Expert ``k``'s output embedding (its own head, the tensor it ties, or the base's)."""
+        assert self.head_name is not None
+        source = self.experts[k].source
+        if source.has(self.head_name):
+            return source.load(self.head_name, self.device)
+        tied = source.tied.get(self.head_name) or self.base.tied.get(self.head_name)
+        if tied is not None and tied in own:
+            return own[tied]
+        return self.base.load(self.head_name, self.device)
+
     # ---------------------------------------------------------------------------------
     # Forward passes
+
+    def _hidden(self, params: Mapping[str, torch.Tensor], inputs: Mapping[str, torch.Tensor]):
+        """The backbone's last hidden state (``[B, T, h]``, float32)."""
+        out = torch.func.functional_call(
+            self.backbone, dict(params), args=(), kwargs={**inputs, **self.extra_inputs}
+        )
+        hidden = getattr(out, "last_hidden_state", None)
+        if hidden is None:
+            hidden = out[0]
+        return hidden.to(torch.float32)
 
     def _output(
         self,
@@ -295,15 +442,13 @@ class ModelOutputExecutor(SequentialExecutor):
         inputs: Mapping[str, torch.Tensor],
         mask: Optional[torch.Tensor],
     ) -> torch.Tensor:
-        """The fitted output: the backbone's last hidden state at the first position
-        (``[B, h]``) or at every position, padding zeroed (``[B, T, h]``), float32."""
-        out = torch.func.functional_call(
-            self.backbone, dict(params), args=(), kwargs={**inputs, **self.extra_inputs}
-        )
-        hidden = getattr(out, "last_hidden_state", None)
-        if hidden is None:
-            hidden = out[0]
-        hidden = hidden.to(torch.float32)
+        """The output the linears are fitted to. Encoders: the last hidden state at the first
+        position (``[B, h]``) or at every position, padding zeroed (``[B, T, h]``). Causal
+        LMs: the last hidden state (``[B, T, h]``), which the head turns into next-token
+        log-probabilities (:func:`next_token_log_probs`)."""
+        hidden = self._hidden(params, inputs)
+        if self.causal_lm:
+            return hidden
         if self.output_request.tokens == "first":
             return hidden[:, 0]
         if mask is not None:
@@ -311,14 +456,18 @@ class ModelOutputExecutor(SequentialExecutor):
         return hidden
 
     def _targets(self) -> list[list[torch.Tensor]]:
-        """Each task's expert outputs on its calibration batches (one expert in memory)."""
+        """Each task's expert outputs on its calibration batches (one expert in memory):
+        hidden states, or next-token log-probabilities for causal LMs."""
         targets = []
         for state in self.states:
             own = self._expert_params(state.index)
-            targets.append(
-                [self._output(own, inputs, mask) for inputs, mask in zip(state.inputs, state.masks)]
-            )
-            del own
+            head = self._expert_head(state.index, own) if self.causal_lm else None
+            outputs = []
+            for inputs, mask in zip(state.inputs, state.masks):
+                out = self._output(own, inputs, mask)
+                outputs.append(out if head is None else next_token_log_probs(out, head))
+            targets.append(outputs)
+            del own, head
             self._release()
         return targets
 
@@ -329,14 +478,27 @@ class ModelOutputExecutor(SequentialExecutor):
             raise ModelInputError(f"task {state.name}: no calibration samples")
         return 1.0 / samples
 
+    def _error(
+        self, out: torch.Tensor, target: torch.Tensor, mask: Optional[torch.Tensor]
+    ) -> float:
+        """One batch's output error: ``Σ_j ‖f(x_j) − f_t(x_j)‖²``, or for causal LMs the
+        per-token ``Σ_j Σ_τ KL(p_t ‖ p)`` over unmasked positions."""
+        if not self.causal_lm:
+            return float((out.detach() - target).double().pow(2).sum())
+        assert self.head is not None
+        log_p = next_token_log_probs(out.detach(), self.head)
+        kl = (target.exp() * (target - log_p)).sum(-1)
+        if mask is not None:
+            kl = kl * mask.to(kl.dtype)
+        return float(kl.double().sum())
+
     def _output_error(self, targets: list[list[torch.Tensor]]) -> float:
-        """``Σ_t (1/N_t) Σ_j ‖f(x_j) − f_t(x_j)‖²`` of the model as it is now (exact)."""
+        """``Σ_t (1/N_t) Σ_j error_j`` of the model as it is now (exact; :meth:`_error`)."""
         total = 0.0
         for state, task_targets in zip(self.states, targets):
             weight = self._sample_weight(state)
             for inputs, mask, target in zip(state.inputs, state.masks, task_targets):
-                error = (self._output(self.params, inputs, mask) - target).double()
-                total += weight * float(error.pow(2).sum())
+                total += weight * self._error(self._output(self.params, inputs, mask), target, mask)
         return total
 
     def _linearise(
@@ -385,6 +547,32 @@ class ModelOutputExecutor(SequentialExecutor):
             grads.append(grad.detach())
         return torch.cat(grads)
 
+    def _sketch(
+        self,
+        seed: int,
+        out: torch.Tensor,
+        target: torch.Tensor,
+        mask: Optional[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """``(residual [B, P], rows [P, *out.shape], error gradient or None)`` of one batch.
+
+        Encoders: Gaussian rows ``s_p`` (:func:`output_sketch`) and ``s_p · (f − f_t)``.
+        Causal LMs: :func:`next_token_sketch`, and the exact gradient of the KL at the
+        hidden state, ``(p − p_t) W`` per position."""
+        if not self.causal_lm:
+            residual = (out.detach() - target).to(torch.float64)
+            rows = output_sketch(
+                self.output_request,
+                out.shape,
+                mask if self.output_request.tokens == "all" else None,
+                seed,
+            ).to(self.device)
+            return torch.einsum("pb...,b...->bp", rows.to(torch.float64), residual), rows, None
+        assert self.head is not None
+        return next_token_sketch(
+            out.detach(), target, self.head, mask, self.output_request.sketch_rows, seed
+        )
+
     def _merge_linear(
         self,
         index: int,
@@ -413,18 +601,17 @@ class ModelOutputExecutor(SequentialExecutor):
                 zip(state.inputs, state.masks, task_targets)
             ):
                 out, x, eps = self._linearise(module_path, inputs, mask)
-                residual = (out.detach() - target).to(torch.float64)
-                error_before += weight * float(residual.pow(2).sum())
-                rows = output_sketch(
-                    self.output_request,
-                    out.shape,
-                    mask if self.output_request.tokens == "all" else None,
-                    sketch_seed(self.output_request.seed, index, state.index, b),
-                ).to(self.device)
-                sketched = torch.einsum("pb...,b...->bp", rows.to(torch.float64), residual)
+                error_before += weight * self._error(out, target, mask)
+                seed = sketch_seed(self.output_request.seed, index, state.index, b)
+                sketched, rows, error_grad = self._sketch(seed, out, target, mask)
+                if error_grad is not None:  # one more backward row: the exact gradient
+                    rows = torch.cat([rows, error_grad.unsqueeze(0)])
                 grads = self._output_grads(out, eps, rows)
-                del out, eps
-                fit.add_batch(x, grads, sketched, weight)
+                del out, eps, rows
+                if error_grad is None:
+                    fit.add_batch(x, grads, sketched, weight)
+                else:
+                    fit.add_batch(x, grads[:-1], sketched, weight, error_grad=grads[-1])
                 del x, grads
         merged, diagnostics = fit.solve()
         self._check_merged(name, merged, base.shape)

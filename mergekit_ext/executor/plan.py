@@ -368,10 +368,10 @@ def build_plan(
         cfg.merge.base_model, base_label, None, f"base model {base_label}"
     )
     family = base.family
-    if request.model_output is not None and family.causal_lm:
+    if request.model_output is not None:
         from mergekit_ext.executor.model_output import check_model_output_supported
 
-        check_model_output_supported(family, method.name)
+        check_model_output_supported(family, method.name, request.model_output)
     entries = _expert_entries(cfg)
     if not entries:
         raise ConfigError(f"{method.name} needs at least one expert model besides the base model")

@@ -922,9 +922,12 @@ class SequentialExecutor:
     # ---------------------------------------------------------------------------------
     # After the blocks
 
-    def _merge_post_block(self) -> dict[str, torch.Tensor]:
+    def _merge_post_block(
+        self, heads: Optional[dict[str, torch.Tensor]] = None
+    ) -> dict[str, torch.Tensor]:
         """Final norm, pooler and heads, one tensor at a time, over the experts that share it;
-        returns the merged tensors of the backbone (as written, float32), not the heads."""
+        returns the merged tensors of the backbone (as written, float32), not the heads,
+        which go to ``heads`` when it is given."""
         backbone: dict[str, torch.Tensor] = {}
         for name in self.plan.post_block:
             shown = self.plan.output_name(name)
@@ -964,6 +967,8 @@ class SequentialExecutor:
                 written = self._merge_other(name, base, contributing, share=False)  # rank 0 only
             if not name.startswith(HEAD_PREFIX):
                 backbone[name] = written
+            elif heads is not None:
+                heads[name] = written
             del base, contributing, written
             self._release()
         return backbone

@@ -112,10 +112,12 @@ class ModelOutputRequest:
 
     - ``sketch_rows``: random projections of each sample's output (Gaussian rows of variance
       ``1/sketch_rows``, an independent sketch per sample and linear); 0: every output
-      coordinate (exact, one vector-Jacobian product per coordinate)
+      coordinate (exact, one vector-Jacobian product per coordinate). Causal LMs: next
+      tokens sampled from the model per position (the sampled-Fisher sketch of the per-token
+      KL); 0 is refused there (it would be one product per vocabulary entry)
     - ``tokens``: ``first``: the output is the first position of the backbone's last hidden
       state (ViT's and BERT's CLS, what their classification heads read); ``all``: every
-      unmasked position
+      unmasked position. Causal LMs: always every position's next-token distribution
     - ``seed``: the sketches' seed
     """
 
@@ -140,10 +142,15 @@ class ModelOutputFit(ABC):
         output_grads: torch.Tensor,
         residual: torch.Tensor,
         sample_weight: float,
+        error_grad: Optional[torch.Tensor] = None,
     ) -> None:
         """Add one batch of one task: ``inputs`` ``[B, T, in]`` (the linear's input),
         ``output_grads`` ``[P, B, T, m]``, ``residual`` ``[B, P]``, every sample weighted
-        ``sample_weight`` (``1/N_t``: each task counts once)."""
+        ``sample_weight`` (``1/N_t``: each task counts once).
+
+        ``error_grad`` (``[B, T, m]``, causal LMs): ``∂/∂ε`` of the output error itself (the
+        per-token KL), the exact gradient, which then gives the objective's linear term
+        ``A_jᵀ b_j`` instead of its sketch."""
 
     @abstractmethod
     def solve(self) -> tuple[torch.Tensor, dict[str, Any]]:

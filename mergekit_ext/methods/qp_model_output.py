@@ -77,10 +77,18 @@ class OutputNormalEquations:
         self.energy = torch.zeros((), dtype=_COMPUTE_DTYPE, device=device)
         self.samples = 0
 
-    def add(self, design: torch.Tensor, residual: torch.Tensor, sample_weight: float) -> None:
+    def add(
+        self,
+        design: torch.Tensor,
+        residual: torch.Tensor,
+        sample_weight: float,
+        linear_term: Optional[torch.Tensor] = None,
+    ) -> None:
         """Add a batch: ``design`` ``[B, P, n]``, ``residual`` ``[B, P]``, weight ``w`` each.
 
-        ``√w`` scales the rows, so ``N += Σ_rows (√w a)(√w a)ᵀ`` is one matrix product."""
+        ``√w`` scales the rows, so ``N += Σ_rows (√w a)(√w a)ᵀ`` is one matrix product.
+        ``linear_term`` (``[B, n]``, ``A_jᵀ b_j`` computed exactly) replaces the sketched
+        ``Σ_p a_p b_p`` in ``h``; the sketched residuals still give ``e``."""
         if design.shape[:2] != residual.shape or design.shape[-1] != self.rhs.shape[0]:
             raise TensorError(
                 f"design {tuple(design.shape)} and residual {tuple(residual.shape)} do not fit "
@@ -92,7 +100,10 @@ class OutputNormalEquations:
         rows = design.to(_COMPUTE_DTYPE).reshape(-1, design.shape[-1]) * scale
         targets = residual.to(_COMPUTE_DTYPE).reshape(-1) * scale
         self.normal += rows.T @ rows
-        self.rhs -= rows.T @ targets
+        if linear_term is None:
+            self.rhs -= rows.T @ targets
+        else:
+            self.rhs -= linear_term.to(_COMPUTE_DTYPE).sum(0) * sample_weight
         self.energy += targets @ targets
         self.samples += int(design.shape[0])
 
@@ -141,12 +152,16 @@ class QPModelOutputFit(ModelOutputFit):
         output_grads: torch.Tensor,
         residual: torch.Tensor,
         sample_weight: float,
+        error_grad: Optional[torch.Tensor] = None,
     ) -> None:
         k_dim, out_dim = len(self.task_vectors), self.base.shape[0]
         batch, tokens = inputs.shape[0], inputs.shape[1]
         projected = inputs.to(_COMPUTE_DTYPE) @ self._stacked.T  # [B, T, K·m]
         projected = projected.reshape(batch, tokens, k_dim, out_dim).permute(2, 0, 1, 3)
-        self.sums.add(output_design(output_grads, projected), residual, sample_weight)
+        linear_term = None
+        if error_grad is not None:
+            linear_term = output_design(error_grad.unsqueeze(0), projected)[:, 0]
+        self.sums.add(output_design(output_grads, projected), residual, sample_weight, linear_term)
 
     def solve(self) -> tuple[torch.Tensor, dict[str, Any]]:
         k_dim, out_dim = len(self.task_vectors), self.base.shape[0]

@@ -713,18 +713,20 @@ class QPParameters(MethodParameters):
         "layer_output",
         description="layer_output | model_output: fit each linear to its own output (streamed "
         "block by block), or to the model's output, the paper's objective (whole model in "
-        "memory; diagonal basis; encoder families)",
+        "memory; diagonal basis; causal LMs: the per-token KL to each expert)",
     )
     output_sketch: int = Field(
         32,
         ge=0,
         description="model_output: random projections of each sample's output (one backward "
-        "pass each per linear); 0 = every output coordinate (exact)",
+        "pass each per linear); 0 = every output coordinate (exact); causal LMs: next tokens "
+        "sampled per position (>= 1)",
     )
     output_tokens: Literal["first", "all"] = Field(
         "first",
         description="model_output: the output is the backbone's last hidden state at the "
-        "first position (CLS, what classification heads read) or at every unmasked position",
+        "first position (CLS, what classification heads read) or at every unmasked position "
+        "(causal LMs: always every position's next-token distribution)",
     )
     output_seed: int = Field(0, ge=0, description="model_output: seed of the output sketches")
 

@@ -58,7 +58,7 @@ class ModelFamily:
     # model's ``base_model``.
     backbone_class_names: ClassVar[tuple[str, ...]] = ()
     # A causal language model: its output is next-token distributions over the vocabulary
-    # (the model-output objective would need the per-token KL form; not implemented).
+    # (the model-output objective fits the per-token KL to each expert).
     causal_lm: ClassVar[bool] = False
 
     def backbone_path(self, model: nn.Module) -> str:
