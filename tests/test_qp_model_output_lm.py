@@ -214,3 +214,33 @@ def test_mergekit_ext_run_on_llama_with_a_tied_head(tiny_llama_set, llama_texts,
     assert model.config.tie_word_embeddings
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_probe_fits_only_the_first_linears_and_tabulates_each_variant(
+    tiny_llama_set, llama_texts, tmp_path
+):
+    """``benchmarks.qp_model_output_probe``: the first N linears are fitted (the rest stay at
+    the base), one row each per variant, with the exact error before each."""
+    from benchmarks.qp_model_output_probe import main as probe
+
+    config = {
+        "merge_method": "qp_projection",
+        "base_model": tiny_llama_set.base,
+        "models": [
+            {"model": e, "calibration": {"path": d, "field": "text", "samples": 4}}
+            for e, d in zip(tiny_llama_set.experts, llama_texts)
+        ],
+        "parameters": {"objective": "model_output", "output_sketch": 2, "prior": 0.0},
+    }
+    (tmp_path / "c.yml").write_text(yaml.safe_dump(config))
+    out = tmp_path / "probe.md"
+    args = [str(tmp_path / "c.yml"), "--linears", "3", "--variant", "exact", "box"]
+    assert probe([*args, "--out", str(out)]) == 0
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| exact")]
+    assert len(rows) == 4  # three linears and the error after them
+    assert rows[0].split(" | ")[1] == "model.layers.0.self_attn.q_proj.weight"
+    assert "k_proj" in rows[1] and "v_proj" in rows[2]
+    box = [line for line in out.read_text().splitlines() if line.startswith("| box")]
+    cells = [r.strip("| ").split(" | ") for r in box[:3]]
+    assert all(0.0 <= float(c[3]) and float(c[5]) <= 1.0 for c in cells)
+    assert "Command: `python -m benchmarks.qp_model_output_probe" in out.read_text()
