@@ -387,3 +387,23 @@ def test_mergekit_ext_run_with_model_output_on_bert(tiny_bert_set, tmp_path):
     assert "model_output" in card
     model = transformers.BertModel.from_pretrained(str(out))
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_fit_that_leaves_the_experts_is_reported(caplog):
+    """Few rows, a large residual: unbounded coefficients far beyond 1 get a warning naming
+    the linear and the remedy; with bounds [0, 1] they stay in the box, without a warning."""
+    base = torch.zeros(2, 3)
+    experts = [torch.ones(2, 3), -torch.ones(2, 3)]
+    for bounds in (None, (0.0, 1.0)):
+        fit = QPModelOutputFit("w", base, experts, ["a", "b"], ridge=1.0, prior=0.0, bounds=bounds)
+        fit.add_batch(torch.ones(1, 1, 3), torch.ones(1, 1, 1, 2), torch.full((1, 1), 1e3), 1.0)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="mergekit_ext.methods.qp_model_output"):
+            _, record = fit.solve()
+        extremes = [abs(v) for s in record["d_stats"].values() for v in (s["min"], s["max"])]
+        if bounds is None:
+            assert max(extremes) > 10
+            assert "w: model-output coefficients up to" in caplog.text
+            assert "bounds: [0, 1]" in caplog.text
+        else:
+            assert max(extremes) <= 1.0 and not caplog.text

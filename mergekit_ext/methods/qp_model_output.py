@@ -44,6 +44,10 @@ from mergekit_ext.methods.layerwise import ModelOutputFit
 LOG = logging.getLogger(__name__)
 
 _COMPUTE_DTYPE = torch.float64
+# |d| beyond this (d = 1 is an expert's full update) means the fit left the experts: on the
+# LM and text suites such unbounded fits diverged where bounds [0, 1] held
+# (docs/methods.md, "What was measured on the LM suite")
+FAR_COEFFICIENT = 10.0
 
 
 def output_design(output_grads: torch.Tensor, projected: torch.Tensor) -> torch.Tensor:
@@ -175,6 +179,16 @@ class QPModelOutputFit(ModelOutputFit):
             "1": qp.qp_objective(equations, qp.task_arithmetic_coefficients(n, 1.0)),
         }
         d = solution.d.reshape(out_dim, k_dim)  # column r·K + k is d[r, k]
+        largest = float(d.abs().max()) if d.numel() else 0.0
+        if self.bounds is None and largest > FAR_COEFFICIENT:
+            LOG.warning(
+                "%s: model-output coefficients up to %.3g (1 = an expert's full update): the "
+                "fit has too few rows for its %d coefficients and leaves the experts; use "
+                "bounds: [0, 1], more calibration samples or output_sketch, or a larger ridge",
+                self.name,
+                largest,
+                n,
+            )
         merged = (self.w0 + qp.merged_update(self.task_vectors, d)).to(self.base.dtype)
         if not torch.isfinite(merged).all():
             raise TensorError(
