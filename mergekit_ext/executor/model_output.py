@@ -139,7 +139,6 @@ def estimate_model_output_memory(plan: MergePlan) -> ModelOutputMemory:
         "batch_graph": graph + vjp + design,
         "solve": 8 * ((k + 1) * out_dim * in_dim + 4 * (out_dim * k) ** 2),
     }
-
     return ModelOutputMemory(parts)
 
 
@@ -223,6 +222,7 @@ def next_token_sketch(
     mask: Optional[torch.Tensor],
     rows: int,
     seed: int,
+    log_p: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The per-token KL's Gauss-Newton form, sketched by sampled next tokens.
 
@@ -245,12 +245,14 @@ def next_token_sketch(
         mask: ``[B, T]`` positions that count (None: all).
         rows: sampled tokens per position (P).
         seed: the sampling seed.
+        log_p: :func:`next_token_log_probs` of ``hidden`` when the caller has it already.
 
     Returns:
         ``residual`` ``[B, P]`` (float64), the backward rows at the hidden state
         ``[P, B, T, h]`` and the KL's gradient there ``[B, T, h]`` (float32).
     """
-    log_p = next_token_log_probs(hidden, head)
+    if log_p is None:
+        log_p = next_token_log_probs(hidden, head)
     batch, tokens, vocab = log_p.shape
     probs = log_p.exp()
     generator = torch.Generator().manual_seed(seed)
@@ -272,6 +274,16 @@ def next_token_sketch(
         per_token = per_token * keep[..., None].to(torch.float64)
         error_grad = error_grad * keep[..., None]
     return per_token.sum(1), backward_rows, error_grad
+
+
+def next_token_kl(
+    log_p: torch.Tensor, target_log_probs: torch.Tensor, mask: Optional[torch.Tensor]
+) -> float:
+    """``Σ_j Σ_τ KL(p_t ‖ p)`` over the unmasked positions of a batch."""
+    kl = (target_log_probs.exp() * (target_log_probs - log_p)).sum(-1)
+    if mask is not None:
+        kl = kl * mask.to(kl.dtype)
+    return float(kl.double().sum())
 
 
 class ModelOutputExecutor(SequentialExecutor):
@@ -486,11 +498,7 @@ class ModelOutputExecutor(SequentialExecutor):
         if not self.causal_lm:
             return float((out.detach() - target).double().pow(2).sum())
         assert self.head is not None
-        log_p = next_token_log_probs(out.detach(), self.head)
-        kl = (target.exp() * (target - log_p)).sum(-1)
-        if mask is not None:
-            kl = kl * mask.to(kl.dtype)
-        return float(kl.double().sum())
+        return next_token_kl(next_token_log_probs(out.detach(), self.head), target, mask)
 
     def _output_error(self, targets: list[list[torch.Tensor]]) -> float:
         """``Σ_t (1/N_t) Σ_j error_j`` of the model as it is now (exact; :meth:`_error`)."""
@@ -553,8 +561,9 @@ class ModelOutputExecutor(SequentialExecutor):
         out: torch.Tensor,
         target: torch.Tensor,
         mask: Optional[torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        """``(residual [B, P], rows [P, *out.shape], error gradient or None)`` of one batch.
+    ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], float]:
+        """``(residual [B, P], rows [P, *out.shape], error gradient or None, error)`` of one
+        batch, the error as :meth:`_error` gives it (from the same residual / log-probs).
 
         Encoders: Gaussian rows ``s_p`` (:func:`output_sketch`) and ``s_p · (f − f_t)``.
         Causal LMs: :func:`next_token_sketch`, and the exact gradient of the KL at the
@@ -567,11 +576,15 @@ class ModelOutputExecutor(SequentialExecutor):
                 mask if self.output_request.tokens == "all" else None,
                 seed,
             ).to(self.device)
-            return torch.einsum("pb...,b...->bp", rows.to(torch.float64), residual), rows, None
+            sketched = torch.einsum("pb...,b...->bp", rows.to(torch.float64), residual)
+            return sketched, rows, None, float(residual.pow(2).sum())
         assert self.head is not None
-        return next_token_sketch(
-            out.detach(), target, self.head, mask, self.output_request.sketch_rows, seed
+        hidden = out.detach()
+        log_p = next_token_log_probs(hidden, self.head)
+        sketched, rows, error_grad = next_token_sketch(
+            hidden, target, self.head, mask, self.output_request.sketch_rows, seed, log_p
         )
+        return sketched, rows, error_grad, next_token_kl(log_p, target, mask)
 
     def _merge_linear(
         self,
@@ -601,9 +614,9 @@ class ModelOutputExecutor(SequentialExecutor):
                 zip(state.inputs, state.masks, task_targets)
             ):
                 out, x, eps = self._linearise(module_path, inputs, mask)
-                error_before += weight * self._error(out, target, mask)
                 seed = sketch_seed(self.output_request.seed, index, state.index, b)
-                sketched, rows, error_grad = self._sketch(seed, out, target, mask)
+                sketched, rows, error_grad, error = self._sketch(seed, out, target, mask)
+                error_before += weight * error
                 if error_grad is not None:  # one more backward row: the exact gradient
                     rows = torch.cat([rows, error_grad.unsqueeze(0)])
                 grads = self._output_grads(out, eps, rows)
