@@ -244,10 +244,18 @@ CASES = {
 }
 
 
-def _batches(cfg: ExtMergeConfig, index: int) -> list[dict[str, torch.Tensor]]:
+def _batches(
+    cfg: ExtMergeConfig, index: int, heldout: bool = True
+) -> list[dict[str, torch.Tensor]]:
+    """The batches diagnose runs for task ``index``: by default the held-out examples."""
     entry = cfg.models[index]
+    used = [s for e in cfg.models if (s := cfg.calibration_for(e)) is not None]
     return load_calibration(
-        cfg.calibration_for(entry), entry.model, task=entry.name, modality="text"
+        cfg.calibration_for(entry),
+        entry.model,
+        task=entry.name,
+        modality="text",
+        exclude=used if heldout else (),
     ).batches
 
 
