@@ -137,17 +137,21 @@ def block_error_figure(results: Sequence[dict[str, Any]]) -> Any:
         ]
         if refs.get("base"):
             style = {"linestyle": "--", "color": "0.2"}
-            lines.append((f"base {refs['base']['model']}", refs["base"]["tasks"][name], style))
+            lines.append(("base model", refs["base"]["tasks"][name], style))
         for task, row in (refs.get("experts") or {}).items():
             if task != name:
                 style = {"linestyle": ":", "color": "0.55"}
                 lines.append((f"expert {task} alone", row["tasks"][name], style))
+        drawn: list[float] = []
         for label, t, style in lines:
             xs = [int(b["index"]) for b in t["blocks"]]
             ys = [as_float(b["relative_error"]) for b in t["blocks"]]
             ax.plot(xs, ys, label=label, **style)
+            drawn += finite(ys)
+        if drawn and min(drawn) > 0 and max(drawn) > 30 * min(drawn):
+            ax.set_yscale("log")  # a broken merge would flatten every other line
         data = (first.get("data") or {}).get(name, {}).get("kind", "calibration")
-        ax.set_title(f"task {name} ({data} data)", fontsize=9)
+        ax.set_title(f"{name} ({data} data)", fontsize=9)
         ax.set_xlabel("block")
         ax.set_ylabel("‖h − h_expert‖ / ‖h_expert‖", fontsize=8)
         integer_ticks(ax)

@@ -1085,10 +1085,10 @@ def compare_with_references(result: dict[str, Any]) -> dict[str, Any]:
             if mine is not None and theirs is not None and not mine <= theirs:
                 worse.append(name)
     closer_experts = []
-    for row in (refs.get("experts") or {}).values():
+    for task_name, row in (refs.get("experts") or {}).items():
         value = _mean_value(row, measure)
         if value is not None and merged_value is not None and value <= merged_value:
-            closer_experts.append((row["model"], value))
+            closer_experts.append((task_name, value))
     out = {
         "base_ratio": _ratio(base_value, merged_value),
         "ratio_measure": "mean_kl" if measure == "kl" else "mean_last_block_error",
@@ -1117,7 +1117,8 @@ def verdict(
     worse_tasks: Sequence[str] = (),
     closer_experts: Sequence[tuple[str, float]] = (),
 ) -> str:
-    """One line in plain words: is the merged model worth publishing, against the base model.
+    """One line in plain words, after the model's name: is it worth publishing, against the
+    base model.
 
     Args:
         ratio: ``base_ratio`` (see :func:`compare_with_references`); None without a base.
@@ -1126,11 +1127,12 @@ def verdict(
         evaluated_on: ``held-out``, ``calibration`` or ``mixed``.
         data: per task, the evaluation data's description (``kind``).
         worse_tasks: tasks where the merged model is farther from the expert than the base.
-        closer_experts: ``(expert, mean)`` of experts alone at least as close to all experts.
+        closer_experts: ``(task, mean)`` of the experts that, alone, are at least as close to
+            all the experts as the merged model.
 
     Returns:
         The verdict, e.g. "keeps 2.2× more of the experts' behaviour than the base model on
-        held-out data (...)" or "worse than the base model on held-out data (...): do not
+        held-out data (...)" or "is worse than the base model on held-out data (...): do not
         publish".
     """
     seen = [name for name, d in data.items() if d.get("kind") != "held-out"]
@@ -1141,19 +1143,19 @@ def verdict(
     }.get(evaluated_on, f"on held-out data (on seen calibration data for {', '.join(seen)})")
     what = "mean KL to the experts" if measure == "kl" else "mean last-block error"
     if merged_value is None:
-        return "no output or block measured: no verdict"
+        return "has no output or block measured: no verdict"
     if not math.isfinite(merged_value):
-        return f"broken: its {what} is {merged_value} {where}: do not publish"
+        return f"is broken: its {what} is {merged_value} {where}: do not publish"
     numbers = f"{what} {_fmt(merged_value)}"
     if base_value is None or ratio is None:
-        return f"{numbers} {where}; the config names no base model to compare with"
+        return f"has a {numbers} {where}; the config names no base model to compare with"
     numbers += f" vs the base model's {_fmt(base_value)}"
     if math.isnan(ratio):
         text = f"cannot be compared with the base model {where} ({numbers})"
     elif ratio < 1.0:
-        text = f"worse than the base model {where} ({numbers}): do not publish"
+        text = f"is worse than the base model {where} ({numbers}): do not publish"
     elif ratio == 1.0:
-        text = f"no better than the base model {where} ({numbers}): do not publish"
+        text = f"is no better than the base model {where} ({numbers}): do not publish"
     elif math.isinf(ratio):
         text = f"matches the experts exactly {where} ({numbers})"
     else:
@@ -1164,10 +1166,10 @@ def verdict(
         if worse_tasks:
             text += f"; but worse than the base model on {', '.join(worse_tasks)}"
     if closer_experts and (ratio is None or ratio >= 1.0):
-        label, value = min(closer_experts, key=lambda e: e[1])
+        task, value = min(closer_experts, key=lambda e: e[1])
         text += (
-            f"; expert {label} alone is as close to all the experts ({what} {_fmt(value)}): "
-            "the merge adds nothing over it"
+            f"; the {task} expert alone is as close to all the experts ({what} "
+            f"{_fmt(value)}): the merge adds nothing over it"
         )
     return text
 
@@ -1296,7 +1298,7 @@ def format_report(results: Sequence[dict[str, Any]]) -> str:
     lines.append("Verdict:")
     for r in results:
         ratio = r.get("base_ratio")
-        lines.append(f"  {r['merged']}: {r.get('verdict', '')}")
+        lines.append(f"  {r['merged']} {r.get('verdict', '')}")
         if ratio is not None:
             lines.append(
                 f"    base_ratio {_cell(ratio, 3)} (base model's {r['ratio_measure']} / this model's)"
