@@ -232,6 +232,7 @@ class DiagnosisPlan:
     tasks: list[DiagnosisTask]
     num_blocks: int
     references: list[MergedModel] = field(default_factory=list)  # the base, each expert
+    with_references: bool = True  # False: the caller skipped them (no verdict on the base)
 
     @property
     def compared(self) -> list[MergedModel]:
@@ -554,7 +555,12 @@ def plan_diagnosis(
         for t in tasks:
             _load_evaluation_data(t, merge_specs, data, family.modality, trust_remote_code)
     return DiagnosisPlan(
-        family=family, merged=merged, tasks=tasks, num_blocks=num_blocks, references=ref_models
+        family=family,
+        merged=merged,
+        tasks=tasks,
+        num_blocks=num_blocks,
+        references=ref_models,
+        with_references=references,
     )
 
 
@@ -799,7 +805,11 @@ class Diagnoser:
                     rows[i]["tasks"][task.name] = task_result
         for row in rows:
             row.update(summarize(row["tasks"]))
-        references: dict[str, Any] = {"base": None, "experts": {}}
+        references: dict[str, Any] = {
+            "base": None,
+            "experts": {},
+            "skipped": not self.plan.with_references,
+        }
         for model, row in zip(compared, rows):
             if model.role == "base":
                 references["base"] = {"model": model.label, **row}
@@ -1103,6 +1113,7 @@ def compare_with_references(result: dict[str, Any]) -> dict[str, Any]:
         result.get("data") or {},
         worse,
         closer_experts,
+        skipped=bool(refs.get("skipped")),
     )
     return out
 
@@ -1116,6 +1127,7 @@ def verdict(
     data: dict[str, dict[str, Any]],
     worse_tasks: Sequence[str] = (),
     closer_experts: Sequence[tuple[str, float]] = (),
+    skipped: bool = False,
 ) -> str:
     """One line in plain words, after the model's name: is it worth publishing, against the
     base model.
@@ -1129,6 +1141,7 @@ def verdict(
         worse_tasks: tasks where the merged model is farther from the expert than the base.
         closer_experts: ``(task, mean)`` of the experts that, alone, are at least as close to
             all the experts as the merged model.
+        skipped: the reference rows were not measured (``--no-references``).
 
     Returns:
         The verdict, e.g. "keeps 2.2× more of the experts' behaviour than the base model on
@@ -1147,6 +1160,8 @@ def verdict(
     if not math.isfinite(merged_value):
         return f"is broken: its {what} is {merged_value} {where}: do not publish"
     numbers = f"{what} {_fmt(merged_value)}"
+    if skipped:
+        return f"has a {numbers} {where}; reference rows skipped, so no comparison with the base"
     if base_value is None or ratio is None:
         return f"has a {numbers} {where}; the config names no base model to compare with"
     numbers += f" vs the base model's {_fmt(base_value)}"
