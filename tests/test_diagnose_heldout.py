@@ -143,7 +143,7 @@ def test_default_data_is_what_the_merge_did_not_read(merge, monkeypatch):
     for task in ("task0", "task1"):
         assert _rows(seen[task].batches) == _rows(merge["read"][task].batches)
         assert on_seen["data"][task]["kind"] == "calibration"
-    assert "flatter the merge" in on_seen["verdict"]
+    assert "calibration data the merge read, which flatters it" in on_seen["verdict"]
 
 
 @pytest.mark.parametrize("pack", [False, True])

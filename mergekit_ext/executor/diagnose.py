@@ -1151,8 +1151,7 @@ def verdict(
     seen = [name for name, d in data.items() if d.get("kind") != "held-out"]
     where = {
         "held-out": "on held-out data",
-        "calibration": "on the calibration data the merge read (no held-out data, so "
-        "the numbers flatter the merge)",
+        "calibration": "on the calibration data the merge read, which flatters it",
     }.get(evaluated_on, f"on held-out data (on seen calibration data for {', '.join(seen)})")
     what = "mean KL to the experts" if measure == "kl" else "mean last-block error"
     if merged_value is None:
