@@ -388,3 +388,20 @@ def test_plot_block_ticks_are_integers(merge):
         assert ticks and all(float(t).is_integer() for t in ticks), ticks
         labels = {line.get_label() for line in ax.get_lines()}
         assert "base model" in labels and any("alone" in label for label in labels)
+
+
+def test_card_shows_the_base_model_and_the_verdict(merge, tmp_path):
+    out = str(tmp_path / "merged")
+    shutil.copytree(merge["out"], out)
+    result = CliRunner().invoke(main, ["card", out, "--diagnose", merge["config"]])
+    assert result.exit_code == 0, result.output
+    card = open(os.path.join(out, "README.md"), encoding="utf-8").read()
+    saved = json.loads(open(os.path.join(out, "mergekit_ext_diagnose.json")).read())
+    assert f"**Verdict:** this model {saved['verdict']}." in card
+    header = next(line for line in card.splitlines() if line.startswith("| Task | Agreement"))
+    assert "KL(expert ‖ base model)" in header
+    section = card.split("## Agreement with the experts", 1)[1]
+    row = next(line for line in section.splitlines() if line.startswith("| task0 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    base_kl = saved["references"]["base"]["tasks"]["task0"]["kl"]
+    assert float(cells[3]) == pytest.approx(base_kl, rel=5e-3)  # 3 significant digits

@@ -37,7 +37,8 @@ names). Models without any head (``BertModel`` experts, CLIP vision towers) get 
 errors only.
 
 Memory: one block's tensors at a time (the expert's, then each compared model's) plus one
-task's hidden states on each path; never a whole model. Each task's expert runs once per
+task's hidden states on each path (the expert, every merged folder and every reference
+model: ``references=False`` drops the last); never a whole model. Each task's expert runs once per
 call, whatever the number of merged models. Everything that needs no weights
 (config, models, family, shapes, calibration data, tokenizers) is checked by
 :func:`plan_diagnosis` before the first weight is read.
