@@ -405,3 +405,16 @@ def test_card_shows_the_base_model_and_the_verdict(merge, tmp_path):
     cells = [c.strip() for c in row.strip("|").split("|")]
     base_kl = saved["references"]["base"]["tasks"]["task0"]["kl"]
     assert float(cells[3]) == pytest.approx(base_kl, rel=5e-3)  # 3 significant digits
+
+
+def test_missing_base_model_names_the_way_out(tiny_llama_set, tmp_path):
+    data = _write_unique_texts(str(tmp_path / "t.jsonl"), 1, 3 * SAMPLES)
+    missing = str(tmp_path / "no_such_base")
+    config = _write_config(str(tmp_path / "m.yml"), missing, [tiny_llama_set.experts[0]], [data])
+    result = CliRunner().invoke(main, ["diagnose", tiny_llama_set.experts[1], config])
+    assert result.exit_code == 1 and "no_such_base" in result.output
+    assert "--no-references" in result.output
+    result = CliRunner().invoke(
+        main, ["diagnose", tiny_llama_set.experts[1], config, "--no-references"]
+    )
+    assert result.exit_code == 0, result.output

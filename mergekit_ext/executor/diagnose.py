@@ -535,9 +535,15 @@ def plan_diagnosis(
             ref_models.append(MergedModel(entry.model, source, "expert", entry.name))
     if references and cfg.merge.base_model is not None:
         base_label = str(cfg.merge.base_model)
-        base_source, _ = opened.reference(
-            cfg.merge.base_model, base_label, None, f"base model {base_label}"
-        )
+        try:
+            base_source, _ = opened.reference(
+                cfg.merge.base_model, base_label, None, f"base model {base_label}"
+            )
+        except MergekitExtError as e:
+            raise type(e)(
+                f"{e} (diagnose measures the base model as a reference row; pass "
+                "--no-references to skip it)"
+            ) from e
         ref_models.insert(0, MergedModel(base_label, base_source, "base"))
     for r in ref_models:
         for task in tasks:
