@@ -2,7 +2,7 @@
 
 ``run``      merge a YAML config (a superset of ``mergekit-yaml``)
 ``methods``  list every merge method (mergekit's and ours)
-``diagnose`` compare a merged model with each expert, block by block
+``diagnose`` compare merged models, the base model and each expert, block by block
 ``card``     rebuild the model card of a finished merge
 ``publish``  upload a finished merge to the Hugging Face Hub
 
@@ -286,9 +286,35 @@ def methods_command(name: Optional[str], as_json: bool) -> None:
 
 
 @main.command("diagnose")
-@click.argument("merged_dir", type=click.Path(file_okay=False))
+@click.argument("merged_dirs", nargs=-1, required=True, type=click.Path(file_okay=False))
 @click.argument("config_file", type=click.Path(dir_okay=False))
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the result here")
+@click.option(
+    "--heldout",
+    multiple=True,
+    metavar="PATH | TASK=PATH | FILE.yml | '{...}'",
+    help="Evaluation data instead of the default (each task's calibration examples the merge "
+    "did not read): a data file or folder for every task, TASK=PATH for one task, or "
+    "calibration-style fields (a YAML file or an inline mapping such as "
+    "'{split: validation}'; per task under `tasks:`). Repeatable. See docs/methods.md, "
+    '"Diagnose"',
+)
+@click.option(
+    "--calibration-data",
+    is_flag=True,
+    help="Measure on the calibration data the merge read (optimistic; the old behaviour)",
+)
+@click.option(
+    "--no-references",
+    is_flag=True,
+    help="Skip the reference rows (the base model and each expert alone): faster, no verdict "
+    "against the base",
+)
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False),
+    help="Write the result here (a list for several merged folders)",
+)
 @click.option(
     "--plots", "plots_dir", type=click.Path(file_okay=False), help="Write the per-block plot here"
 )
@@ -304,8 +330,11 @@ def methods_command(name: Optional[str], as_json: bool) -> None:
 @click.option("-v", "--verbose", count=True, help="Show logs (-vv: debug) and tracebacks")
 @_friendly_errors(lambda kwargs: kwargs.get("verbose", 0))
 def diagnose_command(
-    merged_dir: str,
+    merged_dirs: tuple[str, ...],
     config_file: str,
+    heldout: tuple[str, ...],
+    calibration_data: bool,
+    no_references: bool,
     json_path: Optional[str],
     plots_dir: Optional[str],
     device: str,
@@ -313,45 +342,65 @@ def diagnose_command(
     trust_remote_code: bool,
     verbose: int,
 ) -> None:
-    """Compare MERGED_DIR with each expert of CONFIG_FILE on its calibration data.
+    """Compare each MERGED_DIR with each expert of CONFIG_FILE on held-out data.
 
     Block by block (streaming): the relative error of each block's output, and at the output
     the agreement with the expert (argmax / next-token top-1) and the mean KL(expert‖merged).
+    The base model and each expert alone are measured the same way as reference rows, and
+    each merged model gets a one-line verdict against the base model. Several MERGED_DIRs
+    share the experts' passes. By default each task is measured on the examples of its
+    calibration data that the merge did not read (docs/methods.md, "Diagnose").
     """
-    from mergekit_ext.executor.diagnose import diagnose, format_table, plot_block_errors
+    from mergekit_ext.executor.diagnose import diagnose, format_report, plot_block_errors
 
     if verbose:
         logging.basicConfig(level=logging.DEBUG if verbose > 1 else logging.INFO)
     for plugin in plugins:
         _import_plugin(plugin)
     cfg = load_config(config_file)
-    _check_diagnose_outputs(cfg, merged_dir, [p for p in (json_path, plots_dir) if p])
-    result = diagnose(cfg, merged_dir, device=device, trust_remote_code=trust_remote_code)
-    click.echo(format_table(result))
+    _check_diagnose_outputs(
+        cfg, list(merged_dirs), [p for p in (json_path, plots_dir) if p], list(heldout)
+    )
+    results = diagnose(
+        cfg,
+        list(merged_dirs),
+        device=device,
+        trust_remote_code=trust_remote_code,
+        heldout=heldout,
+        data="calibration" if calibration_data else "heldout",
+        references=not no_references,
+    )
+    assert isinstance(results, list)
+    click.echo(format_report(results))
     if json_path:
-        write_diagnosis_json(result, json_path)
+        write_diagnosis_json(results[0] if len(results) == 1 else results, json_path)
         click.echo(f"diagnosis written to {json_path}")
     if plots_dir:
-        plot = plot_block_errors(result, plots_dir, "diagnose_block_errors.png")
+        plot = plot_block_errors(results, plots_dir, "diagnose_block_errors.png")
         click.echo(f"plot written to {plots_dir}/{plot.path.rsplit('/', 1)[-1]}")
 
 
-def _check_diagnose_outputs(cfg: Any, merged_dir: str, outputs: list[str]) -> None:
+def _check_diagnose_outputs(
+    cfg: Any, merged_dirs: list[str], outputs: list[str], heldout: Optional[list[str]] = None
+) -> None:
     """The outputs of ``diagnose`` may not overwrite an input (config, data, model files)."""
     import os
 
     from mergekit_ext.checks import local_input_paths
 
     inputs = [os.path.realpath(p) for p in local_input_paths(cfg)]
+    inputs += [os.path.realpath(d) for d in merged_dirs]
+    inputs += [
+        os.path.realpath(h.split("=", 1)[-1]) for h in heldout or [] if not h.startswith("{")
+    ]
     for out in outputs:
-        real = os.path.realpath(out)
-        if real in inputs or (os.path.isdir(merged_dir) and real == os.path.realpath(merged_dir)):
+        if os.path.realpath(out) in inputs:
             raise MergekitExtError(
                 f"{out} is an input of the diagnosis; write the output elsewhere"
             )
 
 
-def write_diagnosis_json(result: dict[str, Any], path: str) -> None:
+def write_diagnosis_json(result: dict[str, Any] | list[dict[str, Any]], path: str) -> None:
     import os
 
     from mergekit_ext.executor.diagnose import jsonable

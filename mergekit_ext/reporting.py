@@ -116,24 +116,62 @@ def summary_stats(values: Sequence[float]) -> dict[str, float]:
     }
 
 
-def plot_block_errors(result: dict[str, Any], images_dir: str, filename: str) -> Plot:
-    """A ``mergekit-ext diagnose`` result: one line per task, the relative error of each
-    block's output against the task's expert; written as ``images_dir/filename``."""
-    fig, (ax,) = new_figure(1, height=3.4)
-    for name, t in result["tasks"].items():
-        xs = [b["index"] for b in t["blocks"]]
-        ys = [as_float(b["relative_error"]) for b in t["blocks"]]
-        ax.plot(xs, ys, marker="o", markersize=3, label=name)
-    ax.set_xlabel("block")
-    ax.set_ylabel("‖h_merged − h_expert‖ / ‖h_expert‖")
-    ax.set_title("Relative error of each block's output, per task")
-    ax.grid(True, alpha=0.3)
-    if result["tasks"]:
-        ax.legend(fontsize=7)
+def integer_ticks(ax: Any) -> None:
+    """Only whole numbers on the x axis (block indices)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def block_error_figure(results: Sequence[dict[str, Any]]) -> Any:
+    """One panel per task: the relative error of each block's output against the task's
+    expert, one line per merged model, the base model dashed and the other experts alone
+    dotted (the reference rows of a ``mergekit-ext diagnose`` result); integer block ticks."""
+    first = results[0]
+    tasks = list(first["tasks"])
+    fig, axes = new_figure(max(1, len(tasks)), height=2.8)
+    refs = first.get("references") or {}
+    for ax, name in zip(axes, tasks):
+        lines: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
+            (str(r["merged"]), r["tasks"][name], {"marker": "o", "markersize": 3}) for r in results
+        ]
+        if refs.get("base"):
+            style = {"linestyle": "--", "color": "0.2"}
+            lines.append(("base model", refs["base"]["tasks"][name], style))
+        for task, row in (refs.get("experts") or {}).items():
+            if task != name:
+                style = {"linestyle": ":", "color": "0.55"}
+                lines.append((f"expert {task} alone", row["tasks"][name], style))
+        drawn: list[float] = []
+        for label, t, style in lines:
+            xs = [int(b["index"]) for b in t["blocks"]]
+            ys = [as_float(b["relative_error"]) for b in t["blocks"]]
+            ax.plot(xs, ys, label=label, **style)
+            drawn += finite(ys)
+        if drawn and min(drawn) > 0 and max(drawn) > 30 * min(drawn):
+            ax.set_yscale("log")  # a broken merge would flatten every other line
+        data = (first.get("data") or {}).get(name, {}).get("kind", "calibration")
+        ax.set_title(f"{name} ({data} data)", fontsize=9)
+        ax.set_xlabel("block")
+        ax.set_ylabel("‖h − h_expert‖ / ‖h_expert‖", fontsize=8)
+        integer_ticks(ax)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=6)
+    return fig
+
+
+def plot_block_errors(
+    result: dict[str, Any] | Sequence[dict[str, Any]], images_dir: str, filename: str
+) -> Plot:
+    """A ``mergekit-ext diagnose`` result (or several, sharing their experts), drawn by
+    :func:`block_error_figure` and written as ``images_dir/filename``."""
+    results = [result] if isinstance(result, dict) else list(result)
+    fig = block_error_figure(results)
     path = save_figure(fig, images_dir, filename)
     return Plot(
         path=path,
         title="Per-block error against each expert",
-        caption="Relative error of the merged model's block outputs against each expert's, "
-        "on the task's calibration data (non-padding positions).",
+        caption="Relative error of each block's output against the task's expert, on the "
+        "task's evaluation data (non-padding positions): the merged model(s), the base "
+        "model (dashed) and the other experts alone (dotted).",
     )

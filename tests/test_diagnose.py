@@ -244,10 +244,18 @@ CASES = {
 }
 
 
-def _batches(cfg: ExtMergeConfig, index: int) -> list[dict[str, torch.Tensor]]:
+def _batches(
+    cfg: ExtMergeConfig, index: int, heldout: bool = True
+) -> list[dict[str, torch.Tensor]]:
+    """The batches diagnose runs for task ``index``: by default the held-out examples."""
     entry = cfg.models[index]
+    used = [s for e in cfg.models if (s := cfg.calibration_for(e)) is not None]
     return load_calibration(
-        cfg.calibration_for(entry), entry.model, task=entry.name, modality="text"
+        cfg.calibration_for(entry),
+        entry.model,
+        task=entry.name,
+        modality="text",
+        exclude=used if heldout else (),
     ).batches
 
 
@@ -447,6 +455,16 @@ def test_card_diagnose_section(tiny_llama_set, data_dir, tmp_path):
         assert "this model's" in row
     assert "images/diagnose_block_errors.png" in card
     assert (out / "images" / "diagnose_block_errors.png").stat().st_size > 1000
+    # the verdict against the base model, on the data the card names; no machine path
+    assert f"**Verdict:** this model {saved['verdict']}." in card
+    assert "held-out data (examples the merge did not read)" in card
+    refs = saved["references"]
+    assert refs["base"] is None and "names no base model" in saved["verdict"]  # linear: none
+    assert "KL(expert ‖ base model)" not in card
+    for row in refs["experts"].values():
+        assert not os.path.isabs(row["model"])
+        assert all(not os.path.isabs(t["model"]) for t in row["tasks"].values())
+    assert all(not os.path.isabs(d["source"]) for d in saved["data"].values())
     # a later rebuild without --diagnose keeps the saved result's section, and so does the
     # copy publish renders for a repository, without touching the folder
     result = CliRunner().invoke(main, ["card", str(out)])

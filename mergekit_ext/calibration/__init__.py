@@ -9,12 +9,14 @@ from mergekit_ext.calibration.config import CalibrationSpec
 from mergekit_ext.calibration.sources import (
     CalibrationData,
     CalibrationSource,
+    NoUnusedCalibrationData,
     check_calibration,
     check_tokenizers_match,
     detect_modality,
     get_source,
     load_calibration,
     register_source,
+    same_source,
 )
 from mergekit_ext.calibration.statistics import (
     ActivationStatistics,
@@ -28,6 +30,7 @@ __all__ = [
     "CalibrationSource",
     "CalibrationSpec",
     "LinearInputCapture",
+    "NoUnusedCalibrationData",
     "check_calibration",
     "check_tokenizers_match",
     "detect_modality",
@@ -35,4 +38,5 @@ __all__ = [
     "get_source",
     "load_calibration",
     "register_source",
+    "same_source",
 ]

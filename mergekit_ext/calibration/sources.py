@@ -17,6 +17,11 @@ shuffle seeded by ``seed``; a source with fewer uses all of them with a warning,
 source is an error. Batches are right padded with an attention mask; statistics drop the
 padded positions (:mod:`mergekit_ext.calibration.statistics`). Loading is deterministic:
 the same spec, seed and tokenizer give identical batches and the same ``sha256``.
+
+Held-out data (``mergekit-ext diagnose``): ``load_calibration(spec, ..., exclude=[specs the
+merge used])`` leaves out every example that loading those specs reads (same source, same
+shuffle, same tokenization), so the result holds only examples the merge never saw; when
+none is left it raises :class:`NoUnusedCalibrationData`.
 """
 
 from __future__ import annotations
@@ -95,6 +100,11 @@ class CalibrationData:
     num_tokens: int
     sha256: str
     source: str
+    # indices (in the source) of every example read, in reading order: what a merge that
+    # loaded this data has seen (the last one may be cut, or skipped when empty)
+    rows_read: tuple[int, ...] = ()
+    # examples left out because a merge read them (``load_calibration(exclude=...)``)
+    rows_excluded: int = 0
 
     def summary(self) -> dict[str, Any]:
         """The card/diagnostics entry: ``{"source", "samples", "tokens", "sha256", "modality"}``."""
@@ -746,14 +756,31 @@ def _open_safetensors(path: str, spec: CalibrationSpec, modality: str, task: str
 # Sampling
 
 
-def _shuffled(rows: _Rows, seed: int) -> Iterator[Any]:
-    """The rows in an order given by a permutation seeded with ``seed``, fetched lazily."""
+class NoUnusedCalibrationData(CalibrationError):
+    """Every example of a source was read by the merge: nothing is held out."""
+
+
+def _shuffled(
+    rows: _Rows, seed: int, skip: frozenset[int] = frozenset()
+) -> Iterator[tuple[int, Any]]:
+    """``(index, row)`` in an order given by a permutation seeded with ``seed``, fetched
+    lazily; the indices in ``skip`` are left out (the order of the others is unchanged)."""
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
+    if skip:
+        order = [i for i in order if i not in skip]
     for start in range(0, len(order), _FETCH_CHUNK):
-        yield from rows.fetch(order[start : start + _FETCH_CHUNK])
+        chunk = order[start : start + _FETCH_CHUNK]
+        yield from zip(chunk, rows.fetch(chunk))
 
 
-def _warn_or_fail(task: str, source: str, found: int, wanted: int, what: str) -> None:
+def _warn_or_fail(
+    task: str, source: str, found: int, wanted: int, what: str, excluded: int = 0
+) -> None:
+    if found == 0 and excluded:
+        raise NoUnusedCalibrationData(
+            f"model {task}: calibration data {source!r} has no {what} that the merge did not "
+            f"read (it read {excluded}); nothing is held out"
+        )
     if found == 0:
         raise CalibrationError(f"model {task}: calibration data {source!r} is empty (no {what})")
     if found < wanted:
@@ -853,15 +880,23 @@ def _text_samples(
     task: str,
     encode: Callable[[Any], list[int]],
     hasher: _Hasher,
+    skip: frozenset[int] = frozenset(),
+    read: Optional[list[int]] = None,
 ) -> list[list[int]]:
-    """Token rows: one per sample (truncated), or ``pack`` windows of ``max_length``."""
+    """Token rows: one per sample (truncated), or ``pack`` windows of ``max_length``.
+
+    The examples at the indices in ``skip`` are left out; the index of every example read
+    is appended to ``read``.
+    """
     rows: list[list[int]] = []
     stream: list[int] = []
     skipped = 0
     progress = tqdm(
         total=spec.samples, desc=f"calibration {task}: tokenizing", disable=None, leave=False
     )
-    for item in _shuffled(opened.rows, spec.seed):
+    for index, item in _shuffled(opened.rows, spec.seed, skip):
+        if read is not None:
+            read.append(index)
         if opened.form == "tokens":
             if not item:
                 skipped += 1
@@ -894,7 +929,12 @@ def _text_samples(
     if skipped:
         LOG.warning("model %s: skipped %d empty examples of %r", task, skipped, opened.description)
     _warn_or_fail(
-        task, opened.description, len(rows), spec.samples, "windows" if spec.pack else "texts"
+        task,
+        opened.description,
+        len(rows),
+        spec.samples,
+        "windows" if spec.pack else "texts",
+        len(skip),
     )
     return rows
 
@@ -948,15 +988,29 @@ def _image_bytes(item: Any, image: PIL.Image.Image) -> bytes:
     return f"{image.mode}:{image.size}".encode() + image.tobytes()
 
 
-def _image_batches(
-    opened: _OpenedSource, spec: CalibrationSpec, task: str, model_path: str, hasher: _Hasher
-) -> tuple[list[dict[str, torch.Tensor]], int]:
+def _selected_images(
+    opened: _OpenedSource, spec: CalibrationSpec, skip: frozenset[int], read: list[int]
+) -> list[Any]:
     selected: list[Any] = []
-    for item in _shuffled(opened.rows, spec.seed):
+    for index, item in _shuffled(opened.rows, spec.seed, skip):
+        read.append(index)
         selected.append(item)
         if len(selected) >= spec.samples:
             break
-    _warn_or_fail(task, opened.description, len(selected), spec.samples, "images")
+    return selected
+
+
+def _image_batches(
+    opened: _OpenedSource,
+    spec: CalibrationSpec,
+    task: str,
+    model_path: str,
+    hasher: _Hasher,
+    skip: frozenset[int] = frozenset(),
+    read: Optional[list[int]] = None,
+) -> tuple[list[dict[str, torch.Tensor]], int]:
+    selected = _selected_images(opened, spec, skip, read if read is not None else [])
+    _warn_or_fail(task, opened.description, len(selected), spec.samples, "images", len(skip))
     if opened.form == "pixels":
         for pixels in selected:
             hasher.add(pixels.numpy().tobytes())
@@ -984,6 +1038,50 @@ def _image_batches(
 
 
 # ----------------------------------------------------------------------------------------
+# Held-out data: what a merge did not read
+
+
+def same_source(a: CalibrationSpec, b: CalibrationSpec) -> bool:
+    """Both specs read the same examples (same file / dataset split / source and field), so
+    that the row indices of one are the row indices of the other."""
+
+    def identity(spec: CalibrationSpec) -> tuple[Any, ...]:
+        if spec.source:
+            return ("source", spec.source, _jsonable(spec.options), spec.field)
+        if spec.dataset:
+            return ("hub", spec.dataset, spec.subset, spec.split or "train", spec.field)
+        path = os.path.realpath(str(spec.path))
+        # a split only selects rows of a datasets folder; a file is read whole
+        split = spec.split if os.path.isdir(path) else None
+        return ("path", path, split, spec.field)
+
+    return a.has_data and b.has_data and identity(a) == identity(b)
+
+
+def _rows_read_by(
+    spec: CalibrationSpec,
+    opened: _OpenedSource,
+    task: str,
+    modality: str,
+    model_path: str,
+    trust_remote_code: bool,
+) -> list[int]:
+    """The source indices loading ``spec`` reads (no batches are built)."""
+    read: list[int] = []
+    if modality == "image":
+        _selected_images(opened, spec, frozenset(), read)
+        return read
+    if opened.form == "tokens":
+        encode: Callable[[Any], list[int]] = list
+    else:
+        tokenizer = _load_tokenizer(model_path, trust_remote_code)
+        encode = _text_encoder(tokenizer, spec, task, model_path)
+    with contextlib.suppress(CalibrationError):  # an empty source reads nothing usable
+        _text_samples(opened, spec, task, encode, _Hasher({}), read=read)
+    return read
+
+
+# ----------------------------------------------------------------------------------------
 # Entry point
 
 
@@ -994,33 +1092,55 @@ def load_calibration(
     task: str,
     modality: Optional[str] = None,
     trust_remote_code: bool = False,
+    exclude: Sequence[CalibrationSpec] = (),
 ) -> CalibrationData:
     """Load, sample, tokenize (or preprocess) and batch one task's calibration data.
 
     ``model_path``'s tokenizer (text) or image processor (images) is used; ``modality``
     defaults to :func:`detect_modality`. Deterministic for a fixed spec and seed.
+
+    ``exclude``: the specs a merge loaded; every example that loading one of them reads
+    (those of :func:`same_source`; others cannot overlap) is left out, so the result is
+    held-out data. Raises :class:`NoUnusedCalibrationData` when nothing is left.
     """
     modality = modality or detect_modality(model_path)
     check_calibration(spec, task=task, modality=modality)
     opened = _open(spec, task=task, modality=modality)
+    skip: set[int] = set()
+    for used in exclude:
+        if same_source(spec, used):
+            skip.update(_rows_read_by(used, opened, task, modality, model_path, trust_remote_code))
+    skipped = frozenset(skip)
+    read: list[int] = []
     if modality == "image":
         if opened.form == "tokens":
             raise CalibrationError(
                 f"model {task} is an image model but {opened.description!r} holds token ids"
             )
-        hasher = _Hasher({"modality": "image", "format": opened.form})
-        batches, num_samples = _image_batches(opened, spec, task, model_path, hasher)
+        settings: dict[str, Any] = {"modality": "image", "format": opened.form}
+        if skipped:
+            settings["excluded"] = sorted(skipped)
+        hasher = _Hasher(settings)
+        batches, num_samples = _image_batches(opened, spec, task, model_path, hasher, skipped, read)
         height, width = batches[0]["pixel_values"].shape[-2:]
         num_tokens = num_samples * _patches_per_image(model_path, int(height), int(width))
         return CalibrationData(
-            task, "image", batches, num_samples, num_tokens, hasher.hexdigest(), opened.description
+            task,
+            "image",
+            batches,
+            num_samples,
+            num_tokens,
+            hasher.hexdigest(),
+            opened.description,
+            tuple(read),
+            len(skipped),
         )
 
     if opened.form == "pixels":
         raise CalibrationError(
             f"model {task} is a text model but {opened.description!r} holds pixel_values"
         )
-    settings: dict[str, Any] = {
+    settings = {
         "modality": "text",
         "max_length": spec.max_length,
         "pack": spec.pack,
@@ -1052,8 +1172,10 @@ def load_calibration(
             vocab_size=len(tokenizer),
             template=getattr(tokenizer, "chat_template", None) if spec.chat_template else None,
         )
+    if skipped:
+        settings["excluded"] = sorted(skipped)
     hasher = _Hasher(settings)
-    rows = _text_samples(opened, spec, task, encode, hasher)
+    rows = _text_samples(opened, spec, task, encode, hasher, skipped, read)
     if vocab_size is not None:
         largest = max(max(row) for row in rows)
         smallest = min(min(row) for row in rows)
@@ -1065,5 +1187,13 @@ def load_calibration(
     batches = _pad_batches(rows, spec.batch_size, pad_id)
     num_tokens = sum(len(row) for row in rows)
     return CalibrationData(
-        task, "text", batches, len(rows), num_tokens, hasher.hexdigest(), opened.description
+        task,
+        "text",
+        batches,
+        len(rows),
+        num_tokens,
+        hasher.hexdigest(),
+        opened.description,
+        tuple(read),
+        len(skipped),
     )

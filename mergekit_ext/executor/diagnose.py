@@ -1,7 +1,7 @@
-"""``mergekit-ext diagnose``: how far a merged model is from each expert, block by block.
+"""``mergekit-ext diagnose``: how far merged models are from each expert, block by block.
 
 For every task of a merge YAML (each entry of ``models:`` but the base model, with its
-calibration data), the task's calibration batches run through the expert and through the
+calibration data), the task's evaluation batches run through the expert and through each
 merged model side by side, one block at a time, exactly as the sequential executor walks a
 network (:mod:`mergekit_ext.executor.sequential`: the models' own transformers classes on
 the meta device, the embeddings through the backbone's own ``forward``, each block through
@@ -18,14 +18,28 @@ and at the output, for models with a head:
   with the logits formed in chunks of the vocabulary (:func:`chunked_kl_top1`), so the
   memory is bounded whatever the vocabulary size.
 
+Evaluation data (``docs/methods.md``, "Diagnose"): by default the examples of each task's
+calibration source that the merge did not read (same shuffle and sampling as the merge,
+:func:`mergekit_ext.calibration.sources.load_calibration` with ``exclude``), as many as the
+task's ``samples``; ``heldout`` names other data (a file, a split, a calibration-style
+mapping), with the same exclusion where it reads the merge's source. A task with no unused
+example falls back to its calibration data, and the result says the numbers are on seen data.
+
+Reference rows: the base model and each expert alone run the same way beside the merged
+models (the floor and, on its own task, the ceiling). Each merged model gets a one-line
+verdict from ``base_ratio`` = (the base model's mean KL to the experts) / (the merged
+model's); see :func:`verdict`.
+
 Where the merged folder lacks the expert's head (a body-only merge, e.g. a ``BertModel``
 merged from ``BertForSequenceClassification`` experts, or a ``LlamaModel``), the expert's
 own head runs on the merged body and the result says so (``head: "expert"`` and the tensor
 names). Models without any head (``BertModel`` experts, CLIP vision towers) get the block
 errors only.
 
-Memory: one block's tensors at a time (the expert's, then each merged model's) plus one
-task's hidden states on each path; never a whole model. Everything that needs no weights
+Memory: one block's tensors at a time (the expert's, then each compared model's) plus one
+task's hidden states on each path (the expert, every merged folder and every reference
+model: ``references=False`` drops the last); never a whole model. Each task's expert runs once per
+call, whatever the number of merged models. Everything that needs no weights
 (config, models, family, shapes, calibration data, tokenizers) is checked by
 :func:`plan_diagnosis` before the first weight is read.
 """
@@ -47,6 +61,7 @@ from torch import nn
 from mergekit_ext.calibration.config import CalibrationSpec
 from mergekit_ext.calibration.sources import (
     CalibrationData,
+    NoUnusedCalibrationData,
     check_calibration,
     check_tokenizers_match,
     load_calibration,
@@ -56,7 +71,6 @@ from mergekit_ext.config import ExtMergeConfig
 from mergekit_ext.errors import CalibrationError, ConfigError, MergekitExtError, ModelInputError
 from mergekit_ext.executor.checkpoint import (
     HEAD_PREFIX,
-    ModelSource,
     build_skeleton,
     canonical_name,
     has_tokenizer,
@@ -77,6 +91,8 @@ from mergekit_ext.executor.sequential import (
 LOG = logging.getLogger(__name__)
 
 OutputKind = Literal["next_token", "class", "none"]
+Role = Literal["merge", "base", "expert"]
+DataMode = Literal["heldout", "calibration"]
 
 # Elements of one logits chunk (rows x vocabulary slice) in chunked_kl_top1: 2M float64
 # values = 16 MB per array, a handful of arrays alive at once.
@@ -186,22 +202,26 @@ def chunked_kl_top1(
 
 @dataclass
 class DiagnosisTask:
-    """One task: its expert, calibration data and (once loaded) its batches."""
+    """One task: its expert, calibration data and (once loaded) its evaluation batches."""
 
     name: str
     label: str  # the model as written in the YAML
     source: Source
     data_path: str
-    calibration: CalibrationSpec
+    calibration: CalibrationSpec  # what the merge read
+    evaluation: Optional[CalibrationSpec] = None  # what diagnose runs (None: calibration)
     data: Optional[CalibrationData] = None
+    data_info: dict[str, Any] = field(default_factory=dict)  # which data, for the output
 
 
 @dataclass
 class MergedModel:
-    """One merged checkpoint to diagnose."""
+    """One model compared with the experts: a merged checkpoint or a reference."""
 
     label: str
-    source: ModelSource
+    source: Source
+    role: Role = "merge"
+    task: Optional[str] = None  # an expert reference: its own task
 
 
 @dataclass
@@ -212,6 +232,145 @@ class DiagnosisPlan:
     merged: list[MergedModel]
     tasks: list[DiagnosisTask]
     num_blocks: int
+    references: list[MergedModel] = field(default_factory=list)  # the base, each expert
+    with_references: bool = True  # False: the caller skipped them (no verdict on the base)
+
+    @property
+    def compared(self) -> list[MergedModel]:
+        return [*self.merged, *self.references]
+
+
+# ------------------------------------------------------------------------------------------
+# Held-out data
+
+
+def parse_heldout(values: Sequence[str]) -> dict[Optional[str], dict[str, Any]]:
+    """``--heldout`` values as calibration-style mappings by task (``None``: every task).
+
+    Each value is one of
+
+    - ``PATH``: a data file or folder, read like ``calibration: {path: PATH}``;
+    - ``TASK=PATH``: the same, for one task;
+    - ``FILE.yml`` / ``FILE.yaml`` or an inline mapping ``{split: validation, samples: 64}``:
+      ``calibration:`` fields for every task, and per task under ``tasks: {NAME: {...}}``.
+
+    Unset fields come from the task's calibration (``max_length``, ``field``, ...; the data
+    fields only when the mapping names no data, e.g. ``{split: validation}``).
+    """
+    import yaml
+
+    out: dict[Optional[str], dict[str, Any]] = {}
+
+    def add(task: Optional[str], mapping: Any, where: str) -> None:
+        if not isinstance(mapping, dict):
+            raise ConfigError(f"--heldout {where}: expected a mapping of calibration fields")
+        try:
+            CalibrationSpec.model_validate(mapping)
+        except ValueError as e:
+            first = str(e).splitlines()[1:3]
+            raise ConfigError(f"--heldout {where}: {' '.join(x.strip() for x in first)}") from None
+        out.setdefault(task, {}).update(mapping)
+
+    for value in values:
+        text = value.strip()
+        if text.startswith("{") or text.lower().endswith((".yml", ".yaml")):
+            if text.startswith("{"):
+                mapping = yaml.safe_load(text)
+            else:
+                if not os.path.isfile(text):
+                    raise ConfigError(f"--heldout {value}: no such file")
+                with open(text, encoding="utf-8") as fp:
+                    mapping = yaml.safe_load(fp) or {}
+            if not isinstance(mapping, dict):
+                raise ConfigError(f"--heldout {value}: expected a mapping of calibration fields")
+            per_task = mapping.pop("tasks", None) or {}
+            if mapping:
+                add(None, mapping, value)
+            if not isinstance(per_task, dict):
+                raise ConfigError(f"--heldout {value}: `tasks:` must map task names to fields")
+            for task, fields in per_task.items():
+                add(str(task), fields, f"{value} (task {task})")
+        elif "=" in text and not os.path.exists(text):
+            task, path = text.split("=", 1)
+            add(task.strip(), {"path": path.strip()}, value)
+        else:
+            add(None, {"path": text}, value)
+    return out
+
+
+def _evaluation_spec(
+    task: DiagnosisTask, heldout: dict[Optional[str], dict[str, Any]]
+) -> CalibrationSpec:
+    """The task's ``--heldout`` mapping over its calibration (or the calibration itself)."""
+    fields = {**heldout.get(None, {}), **heldout.get(task.name, {})}
+    if not fields:
+        return task.calibration
+    return CalibrationSpec.model_validate(fields).merged_with(task.calibration)
+
+
+def _load_evaluation_data(
+    task: DiagnosisTask,
+    merge_specs: Sequence[CalibrationSpec],
+    mode: DataMode,
+    modality: str,
+    trust_remote_code: bool,
+) -> None:
+    """Load the task's evaluation data and describe it in ``task.data_info``."""
+
+    def load(spec: CalibrationSpec, exclude: Sequence[CalibrationSpec]) -> CalibrationData:
+        return load_calibration(
+            spec,
+            task.data_path,
+            task=task.name,
+            modality=modality,
+            trust_remote_code=trust_remote_code,
+            exclude=exclude,
+        )
+
+    given = task.evaluation is not None
+    spec = task.evaluation or task.calibration
+    fallback: Optional[str] = None
+    if mode == "calibration":
+        data = load(task.calibration, ())
+    else:
+        try:
+            data = load(spec, merge_specs)
+        except NoUnusedCalibrationData as e:
+            fallback = str(e)
+            data = load(task.calibration, ())
+    if not data.batches:
+        raise CalibrationError(f"model {task.label} (task {task.name!r}): no evaluation batches")
+    heldout = mode == "heldout" and fallback is None
+    amount = f"{data.num_samples} samples, {data.num_tokens} tokens of {data.source}"
+    if heldout and given:
+        note = f"held-out data (--heldout): {amount}"
+        if data.rows_excluded:
+            note += f", leaving out the {data.rows_excluded} examples the merge read"
+    elif heldout:
+        note = f"held-out data: {amount} that the merge did not read (it read {data.rows_excluded})"
+    elif fallback is not None:
+        note = (
+            f"SEEN DATA: no example of {spec.describe()} is left that the merge did not read, "
+            f"so this task is measured on its calibration data ({amount}); its numbers flatter "
+            "the merge. Give held-out data with --heldout"
+        )
+        LOG.warning("task %s: %s", task.name, note)
+    else:
+        note = (
+            f"calibration data (--calibration-data): {amount}, all read by the merge; "
+            "the numbers flatter the merge"
+        )
+    task.data = data
+    task.data_info = {
+        "kind": "held-out" if heldout else "calibration",
+        "heldout": heldout,
+        "source": data.source,
+        "samples": data.num_samples,
+        "tokens": data.num_tokens,
+        "sha256": data.sha256,
+        "excluded_examples": data.rows_excluded,
+        "note": note,
+    }
 
 
 def _output_kind(skeleton: nn.Module) -> OutputKind:
@@ -237,26 +396,31 @@ def _num_blocks(source: Source, family: ModelFamily) -> tuple[str, int]:
     return path, len(backbone.get_submodule(path))
 
 
+def _role_words(model: MergedModel) -> str:
+    words = {"merge": "the merged model", "base": "the base model", "expert": "expert"}
+    return f"{words[model.role]} {model.label}"
+
+
 def _check_same_body(merged: MergedModel, task: DiagnosisTask, family: ModelFamily) -> None:
     """The expert's blocks and embeddings have the merged model's tensors, shapes included."""
     m, e = merged.source, task.source
     if e.family.name != m.family.name:
         raise ModelInputError(
-            f"architecture mismatch: the merged model {merged.label} is a "
+            f"architecture mismatch: {_role_words(merged)} is a "
             f"{m.config.model_type!r} model ({m.family.name} family) but expert {task.label} "
             f"(task {task.name!r}) is {e.config.model_type!r} ({e.family.name} family); diagnose "
             "compares a merged model with experts of its own architecture"
         )
     if e.config.model_type != m.config.model_type:
         raise ModelInputError(
-            f"architecture mismatch: the merged model {merged.label} is {m.config.model_type!r} "
+            f"architecture mismatch: {_role_words(merged)} is {m.config.model_type!r} "
             f"but expert {task.label} (task {task.name!r}) is {e.config.model_type!r}"
         )
     m_path, m_blocks = _num_blocks(m, family)
     e_path, e_blocks = _num_blocks(e, family)
     if m_blocks != e_blocks:
         raise ModelInputError(
-            f"architecture mismatch: the merged model {merged.label} has {m_blocks} blocks but "
+            f"architecture mismatch: {_role_words(merged)} has {m_blocks} blocks but "
             f"expert {task.label} (task {task.name!r}) has {e_blocks}"
         )
     needed = [n for i in range(e_blocks) for n in _block_names(e, e_path, i)]
@@ -265,13 +429,13 @@ def _check_same_body(merged: MergedModel, task: DiagnosisTask, family: ModelFami
         extra = set(_block_names(m, m_path, i)) - set(_block_names(e, e_path, i))
         if extra:
             raise ModelInputError(
-                f"architecture mismatch: block {i} of the merged model {merged.label} has "
+                f"architecture mismatch: block {i} of {_role_words(merged)} has "
                 f"{sorted(extra)[0]}, which expert {task.label} (task {task.name!r}) lacks"
             )
     for name in needed:
         if not m.provides(name):
             raise ModelInputError(
-                f"architecture mismatch: the merged model {merged.label} lacks "
+                f"architecture mismatch: {_role_words(merged)} lacks "
                 f"{e.checkpoint_key.get(name, name)} of expert {task.label} (task "
                 f"{task.name!r}); diagnose runs every block and embedding of both models"
             )
@@ -279,7 +443,7 @@ def _check_same_body(merged: MergedModel, task: DiagnosisTask, family: ModelFami
             raise ModelInputError(
                 f"architecture mismatch: tensor {e.checkpoint_key.get(name, name)} has shape "
                 f"{list(e.shape(name))} in expert {task.label} (task {task.name!r}) but "
-                f"{list(m.shape(name))} in the merged model {merged.label}"
+                f"{list(m.shape(name))} in {_role_words(merged)}"
             )
 
 
@@ -290,13 +454,23 @@ def plan_diagnosis(
     cache_dir: Optional[str] = None,
     trust_remote_code: bool = False,
     load_data: bool = True,
+    heldout: Sequence[str] = (),
+    data: DataMode = "heldout",
+    references: bool = True,
 ) -> DiagnosisPlan:
-    """Check everything that needs no weights and load (tokenize) the calibration data.
+    """Check everything that needs no weights and load (tokenize) the evaluation data.
+
+    ``heldout``: ``--heldout`` values (:func:`parse_heldout`); ``data="calibration"``
+    measures on the calibration data the merge read instead of held-out data;
+    ``references``: add the base model and each expert alone as reference rows.
 
     Raises a one-line :class:`MergekitExtError` naming the model, task or tensor for a
     config without ``models:``, a missing model, an unsupported family, an architecture
     mismatch, missing or unreadable calibration data and tokenizers that differ.
     """
+    if data == "calibration" and heldout:
+        raise ConfigError("--heldout and --calibration-data exclude each other; give one")
+    heldout_fields = parse_heldout(heldout)
     if not merged_dirs:
         raise ConfigError("diagnose needs a merged model folder")
     no_list = ConfigError(
@@ -328,7 +502,15 @@ def plan_diagnosis(
                 f"merged models {merged[0].label} and {other.label} are of different families"
             )
 
+    names = [entry.name for entry, _ in entries]
+    unknown = [t for t in heldout_fields if t is not None and t not in names]
+    if unknown:
+        raise ConfigError(
+            f"--heldout names task {unknown[0]!r}, which the config does not have; its tasks "
+            f"are {', '.join(names)}"
+        )
     tasks: list[DiagnosisTask] = []
+    ref_models: list[MergedModel] = []
     for entry, ref in entries:
         spec = cfg.calibration_for(entry)
         if spec is None or not spec.has_data:
@@ -343,7 +525,30 @@ def plan_diagnosis(
         for m in merged:
             _check_same_body(m, task, family)
         check_calibration(spec, task=entry.name, modality=family.modality)
+        if data == "heldout" and heldout_fields:
+            task.evaluation = _evaluation_spec(task, heldout_fields)
+            if not task.evaluation.has_data:
+                raise ConfigError(f"--heldout gives task {entry.name!r} no data")
+            check_calibration(task.evaluation, task=entry.name, modality=family.modality)
         tasks.append(task)
+        if references:
+            ref_models.append(MergedModel(entry.model, source, "expert", entry.name))
+    if references and cfg.merge.base_model is not None:
+        base_label = str(cfg.merge.base_model)
+        try:
+            base_source, _ = opened.reference(
+                cfg.merge.base_model, base_label, None, f"base model {base_label}"
+            )
+        except MergekitExtError as e:
+            raise type(e)(
+                f"{e} (diagnose measures the base model as a reference row; pass "
+                "--no-references to skip it)"
+            ) from e
+        ref_models.insert(0, MergedModel(base_label, base_source, "base"))
+    for r in ref_models:
+        for task in tasks:
+            if r.task != task.name:
+                _check_same_body(r, task, family)
 
     if family.modality == "text":
         paths = [t.data_path for t in tasks] + [m.source.path for m in merged]
@@ -352,17 +557,18 @@ def plan_diagnosis(
             check_tokenizers_match(paths)
     _, num_blocks = _num_blocks(merged[0].source, family)
     if load_data:
+        # every spec the merge loaded: a held-out example is read by none of them
+        merge_specs = [s for e in cfg.models if (s := cfg.calibration_for(e)) is not None]
         for t in tasks:
-            t.data = load_calibration(
-                t.calibration,
-                t.data_path,
-                task=t.name,
-                modality=family.modality,
-                trust_remote_code=trust_remote_code,
-            )
-            if not t.data.batches:
-                raise CalibrationError(f"model {t.label} (task {t.name!r}): no calibration batches")
-    return DiagnosisPlan(family=family, merged=merged, tasks=tasks, num_blocks=num_blocks)
+            _load_evaluation_data(t, merge_specs, data, family.modality, trust_remote_code)
+    return DiagnosisPlan(
+        family=family,
+        merged=merged,
+        tasks=tasks,
+        num_blocks=num_blocks,
+        references=ref_models,
+        with_references=references,
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -530,7 +736,7 @@ class Diagnoser:
     def _merged_walker(self, index: int) -> _Walker:
         if index not in self._merged_walkers:
             self._merged_walkers[index] = _Walker(
-                self.plan.merged[index].source, self.family, self.device
+                self.plan.compared[index].source, self.family, self.device
             )
         return self._merged_walkers[index]
 
@@ -542,7 +748,7 @@ class Diagnoser:
         otherwise the expert's class runs it with the merged model's tensors where it has
         them and the expert's own for the rest (its head), and the result says so.
         """
-        merged = self.plan.merged[index].source
+        merged = self.plan.compared[index].source
         walker = self._merged_walker(index)
         names = expert.non_block_tensors()
         own = [n for n in names if _same(merged, expert.source, n)]
@@ -587,33 +793,58 @@ class Diagnoser:
         }
 
     def run(self) -> list[dict[str, Any]]:
-        results: list[dict[str, Any]] = [
-            {"merged": m.label, "family": self.family.name, "tasks": {}} for m in self.plan.merged
-        ]
+        """One result per merged model, each with the reference rows and its verdict."""
+        compared = self.plan.compared
+        rows: list[dict[str, Any]] = [{"tasks": {}} for _ in compared]
         with torch.no_grad():
             for task in self.plan.tasks:
                 start = time.perf_counter()
                 per_model = self._run_task(task)
                 seconds = time.perf_counter() - start
                 LOG.info(
-                    "task %s: %d merged model(s) diagnosed in %.1fs",
+                    "task %s: %d model(s) compared with the expert in %.1fs",
                     task.name,
                     len(per_model),
                     seconds,
                 )
-                for result, task_result in zip(results, per_model):
+                for i, task_result in per_model.items():
                     task_result["seconds"] = round(seconds, 3)
-                    result["tasks"][task.name] = task_result
-        for result in results:
-            result.update(summarize(result["tasks"]))
+                    rows[i]["tasks"][task.name] = task_result
+        for row in rows:
+            row.update(summarize(row["tasks"]))
+        references: dict[str, Any] = {
+            "base": None,
+            "experts": {},
+            "skipped": not self.plan.with_references,
+        }
+        for model, row in zip(compared, rows):
+            if model.role == "base":
+                references["base"] = {"model": model.label, **row}
+            elif model.role == "expert":
+                assert model.task is not None
+                references["experts"][model.task] = {"model": model.label, **row}
+        data = {t.name: dict(t.data_info) for t in self.plan.tasks}
+        results = []
+        for model, row in zip(self.plan.merged, rows):
+            result = {"merged": model.label, "family": self.family.name, **row}
+            result["data"] = data
+            result["evaluated_on"] = _evaluated_on(data)
+            result["references"] = references
+            result.update(compare_with_references(result))
+            results.append(result)
         return results
 
-    def _run_task(self, task: DiagnosisTask) -> list[dict[str, Any]]:
-        assert task.data is not None, "plan_diagnosis loads the calibration data"
+    def _run_task(self, task: DiagnosisTask) -> dict[int, dict[str, Any]]:
+        """Results on one task by index in ``plan.compared``; the task's expert runs once."""
+        assert task.data is not None, "plan_diagnosis loads the evaluation data"
         device = self.device
         expert = _Walker(task.source, self.family, device)
         expert_path = self._expert_path(expert)
-        merged_paths = [self._merged_path(i, expert) for i in range(len(self.plan.merged))]
+        compared = self.plan.compared
+        # the task's own expert as a reference is the expert itself: no second pass
+        own = [i for i, m in enumerate(compared) if m.role == "expert" and m.task == task.name]
+        indices = [i for i in range(len(compared)) if i not in own]
+        merged_paths = [self._merged_path(i, expert) for i in indices]
         paths = [expert_path, *merged_paths]
 
         inputs = [
@@ -640,7 +871,7 @@ class Diagnoser:
             del pre, pairs
             path.body.release()
 
-        errors: list[list[dict[str, Any]]] = [[] for _ in merged_paths]
+        errors: list[list[dict[str, Any]]] = [[] for _ in paths]
         for index in range(self.plan.num_blocks):
             for p, path in enumerate(paths):
                 names = path.walker.block_tensors(index)
@@ -652,30 +883,32 @@ class Diagnoser:
                 ]
                 del params
                 path.body.release()
-            for m in range(len(merged_paths)):
-                errors[m].append(
-                    {
-                        "index": index,
-                        "relative_error": relative_error(hidden[0], hidden[m + 1], masks),
-                    }
-                )
+            for p in range(len(paths)):
+                err = 0.0 if p == 0 else relative_error(hidden[0], hidden[p], masks)
+                errors[p].append({"index": index, "relative_error": err})
             _trim_heap()
 
         outputs = self._outputs(expert, paths, inputs, masks, hidden)
-        results = []
-        for m, path in enumerate(merged_paths):
+        results: dict[int, dict[str, Any]] = {}
+        slots = [(i, p + 1) for p, i in enumerate(indices)] + [(i, 0) for i in own]
+        for i, p in slots:
+            path = paths[p]
             result: dict[str, Any] = {
                 "model": task.label,
                 "samples": task.data.num_samples,
                 "tokens": task.data.num_tokens,
-                **outputs[m],
+                "data": task.data_info.get("kind"),
+                **outputs[p],
                 "head": "expert" if path.from_expert else "merged",
                 "expert_tensors_used": [n.removeprefix(HEAD_PREFIX) for n in path.from_expert],
-                "blocks": errors[m],
+                "blocks": errors[p],
             }
-            worst = max(errors[m], key=lambda r: r["relative_error"], default=None)
-            result["worst_block"] = worst
-            results.append(result)
+            if p == 0:
+                result["itself"] = True  # the expert on its own task: the ceiling
+            result["worst_block"] = max(
+                errors[p], key=lambda r: _order_key(r["relative_error"]), default=None
+            )
+            results[i] = result
         return results
 
     def _outputs(
@@ -686,11 +919,10 @@ class Diagnoser:
         masks: list[Optional[torch.Tensor]],
         hidden: list[list[torch.Tensor]],
     ) -> list[dict[str, Any]]:
+        """Output agreement of every path with ``paths[0]`` (the expert: itself included)."""
         kind = expert.kind
         if kind == "none":
-            return [
-                {"output": None, "agreement": None, "kl": None, "positions": 0} for _ in paths[1:]
-            ]
+            return [{"output": None, "agreement": None, "kl": None, "positions": 0} for _ in paths]
         tails = []
         for p, path in enumerate(paths):
             params = self._tail_params(path, path.tail_walker)
@@ -707,7 +939,7 @@ class Diagnoser:
             path.body.release()
         results = []
         ref_outs, ref_head = tails[0]
-        for outs, head in tails[1:]:
+        for outs, head in tails:
             kl_sum, agree_sum, count = 0.0, 0, 0
             for b, (ref, new) in enumerate(zip(ref_outs, outs)):
                 mask = masks[b]
@@ -739,6 +971,11 @@ class Diagnoser:
                 }
             )
         return results
+
+
+def _order_key(value: float) -> float:
+    """NaN sorts above everything: a NaN block is the worst."""
+    return math.inf if math.isnan(value) else value
 
 
 def _same(merged: Source, expert: Source, canonical: str) -> bool:
@@ -785,11 +1022,12 @@ def relative_error(
 
 
 def summarize(tasks: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Means over the tasks: agreement, KL and last-block error (None where not measured)."""
+    """Means over the tasks: agreement, KL and last-block error (None where not measured;
+    a NaN task value makes the mean NaN, it is not skipped)."""
 
     def mean(values: list[Optional[float]]) -> Optional[float]:
-        finite = [v for v in values if v is not None]
-        return sum(finite) / len(finite) if finite else None
+        measured = [v for v in values if v is not None]
+        return sum(measured) / len(measured) if measured else None
 
     return {
         "mean_agreement": mean([t["agreement"] for t in tasks.values()]),
@@ -800,6 +1038,163 @@ def summarize(tasks: dict[str, dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+# ------------------------------------------------------------------------------------------
+# The verdict
+
+
+def _evaluated_on(data: dict[str, dict[str, Any]]) -> str:
+    kinds = {d.get("kind") for d in data.values()}
+    return kinds.pop() if len(kinds) == 1 else "mixed"
+
+
+def _measure(result: dict[str, Any]) -> str:
+    """``kl`` when every task has an output KL, else ``last_block_error`` (models without a head)."""
+    return "kl" if all(t.get("kl") is not None for t in result["tasks"].values()) else "lbe"
+
+
+def _task_value(task: dict[str, Any], measure: str) -> Optional[float]:
+    if measure == "kl":
+        return task.get("kl")
+    return task["blocks"][-1]["relative_error"] if task.get("blocks") else None
+
+
+def _mean_value(row: dict[str, Any], measure: str) -> Optional[float]:
+    return row.get("mean_kl" if measure == "kl" else "mean_last_block_error")
+
+
+def _ratio(base: Optional[float], merged: Optional[float]) -> Optional[float]:
+    """``base / merged``: inf when the merged model is exact and the base is not."""
+    if base is None or merged is None:
+        return None
+    if math.isnan(base) or math.isnan(merged):
+        return math.nan
+    merged = max(merged, 0.0)  # a KL of -1e-17 is float rounding of 0
+    if merged == 0.0:
+        return math.inf if base > 0.0 else math.nan
+    return base / merged
+
+
+def _fmt(value: Optional[float]) -> str:
+    if value is None:
+        return "—"
+    if not math.isfinite(value):
+        return str(value)
+    return f"{value:.3g}"
+
+
+def compare_with_references(result: dict[str, Any]) -> dict[str, Any]:
+    """``base_ratio``, the tasks where the merged model is worse than the base and its verdict.
+
+    ``base_ratio`` = M(base) / M(merged), M the mean over the tasks t of the mean
+    KL(expert_t ‖ model) on task t's evaluation data (the mean last-block relative error for
+    models without a head); > 1: the merged model is that many times closer to the experts
+    than the unmerged base model is (``docs/methods.md``, "Diagnose").
+    """
+    measure = _measure(result)
+    refs = result.get("references") or {}
+    base = refs.get("base")
+    merged_value = _mean_value(result, measure)
+    base_value = _mean_value(base, measure) if base else None
+    worse: list[str] = []
+    if base:
+        for name, task in result["tasks"].items():
+            mine, theirs = _task_value(task, measure), _task_value(base["tasks"][name], measure)
+            if mine is not None and theirs is not None and not mine <= theirs:
+                worse.append(name)
+    closer_experts = []
+    for task_name, row in (refs.get("experts") or {}).items():
+        value = _mean_value(row, measure)
+        if value is not None and merged_value is not None and value <= merged_value:
+            closer_experts.append((task_name, value))
+    out = {
+        "base_ratio": _ratio(base_value, merged_value),
+        "ratio_measure": "mean_kl" if measure == "kl" else "mean_last_block_error",
+        "worse_than_base_on": worse,
+    }
+    out["verdict"] = verdict(
+        out["base_ratio"],
+        merged_value,
+        base_value,
+        measure,
+        result.get("evaluated_on", "calibration"),
+        result.get("data") or {},
+        worse,
+        closer_experts,
+        skipped=bool(refs.get("skipped")),
+    )
+    return out
+
+
+def verdict(
+    ratio: Optional[float],
+    merged_value: Optional[float],
+    base_value: Optional[float],
+    measure: str,
+    evaluated_on: str,
+    data: dict[str, dict[str, Any]],
+    worse_tasks: Sequence[str] = (),
+    closer_experts: Sequence[tuple[str, float]] = (),
+    skipped: bool = False,
+) -> str:
+    """One line in plain words, after the model's name: is it worth publishing, against the
+    base model.
+
+    Args:
+        ratio: ``base_ratio`` (see :func:`compare_with_references`); None without a base.
+        merged_value / base_value: the two means the ratio divides.
+        measure: ``kl`` or ``lbe`` (last-block error).
+        evaluated_on: ``held-out``, ``calibration`` or ``mixed``.
+        data: per task, the evaluation data's description (``kind``).
+        worse_tasks: tasks where the merged model is farther from the expert than the base.
+        closer_experts: ``(task, mean)`` of the experts that, alone, are at least as close to
+            all the experts as the merged model.
+        skipped: the reference rows were not measured (``--no-references``).
+
+    Returns:
+        The verdict, e.g. "keeps 2.2× more of the experts' behaviour than the base model on
+        held-out data (...)" or "is worse than the base model on held-out data (...): do not
+        publish".
+    """
+    seen = [name for name, d in data.items() if d.get("kind") != "held-out"]
+    where = {
+        "held-out": "on held-out data",
+        "calibration": "on the calibration data the merge read, which flatters it",
+    }.get(evaluated_on, f"on held-out data (on seen calibration data for {', '.join(seen)})")
+    what = "mean KL to the experts" if measure == "kl" else "mean last-block error"
+    if merged_value is None:
+        return "has no output or block measured: no verdict"
+    if not math.isfinite(merged_value):
+        return f"is broken: its {what} is {merged_value} {where}: do not publish"
+    numbers = f"{what} {_fmt(merged_value)}"
+    if skipped:
+        return f"has a {numbers} {where}; reference rows skipped, so no comparison with the base"
+    if base_value is None or ratio is None:
+        return f"has a {numbers} {where}; the config names no base model to compare with"
+    numbers += f" vs the base model's {_fmt(base_value)}"
+    if math.isnan(ratio):
+        text = f"cannot be compared with the base model {where} ({numbers})"
+    elif ratio < 1.0:
+        text = f"is worse than the base model {where} ({numbers}): do not publish"
+    elif ratio == 1.0:
+        text = f"is no better than the base model {where} ({numbers}): do not publish"
+    elif math.isinf(ratio):
+        text = f"matches the experts exactly {where} ({numbers})"
+    else:
+        times = f"{ratio:.1f}" if ratio >= 1.1 else f"{ratio:.2f}"
+        text = (
+            f"keeps {times}× more of the experts' behaviour than the base model {where} ({numbers})"
+        )
+        if worse_tasks:
+            text += f"; but worse than the base model on {', '.join(worse_tasks)}"
+    if closer_experts and (ratio is None or ratio >= 1.0):
+        task, value = min(closer_experts, key=lambda e: e[1])
+        text += (
+            f"; the {task} expert alone is as close to all the experts ({what} "
+            f"{_fmt(value)}): the merge adds nothing over it"
+        )
+    return text
+
+
 def diagnose(
     cfg: ExtMergeConfig,
     merged_dirs: Sequence[str] | str,
@@ -807,11 +1202,15 @@ def diagnose(
     device: str = "cpu",
     cache_dir: Optional[str] = None,
     trust_remote_code: bool = False,
+    heldout: Sequence[str] = (),
+    data: DataMode = "heldout",
+    references: bool = True,
 ) -> list[dict[str, Any]] | dict[str, Any]:
     """Diagnose one merged folder (a dict) or several against the same experts (a list).
 
     Several merged folders share the experts' forward passes (each expert block runs once
-    per task, then each merged model's block).
+    per task, then each compared model's block). ``heldout`` / ``data`` / ``references``:
+    see :func:`plan_diagnosis`.
     """
     from mergekit_ext.executor.sequential import resolve_device
 
@@ -819,7 +1218,15 @@ def diagnose(
     dirs = [merged_dirs] if single else list(merged_dirs)
     torch_device = resolve_device(device)
     start = time.perf_counter()
-    plan = plan_diagnosis(cfg, dirs, cache_dir=cache_dir, trust_remote_code=trust_remote_code)
+    plan = plan_diagnosis(
+        cfg,
+        dirs,
+        cache_dir=cache_dir,
+        trust_remote_code=trust_remote_code,
+        heldout=heldout,
+        data=data,
+        references=references,
+    )
     results = Diagnoser(plan, torch_device).run()
     seconds = round(time.perf_counter() - start, 3)
     for r in results:
@@ -840,42 +1247,94 @@ def _cell(value: Optional[float], digits: int = 4) -> str:
     return f"{value:.{digits}f}"
 
 
-def format_table(result: dict[str, Any]) -> str:
-    """The terminal table: per task its agreement, KL, worst block and head."""
-    rows = [("task", "agreement", "KL", "worst block (rel. error)", "last block", "head")]
-    for name, t in result["tasks"].items():
+def _head_words(t: dict[str, Any]) -> str:
+    if t.get("itself"):
+        return "the expert itself"
+    if t["head"] == "expert":
+        return "expert's head on this body"
+    return "own" if t["output"] else "no head (blocks only)"
+
+
+def _model_rows(label: str, row: dict[str, Any]) -> list[tuple[str, ...]]:
+    rows = []
+    for name, t in row["tasks"].items():
         worst = t.get("worst_block")
         last = t["blocks"][-1]["relative_error"] if t["blocks"] else None
         rows.append(
             (
+                label,
                 name,
                 _cell(t["agreement"]),
                 _cell(t["kl"], 5),
                 f"{worst['index']} ({_cell(worst['relative_error'])})" if worst else "—",
                 _cell(last),
-                "expert's head on the merged body"
-                if t["head"] == "expert"
-                else ("merged" if t["output"] else "no head (blocks only)"),
+                _head_words(t),
             )
         )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    lines.append(
-        f"mean agreement {_cell(result.get('mean_agreement'))}, mean KL "
-        f"{_cell(result.get('mean_kl'), 5)}, mean last-block error "
-        f"{_cell(result.get('mean_last_block_error'))}"
-    )
-    for name, t in result["tasks"].items():
-        if t["expert_tensors_used"]:
+        label = ""
+    if len(row["tasks"]) > 1:
+        rows.append(
+            (
+                label,
+                "mean",
+                _cell(row.get("mean_agreement")),
+                _cell(row.get("mean_kl"), 5),
+                "",
+                _cell(row.get("mean_last_block_error")),
+                "",
+            )
+        )
+    return rows
+
+
+def format_report(results: Sequence[dict[str, Any]]) -> str:
+    """The terminal report of one or more merged models: which data, a table with the merged
+    models and the reference rows (base model, each expert alone), and each verdict."""
+    if not results:
+        return ""
+    first = results[0]
+    lines = ["Evaluation data:"]
+    for name, d in (first.get("data") or {}).items():
+        lines.append(f"  {name}: {d['note']}")
+    table = [("model", "task", "agreement", "KL", "worst block (rel. error)", "last block", "head")]
+    for r in results:
+        table += _model_rows(f"{r['merged']} (merged)", r)
+    refs = first.get("references") or {}
+    if refs.get("base"):
+        table += _model_rows(f"{refs['base']['model']} (base)", refs["base"])
+    for task, row in (refs.get("experts") or {}).items():
+        table += _model_rows(f"{row['model']} (expert {task} alone)", row)
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    body = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
+    body.insert(1, "  ".join("-" * w for w in widths))
+    lines += body
+    lines.append("KL: mean KL(expert ‖ model) on the task's data; agreement: top-1 / argmax.")
+    for r in results:
+        for name, t in r["tasks"].items():
+            if t["expert_tensors_used"]:
+                lines.append(
+                    f"{name}: {r['merged']} has no {', '.join(t['expert_tensors_used'])} of "
+                    "this task; the expert's own was used on the merged body"
+                )
+    lines.append("Verdict:")
+    for r in results:
+        ratio = r.get("base_ratio")
+        lines.append(f"  {r['merged']} {r.get('verdict', '')}")
+        if ratio is not None:
             lines.append(
-                f"{name}: {result['merged']} has no {', '.join(t['expert_tensors_used'])} of "
-                "this task; the expert's own was used on the merged body"
+                f"    base_ratio {_cell(ratio, 3)} (base model's {r['ratio_measure']} / this model's)"
             )
     return "\n".join(lines)
 
 
-def plot_block_errors(result: dict[str, Any], images_dir: str, filename: str) -> Any:
+def format_table(result: dict[str, Any]) -> str:
+    """The terminal report of one merged model (:func:`format_report`)."""
+    return format_report([result])
+
+
+def plot_block_errors(
+    result: dict[str, Any] | Sequence[dict[str, Any]], images_dir: str, filename: str
+) -> Any:
     """The per-block error plot of a diagnosis (:func:`mergekit_ext.reporting.plot_block_errors`)."""
     from mergekit_ext.reporting import plot_block_errors as plot
 

@@ -108,8 +108,25 @@ def _diagnose(out_dir: str, config_path: str, device: str) -> dict[str, Any]:
     result = diagnose(load_config(config_path), out_dir, device=device)
     result["config"] = os.path.basename(config_path)
     result["merged"] = os.path.basename(os.path.abspath(out_dir))  # no local path in a card
-    for task in result["tasks"].values():
-        task["model"] = "+".join(display_path(p) for p in str(task["model"]).split("+"))
+
+    def shown(label: str) -> str:
+        return "+".join(display_path(p) for p in str(label).split("+"))
+
+    refs = result.get("references") or {}
+    rows = [
+        result,
+        *([refs["base"]] if refs.get("base") else []),
+        *refs.get("experts", {}).values(),
+    ]
+    for row in rows:
+        if row is not result:
+            row["model"] = shown(row["model"])
+        for task in row["tasks"].values():
+            task["model"] = shown(task["model"])
+    for data in (result.get("data") or {}).values():
+        local = str(data["source"])
+        data["source"] = display_path(local)
+        data["note"] = data["note"].replace(local, data["source"])
     click.echo(format_table(result))
     with open(os.path.join(out_dir, DIAGNOSE_FILENAME), "w", encoding="utf-8") as fp:
         json.dump(jsonable(result), fp, indent=2)

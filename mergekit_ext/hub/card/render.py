@@ -337,6 +337,7 @@ def _diagnose_section(
     from mergekit_ext.reporting import as_float, plot_block_errors
 
     rows = []
+    base = ((result.get("references") or {}).get("base") or {}).get("tasks") or {}
     for task, t in (result.get("tasks") or {}).items():
         worst = t.get("worst_block") or {}
         rows.append(
@@ -344,6 +345,7 @@ def _diagnose_section(
                 "task": task,
                 "agreement": t.get("agreement"),
                 "kl": t.get("kl"),
+                "base_kl": (base.get(task) or {}).get("kl"),
                 "worst": f"{worst['index']} ({_fmt(as_float(worst.get('relative_error')))})"
                 if worst
                 else "—",
@@ -361,6 +363,9 @@ def _diagnose_section(
         "rows": rows,
         "mean_agreement": result.get("mean_agreement"),
         "mean_kl": result.get("mean_kl"),
+        "verdict": result.get("verdict"),
+        "heldout": result.get("evaluated_on") == "held-out",
+        "has_base": bool(base),
         "next_token": any(r["output"] == "next_token" for r in rows),
         "plots": plots,
     }
