@@ -11,6 +11,8 @@ the merge when the output is not what ``save_pretrained`` of the model's class w
 - **missing**: a tensor the class writes for the output's ``config.json`` is not in the
   output (a tied ``lm_head`` is not written by the class, so it is never asked for);
 - **wrong shape**: such a tensor has another shape;
+  A tensor the base checkpoint lacks too (ViTModel's pooler, for a checkpoint saved
+  without it) may be absent when mergekit's architecture definition marks it optional;
 - **foreign**: the output holds a tensor the class does not write and the base checkpoint
   does not hold (a buffer an old base checkpoint holds, such as ``rotary_emb.inv_freq``,
   is its own layout, not a foreign one).
@@ -126,8 +128,9 @@ def check_output_complete(
         base: (label, local folder) of the base model (mergekit's donor: ``base_model``, or
             the first model); its names are never foreign, and it is the reference when
             transformers has no class for the output.
-        optional: in that last case, the names that may be absent (mergekit's optional
-            weights), asked for only then.
+        optional: the names mergekit's architecture definition marks optional, asked for
+            only when needed: they may be absent when the base checkpoint lacks them too,
+            and, when transformers has no class for the output, they are not required.
 
     Returns:
         The number of tensors the output was compared with.
@@ -155,6 +158,17 @@ def check_output_complete(
         expected = {k: v for k, v in base_shapes.items() if k not in skip}
         holder = f"the base checkpoint {label}"
     missing, wrong, foreign = compare_layout(written, expected, base_shapes)
+    lacking = [n for n in missing if n not in base_shapes]
+    if lacking and base_shapes and optional is not None:
+        # e.g. ViTModel's pooler, absent from checkpoints saved without it: the base lacks it
+        # and mergekit's definition lets a merge omit it, so the output is as the base is
+        excused = set(lacking) & set(optional())
+        if excused:
+            LOG.info(
+                "not written, as the base checkpoint lacks them (optional): %s",
+                _listed(sorted(excused)),
+            )
+            missing = [n for n in missing if n not in excused]
     if not (missing or wrong or foreign):
         LOG.debug("the output holds every tensor %s holds (%d)", holder, len(expected))
         return len(expected)

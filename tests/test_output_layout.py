@@ -266,3 +266,39 @@ def test_check_reads_only_the_checkpoints_own_files(tiny_llama_set, tmp_path) ->
     os.makedirs(os.path.join(out, "tasks", "t"))
     save_file({"x": torch.zeros(1)}, os.path.join(out, "tasks", "t", "model.safetensors"))
     assert completeness.written_shapes(out) == tensor_shapes(tiny_llama_set.base)
+
+
+def test_optional_tensor_the_base_lacks_is_not_asked_for(tmp_path) -> None:
+    """ViTModel's class writes a pooler, but checkpoints saved without one (DINO-style) lack
+    it; mergekit's definition marks it optional, so the merge is as complete as its base."""
+    cfg = transformers.ViTConfig(
+        image_size=16,
+        patch_size=4,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+    )
+    torch.manual_seed(0)
+    base = str(tmp_path / "base")
+    transformers.ViTModel(cfg, add_pooling_layer=False).save_pretrained(base)
+    experts = make_experts(
+        base,
+        [str(tmp_path / f"e{i}") for i in range(2)],
+        load=lambda p: transformers.ViTModel.from_pretrained(p, add_pooling_layer=False),
+    )
+    assert not [k for k in tensor_shapes(base) if "pooler" in k]
+    out = merge("ties", base, experts, str(tmp_path / "out"))
+    assert tensor_shapes(out) == tensor_shapes(base)
+    with pytest.raises(TensorError, match="pooler.dense.weight"):  # excused by mergekit only
+        completeness.check_output_complete(out, ("base", base))
+    # a tensor the base holds is still required, optional or not
+    os.remove(os.path.join(out, "model.safetensors"))
+    kept = {k: v for k, v in load_all(base).items() if k != "layernorm.bias"}
+    save_file(kept, os.path.join(out, "model.safetensors"))
+    with pytest.raises(TensorError, match="layernorm.bias"):
+        completeness.check_output_complete(
+            out,
+            ("base", base),
+            optional=lambda: {"pooler.dense.weight", "pooler.dense.bias", "layernorm.bias"},
+        )
