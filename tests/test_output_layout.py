@@ -144,6 +144,23 @@ def moe_set(request, tmp_path_factory):
     return request.param, base, experts
 
 
+def test_mergekit_is_given_the_checkpoint_tensors(moe_set) -> None:
+    """The architecture mergekit plans with names exactly the checkpoint's tensors."""
+    from mergekit.architecture import arch_info_for_config
+
+    _, base, _ = moe_set
+    config = transformers.AutoConfig.from_pretrained(base)
+    weights = arch_info_for_config(config).all_weights(config)
+    names = [w.name for w in weights]
+    assert len(names) == len(set(names))
+    assert set(names) == set(tensor_shapes(base))
+    by_name = {w.name: w for w in weights}
+    assert by_name["model.embed_tokens.weight"].vocabulary_axis == 0
+    head = by_name["lm_head.weight"]
+    assert head.vocabulary_axis == 0 and head.tied_names == ("model.embed_tokens.weight",)
+    assert not [w.name for w in weights if w.optional and w.name != "lm_head.weight"]
+
+
 @pytest.mark.parametrize("method", ["ties", "ace"])
 def test_moe_merge_keeps_checkpoint_layout(moe_set, method, tmp_path) -> None:
     model_type, base, experts = moe_set
