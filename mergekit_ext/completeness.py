@@ -9,10 +9,10 @@ Mixtral and Qwen-MoE it wrote transformers 5's fused in-memory tensors
 the merge when the output is not what ``save_pretrained`` of the model's class would write:
 
 - **missing**: a tensor the class writes for the output's ``config.json`` is not in the
-  output (a tied ``lm_head`` is not written by the class, so it is never asked for);
+  output (a tied ``lm_head`` is not written by the class, so it is never asked for). A
+  tensor the base checkpoint lacks too (ViTModel's pooler, for a checkpoint saved without
+  it) may be absent when mergekit's architecture definition marks it optional;
 - **wrong shape**: such a tensor has another shape;
-  A tensor the base checkpoint lacks too (ViTModel's pooler, for a checkpoint saved
-  without it) may be absent when mergekit's architecture definition marks it optional;
 - **foreign**: the output holds a tensor the class does not write and the base checkpoint
   does not hold (a buffer an old base checkpoint holds, such as ``rotary_emb.inv_freq``,
   is its own layout, not a foreign one).

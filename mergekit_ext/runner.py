@@ -5,8 +5,8 @@ home directory; ``--overwrite`` only of a mergekit-ext output) and ``--push-to-h
 ``OUT_DIR`` → validate everything (method, paths, shapes, parameters, calibration) → pick the executor by the method's kind (mergekit's own planner
 for tensor-local methods, our sequential executor for layerwise methods, the adaptation
 loop for SyMerge) → write weights, ``mergekit_config.yml``, the diagnostics JSON and the
-model card into a temporary folder → check every written tensor for NaN/Inf and that the checkpoint is complete, in the base's
-layout (``completeness``) → rename it into place.
+model card into a temporary folder → check every written tensor for NaN/Inf, and that the
+checkpoint is complete and in the base's layout (``completeness``) → rename it into place.
 
 Several processes (``torchrun``, :mod:`mergekit_ext.distributed`): every rank validates;
 only rank 0 checks and locks ``OUT_DIR``, writes the temporary folder and renames it. The
