@@ -14,6 +14,9 @@ Comparing tensor names across inputs would call such models incompatible; they a
   ``model.embed_tokens.weight`` when ``tie_word_embeddings``), from transformers'
   ``get_expanded_tied_weights_keys``.
 - :func:`check_tied_weights`: the rule for inputs that disagree on tying (see there).
+- :func:`saved_state_dict`: the tensors ``save_pretrained`` of the class writes, by their
+  checkpoint names (Mixtral's per-expert ``block_sparse_moe.experts.N.w1.weight``, not the
+  fused ``mlp.experts.gate_up_proj`` the class holds in memory).
 
 Nothing here reads a weight: configs, safetensors headers and a model built on the meta
 device only.
@@ -51,6 +54,33 @@ def meta_model(config: transformers.PretrainedConfig) -> nn.Module:
         if cls is not None:
             return cls(config)
         return transformers.AutoModel.from_config(config)
+
+
+def saved_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``{checkpoint key: tensor}`` as ``save_pretrained`` writes ``model`` (meta tensors welcome).
+
+    ``save_pretrained``'s own steps on ``model.state_dict()``: keys to ignore on save, tied
+    weights (a tied ``lm_head`` is not written) and transformers' reverted load-time
+    conversion (fused experts back to per-expert tensors). Non-persistent buffers are no
+    part of a ``state_dict``.
+
+    Args:
+        model: a transformers model, e.g. :func:`meta_model`.
+
+    Returns:
+        The checkpoint keys with their (possibly meta) tensors.
+
+    Raises:
+        Exception: whatever transformers raises for a conversion it cannot revert.
+    """
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    state = model.state_dict()
+    for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
+        state.pop(key, None)
+    state = remove_tied_weights_from_state_dict(state, model)
+    return dict(revert_weight_conversion(model, state))
 
 
 def rename_to_module_keys(model: nn.Module, checkpoint_keys: Iterable[str]) -> dict[str, str]:

@@ -125,8 +125,6 @@ def _config_shapes(
 ) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
     import torch
     import transformers
-    from transformers.core_model_loading import revert_weight_conversion
-    from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
     from mergekit_ext import model_class
 
@@ -155,12 +153,8 @@ def _config_shapes(
             f"model {path!r} has no weights and its transformers class cannot be built from "
             f"its config.json ({type(e).__name__}: {' '.join(str(e).split())})"
         ) from None
-    state = model.state_dict()
-    for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
-        state.pop(key, None)
-    state = remove_tied_weights_from_state_dict(state, model)
     try:  # the checkpoint format (e.g. Mixtral's per-expert tensors), as save_pretrained writes
-        state = revert_weight_conversion(model, state)
+        state = model_class.saved_state_dict(model)
     except Exception as e:  # noqa: BLE001 - a conversion that needs real tensors
         raise ModelInputError(
             f"model {path!r} has no weights, and transformers cannot derive its checkpoint "

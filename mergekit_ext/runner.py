@@ -5,8 +5,8 @@ home directory; ``--overwrite`` only of a mergekit-ext output) and ``--push-to-h
 ``OUT_DIR`` → validate everything (method, paths, shapes, parameters, calibration) → pick the executor by the method's kind (mergekit's own planner
 for tensor-local methods, our sequential executor for layerwise methods, the adaptation
 loop for SyMerge) → write weights, ``mergekit_config.yml``, the diagnostics JSON and the
-model card into a temporary folder → check every written tensor for NaN/Inf → rename it
-into place.
+model card into a temporary folder → check every written tensor for NaN/Inf, and that the
+checkpoint is complete and in the base's layout (``completeness``) → rename it into place.
 
 Several processes (``torchrun``, :mod:`mergekit_ext.distributed`): every rank validates;
 only rank 0 checks and locks ``OUT_DIR``, writes the temporary folder and renames it. The
@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 from mergekit.options import MergeOptions
 
-from mergekit_ext import checks, diagnostics, finite, tokenization
+from mergekit_ext import checks, completeness, diagnostics, finite, tokenization
 from mergekit_ext import distributed as dist_context
 from mergekit_ext.config import ExtMergeConfig
 from mergekit_ext.errors import MergekitExtError, PublishError
@@ -171,6 +171,7 @@ def run_merge_config(
                         trust_remote_code=options.trust_remote_code,
                     )
                 finite.check_output_finite(tmp, _input_models(cfg))
+                _check_complete(cfg, tmp, options)
             assert meter.usage is not None
             recorder.set_header("resources", meter.usage.to_json())
             _write_metadata(cfg, tmp, target, options, run, recorder)
@@ -235,6 +236,7 @@ def _run_distributed(
                             trust_remote_code=options.trust_remote_code,
                         )
                 finite.check_output_finite(tmp, _input_models(cfg))
+                _check_complete(cfg, tmp, options)
                 _write_metadata(cfg, tmp, target, options, run, recorder)
     except BaseException as e:
         if prologue:
@@ -256,6 +258,16 @@ def _input_models(cfg: ExtMergeConfig) -> list[tuple[str, str]]:
             if os.path.isdir(path):
                 found.append((path, path))
     return found
+
+
+def _check_complete(cfg: ExtMergeConfig, tmp: str, options: MergeOptions) -> None:
+    """Every tensor of the base's checkpoint layout written, nothing foreign (``completeness``)."""
+    ref = str(cfg.merge.base_model or cfg.merge.referenced_models()[0])
+    completeness.check_output_complete(
+        tmp,
+        (ref, _donor_folder(cfg, options)),
+        optional=lambda: completeness.mergekit_optional_names(cfg.merge, options),
+    )
 
 
 def _write_metadata(

@@ -47,6 +47,11 @@ OWN_DEFINITIONS = {
     "CLIPVisionModel",
     "CLIPVisionModelWithProjection",
     "CLIPModel",
+    # checkpoint layout (per-expert tensors; mergekit names transformers 5's fused ones)
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "DeepseekV3ForCausalLM",
 }
 TASK_WEIGHTS = (0.6, 0.3, 1.2)
 

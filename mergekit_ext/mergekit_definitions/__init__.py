@@ -20,6 +20,11 @@ Importing this package (done by ``import mergekit_ext``) registers, in memory on
   alias tuple for such weights and raises ``TypeError`` on every merge. The repaired copy
   keeps the primary name only (``position_ids`` is a non-persistent buffer in transformers 5).
 
+- a *checkpoint layout* for the classes transformers 5 holds in a fused layout that their
+  checkpoints do not use (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3: experts fused in
+  memory, per expert on disk): :mod:`.checkpoint_layout` lists the tensors
+  ``save_pretrained`` writes, so merges read and write the per-expert matrices.
+
 Registration puts our definition first in the candidate list of its class name, so it wins
 over any same-``model_type`` definition mergekit ships; nothing on disk is changed.
 """
@@ -35,6 +40,10 @@ from mergekit.architecture.json_definitions import (
     JsonLayerTemplates,
     JsonModuleArchDef,
     JsonModuleArchitecture,
+)
+
+from mergekit_ext.mergekit_definitions.checkpoint_layout import (
+    checkpoint_layout_architectures,
 )
 
 LOG = logging.getLogger(__name__)
@@ -127,6 +136,9 @@ def register_architectures() -> list[str]:
             _put_first(name, arch)
         if arch not in json_definitions.JSON_ARCHITECTURES:
             json_definitions.JSON_ARCHITECTURES.append(arch)
+    for arch in checkpoint_layout_architectures():
+        for name in arch.architectures:
+            _put_first(name, arch)
     for name, candidates in list(json_definitions.NAME_TO_ARCH.items()):
         repaired = [repair_optional_aliases(c) for c in candidates]
         if any(r is not None for r in repaired):

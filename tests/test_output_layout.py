@@ -1,0 +1,321 @@
+"""Nothing missing, nothing in a foreign layout (issue #30 item 0; docs/methods.md, Output
+completeness).
+
+Tiny random Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 checkpoints (hidden 64, 2 layers,
+4 experts) are built here from transformers' config classes; transformers 5 saves their
+experts per expert (``experts.0.w1.weight``) although it holds them fused in memory. A
+tensor-wise merge (mergekit's ``ties``, our ``ace``) must write the same tensors as the base
+checkpoint, merge each expert matrix as a matrix, and give a model transformers loads with
+no missing key. The completeness check itself must stop a merge that lost a tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import transformers
+from mergekit.io.tensor_writer import TensorWriter
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tiny_models import VOCAB_SIZE, make_experts, save_tiny_tokenizer
+
+import mergekit_ext
+from mergekit_ext import completeness
+from mergekit_ext.errors import TensorError
+from mergekit_ext.methods.ace import ACEParameters, ace_merge_tensor
+from mergekit_ext.model_paths import tensor_shapes
+from mergekit_ext.output import MARKER_FILE
+
+_COMMON = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+    pad_token_id=0,
+    bos_token_id=4,
+    eos_token_id=5,
+)
+MOE = {
+    "mixtral": (
+        transformers.MixtralConfig,
+        transformers.MixtralForCausalLM,
+        dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
+    ),
+    "qwen2_moe": (
+        transformers.Qwen2MoeConfig,
+        transformers.Qwen2MoeForCausalLM,
+        dict(
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+        ),
+    ),
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        dict(
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            head_dim=16,
+        ),
+    ),
+    # layer 0 dense, layer 1 routed + shared experts (the layer whose experts went missing)
+    "deepseek_v3": (
+        transformers.DeepseekV3Config,
+        transformers.DeepseekV3ForCausalLM,
+        dict(
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            kv_lora_rank=16,
+            q_lora_rank=32,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+        ),
+    ),
+}
+EXPERT_MARKER = ".experts."  # routed experts: ``experts.N.`` on disk, never a shared expert's
+
+
+def make_tiny_moe(path: str, model_type: str, seed: int = 0) -> str:
+    """A tiny random MoE causal LM of ``model_type``, saved by ``save_pretrained``."""
+    config_cls, model_cls, extra = MOE[model_type]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**_COMMON, **extra))
+    model.save_pretrained(path)
+    save_tiny_tokenizer(path)
+    return path
+
+
+def load_all(folder: str) -> dict[str, torch.Tensor]:
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(folder, name), framework="pt") as f:
+                out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+def merge(method: str, base: str, experts: list[str], out: str) -> str:
+    params = {"weight": 0.5, "density": 0.5} if method == "ties" else {}
+    config = {
+        "merge_method": method,
+        "base_model": base,
+        "models": [{"model": e, **({"parameters": params} if params else {})} for e in experts],
+        "dtype": "float32",
+    }
+    return mergekit_ext.run_merge(config, out, {"random_seed": 0})
+
+
+def assert_loads_cleanly(folder: str) -> None:
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, output_loading_info=True
+    )
+    assert not info["missing_keys"], info["missing_keys"]
+    assert not info["unexpected_keys"], info["unexpected_keys"]
+    assert not info["mismatched_keys"], info["mismatched_keys"]
+    assert not info["error_msgs"], info["error_msgs"]
+    with torch.no_grad():
+        logits = model(torch.tensor([[4, 10, 20, 30, 40, 11]])).logits
+    assert torch.isfinite(logits).all()
+
+
+@pytest.fixture(scope="module", params=sorted(MOE))
+def moe_set(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    base = make_tiny_moe(str(root / "base"), request.param)
+    experts = make_experts(base, [str(root / f"expert{i}") for i in range(2)])
+    return request.param, base, experts
+
+
+def test_mergekit_is_given_the_checkpoint_tensors(moe_set) -> None:
+    """The architecture mergekit plans with names exactly the checkpoint's tensors."""
+    from mergekit.architecture import arch_info_for_config
+
+    _, base, _ = moe_set
+    config = transformers.AutoConfig.from_pretrained(base)
+    weights = arch_info_for_config(config).all_weights(config)
+    names = [w.name for w in weights]
+    assert len(names) == len(set(names))
+    assert set(names) == set(tensor_shapes(base))
+    by_name = {w.name: w for w in weights}
+    assert by_name["model.embed_tokens.weight"].vocabulary_axis == 0
+    head = by_name["lm_head.weight"]
+    assert head.vocabulary_axis == 0 and head.tied_names == ("model.embed_tokens.weight",)
+    assert not [w.name for w in weights if w.optional and w.name != "lm_head.weight"]
+
+
+@pytest.mark.parametrize("method", ["ties", "ace"])
+def test_moe_merge_keeps_checkpoint_layout(moe_set, method, tmp_path) -> None:
+    model_type, base, experts = moe_set
+    base_shapes = tensor_shapes(base)
+    routed = sorted(k for k in base_shapes if EXPERT_MARKER in k)
+    assert routed and all(len(base_shapes[k]) == 2 for k in routed)  # per-expert matrices
+
+    out = merge(method, base, experts, str(tmp_path / "out"))
+
+    assert tensor_shapes(out) == base_shapes  # same names, same shapes: nothing fused
+    assert_loads_cleanly(out)
+    merged, b = load_all(out), load_all(base)
+    e = [load_all(x) for x in experts]
+    for key in routed:  # every expert matrix was merged, not copied from an input
+        assert not torch.equal(merged[key], b[key]), key
+        assert not any(torch.equal(merged[key], x[key]) for x in e), key
+    if method == "ace":  # each expert matrix is merged as the matrix it is
+        p = ACEParameters()
+        for key in routed[:3]:
+            want, _ = ace_merge_tensor(
+                b[key],
+                [x[key] for x in e],
+                eps=p.eps,
+                k_frac=p.k_frac,
+                gamma_threshold=p.gamma_threshold,
+                normalize=p.normalize,
+                scale=p.scale,
+                heterogeneity_rule=p.heterogeneity,
+                spread_threshold=p.spread_threshold,
+                name=key,
+            )
+            torch.testing.assert_close(merged[key], want, rtol=1e-6, atol=1e-6)
+            simple_mean = b[key] + torch.stack([x[key] - b[key] for x in e]).mean(0)
+            assert not torch.allclose(merged[key], simple_mean, atol=1e-6), key
+
+
+def test_dense_llama_passes_the_check(tiny_llama_set, tmp_path) -> None:
+    out = merge("ties", tiny_llama_set.base, list(tiny_llama_set.experts[:2]), str(tmp_path / "o"))
+    assert tensor_shapes(out) == tensor_shapes(tiny_llama_set.base)
+    assert_loads_cleanly(out)
+
+
+def test_tied_embeddings_are_not_flagged(tmp_path) -> None:
+    torch.manual_seed(0)
+    cfg = {**_COMMON, "tie_word_embeddings": True, "hidden_size": 32, "intermediate_size": 64}
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
+    tied = str(tmp_path / "tied")
+    model.save_pretrained(tied)
+    save_tiny_tokenizer(tied)
+    assert "lm_head.weight" not in tensor_shapes(tied)
+    experts = make_experts(tied, [str(tmp_path / f"e{i}") for i in range(2)])
+    for method in ("ties", "ace"):
+        out = merge(method, tied, experts, str(tmp_path / method))
+        assert tensor_shapes(out) == tensor_shapes(tied)  # no lm_head asked for or written
+        assert_loads_cleanly(out)
+
+
+def _tamper(monkeypatch, how: str, victim: str) -> None:
+    original = TensorWriter.save_tensor
+
+    def save_tensor(self, name, tensor, *args, **kwargs):
+        if name == victim:
+            if how == "drop":
+                return None
+            if how == "rename":
+                name = name.replace("mlp.down_proj", "mlp.fused_down_proj")
+            if how == "transpose":
+                tensor = tensor.t().contiguous()
+        return original(self, name, tensor, *args, **kwargs)
+
+    monkeypatch.setattr(TensorWriter, "save_tensor", save_tensor)
+
+
+@pytest.mark.parametrize(
+    "how, said",
+    [
+        ("drop", "missing"),
+        ("rename", "neither a LlamaForCausalLM checkpoint nor the base checkpoint uses"),
+        ("transpose", "[64, 32] (expected [32, 64])"),
+    ],
+)
+def test_check_stops_a_merge_that_lost_a_tensor(
+    tiny_llama_set, tmp_path, monkeypatch, how, said
+) -> None:
+    victim = "model.layers.1.mlp.down_proj.weight"
+    _tamper(monkeypatch, how, victim)
+    out = tmp_path / "out"
+    with pytest.raises(TensorError) as err:
+        merge("ties", tiny_llama_set.base, list(tiny_llama_set.experts[:2]), str(out))
+    message = str(err.value)
+    assert victim in message and said in message and "Nothing was written" in message
+    assert not out.exists()
+    assert os.listdir(tmp_path) == []  # no partial folder, no lock left behind
+
+
+def _folder(path, tensors: dict[str, torch.Tensor], config: dict) -> str:
+    os.makedirs(path)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as fp:
+        json.dump(config, fp)
+    return str(path)
+
+
+def test_without_a_transformers_class_the_base_checkpoint_is_the_reference(tmp_path) -> None:
+    config = {"model_type": "no_such_model", "architectures": ["NoSuchModelForCausalLM"]}
+    a, b = torch.zeros(2, 3), torch.ones(3)
+    base = _folder(tmp_path / "base", {"a.weight": a, "b.bias": b}, config)
+    out = _folder(tmp_path / "out", {"a.weight": a}, config)
+    with pytest.raises(TensorError, match=r"the base checkpoint base holds are missing: b\.bias"):
+        completeness.check_output_complete(out, ("base", base))
+    # mergekit's definition says b.bias is optional: not asked for
+    assert completeness.check_output_complete(out, ("base", base), optional=lambda: {"b.bias"}) == 1
+
+
+def test_check_reads_only_the_checkpoints_own_files(tiny_llama_set, tmp_path) -> None:
+    """The check reads only the checkpoint's own weight files (diagnostics, card, tokenizer
+    and subfolders such as SyMerge's tasks/ are no part of it)."""
+    out = merge("ties", tiny_llama_set.base, list(tiny_llama_set.experts[:2]), str(tmp_path / "o"))
+    assert os.path.isfile(os.path.join(out, MARKER_FILE))
+    os.makedirs(os.path.join(out, "tasks", "t"))
+    save_file({"x": torch.zeros(1)}, os.path.join(out, "tasks", "t", "model.safetensors"))
+    assert completeness.written_shapes(out) == tensor_shapes(tiny_llama_set.base)
+
+
+def test_optional_tensor_the_base_lacks_is_not_asked_for(tmp_path) -> None:
+    """ViTModel's class writes a pooler, but checkpoints saved without one (DINO-style) lack
+    it; mergekit's definition marks it optional, so the merge is as complete as its base."""
+    cfg = transformers.ViTConfig(
+        image_size=16,
+        patch_size=4,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+    )
+    torch.manual_seed(0)
+    base = str(tmp_path / "base")
+    transformers.ViTModel(cfg, add_pooling_layer=False).save_pretrained(base)
+    experts = make_experts(
+        base,
+        [str(tmp_path / f"e{i}") for i in range(2)],
+        load=lambda p: transformers.ViTModel.from_pretrained(p, add_pooling_layer=False),
+    )
+    assert not [k for k in tensor_shapes(base) if "pooler" in k]
+    out = merge("ties", base, experts, str(tmp_path / "out"))
+    assert tensor_shapes(out) == tensor_shapes(base)
+    with pytest.raises(TensorError, match="pooler.dense.weight"):  # excused by mergekit only
+        completeness.check_output_complete(out, ("base", base))
+    # a tensor the base holds is still required, optional or not
+    os.remove(os.path.join(out, "model.safetensors"))
+    kept = {k: v for k, v in load_all(base).items() if k != "layernorm.bias"}
+    save_file(kept, os.path.join(out, "model.safetensors"))
+    with pytest.raises(TensorError, match="layernorm.bias"):
+        completeness.check_output_complete(
+            out,
+            ("base", base),
+            optional=lambda: {"pooler.dense.weight", "pooler.dense.bias", "layernorm.bias"},
+        )
