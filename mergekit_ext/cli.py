@@ -36,24 +36,41 @@ LOG = logging.getLogger(__name__)
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, handled like Ctrl-C: the temporary output is removed, the exit is non-zero."""
+    """SIGTERM or SIGHUP, handled like Ctrl-C: the temporary output and the lock are removed,
+    the exit is 128 + the signal's number."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(signum)
+        self.signum = int(signum)
 
 
 def _raise_terminated(signum: int, frame: Any) -> None:
-    raise Terminated()
+    raise Terminated(signum)
+
+
+# SIGHUP: the terminal that started the merge was closed (an ssh session that dropped).
+_TERMINATING = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)
+)
 
 
 @contextlib.contextmanager
 def _sigterm_as_interrupt() -> Iterator[None]:
-    """While a merge runs, SIGTERM raises :class:`Terminated` (the previous handler after)."""
+    """While a merge runs, SIGTERM and SIGHUP raise :class:`Terminated` (the previous
+    handlers after). A SIGHUP that was ignored when we started (``nohup``) stays ignored."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    previous = {}
+    for signum in _TERMINATING:
+        if signum != signal.SIGTERM and signal.getsignal(signum) == signal.SIG_IGN:
+            continue
+        previous[signum] = signal.signal(signum, _raise_terminated)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _friendly_errors(verbose_of: Callable[[dict[str, Any]], int]) -> Callable:
@@ -67,9 +84,12 @@ def _friendly_errors(verbose_of: Callable[[dict[str, Any]], int]) -> Callable:
             except (click.exceptions.Exit, click.ClickException, click.Abort):
                 raise
             except KeyboardInterrupt as e:
-                what = "terminated" if isinstance(e, Terminated) else "interrupted"
-                click.echo(f"{what}; no output was written", err=True)
-                sys.exit(143 if isinstance(e, Terminated) else 130)
+                if isinstance(e, Terminated):
+                    name = signal.Signals(e.signum).name
+                    click.echo(f"terminated ({name}); no output was written", err=True)
+                    sys.exit(128 + e.signum)
+                click.echo("interrupted; no output was written", err=True)
+                sys.exit(130)
             except Exception as e:  # noqa: BLE001 - the CLI boundary
                 if verbose_of(kwargs) > 0:
                     traceback.print_exc()

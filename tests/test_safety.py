@@ -311,19 +311,22 @@ def test_sigkilled_merge_is_cleaned_up_by_the_next_run(work):
 
 
 @pytest.mark.slow
-def test_sigterm_is_handled_like_ctrl_c(work):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_sigterm_and_sighup_are_handled_like_ctrl_c(work, signum):
+    """SIGHUP (the terminal was closed) cleans up like SIGTERM (issue #28, 12)."""
     env = _env(MKX_TEST_READY=str(work / "ready"), MKX_TEST_GO=str(work / "go"))
     proc = _cli("run", "ace.yml", "out", "--plugin", "plugins/pause.py", cwd=work, env=env)
     try:
         _wait_for(work / "ready", proc)
-        proc.send_signal(signal.SIGTERM)
+        assert _leftovers(work) and (work / ".out.lock").exists()  # the state a kill leaves
+        proc.send_signal(signum)
         code, output = _finish(proc, timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert code == 143, output
-    assert "terminated; no output was written" in output
+    assert code == 128 + signum, output
+    assert f"terminated ({signal.Signals(signum).name}); no output was written" in output
     assert not (work / "out").exists()
     assert _leftovers(work) == [] and not (work / ".out.lock").exists()
 
