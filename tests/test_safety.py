@@ -342,7 +342,9 @@ def _with_nan(src: str, dst, tensor: str) -> str:
     return str(dst)
 
 
-def test_nan_through_mergekit_method_is_caught_and_traced(models, tmp_path):
+@pytest.mark.parametrize("serialization", [[], ["--no-safe-serialization"]], ids=["st", "bin"])
+def test_nan_through_mergekit_method_is_caught_and_traced(models, tmp_path, serialization):
+    """Also with ``--no-safe-serialization`` (pytorch_model.bin) (issue #28, 5)."""
     base, experts = models
     bad = _with_nan(experts[0], tmp_path / "bad", "model.layers.1.mlp.up_proj.weight")
     config = {
@@ -354,9 +356,12 @@ def test_nan_through_mergekit_method_is_caught_and_traced(models, tmp_path):
         "dtype": "float32",
     }
     (tmp_path / "ties.yml").write_text(yaml.safe_dump(config))
-    result = _invoke(["run", tmp_path / "ties.yml", tmp_path / "out"])
+    result = _invoke(["run", tmp_path / "ties.yml", tmp_path / "out", *serialization])
     assert result.exit_code == 1, result.output
-    assert "tensor model.layers.1.mlp.up_proj.weight of the merged model" in result.output
+    written = "pytorch_model.bin" if serialization else "model.safetensors"
+    assert (
+        f"tensor model.layers.1.mlp.up_proj.weight of the merged model ({written})" in result.output
+    )
     assert f"it comes from {bad}" in result.output
     assert not (tmp_path / "out").exists() and _leftovers(tmp_path) == []
 
