@@ -345,7 +345,9 @@ def diagnose_command(
     for plugin in plugins:
         _import_plugin(plugin)
     cfg = load_config(config_file)
-    _check_diagnose_outputs(cfg, merged_dir, [p for p in (json_path, plots_dir) if p])
+    plot_file = os.path.join(plots_dir, "diagnose_block_errors.png") if plots_dir else None
+    outputs = [("--json", json_path), ("--plots", plots_dir), ("--plots", plot_file)]
+    _check_diagnose_outputs(cfg, merged_dir, [(o, p) for o, p in outputs if p])
     result = diagnose(cfg, merged_dir, device=device, trust_remote_code=trust_remote_code)
     click.echo(format_table(result))
     if json_path:
@@ -356,19 +358,21 @@ def diagnose_command(
         click.echo(f"plot written to {plots_dir}/{plot.path.rsplit('/', 1)[-1]}")
 
 
-def _check_diagnose_outputs(cfg: Any, merged_dir: str, outputs: list[str]) -> None:
-    """The outputs of ``diagnose`` may not overwrite an input (config, data, model files)."""
-    import os
-
+def _check_diagnose_outputs(cfg: Any, merged_dir: str, outputs: list[tuple[str, str]]) -> None:
+    """``--json`` / ``--plots`` may not be nor lie inside an input: the config's models,
+    tokenizer source, data and config, and the merged folder itself (its own records)."""
     from mergekit_ext.checks import local_input_paths
+    from mergekit_ext.output import check_write_path
 
-    inputs = [os.path.realpath(p) for p in local_input_paths(cfg)]
-    for out in outputs:
-        real = os.path.realpath(out)
-        if real in inputs or (os.path.isdir(merged_dir) and real == os.path.realpath(merged_dir)):
-            raise MergekitExtError(
-                f"{out} is an input of the diagnosis; write the output elsewhere"
-            )
+    inputs = [*local_input_paths(cfg), merged_dir]
+    for option, out in outputs:
+        check_write_path(
+            out,
+            inputs,
+            what=option,
+            advice="write it outside every model, data file and config the diagnosis reads "
+            "(`mergekit-ext card MERGED_DIR --diagnose CONFIG` keeps a diagnosis with the merge)",
+        )
 
 
 def write_diagnosis_json(result: dict[str, Any], path: str) -> None:

@@ -285,7 +285,8 @@ def _write_metadata(
         from mergekit_ext.hub.card import write_model_card
 
         _write_config_copy(cfg.source_text, tmp)
-        write_model_card(tmp, name=os.path.basename(target), repo_id=run.push_to_hub)
+        # the temporary folder is the merge's own: nothing of the user's to keep
+        write_model_card(tmp, name=os.path.basename(target), repo_id=run.push_to_hub, force=True)
     _write_config_copy(published, tmp)
 
 

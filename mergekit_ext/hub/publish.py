@@ -218,7 +218,9 @@ def list_upload_files(out_dir: str) -> list[FolderFile]:
     rel_to_abs = {
         p.relative_to(root).as_posix(): p for p in sorted(root.glob("**/*")) if p.is_file()
     }
-    kept = filter_repo_objects(list(rel_to_abs), ignore_patterns=list(DEFAULT_IGNORE_PATTERNS))
+    # README.md.bak*: a hand-edited card that `card --force` replaced, a local copy only
+    ignore = [*DEFAULT_IGNORE_PATTERNS, "README.md.bak*"]
+    kept = filter_repo_objects(list(rel_to_abs), ignore_patterns=ignore)
     return [FolderFile(rel, rel_to_abs[rel].stat().st_size) for rel in kept]
 
 
@@ -281,13 +283,20 @@ def card_to_upload(
     """The ``README.md`` text that goes to ``repo_id``: the card rendered for the repository
     (title, loading snippets), or the local file as it is with ``keep_card`` or for a folder
     that is not a mergekit-ext merge (no ``mergekit_config.yml`` to render a card from)."""
-    from mergekit_ext.hub.card import CONFIG_FILENAME, render_card_for_repo
+    from mergekit_ext.hub.card import CONFIG_FILENAME, card_is_unedited, render_card_for_repo
 
+    readme = Path(out_dir, "README.md")
     if keep_card:
-        return Path(out_dir, "README.md").read_text(encoding="utf-8")
+        return readme.read_text(encoding="utf-8")
     if not Path(out_dir, CONFIG_FILENAME).is_file():
         LOG.info("%s has no %s: README.md is uploaded as it is", out_dir, CONFIG_FILENAME)
-        return Path(out_dir, "README.md").read_text(encoding="utf-8")
+        return readme.read_text(encoding="utf-8")
+    if not card_is_unedited(str(readme)):
+        LOG.warning(
+            "%s was edited by hand (or not written by mergekit-ext): the card uploaded is "
+            "rendered anew and does not carry your edits; pass --keep-card to upload yours",
+            readme,
+        )
     text = render_card_for_repo(out_dir, repo_id, template_dir=template_dir)
     missing = [link for link in _IMAGE_LINK.findall(text) if not Path(out_dir, link).is_file()]
     if missing:
@@ -322,6 +331,17 @@ def staged_folder(out_dir: str, card_text: str) -> Iterator[str]:
     """
     import tempfile
 
+    from mergekit_ext.output import OutputError, check_write_path
+
+    try:  # the staging folder is made in the temporary folder: never inside out_dir
+        check_write_path(
+            tempfile.gettempdir(),
+            [out_dir],
+            what="the upload's staging folder (in the temporary folder)",
+            advice="set TMPDIR to a folder outside it",
+        )
+    except OutputError as e:
+        raise PublishError(str(e)) from None
     with tempfile.TemporaryDirectory(prefix="mergekit-ext-publish-") as staging:
         root = Path(staging)
         for f in list_upload_files(out_dir):
