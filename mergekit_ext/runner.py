@@ -159,7 +159,8 @@ def run_merge_config(
                 elif kind == "layerwise":
                     _run_layerwise(cfg, tmp, options, recorder)
                 elif kind == "adaptation":
-                    _run_adaptation(cfg, tmp, options, run, recorder, body_path=out_path)
+                    body = _adapter_body_path(out_path)
+                    _run_adaptation(cfg, tmp, options, run, recorder, body_path=body)
                 else:  # pragma: no cover - registry guarantees the kinds
                     raise MergekitExtError(f"unknown method kind {kind!r}")
                 if out_tokenizer is not None:
@@ -246,6 +247,18 @@ def _run_distributed(
     if run.push_to_hub:
         _publish(out_path, run)
     return os.path.abspath(out_path)
+
+
+def _adapter_body_path(out_path: str) -> str:
+    """How SyMerge's task adapters (``--task-layers-only``) name the merged body: relative
+    to the working directory when ``OUT_DIR`` lies in it (loads from there, names no local
+    folder above it), else ``OUT_DIR`` as given (the only value that loads; ``publish``
+    uploads the repository id instead)."""
+    absolute = os.path.abspath(out_path)
+    cwd = os.getcwd()
+    if absolute.startswith(cwd.rstrip(os.sep) + os.sep):
+        return os.path.relpath(absolute, cwd)
+    return out_path
 
 
 def _input_models(cfg: ExtMergeConfig) -> list[tuple[str, str]]:
