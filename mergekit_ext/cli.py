@@ -133,7 +133,12 @@ def _options_verbosity(kwargs: dict[str, Any]) -> int:
 @main.command("run", cls=PrettyPrintHelp)
 @click.argument("config_file", type=click.Path(dir_okay=False))
 @click.argument("out_path", type=click.Path(file_okay=False))
-@click.option("--overwrite", is_flag=True, help="Replace OUT_PATH if it exists")
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Replace OUT_PATH if it is a mergekit-ext output (an empty folder is written in place "
+    "without it)",
+)
 @click.option(
     "--allow-pickle", is_flag=True, help="Accept pickle (.bin/.pt) checkpoints (runs their code)"
 )
