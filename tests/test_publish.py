@@ -152,15 +152,17 @@ def token_never_printed(capfd: pytest.CaptureFixture, caplog: pytest.LogCaptureF
 
 
 def assert_files_arrived(hub: FakeHub, repo_id: str, folder: Path, branch: str = "main") -> None:
-    """Exactly one new commit holds every file of the folder, byte for byte; its README.md
-    is the card rendered for ``repo_id`` (the folder's own card is not changed)."""
+    """Exactly one new commit holds every file of the folder, byte for byte (text files with
+    local paths redacted); its README.md is the card rendered for ``repo_id`` (the folder's
+    own card is not changed)."""
     commits = hub.commits(repo_id, branch)
     assert len(commits) == 2, [c.summary for c in commits]  # the repo's initial commit + ours
     commit = commits[-1]
     local = {f.path for f in list_upload_files(str(folder))}
     assert set(commit.changed) == local == set(commit.files)
-    for path in local - {"README.md"}:
-        assert commit.files[path] == (folder / path).read_bytes(), path
+    for path in local - {"README.md"}:  # text files naming local paths: redacted (#28, 8)
+        expected_bytes = publish_mod.uploaded_bytes(str(folder), path, repo_id)
+        assert commit.files[path] == (expected_bytes or (folder / path).read_bytes()), path
     expected = render_card_for_repo(str(folder), repo_id).encode("utf-8")
     assert commit.files["README.md"] == expected
 
@@ -494,6 +496,11 @@ def test_dry_run_lists_files_and_front_matter(hub: FakeHub, folder: Path) -> Non
     assert "Token:          found (--token)" in out
     card = render_card_for_repo(str(folder), "alice/tiny").encode("utf-8")
     sizes = {f.path: f.size for f in list_upload_files(str(folder))} | {"README.md": len(card)}
+    for path in sizes:  # the sizes as uploaded: local paths redacted (issue #28, 8)
+        redacted = publish_mod.uploaded_bytes(str(folder), path, "alice/tiny")
+        if path != "README.md" and redacted is not None:
+            sizes[path] = len(redacted)
+    assert sizes["mergekit_config.yml"] < (folder / "mergekit_config.yml").stat().st_size
     for path, size in sizes.items():
         assert re.search(rf"^\s+{size:,}\s+.*\s{re.escape(path)}$", out, re.M), path
     assert f"({sum(sizes.values()):,} bytes), one commit" in out
