@@ -272,10 +272,30 @@ def check_calibration_present(cfg: ExtMergeConfig) -> None:
         cfg.check_data_aware(cfg.method)
 
 
+def tokenizer_sources(cfg: ExtMergeConfig) -> list[str]:
+    """The models the output's tokenizer (or token embeddings) come from.
+
+    ``tokenizer_source:`` / ``tokenizer: {source:, tokens:}``, which mergekit's
+    ``referenced_models()`` leaves out; ``base`` and ``union`` name no extra model.
+    """
+    from mergekit.common import ModelReference
+
+    merge = cfg.merge
+    found: list[Any] = [merge.tokenizer_source]
+    if merge.tokenizer is not None:
+        found.append(merge.tokenizer.source)
+        for token in (merge.tokenizer.tokens or {}).values():
+            source = token.source
+            found.append(getattr(source, "model", source))
+    return list(dict.fromkeys(str(s) for s in found if isinstance(s, ModelReference)))
+
+
 def local_input_paths(cfg: ExtMergeConfig, extra: Iterable[str] = ()) -> list[str]:
-    """Every existing local path the merge reads: models, adapters, calibration data, the
-    config file, and ``extra`` (plugin files, caches); an output may not touch any of them."""
-    paths = [path for ref in _referenced(cfg) for path in model_paths(ref)]
+    """Every existing local path the merge reads: models, adapters, the tokenizer source,
+    calibration data, the config file, and ``extra`` (plugin files, caches); an output may
+    not touch any of them."""
+    refs = _referenced(cfg) + tokenizer_sources(cfg)
+    paths = [path for ref in dict.fromkeys(refs) for path in model_paths(ref)]
     specs = [cfg.calibration_for(e) for e in cfg.models] + [cfg.calibration_defaults]
     paths += [str(spec.path) for spec in specs if spec is not None and spec.path]
     if cfg.path:

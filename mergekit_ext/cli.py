@@ -36,24 +36,41 @@ LOG = logging.getLogger(__name__)
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, handled like Ctrl-C: the temporary output is removed, the exit is non-zero."""
+    """SIGTERM or SIGHUP, handled like Ctrl-C: the temporary output and the lock are removed,
+    the exit is 128 + the signal's number."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(signum)
+        self.signum = int(signum)
 
 
 def _raise_terminated(signum: int, frame: Any) -> None:
-    raise Terminated()
+    raise Terminated(signum)
+
+
+# SIGHUP: the terminal that started the merge was closed (an ssh session that dropped).
+_TERMINATING = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)
+)
 
 
 @contextlib.contextmanager
 def _sigterm_as_interrupt() -> Iterator[None]:
-    """While a merge runs, SIGTERM raises :class:`Terminated` (the previous handler after)."""
+    """While a merge runs, SIGTERM and SIGHUP raise :class:`Terminated` (the previous
+    handlers after). A SIGHUP that was ignored when we started (``nohup``) stays ignored."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    previous = {}
+    for signum in _TERMINATING:
+        if signum != signal.SIGTERM and signal.getsignal(signum) == signal.SIG_IGN:
+            continue
+        previous[signum] = signal.signal(signum, _raise_terminated)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _friendly_errors(verbose_of: Callable[[dict[str, Any]], int]) -> Callable:
@@ -67,9 +84,12 @@ def _friendly_errors(verbose_of: Callable[[dict[str, Any]], int]) -> Callable:
             except (click.exceptions.Exit, click.ClickException, click.Abort):
                 raise
             except KeyboardInterrupt as e:
-                what = "terminated" if isinstance(e, Terminated) else "interrupted"
-                click.echo(f"{what}; no output was written", err=True)
-                sys.exit(143 if isinstance(e, Terminated) else 130)
+                if isinstance(e, Terminated):
+                    name = signal.Signals(e.signum).name
+                    click.echo(f"terminated ({name}); no output was written", err=True)
+                    sys.exit(128 + e.signum)
+                click.echo("interrupted; no output was written", err=True)
+                sys.exit(130)
             except Exception as e:  # noqa: BLE001 - the CLI boundary
                 if verbose_of(kwargs) > 0:
                     traceback.print_exc()
@@ -113,7 +133,12 @@ def _options_verbosity(kwargs: dict[str, Any]) -> int:
 @main.command("run", cls=PrettyPrintHelp)
 @click.argument("config_file", type=click.Path(dir_okay=False))
 @click.argument("out_path", type=click.Path(file_okay=False))
-@click.option("--overwrite", is_flag=True, help="Replace OUT_PATH if it exists")
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Replace OUT_PATH if it is a mergekit-ext output (an empty folder is written in place "
+    "without it)",
+)
 @click.option(
     "--allow-pickle", is_flag=True, help="Accept pickle (.bin/.pt) checkpoints (runs their code)"
 )
@@ -358,8 +383,10 @@ def diagnose_command(
     for plugin in plugins:
         _import_plugin(plugin)
     cfg = load_config(config_file)
+    plot_file = os.path.join(plots_dir, "diagnose_block_errors.png") if plots_dir else None
+    outputs = [("--json", json_path), ("--plots", plots_dir), ("--plots", plot_file)]
     _check_diagnose_outputs(
-        cfg, list(merged_dirs), [p for p in (json_path, plots_dir) if p], list(heldout)
+        cfg, list(merged_dirs), [(o, p) for o, p in outputs if p], list(heldout)
     )
     results = diagnose(
         cfg,
@@ -381,23 +408,27 @@ def diagnose_command(
 
 
 def _check_diagnose_outputs(
-    cfg: Any, merged_dirs: list[str], outputs: list[str], heldout: Optional[list[str]] = None
+    cfg: Any,
+    merged_dirs: list[str],
+    outputs: list[tuple[str, str]],
+    heldout: Optional[list[str]] = None,
 ) -> None:
-    """The outputs of ``diagnose`` may not overwrite an input (config, data, model files)."""
-    import os
-
+    """``--json`` / ``--plots`` may not be nor lie inside an input: the config's models,
+    tokenizer source, data and config, the held-out data, and the merged folders themselves
+    (their own records)."""
     from mergekit_ext.checks import local_input_paths
+    from mergekit_ext.output import check_write_path
 
-    inputs = [os.path.realpath(p) for p in local_input_paths(cfg)]
-    inputs += [os.path.realpath(d) for d in merged_dirs]
-    inputs += [
-        os.path.realpath(h.split("=", 1)[-1]) for h in heldout or [] if not h.startswith("{")
-    ]
-    for out in outputs:
-        if os.path.realpath(out) in inputs:
-            raise MergekitExtError(
-                f"{out} is an input of the diagnosis; write the output elsewhere"
-            )
+    inputs = [*local_input_paths(cfg), *merged_dirs]
+    inputs += [h.split("=", 1)[-1] for h in heldout or [] if not h.lstrip().startswith("{")]
+    for option, out in outputs:
+        check_write_path(
+            out,
+            inputs,
+            what=option,
+            advice="write it outside every model, data file and config the diagnosis reads "
+            "(`mergekit-ext card MERGED_DIR --diagnose CONFIG` keeps a diagnosis with the merge)",
+        )
 
 
 def write_diagnosis_json(result: dict[str, Any] | list[dict[str, Any]], path: str) -> None:

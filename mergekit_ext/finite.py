@@ -13,7 +13,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 from safetensors import safe_open
@@ -65,17 +65,53 @@ def _short(name: str) -> str:
     return name
 
 
+# Every weight file a merge may write: safetensors, and with ``--no-safe-serialization``
+# mergekit's ``pytorch_model*.bin`` (torch.save pickles; ``*.pt``/``*.pth`` alike).
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+
+
+def weight_files(folder: str, recursive: bool = False) -> list[str]:
+    """Every weight file in ``folder`` (and below it with ``recursive``), sorted."""
+    where = os.path.join(folder, "**") if recursive else folder
+    found = {
+        f
+        for pattern in WEIGHT_PATTERNS
+        for f in glob.glob(os.path.join(where, pattern), recursive=recursive)
+    }
+    return sorted(f for f in found if os.path.isfile(f))
+
+
+def _tensors(file: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of one weight file, one tensor at a time for safetensors.
+
+    Pickles are read with ``weights_only=True`` (no code runs) and memory-mapped where the
+    file's format allows it.
+    """
+    if file.endswith(".safetensors"):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+        return
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    if not isinstance(state, Mapping):
+        raise TensorError(f"{file} holds no tensors by name (a {type(state).__name__})")
+    for name, tensor in state.items():
+        if isinstance(tensor, torch.Tensor):
+            yield str(name), tensor
+
+
 def _nonfinite_inputs(name: str, inputs: Sequence[tuple[str, str]]) -> list[str]:
     """The inputs (label, folder) whose tensor ``name`` (up to a prefix) holds NaN/Inf."""
     wanted = _short(name)
     found = []
     for label, folder in inputs:
-        for file in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
-            with safe_open(file, framework="pt") as f:
-                keys = [k for k in f.keys() if k == name or _short(k) == wanted]
-                if any(not is_finite(f.get_tensor(k)) for k in keys):
-                    found.append(label)
-                    break
+        for file in weight_files(folder):
+            if any(not is_finite(t) for k, t in _tensors(file) if k == name or _short(k) == wanted):
+                found.append(label)
+                break
     return found
 
 
@@ -83,8 +119,8 @@ def check_output_finite(out_dir: str, inputs: Sequence[tuple[str, str]] = ()) ->
     """Raise :class:`TensorError` when any tensor written under ``out_dir`` is not finite.
 
     Args:
-        out_dir: the (temporary) output folder; every ``*.safetensors`` below it is read,
-            one tensor at a time.
+        out_dir: the (temporary) output folder; every weight file below it
+            (:data:`WEIGHT_PATTERNS`: safetensors and pickles) is read, one tensor at a time.
         inputs: (label, local folder) of each input model, searched only on failure for the
             tensor of the same name to say where the NaN/Inf came from.
 
@@ -92,25 +128,23 @@ def check_output_finite(out_dir: str, inputs: Sequence[tuple[str, str]] = ()) ->
         The number of tensors checked.
     """
     checked = 0
-    files = sorted(glob.glob(os.path.join(out_dir, "**", "*.safetensors"), recursive=True))
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                checked += 1
-                if is_finite(f.get_tensor(name)):
-                    continue
-                where = os.path.relpath(file, out_dir)
-                sources = _nonfinite_inputs(name, inputs)
-                origin = (
-                    f"it comes from {', '.join(sources)}, which hold(s) NaN/Inf in that tensor: "
-                    "fix or drop that input"
-                    if sources
-                    else "no input holds NaN/Inf in it, so the merge produced them: try "
-                    "`dtype: float32` or other method parameters"
-                )
-                raise TensorError(
-                    f"tensor {name} of the merged model ({where}) contains NaN or Inf values; "
-                    f"nothing was written. {origin}"
-                )
+    for file in weight_files(out_dir, recursive=True):
+        for name, tensor in _tensors(file):
+            checked += 1
+            if is_finite(tensor):
+                continue
+            where = os.path.relpath(file, out_dir)
+            sources = _nonfinite_inputs(name, inputs)
+            origin = (
+                f"it comes from {', '.join(sources)}, which hold(s) NaN/Inf in that tensor: "
+                "fix or drop that input"
+                if sources
+                else "no input holds NaN/Inf in it, so the merge produced them: try "
+                "`dtype: float32` or other method parameters"
+            )
+            raise TensorError(
+                f"tensor {name} of the merged model ({where}) contains NaN or Inf values; "
+                f"nothing was written. {origin}"
+            )
     LOG.debug("checked %d output tensors for NaN/Inf", checked)
     return checked

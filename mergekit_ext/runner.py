@@ -159,7 +159,8 @@ def run_merge_config(
                 elif kind == "layerwise":
                     _run_layerwise(cfg, tmp, options, recorder)
                 elif kind == "adaptation":
-                    _run_adaptation(cfg, tmp, options, run, recorder, body_path=out_path)
+                    body = _adapter_body_path(out_path)
+                    _run_adaptation(cfg, tmp, options, run, recorder, body_path=body)
                 else:  # pragma: no cover - registry guarantees the kinds
                     raise MergekitExtError(f"unknown method kind {kind!r}")
                 if out_tokenizer is not None:
@@ -250,6 +251,18 @@ def _run_distributed(
     return os.path.abspath(out_path)
 
 
+def _adapter_body_path(out_path: str) -> str:
+    """How SyMerge's task adapters (``--task-layers-only``) name the merged body: relative
+    to the working directory when ``OUT_DIR`` lies in it (loads from there, names no local
+    folder above it), else ``OUT_DIR`` as given (the only value that loads; ``publish``
+    uploads the repository id instead)."""
+    absolute = os.path.abspath(out_path)
+    cwd = os.getcwd()
+    if absolute.startswith(cwd.rstrip(os.sep) + os.sep):
+        return os.path.relpath(absolute, cwd)
+    return out_path
+
+
 def _input_models(cfg: ExtMergeConfig) -> list[tuple[str, str]]:
     """(label, folder) of every local input checkpoint, to trace a NaN back to its source."""
     found = []
@@ -297,7 +310,8 @@ def _write_metadata(
         from mergekit_ext.hub.card import write_model_card
 
         _write_config_copy(cfg.source_text, tmp)
-        write_model_card(tmp, name=os.path.basename(target), repo_id=run.push_to_hub)
+        # the temporary folder is the merge's own: nothing of the user's to keep
+        write_model_card(tmp, name=os.path.basename(target), repo_id=run.push_to_hub, force=True)
     _write_config_copy(published, tmp)
 
 

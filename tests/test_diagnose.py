@@ -418,7 +418,7 @@ def test_cli_writes_table_json_and_plot(tiny_bert_classifier_set, data_dir, tmp_
     result = CliRunner().invoke(
         main, ["diagnose", models.experts[0], str(config), "--json", str(config)]
     )
-    assert result.exit_code == 1 and "is an input" in result.output
+    assert result.exit_code == 1 and "it is the input" in result.output
 
 
 def test_card_diagnose_section(tiny_llama_set, data_dir, tmp_path):

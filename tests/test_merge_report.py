@@ -31,6 +31,8 @@ from mergekit_ext.resources import ResourceMeter, format_bytes, format_duration,
 from mergekit_ext.testing import WORDS
 
 MEASURED_LINE = re.compile(r"^- \*\*Merge time and memory:\*\*.*\n", re.M)
+# the card's last line: the hash of the text above it, measurements included (issue #28, 2)
+SIGNATURE_LINE = re.compile(r"^<!-- mergekit-ext card sha256:.*-->\n", re.M)
 SUMMARY = re.compile(
     r"^merged in (\d+(\.\d)? s|\d+ min \d+ s|\d+ h \d+ min), peak memory \d+(\.\d)? [MG]B$"
 )
@@ -226,7 +228,8 @@ def test_run_records_and_prints_time_and_memory(workspace: Path, method: str) ->
     # Deterministic apart from the measurements: the same merge gives the same card.
     run_cli("run", config, "out/m", "--overwrite")
     again = (workspace / "out" / "m" / "README.md").read_text(encoding="utf-8")
-    assert MEASURED_LINE.sub("", again) == MEASURED_LINE.sub("", card)
+    unmeasured = [SIGNATURE_LINE.sub("", MEASURED_LINE.sub("", c)) for c in (again, card)]
+    assert unmeasured[0] == unmeasured[1]
     diag_again = json.loads((workspace / "out" / "m" / "mergekit_ext_diagnostics.json").read_text())
     if method != "symerge":  # SyMerge records its own timings per phase as well
         assert {k: v for k, v in diag_again.items() if k != "resources"} == {

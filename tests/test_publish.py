@@ -152,15 +152,17 @@ def token_never_printed(capfd: pytest.CaptureFixture, caplog: pytest.LogCaptureF
 
 
 def assert_files_arrived(hub: FakeHub, repo_id: str, folder: Path, branch: str = "main") -> None:
-    """Exactly one new commit holds every file of the folder, byte for byte; its README.md
-    is the card rendered for ``repo_id`` (the folder's own card is not changed)."""
+    """Exactly one new commit holds every file of the folder, byte for byte (text files with
+    local paths redacted); its README.md is the card rendered for ``repo_id`` (the folder's
+    own card is not changed)."""
     commits = hub.commits(repo_id, branch)
     assert len(commits) == 2, [c.summary for c in commits]  # the repo's initial commit + ours
     commit = commits[-1]
     local = {f.path for f in list_upload_files(str(folder))}
     assert set(commit.changed) == local == set(commit.files)
-    for path in local - {"README.md"}:
-        assert commit.files[path] == (folder / path).read_bytes(), path
+    for path in local - {"README.md"}:  # text files naming local paths: redacted (#28, 8)
+        expected_bytes = publish_mod.uploaded_bytes(str(folder), path, repo_id)
+        assert commit.files[path] == (expected_bytes or (folder / path).read_bytes()), path
     expected = render_card_for_repo(str(folder), repo_id).encode("utf-8")
     assert commit.files["README.md"] == expected
 
@@ -494,6 +496,11 @@ def test_dry_run_lists_files_and_front_matter(hub: FakeHub, folder: Path) -> Non
     assert "Token:          found (--token)" in out
     card = render_card_for_repo(str(folder), "alice/tiny").encode("utf-8")
     sizes = {f.path: f.size for f in list_upload_files(str(folder))} | {"README.md": len(card)}
+    for path in sizes:  # the sizes as uploaded: local paths redacted (issue #28, 8)
+        redacted = publish_mod.uploaded_bytes(str(folder), path, "alice/tiny")
+        if path != "README.md" and redacted is not None:
+            sizes[path] = len(redacted)
+    assert sizes["mergekit_config.yml"] < (folder / "mergekit_config.yml").stat().st_size
     for path, size in sizes.items():
         assert re.search(rf"^\s+{size:,}\s+.*\s{re.escape(path)}$", out, re.M), path
     assert f"({sum(sizes.values()):,} bytes), one commit" in out
@@ -578,6 +585,49 @@ def test_run_push_to_hub_uploads_no_local_path(
     assert leaks == []
     diag = json.loads(uploaded["mergekit_ext_diagnostics.json"])
     assert diag["calibration"]["expert0"]["source"] == "texts.jsonl"
+
+
+def test_every_uploaded_file_is_redacted(
+    hub: FakeHub, tiny_bert_classifier_set, tmp_path: Path, monkeypatch
+) -> None:
+    """Issue #28 item 8: SyMerge --task-layers-only adapters name the merged body by its
+    local path, and mergekit_config.yml keeps the YAML's comments: no absolute local path
+    is uploaded, and each uploaded adapter names the repository as its base."""
+    from mergekit_ext.cli import main
+
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    models = tiny_bert_classifier_set
+    data = tmp_path / "texts.jsonl"
+    data.write_text("".join(f'{{"text": "one two three {i}"}}\n' for i in range(8)))
+    experts = "".join(f"  - model: {e}\n    name: t{i}\n" for i, e in enumerate(models.experts[:2]))
+    config = tmp_path / "sy.yml"
+    config.write_text(
+        f"# experts fine-tuned from {models.base}, notes in {tmp_path}/notes.txt\n"
+        f"merge_method: symerge\nbase_model: {models.base}  # {models.base}/config.json\n"
+        f"models:\n{experts}calibration: {{path: {data}, samples: 4, max_length: 8}}\n"
+        "parameters: {epochs: 1, seed: 0}\ndtype: float32\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "merged"  # absolute, as the user typed it
+    args = ["run", str(config), str(out), "--task-layers-only"]
+    result = CliRunner().invoke(main, [*args, "--push-to-hub", "alice/sy", "--token", WRITE_TOKEN])
+    assert result.exit_code == 0, result.output
+    # Locally the adapters name the body relative to the working directory, so they load.
+    for task in ("t0", "t1"):
+        local = json.loads((out / "tasks" / task / "adapter_config.json").read_text())
+        assert local["base_model_name_or_path"] == "merged"
+    uploaded = hub.commits("alice/sy", "main")[-1].files
+    adapters = [p for p in uploaded if p.endswith("adapter_config.json")]
+    assert sorted(adapters) == ["tasks/t0/adapter_config.json", "tasks/t1/adapter_config.json"]
+    for path in adapters:
+        assert json.loads(uploaded[path])["base_model_name_or_path"] == "alice/sy"
+    assert b"# experts fine-tuned from base, notes in notes.txt" in uploaded["mergekit_config.yml"]
+    # The models, the data and the output live under pytest's base folder, which names the
+    # user; no uploaded file names it.
+    local_root = str(tmp_path.parent).encode()
+    leaks = [path for path, data in uploaded.items() if local_root in data]
+    assert leaks == []
+    assert set(uploaded) == {f.path for f in list_upload_files(str(out))}
 
 
 def test_run_push_to_hub_is_checked_before_merging(

@@ -311,19 +311,22 @@ def test_sigkilled_merge_is_cleaned_up_by_the_next_run(work):
 
 
 @pytest.mark.slow
-def test_sigterm_is_handled_like_ctrl_c(work):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_sigterm_and_sighup_are_handled_like_ctrl_c(work, signum):
+    """SIGHUP (the terminal was closed) cleans up like SIGTERM (issue #28, 12)."""
     env = _env(MKX_TEST_READY=str(work / "ready"), MKX_TEST_GO=str(work / "go"))
     proc = _cli("run", "ace.yml", "out", "--plugin", "plugins/pause.py", cwd=work, env=env)
     try:
         _wait_for(work / "ready", proc)
-        proc.send_signal(signal.SIGTERM)
+        assert _leftovers(work) and (work / ".out.lock").exists()  # the state a kill leaves
+        proc.send_signal(signum)
         code, output = _finish(proc, timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert code == 143, output
-    assert "terminated; no output was written" in output
+    assert code == 128 + signum, output
+    assert f"terminated ({signal.Signals(signum).name}); no output was written" in output
     assert not (work / "out").exists()
     assert _leftovers(work) == [] and not (work / ".out.lock").exists()
 
@@ -339,7 +342,9 @@ def _with_nan(src: str, dst, tensor: str) -> str:
     return str(dst)
 
 
-def test_nan_through_mergekit_method_is_caught_and_traced(models, tmp_path):
+@pytest.mark.parametrize("serialization", [[], ["--no-safe-serialization"]], ids=["st", "bin"])
+def test_nan_through_mergekit_method_is_caught_and_traced(models, tmp_path, serialization):
+    """Also with ``--no-safe-serialization`` (pytorch_model.bin) (issue #28, 5)."""
     base, experts = models
     bad = _with_nan(experts[0], tmp_path / "bad", "model.layers.1.mlp.up_proj.weight")
     config = {
@@ -351,9 +356,12 @@ def test_nan_through_mergekit_method_is_caught_and_traced(models, tmp_path):
         "dtype": "float32",
     }
     (tmp_path / "ties.yml").write_text(yaml.safe_dump(config))
-    result = _invoke(["run", tmp_path / "ties.yml", tmp_path / "out"])
+    result = _invoke(["run", tmp_path / "ties.yml", tmp_path / "out", *serialization])
     assert result.exit_code == 1, result.output
-    assert "tensor model.layers.1.mlp.up_proj.weight of the merged model" in result.output
+    written = "pytorch_model.bin" if serialization else "model.safetensors"
+    assert (
+        f"tensor model.layers.1.mlp.up_proj.weight of the merged model ({written})" in result.output
+    )
     assert f"it comes from {bad}" in result.output
     assert not (tmp_path / "out").exists() and _leftovers(tmp_path) == []
 

@@ -67,6 +67,12 @@ def _setup_logging(verbose: int) -> None:
 @click.option(
     "--device", default="cpu", show_default=True, help="With --diagnose: cpu | cuda | auto"
 )
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Replace a README.md edited by hand (or not written by mergekit-ext); it is kept as "
+    "README.md.bak",
+)
 @click.option("-v", "--verbose", count=True, help="Show logs (-vv: debug) and tracebacks")
 @_user_errors
 def card_command(
@@ -77,14 +83,23 @@ def card_command(
     template_dir: Optional[str],
     diagnose_config: Optional[str],
     device: str,
+    force: bool,
     verbose: int,
 ) -> None:
-    """Rebuild README.md (and images/) of the finished merge in OUT_DIR, offline."""
-    from mergekit_ext.hub.card import load_eval_results, write_model_card
+    """Rebuild README.md (and images/) of the finished merge in OUT_DIR, offline.
+
+    A README.md edited by hand is never replaced silently: the command refuses, or with
+    --force keeps it as README.md.bak (which `publish` does not upload).
+    """
+    from mergekit_ext.hub.card import keep_edited_card, load_eval_results, write_model_card
 
     _setup_logging(verbose)
+    _check_card_outputs(out_dir, [eval_path, template_dir], diagnose_config)
+    if not force:  # refused before the (slow) diagnosis
+        keep_edited_card(out_dir, force=False)
     results = load_eval_results(eval_path) if eval_path else None
     diagnosis = _diagnose(out_dir, diagnose_config, device) if diagnose_config else None
+    backup = keep_edited_card(out_dir, force=force)
     path = write_model_card(
         out_dir,
         eval_results=results,
@@ -92,8 +107,37 @@ def card_command(
         repo_id=repo_id,
         template_dir=template_dir,
         diagnose=diagnosis,
+        force=True,  # checked (and kept) just above
     )
     click.echo(f"model card written to {path}")
+    if backup:
+        click.echo(f"the README.md it replaced (edited by hand) is kept as {backup}")
+
+
+def _check_card_outputs(
+    out_dir: str, given: list[Optional[str]], diagnose_config: Optional[str]
+) -> None:
+    """What ``card`` writes (README.md, images/, the diagnosis) may not be nor lie inside
+    a file it reads: ``--eval``, ``--template-dir``, and every input of ``--diagnose``."""
+    import os
+
+    from mergekit_ext.hub.card import DIAGNOSE_FILENAME, README_FILENAME
+    from mergekit_ext.output import check_write_path
+
+    inputs = [p for p in given if p]
+    if diagnose_config:
+        from mergekit_ext.checks import local_input_paths
+        from mergekit_ext.config import load_config
+
+        inputs += local_input_paths(load_config(diagnose_config))
+    for name in ("", README_FILENAME, "images", DIAGNOSE_FILENAME):
+        check_write_path(
+            os.path.join(out_dir, name) if name else out_dir,
+            inputs,
+            what="the model card",
+            advice="the card is written into OUT_DIR (README.md, images/): keep --eval, "
+            "--template-dir and the models and data of --diagnose outside it",
+        )
 
 
 def _diagnose(out_dir: str, config_path: str, device: str) -> dict[str, Any]:

@@ -218,7 +218,9 @@ def list_upload_files(out_dir: str) -> list[FolderFile]:
     rel_to_abs = {
         p.relative_to(root).as_posix(): p for p in sorted(root.glob("**/*")) if p.is_file()
     }
-    kept = filter_repo_objects(list(rel_to_abs), ignore_patterns=list(DEFAULT_IGNORE_PATTERNS))
+    # README.md.bak*: a hand-edited card that `card --force` replaced, a local copy only
+    ignore = [*DEFAULT_IGNORE_PATTERNS, "README.md.bak*"]
+    kept = filter_repo_objects(list(rel_to_abs), ignore_patterns=ignore)
     return [FolderFile(rel, rel_to_abs[rel].stat().st_size) for rel in kept]
 
 
@@ -281,13 +283,20 @@ def card_to_upload(
     """The ``README.md`` text that goes to ``repo_id``: the card rendered for the repository
     (title, loading snippets), or the local file as it is with ``keep_card`` or for a folder
     that is not a mergekit-ext merge (no ``mergekit_config.yml`` to render a card from)."""
-    from mergekit_ext.hub.card import CONFIG_FILENAME, render_card_for_repo
+    from mergekit_ext.hub.card import CONFIG_FILENAME, card_is_unedited, render_card_for_repo
 
+    readme = Path(out_dir, "README.md")
     if keep_card:
-        return Path(out_dir, "README.md").read_text(encoding="utf-8")
+        return readme.read_text(encoding="utf-8")
     if not Path(out_dir, CONFIG_FILENAME).is_file():
         LOG.info("%s has no %s: README.md is uploaded as it is", out_dir, CONFIG_FILENAME)
-        return Path(out_dir, "README.md").read_text(encoding="utf-8")
+        return readme.read_text(encoding="utf-8")
+    if not card_is_unedited(str(readme)):
+        LOG.warning(
+            "%s was edited by hand (or not written by mergekit-ext): the card uploaded is "
+            "rendered anew and does not carry your edits; pass --keep-card to upload yours",
+            readme,
+        )
     text = render_card_for_repo(out_dir, repo_id, template_dir=template_dir)
     missing = [link for link in _IMAGE_LINK.findall(text) if not Path(out_dir, link).is_file()]
     if missing:
@@ -296,6 +305,70 @@ def card_to_upload(
             "run `mergekit-ext card OUT_DIR` first, or pass --keep-card to upload README.md as it is"
         )
     return text
+
+
+# Text files a merge or PEFT writes, which may name local paths (mergekit_config.yml and its
+# comments, diagnostics, config.json's ``_name_or_path``, adapter configs, the card).
+# Tokenizer and vocabulary files are sent untouched: "/usr" may be one of their tokens.
+_TEXT_SUFFIXES = (".json", ".yml", ".yaml", ".md", ".txt")
+_VERBATIM = ("tokenizer*", "vocab*", "merges.txt", "special_tokens_map.json",
+             "added_tokens.json", "chat_template*", "preprocessor_config.json",
+             SAFETENSORS_INDEX)  # fmt: skip
+
+
+def _redactor(out_dir: str) -> Any:
+    """The redactor of ``run`` (:func:`~mergekit_ext.hub.card.local_path_redactor`) for the
+    config in ``out_dir``: the config's paths as written, then every other absolute path."""
+    import yaml
+
+    from mergekit_ext.hub.card import CONFIG_FILENAME, local_path_redactor
+
+    raw: Any = None
+    config = Path(out_dir, CONFIG_FILENAME)
+    if config.is_file():
+        try:
+            raw = yaml.safe_load(config.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+            LOG.debug("%s not read for redaction: %s", config, e)
+    return local_path_redactor(raw)
+
+
+def _adapter_base(text: str, out_dir: str, repo_id: str) -> str:
+    """A SyMerge task adapter names the merged body by its local path: on the Hub, that
+    body is ``repo_id``, so the adapter loads from there."""
+    try:
+        config = json.loads(text)
+        base = config.get("base_model_name_or_path")
+    except (ValueError, AttributeError):
+        return text
+    if not isinstance(base, str) or not base:
+        return text
+    local = os.path.expanduser(base)
+    if os.path.exists(local) and os.path.realpath(local) == os.path.realpath(out_dir):
+        return text.replace(json.dumps(base), json.dumps(repo_id))
+    return text
+
+
+def uploaded_bytes(out_dir: str, path: str, repo_id: str, redact: Any = None) -> Optional[bytes]:
+    """What is uploaded for the file ``path`` of ``out_dir`` when it differs from the local
+    file (None: the local bytes as they are). Every text file a merge writes goes through
+    the same redaction (no absolute local path leaves the machine); a task adapter's base
+    becomes ``repo_id``."""
+    import fnmatch
+
+    name = path.rsplit("/", 1)[-1]
+    if not name.endswith(_TEXT_SUFFIXES) or any(fnmatch.fnmatch(name, p) for p in _VERBATIM):
+        return None
+    local = Path(out_dir, path).read_bytes()
+    try:
+        text = local.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    if name == "adapter_config.json":
+        text = _adapter_base(text, out_dir, repo_id)
+    text = (redact or _redactor(out_dir))(text)
+    data = text.encode("utf-8")
+    return None if data == local else data
 
 
 def _place(source: Path, target: Path) -> None:
@@ -313,21 +386,40 @@ def _place(source: Path, target: Path) -> None:
 
 
 @contextlib.contextmanager
-def staged_folder(out_dir: str, card_text: str) -> Iterator[str]:
+def staged_folder(out_dir: str, card_text: str, repo_id: Optional[str] = None) -> Iterator[str]:
     """A temporary view of ``out_dir`` whose ``README.md`` is ``card_text``.
 
     Every other file is a hard link (or a symbolic link, or a copy across file systems
     without links) to the file in ``out_dir``, so ``upload_folder`` uploads exactly that
-    folder, in one commit, while ``out_dir`` itself is never modified.
+    folder, in one commit, while ``out_dir`` itself is never modified; text files that name
+    local paths are written redacted instead (:func:`uploaded_bytes`), the card too.
     """
     import tempfile
 
+    from mergekit_ext.output import OutputError, check_write_path
+
+    try:  # the staging folder is made in the temporary folder: never inside out_dir
+        check_write_path(
+            tempfile.gettempdir(),
+            [out_dir],
+            what="the upload's staging folder (in the temporary folder)",
+            advice="set TMPDIR to a folder outside it",
+        )
+    except OutputError as e:
+        raise PublishError(str(e)) from None
     with tempfile.TemporaryDirectory(prefix="mergekit-ext-publish-") as staging:
         root = Path(staging)
+        redact = _redactor(out_dir)
         for f in list_upload_files(out_dir):
-            if f.path != "README.md":
+            if f.path == "README.md":
+                continue
+            changed = uploaded_bytes(out_dir, f.path, repo_id or "", redact) if repo_id else None
+            if changed is None:
                 _place(Path(out_dir).expanduser().resolve() / f.path, root / f.path)
-        (root / "README.md").write_text(card_text, encoding="utf-8")
+            else:
+                (root / f.path).parent.mkdir(parents=True, exist_ok=True)
+                (root / f.path).write_bytes(changed)
+        (root / "README.md").write_text(redact(card_text), encoding="utf-8")
         yield staging
 
 
@@ -566,9 +658,18 @@ def publish_folder(
             f"{out_dir} is not a complete merge, refusing to publish: " + "; ".join(problems)
         )
     files = list_upload_files(out_dir)
-    card_text = card_to_upload(out_dir, repo_id, keep_card=keep_card, template_dir=template_dir)
-    card_size = len(card_text.encode("utf-8"))
-    files = [FolderFile(f.path, card_size) if f.path == "README.md" else f for f in files]
+    redact = _redactor(out_dir)
+    card_text = redact(
+        card_to_upload(out_dir, repo_id, keep_card=keep_card, template_dir=template_dir)
+    )
+    sizes = {"README.md": len(card_text.encode("utf-8"))}
+    for f in files:
+        changed = (
+            None if f.path == "README.md" else uploaded_bytes(out_dir, f.path, repo_id, redact)
+        )
+        if changed is not None:
+            sizes[f.path] = len(changed)
+    files = [FolderFile(f.path, sizes.get(f.path, f.size)) for f in files]
     endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
     total = sum(f.size for f in files)
     api = HfApi(endpoint=endpoint, token=token or None)
@@ -621,7 +722,7 @@ def publish_folder(
             api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
         except Exception as e:  # noqa: BLE001
             raise _publish_error(e, "branch", target) from None
-    with staged_folder(out_dir, card_text) as staging:
+    with staged_folder(out_dir, card_text, repo_id) as staging:
         return _upload(api, staging, target, revision, uploader, message, commit_message, create_pr)
 
 

@@ -505,8 +505,38 @@ def _shorten_yaml_paths(text: str, raw: Any, cwd: str) -> tuple[str, bool]:
     return text, changed
 
 
-def local_path_redactor(raw: Any, cwd: Optional[str] = None) -> Callable[[str], str]:
-    """A function that replaces the config's absolute local paths in a text by their
-    display form (as the card shows them), for every file a merge may publish."""
+# An absolute POSIX path (or ``~/...``) standing alone: not a URL's path (``https://h/x``),
+# not the second half of ``a/b``; it ends at whitespace, quotes and brackets.
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.~/:\-])(~?/[^\s'\"`<>|;,*?(){}\[\]\\]+)")
+
+
+def _is_local_absolute(path: str) -> bool:
+    """``~/...``, or ``/TOP/...`` whose first folder exists on this machine (``/home``,
+    ``/tmp``, ``/work``...): what a local path looks like, whatever follows."""
+    if path.startswith("~/"):
+        return True
+    top = path.strip("/").split("/")[0]
+    return bool(top) and "/" in path.strip("/") and os.path.isdir("/" + top)
+
+
+def redact_local_paths(text: str, cwd: Optional[str] = None) -> str:
+    """Replace every absolute local path in ``text`` (YAML comments, JSON values, Markdown)
+    by its display form (:func:`display_path`: relative to ``cwd`` or the folder name)."""
     where = os.path.abspath(cwd or os.getcwd())
-    return lambda text: _shorten_yaml_paths(text, raw, where)[0]
+
+    def shorten(match: re.Match[str]) -> str:
+        found = match.group(1)
+        path = found.rstrip(".:")  # the end of a sentence or of a YAML key
+        if not _is_local_absolute(path):
+            return found
+        return display_path(path, where) + found[len(path) :]
+
+    return _ABSOLUTE_PATH.sub(shorten, text)
+
+
+def local_path_redactor(raw: Any, cwd: Optional[str] = None) -> Callable[[str], str]:
+    """A function that replaces absolute local paths in a text by their display form (as
+    the card shows them), for every file a merge writes or publishes: first the config's
+    own paths as written (spaces included), then any other (comments, recorded values)."""
+    where = os.path.abspath(cwd or os.getcwd())
+    return lambda text: redact_local_paths(_shorten_yaml_paths(text, raw, where)[0], where)

@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import re
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -44,6 +45,11 @@ TEMPLATES_DIR = os.path.join(
 CONFIG_FILENAME = "mergekit_config.yml"
 
 TAGS = ("mergekit", "merge", "mergekit-ext")
+
+
+class CardError(MergekitExtError):
+    """The model card cannot be written without losing the user's edits."""
+
 
 _PARTIAL_DIR = re.compile(r"^\.(?P<name>.+)\.partial-[^/\\]*$")
 
@@ -629,6 +635,58 @@ def render_card_for_repo(out_dir: str, repo_id: str, *, template_dir: Optional[s
     return text if text.endswith("\n") else text + "\n"
 
 
+# The last line of every README.md mergekit-ext writes: the hash of the text above it. A
+# README without it, or whose text no longer matches, was written or edited by someone else.
+_SIGNATURE = re.compile(r"<!-- mergekit-ext card sha256:(?P<sha>[0-9a-f]{64})[^\n]*-->\n?\Z")
+BACKUP_SUFFIX = ".bak"
+
+
+def _sign(text: str) -> str:
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    return (
+        f"{text}<!-- mergekit-ext card sha256:{digest} (`mergekit-ext card` replaces this file "
+        "only while it is unedited) -->\n"
+    )
+
+
+def card_is_unedited(path: str) -> bool:
+    """``path`` is a README.md written by mergekit-ext and not changed since."""
+    try:
+        with open(path, encoding="utf-8", newline="") as fp:
+            text = fp.read()
+    except (OSError, UnicodeDecodeError):
+        return False
+    match = _SIGNATURE.search(text)
+    if match is None:
+        return False
+    body = text[: match.start()]
+    return hashlib.sha256(body.encode("utf-8")).hexdigest() == match.group("sha")
+
+
+def keep_edited_card(out_dir: str, force: bool) -> Optional[str]:
+    """Refuse to replace a README.md of ``out_dir`` that mergekit-ext did not write as it is
+    now (edited by hand, or written by another tool); with ``force`` copy it to
+    ``README.md.bak`` (``.bak2``, ... if taken) first and return that path."""
+    path = os.path.join(out_dir, README_FILENAME)
+    if not os.path.lexists(path) or card_is_unedited(path):
+        return None
+    if not force:
+        raise CardError(
+            f"{path} was edited by hand or not written by mergekit-ext (its last line is not "
+            "the signature mergekit-ext writes, or the text no longer matches it), so "
+            "rebuilding the card would lose it: pass --force to replace it (the current file "
+            f"is kept as {README_FILENAME}{BACKUP_SUFFIX}), or keep it and publish it as it "
+            "is with `mergekit-ext publish --keep-card`"
+        )
+    backup, n = path + BACKUP_SUFFIX, 1
+    while os.path.lexists(backup):
+        n += 1
+        backup = f"{path}{BACKUP_SUFFIX}{n}"
+    shutil.copy2(path, backup)
+    LOG.warning("%s was edited by hand: kept as %s", path, backup)
+    return backup
+
+
 def write_model_card(
     out_dir: str,
     *,
@@ -637,6 +695,7 @@ def write_model_card(
     repo_id: Optional[str] = None,
     template_dir: Optional[str] = None,
     diagnose: Optional[Mapping[str, Any]] = None,
+    force: bool = False,
 ) -> str:
     """Write ``README.md`` and ``images/*.png`` for the merge in ``out_dir``; returns the card path.
 
@@ -645,13 +704,19 @@ def write_model_card(
     the model is about to be published; ``template_dir`` overrides the shipped templates
     (files with the same names: ``causal_lm.md.j2``, ``vision.md.j2``, ``encoder.md.j2``);
     ``diagnose`` is a ``mergekit-ext diagnose`` result of this model (a section and a plot).
+    A README.md that mergekit-ext did not write as it is now is never replaced silently:
+    it is refused (:func:`keep_edited_card`) unless ``force``, which replaces whatever is
+    there (the caller kept it: ``keep_edited_card(out_dir, force=True)`` backs it up).
     """
+    if not force:
+        keep_edited_card(out_dir, force=False)
     context = build_card_context(
         out_dir, eval_results=eval_results, name=name, repo_id=repo_id, diagnose=diagnose
     )
     card = render_model_card(context, template_dir)
     path = os.path.join(out_dir, README_FILENAME)
-    with open(path, "w", encoding="utf-8") as fp:
-        fp.write(str(card) if str(card).endswith("\n") else str(card) + "\n")
+    text = str(card) if str(card).endswith("\n") else str(card) + "\n"
+    with open(path, "w", encoding="utf-8", newline="") as fp:
+        fp.write(_sign(text))
     LOG.info("wrote model card %s", path)
     return path
