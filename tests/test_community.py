@@ -1,0 +1,105 @@
+"""Issue #32 (items 9-12, 15): calibration data in the forms community mergers have
+(ShareGPT, sliced splits), mergekit's parameter values checked before anything loads, cached
+Hub ids offline with mergekit's methods, and the Python API's options and result.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+import mergekit_ext
+from mergekit_ext.cli import main
+from mergekit_ext.testing import make_experts, make_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def llamas(tmp_path_factory):
+    root = tmp_path_factory.mktemp("community")
+    base = make_tiny_llama(str(root / "base"), seed=0)
+    experts = make_experts(base, [str(root / "a"), str(root / "b")], scale=0.05, seed=1)
+    return {"root": root, "base": base, "experts": experts}
+
+
+def _write(path, cfg) -> str:
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return str(path)
+
+
+def _run(args):
+    return CliRunner().invoke(main, args, catch_exceptions=False)
+
+
+def _ties(llamas, **params) -> dict:
+    a, b = llamas["experts"]
+    return {
+        "merge_method": "ties",
+        "base_model": llamas["base"],
+        "models": [
+            {"model": a, "parameters": {"weight": 0.5, "density": params.get("density", 0.5)}},
+            {"model": b, "parameters": {"weight": 0.5, "density": 0.5}},
+        ],
+        "dtype": "float32",
+    }
+
+
+# ------------------------------------------------------------------------------ item 11
+
+
+@pytest.mark.parametrize(
+    ("density", "expected"),
+    [
+        ("high", r"models\[0\] \(.*/a\)\.parameters: density: 'high' is not a valid value"),
+        (1.7, r"models\[0\] \(.*/a\)\.parameters: density is 1\.7, outside \[0, 1\]"),
+        (float("nan"), r"density is nan; ties needs a finite number"),
+        ([0.2, "x"], r"density: 'x' is not a valid value"),
+    ],
+)
+def test_mergekit_parameter_values_refused_before_anything_loads(
+    llamas, tmp_path, density, expected
+):
+    config = _write(tmp_path / "ties.yml", _ties(llamas, density=density))
+    for extra in (["--dry-run"], []):
+        result = _run(["run", config, str(tmp_path / "out"), *extra])
+        assert result.exit_code == 1, result.output
+        assert re.search(expected, result.output), result.output
+        assert "validation error" not in result.output  # not pydantic's raw text
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_mergekit_parameter_values_in_range_and_gradients_pass(llamas, tmp_path):
+    cfg = _ties(llamas)
+    cfg["models"][0]["parameters"]["density"] = [0.2, 0.9]
+    cfg["models"][1]["parameters"]["density"] = [{"filter": "mlp", "value": 0.3}, {"value": 1}]
+    result = _run(["run", _write(tmp_path / "ok.yml", cfg), str(tmp_path / "out"), "--dry-run"])
+    assert result.exit_code == 0, result.output
+
+
+def test_della_density_epsilon_checked_together(llamas, tmp_path):
+    cfg = _ties(llamas, density=0.9)
+    cfg["merge_method"] = "della"
+    cfg["parameters"] = {"epsilon": 0.2}
+    result = _run(["run", _write(tmp_path / "d.yml", cfg), str(tmp_path / "out"), "--dry-run"])
+    assert result.exit_code == 1
+    assert "density ± epsilon inside (0, 1)" in result.output
+    assert "density 0.9 with epsilon 0.2" in result.output
+
+
+def test_unknown_top_level_and_model_keys_warn_with_the_nearest(llamas, tmp_path, caplog):
+    cfg = _ties(llamas)
+    cfg["dtyp"] = cfg.pop("dtype")
+    cfg["models"][1]["paramters"] = cfg["models"][1].pop("parameters")
+    config = _write(tmp_path / "typo.yml", cfg)
+    with caplog.at_level(logging.WARNING):
+        mergekit_ext.parse_config(open(config).read(), config)
+    text = caplog.text
+    assert "unknown key 'dtyp' is ignored (did you mean 'dtype'?)" in text
+    assert (
+        "models[1]" in text
+        and "unknown key 'paramters' is ignored (did you mean 'parameters'?)" in text
+    )
