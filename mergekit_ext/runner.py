@@ -38,6 +38,7 @@ from mergekit_ext.model_paths import (
     is_config_only,
     resolve_model_folder,
     safetensors_itemsize,
+    with_cached_snapshots,
 )
 from mergekit_ext.output import (
     atomic_output_dir,
@@ -352,7 +353,7 @@ def _run_tensorwise(cfg: ExtMergeConfig, out_dir: str, options: MergeOptions) ->
         changes["lora_merge_cache"] = lora_cache.name
     try:
         run_merge(
-            cfg.merge,
+            with_cached_snapshots(cfg.merge),
             out_dir,
             options=_mergekit_options(options, **changes),
             config_source=cfg.source_text,

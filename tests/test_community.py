@@ -8,10 +8,15 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
+import subprocess
+import sys
 
 import pytest
+import torch
 import yaml
 from click.testing import CliRunner
+from safetensors.torch import load_file
 
 import mergekit_ext
 from mergekit_ext.cli import main
@@ -103,3 +108,57 @@ def test_unknown_top_level_and_model_keys_warn_with_the_nearest(llamas, tmp_path
         "models[1]" in text
         and "unknown key 'paramters' is ignored (did you mean 'parameters'?)" in text
     )
+
+
+# ------------------------------------------------------------------------------ item 12
+
+COMMIT = "89abcdef0123456789abcdef0123456789abcdef"
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cache(hf_home: str, repo_id: str, folder: str) -> None:
+    """``folder`` as huggingface_hub lays out a cached snapshot: refs/main names a commit."""
+    repo = os.path.join(hf_home, "hub", "models--" + repo_id.replace("/", "--"))
+    os.makedirs(os.path.join(repo, "refs"))
+    with open(os.path.join(repo, "refs", "main"), "w") as fp:
+        fp.write(COMMIT)
+    shutil.copytree(folder, os.path.join(repo, "snapshots", COMMIT))
+
+
+def test_cached_hub_ids_work_offline_with_mergekit_methods(llamas, tmp_path):
+    hf_home = str(tmp_path / "hf_home")
+    a, b = llamas["experts"]
+    for repo_id, folder in (("org/base", llamas["base"]), ("org/a", a), ("org/b", b)):
+        _cache(hf_home, repo_id, folder)
+    hub_cfg = _ties(llamas)
+    hub_cfg["base_model"] = "org/base"
+    hub_cfg["models"][0]["model"] = "org/a"
+    hub_cfg["models"][1]["model"] = "org/b@main"
+    hub_cfg["models"][1]["parameters"]["density"] = 0.3  # per-model values still bind
+    config = _write(tmp_path / "hub.yml", hub_cfg)
+    env = dict(os.environ, HF_HOME=hf_home, HF_HUB_OFFLINE="1", PYTHONPATH=REPO_ROOT)
+    env.pop("HF_HUB_CACHE", None)
+    out = tmp_path / "from_hub"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mergekit_ext", "run", config, str(out), "--no-write-model-card"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "OfflineModeIsEnabled" not in proc.stderr
+    local_cfg = _ties(llamas)
+    local_cfg["models"][1]["parameters"]["density"] = 0.3
+    local = tmp_path / "local"
+    mergekit_ext.run_merge(local_cfg, local, {"write_model_card": False})
+    hub_tensors, local_tensors = (
+        load_file(str(out / "model.safetensors")),
+        load_file(str(local / "model.safetensors")),
+    )
+    assert sorted(hub_tensors) == sorted(local_tensors)
+    for name, tensor in hub_tensors.items():
+        assert torch.equal(tensor, local_tensors[name]), name
+    # the written config keeps the Hub ids, never the snapshot folders
+    written = (out / "mergekit_config.yml").read_text()
+    assert "org/a" in written and "snapshots" not in written
