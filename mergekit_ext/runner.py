@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -107,10 +108,16 @@ def check_distributable(cfg: ExtMergeConfig, world_size: int, planned: bool = Fa
 
 
 def run_merge_config(
-    cfg: ExtMergeConfig, out_path: str, options: MergeOptions, run: Optional[RunOptions] = None
+    cfg: ExtMergeConfig,
+    out_path: str,
+    options: MergeOptions,
+    run: Optional[RunOptions] = None,
+    *,
+    show_plan: Callable[[str], None] = print,
 ) -> Optional[str]:
     """Merge ``cfg`` into ``out_path``; returns the output folder (None for a dry run, and
-    on ranks other than 0 of a distributed merge)."""
+    on ranks other than 0 of a distributed merge). A dry run hands its plan to
+    ``show_plan`` (printed by default)."""
     run = run or RunOptions()
     ctx = dist_context.current()
     check_distributable(cfg, ctx.world_size)
@@ -141,7 +148,7 @@ def run_merge_config(
         world = run.plan_world_size or launched
         check_distributable(cfg, world, planned=run.plan_world_size is not None)
         validate(cfg, options, run)
-        print(_describe_plan(cfg, options, kind, world))
+        show_plan(_describe_plan(cfg, options, kind, world))
         return None
 
     with exclusive_output(target, out_path):

@@ -5,6 +5,7 @@ Hub ids offline with mergekit's methods, and the Python API's options and result
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -20,6 +21,7 @@ from safetensors.torch import load_file
 
 import mergekit_ext
 from mergekit_ext.cli import main
+from mergekit_ext.errors import ConfigError
 from mergekit_ext.testing import make_experts, make_tiny_llama
 
 
@@ -162,3 +164,59 @@ def test_cached_hub_ids_work_offline_with_mergekit_methods(llamas, tmp_path):
     # the written config keeps the Hub ids, never the snapshot folders
     written = (out / "mergekit_config.yml").read_text()
     assert "org/a" in written and "snapshots" not in written
+
+
+# ------------------------------------------------------------------------------ item 15
+
+
+def test_api_returns_a_result_with_path_diagnostics_and_plan(llamas, tmp_path):
+    cfg = _ties(llamas)
+    out = tmp_path / "out"
+    result = mergekit_ext.run_merge(cfg, out, {"random_seed": 0, "write_model_card": False})
+    assert isinstance(result, mergekit_ext.MergeResult)
+    assert result.path == str(out) and not result.dry_run
+    # it still works where the old return value (the path) was used
+    assert result == str(out) and os.fspath(result) == str(out) and str(result) == str(out)
+    assert os.path.exists(os.path.join(result, "model.safetensors"))
+    on_disk = json.loads((out / "mergekit_ext_diagnostics.json").read_text())
+    assert result.diagnostics == on_disk and result.diagnostics["method"] == "ties"
+
+    dry = mergekit_ext.run_merge(cfg, tmp_path / "dry", run_options={"dry_run": True})
+    assert dry.dry_run and dry.path is None and dry.diagnostics == {}
+    assert "method: ties" in dry.plan and llamas["base"] in dry.plan
+    assert not os.path.exists(tmp_path / "dry")
+    with pytest.raises(TypeError, match="dry run writes nothing"):
+        os.fspath(dry)
+
+
+def test_api_rejects_unknown_option_keys_naming_the_nearest(llamas, tmp_path):
+    cfg = _ties(llamas)
+    with pytest.raises(
+        ConfigError, match=r"unknown options key 'random_sed'; did you mean 'random_seed'\?"
+    ):
+        mergekit_ext.run_merge(cfg, tmp_path / "out", {"random_sed": 0})
+    with pytest.raises(
+        ConfigError, match=r"unknown run_options key 'overwite'; did you mean 'overwrite'\?"
+    ):
+        mergekit_ext.run_merge(cfg, tmp_path / "out", run_options={"overwite": True})
+    with pytest.raises(
+        ConfigError, match=r"'dry_run' is one of mergekit-ext's own options.*run_options"
+    ):
+        mergekit_ext.run_merge(cfg, tmp_path / "out", {"dry_run": True})
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_api_refuses_model_objects_with_what_to_do(llamas, tmp_path):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(llamas["experts"][0])
+    cfg = _ties(llamas)
+    cfg["models"][0]["model"] = model
+    hint = "pass folders or Hub ids; save in-memory models with save_pretrained first"
+    with pytest.raises(
+        ConfigError, match=r"config\.models\[0\]\.model is a LlamaForCausalLM; " + hint
+    ):
+        mergekit_ext.run_merge(cfg, tmp_path / "out")
+    with pytest.raises(ConfigError, match="config is a LlamaForCausalLM; " + hint):
+        mergekit_ext.run_merge(model, tmp_path / "out")
+    assert not os.path.exists(tmp_path / "out")
