@@ -23,7 +23,7 @@ import yaml
 from mergekit.config import MergeConfiguration
 from pydantic import ValidationError
 
-from mergekit_ext.calibration.config import CalibrationSpec
+from mergekit_ext.calibration.config import CalibrationSpec, rename_deprecated_fields
 from mergekit_ext.errors import ConfigError
 
 LOG = logging.getLogger(__name__)
@@ -199,8 +199,10 @@ def _parse_calibration(value: Any, where: str) -> CalibrationSpec:
     if not isinstance(value, dict):
         raise ConfigError(f"{where}: expected a mapping such as {{path: data.jsonl, field: text}}")
     try:
-        return CalibrationSpec.model_validate(value)
-    except ValidationError as e:
+        return CalibrationSpec.model_validate(rename_deprecated_fields(value, where))
+    except ValueError as e:
+        if not isinstance(e, ValidationError):
+            raise ConfigError(f"{where}: {e}") from e
         first = e.errors()[0]
         loc = ".".join(str(x) for x in first["loc"])
         if first["type"] == "extra_forbidden":

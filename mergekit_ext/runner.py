@@ -147,8 +147,11 @@ def run_merge_config(
             return None  # under a launcher, rank 0 prints the plan of every rank
         world = run.plan_world_size or launched
         check_distributable(cfg, world, planned=run.plan_world_size is not None)
-        validate(cfg, options, run)
-        show_plan(_describe_plan(cfg, options, kind, world))
+        from mergekit_ext.calibration.sources import in_memory
+
+        with in_memory():  # a dry run writes nothing, not even datasets' Arrow cache
+            validate(cfg, options, run)
+            show_plan(_describe_plan(cfg, options, kind, world))
         return None
 
     with exclusive_output(target, out_path):
@@ -433,6 +436,27 @@ def _write_config_copy(text: str, out_dir: str) -> None:
         fp.write(text)
 
 
+def _describe_calibration(cfg: ExtMergeConfig, options: MergeOptions) -> list[str]:
+    """Each task's calibration data as the merge will read it: counts, split, first sample."""
+    from mergekit_ext.calibration.sources import load_calibration
+
+    base = str(cfg.merge.base_model) if cfg.merge.base_model else None
+    lines = ["calibration:"]
+    for entry in cfg.models:
+        spec = cfg.calibration_for(entry)
+        if entry.model == base or spec is None or not spec.has_data:
+            continue
+        data = load_calibration(
+            spec, entry.model, task=entry.name, trust_remote_code=options.trust_remote_code
+        )
+        lines += [
+            f"  - {entry.name}: {data.source}: {data.num_samples} samples, "
+            f"{data.num_tokens} tokens",
+            f"    {data.preview_line()}",
+        ]
+    return lines
+
+
 def _describe_plan(
     cfg: ExtMergeConfig, options: MergeOptions, kind: str, world_size: int = 1
 ) -> str:
@@ -451,6 +475,8 @@ def _describe_plan(
         "models:",
         *[f"  - {m}" for m in cfg.merge.referenced_models()],
     ]
+    if kind == "adaptation":
+        lines += _describe_calibration(cfg, options)
     sizes = []
     for ref in cfg.merge.referenced_models():
         path = checks.model_paths(str(ref))[0]

@@ -24,13 +24,65 @@ from mergekit_ext.cli import main
 from mergekit_ext.errors import ConfigError
 from mergekit_ext.testing import make_experts, make_tiny_llama
 
+# Role markers are words of the tiny vocabulary, so a rendered sample reads back exactly.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s> "
+    "{% if m['role'] == 'user' %}vote{% elif m['role'] == 'assistant' %}party{% else %}law{% endif %}"
+    " {{ m['content'] }} </s> {% endfor %}"
+)
+CONVERSATIONS = [
+    [("system", "the law is good"), ("user", "the news of the market"), ("assistant", "good news")],
+    [("user", "a film review"), ("assistant", "a great film")],
+    [("user", "tea and coffee"), ("assistant", "coffee")],
+    [("user", "the weather"), ("assistant", "rain and sun")],
+]
+SHAREGPT_FROM = {"system": "system", "user": "human", "assistant": "gpt"}
+
 
 @pytest.fixture(scope="module")
 def llamas(tmp_path_factory):
+    import transformers
+
     root = tmp_path_factory.mktemp("community")
     base = make_tiny_llama(str(root / "base"), seed=0)
     experts = make_experts(base, [str(root / "a"), str(root / "b")], scale=0.05, seed=1)
-    return {"root": root, "base": base, "experts": experts}
+    for folder in (base, *experts):
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+        tokenizer.chat_template = CHAT_TEMPLATE
+        tokenizer.save_pretrained(folder)
+    words = "the news of the market is good and the team will win the game".split()
+    texts = root / "texts.jsonl"
+    texts.write_text(
+        "".join(json.dumps({"text": " ".join(words[i : i + 5])}) + "\n" for i in range(10))
+    )
+    messages = root / "messages.jsonl"
+    messages.write_text(
+        "".join(
+            json.dumps({"id": k, "messages": [{"role": r, "content": c} for r, c in conv]}) + "\n"
+            for k, conv in enumerate(CONVERSATIONS)
+        )
+    )
+    sharegpt = root / "sharegpt.jsonl"
+    sharegpt.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "id": k,
+                    "conversations": [{"from": SHAREGPT_FROM[r], "value": c} for r, c in conv],
+                }
+            )
+            + "\n"
+            for k, conv in enumerate(CONVERSATIONS)
+        )
+    )
+    return {
+        "root": root,
+        "base": base,
+        "experts": experts,
+        "texts": str(texts),
+        "messages": str(messages),
+        "sharegpt": str(sharegpt),
+    }
 
 
 def _write(path, cfg) -> str:
@@ -220,3 +272,122 @@ def test_api_refuses_model_objects_with_what_to_do(llamas, tmp_path):
     with pytest.raises(ConfigError, match="config is a LlamaForCausalLM; " + hint):
         mergekit_ext.run_merge(model, tmp_path / "out")
     assert not os.path.exists(tmp_path / "out")
+
+
+# ------------------------------------------------------------------------------ item 9
+
+
+def _regmean(llamas, calibration: dict) -> dict:
+    a, b = llamas["experts"]
+    return {
+        "merge_method": "regmean",
+        "base_model": llamas["base"],
+        "models": [{"model": a, "name": "a"}, {"model": b, "name": "b"}],
+        "calibration": {"samples": 4, "max_length": 64, **calibration},
+        "dtype": "float32",
+    }
+
+
+def _rendered(conv) -> str:
+    markers = {"system": "law", "user": "vote", "assistant": "party"}
+    return " ".join(f"<s> {markers[role]} {content} </s>" for role, content in conv)
+
+
+def _rows(data) -> list[list[int]]:
+    out = []
+    for batch in data.batches:
+        for ids, mask in zip(batch["input_ids"], batch["attention_mask"]):
+            out.append(ids[mask.bool()].tolist())
+    return out
+
+
+def test_sharegpt_conversations_render_as_the_same_messages(llamas):
+    import transformers
+
+    from mergekit_ext.calibration import CalibrationSpec, load_calibration
+
+    model = llamas["experts"][0]
+    sharegpt = load_calibration(
+        CalibrationSpec(path=llamas["sharegpt"], apply_chat_template=True, max_length=64),
+        model,
+        task="t",
+    )
+    openai = load_calibration(
+        CalibrationSpec(path=llamas["messages"], apply_chat_template=True, max_length=64),
+        model,
+        task="t",
+    )
+    # human -> user, gpt -> assistant, system -> system: the very same tokens
+    assert _rows(sharegpt) == _rows(openai) and sharegpt.num_samples == 4
+    # what the template made of the roles (law: system, vote: user, party: assistant)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+    decoded = sorted(tokenizer.decode(row) for row in _rows(sharegpt))
+    assert decoded == sorted(_rendered(conv) for conv in CONVERSATIONS)
+
+
+def test_sharegpt_dry_run_shows_the_rendered_sample(llamas, tmp_path):
+    cfg = _regmean(llamas, {"path": llamas["sharegpt"], "apply_chat_template": True})
+    result = _run(["run", _write(tmp_path / "c.yml", cfg), str(tmp_path / "out"), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    first = next(line for line in result.output.splitlines() if "first sample" in line)
+    sample = first.split("first sample: ", 1)[1].strip("'")
+    assert sample in [_rendered(conv) for conv in CONVERSATIONS]
+    assert result.output.count("first sample") == 2  # one per task
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_unknown_conversation_shapes_name_the_file_and_row(llamas, tmp_path):
+    from mergekit_ext.calibration import CalibrationSpec, load_calibration
+    from mergekit_ext.errors import CalibrationError
+
+    rows = [{"conversations": [{"from": "human", "value": "the news"}]} for _ in range(3)]
+    rows.append({"conversations": [{"speaker": "human", "text": "the news"}]})
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = CalibrationSpec(path=str(bad), apply_chat_template=True, samples=4)
+    with pytest.raises(CalibrationError) as e:
+        load_calibration(spec, llamas["experts"][0], task="t")
+    message = str(e.value)
+    assert f"row 3 of calibration data {str(bad)!r}" in message
+    assert "message 0 has the keys speaker, text" in message
+    assert "{role, content}" in message and "{from, value}" in message
+    rows[3] = {"conversations": [{"from": "bot", "value": "the news"}]}
+    bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(
+        CalibrationError, match=r"row 3 .*from: 'bot'; ShareGPT roles are human, gpt"
+    ):
+        load_calibration(spec, llamas["experts"][0], task="t")
+
+
+def test_messages_column_without_the_chat_flag_says_to_set_it(llamas, tmp_path):
+    for data, column in ((llamas["messages"], "messages"), (llamas["sharegpt"], "conversations")):
+        cfg = _regmean(llamas, {"path": data})
+        result = _run(["run", _write(tmp_path / "m.yml", cfg), str(tmp_path / "out"), "--dry-run"])
+        assert result.exit_code == 1
+        assert f"has a '{column}' column of chat messages: set `apply_chat_template: true`" in (
+            result.output
+        )
+
+
+def test_old_chat_template_flag_is_read_with_a_deprecation_warning(llamas, tmp_path, caplog):
+    from mergekit_ext.calibration import load_calibration
+
+    old = _regmean(llamas, {"path": llamas["messages"], "chat_template": True})
+    new = _regmean(llamas, {"path": llamas["messages"], "apply_chat_template": True})
+    with caplog.at_level(logging.WARNING):
+        old_cfg = mergekit_ext.parse_config(yaml.safe_dump(old), "old.yml")
+    assert "old.yml: calibration: `chat_template:` is deprecated" in caplog.text
+    assert "write `apply_chat_template: true`" in caplog.text
+    new_cfg = mergekit_ext.parse_config(yaml.safe_dump(new), "new.yml")
+    model = llamas["experts"][0]
+    a = load_calibration(old_cfg.calibration_for(old_cfg.models[0]), model, task="a")
+    b = load_calibration(new_cfg.calibration_for(new_cfg.models[0]), model, task="a")
+    assert _rows(a) == _rows(b) and a.sha256 == b.sha256
+    # the top-level `chat_template: chatml` (mergekit's) is no calibration field
+    both = dict(new, chat_template="chatml")
+    assert mergekit_ext.parse_config(yaml.safe_dump(both)).merge.chat_template == "chatml"
+    clash = _regmean(
+        llamas, {"path": llamas["messages"], "chat_template": True, "apply_chat_template": False}
+    )
+    with pytest.raises(ConfigError, match="disagree; keep only apply_chat_template"):
+        mergekit_ext.parse_config(yaml.safe_dump(clash))
