@@ -391,3 +391,72 @@ def test_old_chat_template_flag_is_read_with_a_deprecation_warning(llamas, tmp_p
     )
     with pytest.raises(ConfigError, match="disagree; keep only apply_chat_template"):
         mergekit_ext.parse_config(yaml.safe_dump(clash))
+
+
+# ------------------------------------------------------------------------------ item 10
+
+
+@pytest.mark.parametrize(
+    ("split", "rows"),
+    [("train[:4]", range(0, 4)), ("train[3:7]", range(3, 7)), ("train[50%:]", range(5, 10))],
+)
+def test_split_slices_read_only_their_rows(llamas, split, rows):
+    from mergekit_ext.calibration import CalibrationSpec, load_calibration
+
+    spec = CalibrationSpec(path=llamas["texts"], split=split, samples=10, max_length=64)
+    data = load_calibration(spec, llamas["experts"][0], task="t")
+    # row indices are the whole file's: the slice's rows, every one of them
+    assert sorted(data.rows_read) == list(rows) and data.num_samples == len(rows)
+    assert data.split == f"{split}: rows {rows[0]}-{rows[-1]} of 10"
+    whole = load_calibration(
+        spec.model_copy(update={"split": None}), llamas["experts"][0], task="t"
+    )
+    assert whole.split == "all 10 rows" and sorted(whole.rows_read) == list(range(10))
+    # held-out data of another slice of the file leaves out exactly the rows the merge read
+    heldout = load_calibration(
+        spec.model_copy(update={"split": "train"}), llamas["experts"][0], task="t", exclude=[spec]
+    )
+    assert sorted(heldout.rows_read) == sorted(set(range(10)) - set(rows))
+    assert heldout.rows_excluded == len(rows)
+
+
+@pytest.mark.parametrize(
+    ("split", "message"),
+    [
+        ("train[:x]", r"split 'train\[:x\]' is not valid"),
+        ("validation", r"this calibration source has one split, 'train'; take a part of it"),
+        ("train[:3]+train[5:]", r"joins splits"),
+        ("train[8:2]", r"selects no rows of .* \(10 rows\)"),
+    ],
+)
+def test_bad_splits_are_refused_in_a_dry_run(llamas, tmp_path, split, message):
+    cfg = _regmean(llamas, {"path": llamas["texts"], "split": split})
+    result = _run(["run", _write(tmp_path / "s.yml", cfg), str(tmp_path / "out"), "--dry-run"])
+    assert result.exit_code == 1
+    assert re.search(message, result.output), result.output
+
+
+def test_dry_run_shows_split_and_sample_and_writes_nothing(llamas, tmp_path):
+    hf_home = tmp_path / "hf_home"
+    hf_home.mkdir()
+    cfg = _regmean(llamas, {"path": llamas["texts"], "split": "train[:4]"})
+    config = _write(tmp_path / "dry.yml", cfg)
+    env = dict(os.environ, HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", PYTHONPATH=REPO_ROOT)
+    for key in ("HF_HUB_CACHE", "HF_DATASETS_CACHE", "TRANSFORMERS_CACHE"):
+        env.pop(key, None)
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mergekit_ext", "run", config, str(out), "--dry-run"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line.strip() for line in proc.stdout.splitlines() if "first sample" in line]
+    assert len(lines) == 2  # one per task
+    for line in lines:
+        assert line.startswith("split train[:4]: rows 0-3 of 10; first sample: '<s> ")
+    written = [os.path.join(root, f) for root, _, files in os.walk(hf_home) for f in files]
+    assert written == [] and os.listdir(hf_home) == []
+    assert not out.exists()
