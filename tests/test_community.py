@@ -460,3 +460,13 @@ def test_dry_run_shows_split_and_sample_and_writes_nothing(llamas, tmp_path):
     written = [os.path.join(root, f) for root, _, files in os.walk(hf_home) for f in files]
     assert written == [] and os.listdir(hf_home) == []
     assert not out.exists()
+
+
+def test_symerge_dry_run_shows_each_tasks_calibration(llamas, tmp_path):
+    cfg = _regmean(llamas, {"path": llamas["texts"], "split": "train[2:6]", "max_length": 16})
+    cfg["merge_method"] = "symerge"
+    result = _run(["run", _write(tmp_path / "sy.yml", cfg), str(tmp_path / "out"), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "  - a: " in result.output and "  - b: " in result.output
+    assert result.output.count("split train[2:6]: rows 2-5 of 10; first sample: '<s> ") == 2
+    assert not os.path.exists(tmp_path / "out")
