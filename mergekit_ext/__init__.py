@@ -10,12 +10,13 @@ from mergekit_ext import (
     mergekit_definitions as mergekit_definitions,  # noqa: E402,F401  (registers them)
 )
 from mergekit_ext import methods as methods  # noqa: E402  (registers the methods)
-from mergekit_ext.api import as_config, run_merge  # noqa: E402
+from mergekit_ext.api import MergeResult, as_config, run_merge  # noqa: E402
 from mergekit_ext.config import ExtMergeConfig, load_config, parse_config  # noqa: E402
 from mergekit_ext.runner import RunOptions  # noqa: E402
 
 __all__ = [
     "ExtMergeConfig",
+    "MergeResult",
     "RunOptions",
     "__version__",
     "as_config",

@@ -6,15 +6,18 @@ mergekit-ext's additions (``calibration:``, ``name:``) and can only run tensor-w
 command does (the same checks, executors, atomic output folder, diagnostics and card)::
 
     import mergekit_ext
-    from mergekit.options import MergeOptions
 
-    mergekit_ext.run_merge("chain_of_merges.yml", "./merged", MergeOptions(random_seed=0))
+    result = mergekit_ext.run_merge("chain_of_merges.yml", "./merged", {"random_seed": 0})
+    result.path, result.diagnostics        # the output folder, the diagnostics JSON
+    mergekit_ext.run_merge("chain_of_merges.yml", "./merged", run_options={"dry_run": True}).plan
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Union
 
 import yaml
@@ -26,6 +29,31 @@ from mergekit_ext.errors import ConfigError
 from mergekit_ext.runner import RunOptions, run_merge_config
 
 ConfigLike = Union[str, "os.PathLike[str]", Mapping[str, Any], ExtMergeConfig, MergeConfiguration]
+
+
+_MODEL_OBJECT_HINT = (
+    "pass folders or Hub ids; save in-memory models with save_pretrained first "
+    "(model.save_pretrained('./expert-a'), then model: ./expert-a)"
+)
+
+
+def _is_model_object(value: Any) -> bool:
+    """A transformers/PEFT model or a torch module (what users have in memory)."""
+    import torch
+
+    return isinstance(value, torch.nn.Module) or callable(getattr(value, "save_pretrained", None))
+
+
+def _refuse_model_objects(value: Any, where: str) -> None:
+    """Every value of a config mapping must be YAML data; a model object says what to do."""
+    if _is_model_object(value):
+        raise ConfigError(f"run_merge: {where} is a {type(value).__name__}; {_MODEL_OBJECT_HINT}")
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            _refuse_model_objects(item, f"{where}.{key}")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _refuse_model_objects(item, f"{where}[{i}]")
 
 
 def as_config(config: ConfigLike) -> ExtMergeConfig:
@@ -41,9 +69,12 @@ def as_config(config: ConfigLike) -> ExtMergeConfig:
     """
     if isinstance(config, ExtMergeConfig):
         return config
+    if _is_model_object(config):
+        raise ConfigError(f"run_merge: config is a {type(config).__name__}; {_MODEL_OBJECT_HINT}")
     if isinstance(config, MergeConfiguration):
         return parse_config(config.to_yaml(), "<MergeConfiguration>")
     if isinstance(config, Mapping):
+        _refuse_model_objects(config, "config")
         return parse_config(yaml.safe_dump(dict(config), sort_keys=False), "<mapping>")
     if isinstance(config, (str, os.PathLike)):
         path = os.fspath(config)
@@ -59,30 +90,126 @@ def as_config(config: ConfigLike) -> ExtMergeConfig:
     )
 
 
+@dataclass(frozen=True, eq=False)
+class MergeResult:
+    """What :func:`run_merge` did.
+
+    - ``path``: the absolute output folder (None for a dry run, which writes nothing);
+    - ``diagnostics``: the merge's diagnostics (``merge_diagnostics.json``; empty when none);
+    - ``plan``: the ``--dry-run`` text (None after a merge).
+
+    Where a path was returned before, the result still works as one: ``os.fspath(result)``,
+    ``str(result)`` and ``result == "/abs/out"`` use ``path``.
+    """
+
+    path: Optional[str]
+    diagnostics: dict[str, Any] = field(default_factory=dict)
+    plan: Optional[str] = None
+
+    @property
+    def dry_run(self) -> bool:
+        return self.path is None
+
+    def __fspath__(self) -> str:
+        if self.path is None:
+            raise TypeError("a dry run writes nothing, so it has no output path; see .plan")
+        return self.path
+
+    def __str__(self) -> str:
+        return self.path if self.path is not None else (self.plan or "")
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, MergeResult):
+            return (self.path, self.plan) == (other.path, other.plan)
+        if isinstance(other, (str, os.PathLike)) and self.path is not None:
+            return self.path == os.fspath(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self.path, self.plan))
+
+
+def _checked_keys(values: Mapping[str, Any], known: list[str], what: str) -> None:
+    for key in values:
+        if key in known:
+            continue
+        if what == "options" and key in _RUN_OPTION_KEYS:
+            raise ConfigError(
+                f"run_merge: {key!r} is one of mergekit-ext's own options: pass it as "
+                f"run_options={{{key!r}: ...}} (or mergekit_ext.RunOptions({key}=...))"
+            )
+        close = difflib.get_close_matches(str(key), known, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(known)}"
+        raise ConfigError(f"run_merge: unknown {what} key {key!r}{hint}")
+
+
+_RUN_OPTION_KEYS = sorted(f.name for f in fields(RunOptions))
+
+
+def _merge_options(options: Optional[Union[MergeOptions, Mapping[str, Any]]]) -> MergeOptions:
+    if options is None:
+        return MergeOptions()
+    if isinstance(options, MergeOptions):
+        return options
+    if not isinstance(options, Mapping):
+        raise ConfigError(
+            f"run_merge: options must be mergekit's MergeOptions or a mapping of its fields, "
+            f"not {type(options).__name__}"
+        )
+    _checked_keys(options, sorted(MergeOptions.model_fields), "options")
+    return MergeOptions.model_validate(dict(options))
+
+
+def _run_options(run_options: Optional[Union[RunOptions, Mapping[str, Any]]]) -> RunOptions:
+    if run_options is None:
+        return RunOptions()
+    if isinstance(run_options, RunOptions):
+        return run_options
+    if not isinstance(run_options, Mapping):
+        raise ConfigError(
+            f"run_merge: run_options must be mergekit_ext.RunOptions or a mapping of its "
+            f"fields, not {type(run_options).__name__}"
+        )
+    _checked_keys(run_options, _RUN_OPTION_KEYS, "run_options")
+    return RunOptions(**dict(run_options))
+
+
 def run_merge(
     config: ConfigLike,
     out_path: Union[str, os.PathLike[str]],
     options: Optional[Union[MergeOptions, Mapping[str, Any]]] = None,
-    run_options: Optional[RunOptions] = None,
-) -> Optional[str]:
+    run_options: Optional[Union[RunOptions, Mapping[str, Any]]] = None,
+) -> MergeResult:
     """Merge ``config`` into ``out_path``, as ``mergekit-ext run CONFIG OUT`` does.
 
     Args:
-        config: see :func:`as_config`; calibration data and task names included.
+        config: see :func:`as_config`; calibration data and task names included. Models
+            are folders or Hub ids, never model objects (save those with
+            ``save_pretrained`` first).
         out_path: the output folder; it must not exist unless ``run_options.overwrite``.
         options: mergekit's options (``MergeOptions`` or a mapping of its fields:
-            ``device``, ``random_seed``, ``out_shard_size``, ``allow_crimes`` ...).
-        run_options: mergekit-ext's own options (overwrite, dry_run, allow_pickle, SyMerge's
-            force / task_layers_only, push_to_hub ...).
+            ``device``, ``random_seed``, ``out_shard_size``, ``allow_crimes`` ...); an
+            unknown key is an error naming the nearest valid one.
+        run_options: mergekit-ext's own options (``RunOptions`` or a mapping of its fields:
+            overwrite, dry_run, allow_pickle, SyMerge's force / task_layers_only,
+            push_to_hub ...).
 
     Returns:
-        The absolute path of the output folder, or None for a dry run.
+        A :class:`MergeResult`: the absolute output folder and the diagnostics, or for a
+        dry run the plan (printed by ``mergekit-ext run --dry-run``; not printed here).
 
     Raises:
         MergekitExtError: bad input (the message says what to do); nothing is written.
     """
-    if options is None:
-        options = MergeOptions()
-    elif not isinstance(options, MergeOptions):
-        options = MergeOptions.model_validate(dict(options))
-    return run_merge_config(as_config(config), os.fspath(out_path), options, run_options)
+    merge_options = _merge_options(options)
+    run = _run_options(run_options)
+    cfg = as_config(config)
+    plans: list[str] = []
+    path = run_merge_config(cfg, os.fspath(out_path), merge_options, run, show_plan=plans.append)
+    if run.dry_run:
+        return MergeResult(path=None, plan="\n".join(plans) or None)
+    if path is None:  # a rank other than 0 of a distributed merge: rank 0 writes
+        return MergeResult(path=None)
+    from mergekit_ext import diagnostics
+
+    return MergeResult(path=path, diagnostics=diagnostics.load(path))

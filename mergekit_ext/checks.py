@@ -203,9 +203,15 @@ def check_parameter_values(cfg: ExtMergeConfig) -> None:
     (``methods/parameters.py``); a value outside them is a ``ConfigError`` that names the
     field, the value and the allowed range, never a silent clamp. Our methods read only the
     global ``parameters:`` section; a value given per model is checked the same way.
+    mergekit's methods: every site, by :mod:`~mergekit_ext.methods.mergekit_ranges`.
     """
     info = ext_method_info(cfg.method)
-    if info is None:  # mergekit's own methods: mergekit validates their values
+    if info is None:  # mergekit's own methods: their types, finiteness and ranges
+        from mergekit_ext.methods.mergekit_ranges import check_values
+
+        for where, _ in _parameter_sites(cfg):
+            site = cfg.parameters if where == "parameters" else _site_values(cfg, where)
+            check_values(cfg.method, where, site, inherited=cfg.parameters)
         return
     info.parse_parameters(cfg.parameters)
     known = info.parameter_names

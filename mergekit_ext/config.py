@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -22,10 +23,13 @@ import yaml
 from mergekit.config import MergeConfiguration
 from pydantic import ValidationError
 
-from mergekit_ext.calibration.config import CalibrationSpec
+from mergekit_ext.calibration.config import CalibrationSpec, rename_deprecated_fields
 from mergekit_ext.errors import ConfigError
 
+LOG = logging.getLogger(__name__)
+
 _MODEL_EXTRA_KEYS = ("calibration", "name")
+_MODEL_KEYS = sorted(["model", "parameters", *_MODEL_EXTRA_KEYS])
 
 # A task name becomes a folder (SyMerge's ``tasks/<name>``): one plain path component.
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
@@ -127,6 +131,7 @@ def parse_config(source_text: str, config_path: str = "<string>") -> ExtMergeCon
             f"{config_path}: the `models:` list is empty; list the models to merge "
             "(- model: ./expert-a, ...) and set base_model where the method needs one"
         )
+    _warn_unknown_keys(raw, sorted([*MergeConfiguration.model_fields, "calibration"]), config_path)
     entries: list[ExtModelEntry] = []
     mk_raw = {k: v for k, v in raw.items() if k != "calibration"}
     if isinstance(raw.get("models"), list):
@@ -135,6 +140,7 @@ def parse_config(source_text: str, config_path: str = "<string>") -> ExtMergeCon
             if not isinstance(m, dict) or "model" not in m:
                 raise ConfigError(f"{config_path}: models[{i}] needs a 'model' field")
             model = str(m["model"])
+            _warn_unknown_keys(m, _MODEL_KEYS, f"{config_path}: models[{i}] ({model})")
             cal = None
             if m.get("calibration") is not None:
                 cal = _parse_calibration(
@@ -172,6 +178,16 @@ def parse_config(source_text: str, config_path: str = "<string>") -> ExtMergeCon
     )
 
 
+def _warn_unknown_keys(mapping: dict[str, Any], known: list[str], where: str) -> None:
+    """mergekit ignores keys it does not know: a typo (``dtyp:``) would merge with a default."""
+    for key in mapping:
+        if key in known:
+            continue
+        close = difflib.get_close_matches(str(key), known, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else f"; known: {', '.join(known)}"
+        LOG.warning("%s: unknown key '%s' is ignored%s", where, key, hint)
+
+
 def load_config(config_path: str) -> ExtMergeConfig:
     if not os.path.isfile(config_path):
         raise ConfigError(f"config file not found: {config_path}")
@@ -183,8 +199,10 @@ def _parse_calibration(value: Any, where: str) -> CalibrationSpec:
     if not isinstance(value, dict):
         raise ConfigError(f"{where}: expected a mapping such as {{path: data.jsonl, field: text}}")
     try:
-        return CalibrationSpec.model_validate(value)
-    except ValidationError as e:
+        return CalibrationSpec.model_validate(rename_deprecated_fields(value, where))
+    except ValueError as e:
+        if not isinstance(e, ValidationError):
+            raise ConfigError(f"{where}: {e}") from e
         first = e.errors()[0]
         loc = ".".join(str(x) for x in first["loc"])
         if first["type"] == "extra_forbidden":

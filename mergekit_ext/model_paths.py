@@ -292,3 +292,47 @@ def _is_repo_id(name: str) -> bool:
         return False
     parts = name.split("/")
     return 1 <= len(parts) <= 2 and all(parts)
+
+
+def with_cached_snapshots(config: Any) -> Any:
+    """``config`` (mergekit's ``MergeConfiguration``) with every Hub id that is in the
+    Hugging Face cache replaced by its snapshot folder, when the Hub is offline.
+
+    mergekit resolves a Hub id by asking the Hub for the repository's files
+    (``list_repo_tree``), which fails offline even when the model is cached; a folder is
+    read as it is. Online, Hub ids are left to mergekit (it also fetches missing files).
+    Every occurrence of one reference (models, base model, slices, tokenizer sources) is
+    replaced by the same folder, so per-model parameters still find their model.
+    """
+    from mergekit.common import ModelPath, ModelReference
+    from pydantic import BaseModel
+
+    if not hub_offline():
+        return config
+
+    def folder(path: ModelPath) -> ModelPath:
+        if os.path.exists(path.path) or not _is_repo_id(path.path):
+            return path
+        snapshot = cached_snapshot(path.path, revision=path.revision)
+        return path if snapshot is None else ModelPath(path=snapshot)
+
+    def swap(value: Any) -> Any:
+        if isinstance(value, ModelReference):
+            lora = folder(value.lora) if value.lora is not None else None
+            return value.model_copy(update={"model": folder(value.model), "lora": lora})
+        if isinstance(value, BaseModel):
+            changes = {}
+            for name, item in value:
+                new = swap(item)
+                if new is not item:
+                    changes[name] = new
+            return value.model_copy(update=changes) if changes else value
+        if isinstance(value, list):
+            items = [swap(v) for v in value]
+            return items if any(a is not b for a, b in zip(items, value)) else value
+        if isinstance(value, dict):
+            swapped = {k: swap(v) for k, v in value.items()}
+            return swapped if any(swapped[k] is not value[k] for k in value) else value
+        return value
+
+    return swap(config)

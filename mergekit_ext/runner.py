@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -38,6 +39,7 @@ from mergekit_ext.model_paths import (
     is_config_only,
     resolve_model_folder,
     safetensors_itemsize,
+    with_cached_snapshots,
 )
 from mergekit_ext.output import (
     atomic_output_dir,
@@ -106,10 +108,16 @@ def check_distributable(cfg: ExtMergeConfig, world_size: int, planned: bool = Fa
 
 
 def run_merge_config(
-    cfg: ExtMergeConfig, out_path: str, options: MergeOptions, run: Optional[RunOptions] = None
+    cfg: ExtMergeConfig,
+    out_path: str,
+    options: MergeOptions,
+    run: Optional[RunOptions] = None,
+    *,
+    show_plan: Callable[[str], None] = print,
 ) -> Optional[str]:
     """Merge ``cfg`` into ``out_path``; returns the output folder (None for a dry run, and
-    on ranks other than 0 of a distributed merge)."""
+    on ranks other than 0 of a distributed merge). A dry run hands its plan to
+    ``show_plan`` (printed by default)."""
     run = run or RunOptions()
     ctx = dist_context.current()
     check_distributable(cfg, ctx.world_size)
@@ -139,8 +147,11 @@ def run_merge_config(
             return None  # under a launcher, rank 0 prints the plan of every rank
         world = run.plan_world_size or launched
         check_distributable(cfg, world, planned=run.plan_world_size is not None)
-        validate(cfg, options, run)
-        print(_describe_plan(cfg, options, kind, world))
+        from mergekit_ext.calibration.sources import in_memory
+
+        with in_memory():  # a dry run writes nothing, not even datasets' Arrow cache
+            validate(cfg, options, run)
+            show_plan(_describe_plan(cfg, options, kind, world))
         return None
 
     with exclusive_output(target, out_path):
@@ -378,7 +389,7 @@ def _run_tensorwise(cfg: ExtMergeConfig, out_dir: str, options: MergeOptions) ->
         changes["lora_merge_cache"] = lora_cache.name
     try:
         run_merge(
-            cfg.merge,
+            with_cached_snapshots(cfg.merge),
             out_dir,
             options=_mergekit_options(options, **changes),
             config_source=cfg.source_text,
@@ -451,6 +462,27 @@ def _write_config_copy(text: str, out_dir: str) -> None:
         fp.write(text)
 
 
+def _describe_calibration(cfg: ExtMergeConfig, options: MergeOptions) -> list[str]:
+    """Each task's calibration data as the merge will read it: counts, split, first sample."""
+    from mergekit_ext.calibration.sources import load_calibration
+
+    base = str(cfg.merge.base_model) if cfg.merge.base_model else None
+    lines = ["calibration:"]
+    for entry in cfg.models:
+        spec = cfg.calibration_for(entry)
+        if entry.model == base or spec is None or not spec.has_data:
+            continue
+        data = load_calibration(
+            spec, entry.model, task=entry.name, trust_remote_code=options.trust_remote_code
+        )
+        lines += [
+            f"  - {entry.name}: {data.source}: {data.num_samples} samples, "
+            f"{data.num_tokens} tokens",
+            f"    {data.preview_line()}",
+        ]
+    return lines
+
+
 def _describe_plan(
     cfg: ExtMergeConfig, options: MergeOptions, kind: str, world_size: int = 1
 ) -> str:
@@ -469,6 +501,8 @@ def _describe_plan(
         "models:",
         *[f"  - {m}" for m in cfg.merge.referenced_models()],
     ]
+    if kind == "adaptation":
+        lines += _describe_calibration(cfg, options)
     sizes = []
     for ref in cfg.merge.referenced_models():
         path = checks.model_paths(str(ref))[0]

@@ -328,14 +328,14 @@ def test_pad_token_falls_back_to_eos(models, tmp_path):
 def test_chat_template(models, tmp_path):
     texts = make_texts(5)
     path = write_jsonl(tmp_path / "data.jsonl", [{"text": t} for t in texts])
-    spec = CalibrationSpec(path=path, samples=5, chat_template=True)
+    spec = CalibrationSpec(path=path, samples=5, apply_chat_template=True)
     data = load_calibration(spec, models["llama_chat"], task="t")
     assert sorted(rows_of(data)) == sorted((BOS, *word_ids(t), EOS) for t in texts)
     plain = load_calibration(
-        spec.model_copy(update={"chat_template": False}), models["llama_chat"], task="t"
+        spec.model_copy(update={"apply_chat_template": False}), models["llama_chat"], task="t"
     )
     assert plain.sha256 != data.sha256
-    with pytest.raises(CalibrationError, match="chat_template: true.*has no chat template"):
+    with pytest.raises(CalibrationError, match="apply_chat_template: true.*has no chat template"):
         load_calibration(spec, models["llama"], task="t")
 
 

@@ -343,15 +343,13 @@ def test_python_api_runs_every_data_aware_method_with_calibration(vocab_set, tmp
         cli_out = tmp_path / f"cli_{method}"
         assert _run(["run", path, str(cli_out), "--random-seed", "0"]).exit_code == 0
         assert_same_tensors(api_out, cli_out)
-    # a dry run validates and writes nothing
-    assert (
-        mergekit_ext.run_merge(
-            _com(vs, vs["same"]),
-            tmp_path / "dry",
-            run_options=mergekit_ext.RunOptions(dry_run=True),
-        )
-        is None
+    # a dry run validates and writes nothing; its result holds the plan, no path (#32 item 15)
+    dry = mergekit_ext.run_merge(
+        _com(vs, vs["same"]),
+        tmp_path / "dry",
+        run_options=mergekit_ext.RunOptions(dry_run=True),
     )
+    assert dry.path is None and "method: chain_of_merges" in dry.plan
     assert not os.path.exists(tmp_path / "dry")
 
 

@@ -2,11 +2,41 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+LOG = logging.getLogger(__name__)
 
 _DATA_FIELDS = ("path", "dataset", "source")
+
+
+def rename_deprecated_fields(values: dict[str, Any], where: str = "calibration") -> dict[str, Any]:
+    """``values`` with the old ``chat_template`` flag renamed ``apply_chat_template``.
+
+    The flag was renamed because mergekit's top-level ``chat_template:`` (the output's
+    template, e.g. ``chatml``) has the same name and another meaning. The old name is
+    still read, with a warning; both names with different values are an error.
+    """
+    if "chat_template" not in values:
+        return values
+    values = dict(values)
+    old = values.pop("chat_template")
+    if "apply_chat_template" in values and values["apply_chat_template"] != old:
+        raise ValueError(
+            f"`chat_template: {old}` and `apply_chat_template: {values['apply_chat_template']}` "
+            "disagree; keep only apply_chat_template"
+        )
+    values.setdefault("apply_chat_template", old)
+    LOG.warning(
+        "%s: `chat_template:` is deprecated in a calibration section: write "
+        "`apply_chat_template: %s` (the top-level `chat_template:` is mergekit's: the "
+        "template written with the merged model)",
+        where,
+        str(old).lower(),
+    )
+    return values
 
 
 class CalibrationSpec(BaseModel):
@@ -30,13 +60,20 @@ class CalibrationSpec(BaseModel):
     batch_size: int = Field(default=8, ge=1)
     seed: int = 0
     pack: bool = False
-    chat_template: bool = False
+    # render each example with the tokenizer's chat template (texts as one user message;
+    # `messages`/`conversations` columns: OpenAI role/content or ShareGPT from/value)
+    apply_chat_template: bool = False
     # vision preprocessing overrides (default: the model's own image processor config)
     image_size: Optional[int] = None
     image_mean: Optional[list[float]] = None
     image_std: Optional[list[float]] = None
     # free-form options for custom sources
     options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deprecated_names(cls, values: Any) -> Any:
+        return rename_deprecated_fields(values) if isinstance(values, dict) else values
 
     def merged_with(self, defaults: Optional[CalibrationSpec]) -> CalibrationSpec:
         """This entry with unset fields taken from the top-level defaults.

@@ -27,11 +27,13 @@ none is left it raises :class:`NoUnusedCalibrationData`.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import csv
 import hashlib
 import json
 import logging
 import os
+import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Optional, Protocol, TypeVar, Union
@@ -39,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Protocol, TypeVar, Uni
 import torch
 from tqdm.auto import tqdm
 
+from mergekit_ext.calibration.chat import CHAT_COLUMNS, is_conversation, to_messages
 from mergekit_ext.calibration.config import CalibrationSpec
 from mergekit_ext.errors import CalibrationError, ModelInputError
 
@@ -105,6 +108,14 @@ class CalibrationData:
     rows_read: tuple[int, ...] = ()
     # examples left out because a merge read them (``load_calibration(exclude=...)``)
     rows_excluded: int = 0
+    split: str = ""  # which rows of the source were read, in words
+    preview: str = ""  # the first sample as the model reads it (text: its tokens decoded)
+
+    def preview_line(self, width: int = 160) -> str:
+        """``split ...; first sample: '...'`` on one line, the sample cut to ``width``
+        characters (``--dry-run``)."""
+        sample = self.preview if len(self.preview) <= width else self.preview[:width] + "…"
+        return f"split {self.split}; first sample: {sample!r}"
 
     def summary(self) -> dict[str, Any]:
         """The card/diagnostics entry: ``{"source", "samples", "tokens", "sha256", "modality"}``."""
@@ -402,12 +413,115 @@ class _DatasetRows:
         return list(self.dataset[indices][self.field])
 
 
+class _SlicedRows:
+    """Rows ``start .. stop-1`` of ``rows`` (a ``split: train[a:b]`` slice)."""
+
+    def __init__(self, rows: _Rows, start: int, stop: int) -> None:
+        self.rows, self.start, self.stop = rows, start, stop
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def fetch(self, indices: list[int]) -> list[Any]:
+        return self.rows.fetch([self.start + i for i in indices])
+
+
 @dataclass
 class _OpenedSource:
     rows: _Rows
     form: Literal["raw", "tokens", "pixels"]  # raw examples, token id rows, pixel tensors
     base_dir: str  # relative image paths resolve against it
     description: str
+    split: Optional[str] = None  # the split read (a datasets split name), None: the whole source
+    # a sliced split: row i of ``rows`` is row ``offset + i`` of the whole split (row indices
+    # reported and excluded are the whole split's, so that slices of one source compare)
+    offset: int = 0
+    total: Optional[int] = None  # rows of the whole split, when sliced
+
+
+def _split_name(split: Optional[str]) -> Optional[str]:
+    """``train[:100]`` -> ``train``; None stays None."""
+    return split.split("[", 1)[0].strip() if split else None
+
+
+def _check_split(split: Optional[str], task: str, one_split: Optional[str] = None) -> None:
+    """A split name, or one split with datasets' slicing (``train[:100]``, ``train[10:20]``,
+    ``train[:10%]``); ``one_split``: the only name the source has (a data file's ``train``)."""
+    if not split:
+        return
+    from datasets import ReadInstruction
+
+    syntax = (
+        "write a split name (train) or one split with datasets' slicing: train[:100], "
+        "train[100:200], train[:10%]"
+    )
+    if "+" in split:
+        raise CalibrationError(f"model {task}: split {split!r} joins splits; {syntax}")
+    try:
+        ReadInstruction.from_spec(split)
+    except (ValueError, AssertionError) as e:
+        raise CalibrationError(
+            f"model {task}: split {split!r} is not valid ({e}); {syntax}"
+        ) from None
+    name = _split_name(split)
+    if one_split is not None and name != one_split:
+        raise CalibrationError(
+            f"model {task}: split {split!r}: this calibration source has one split, "
+            f"{one_split!r}; take a part of it with {one_split}[:N], {one_split}[a:b] or "
+            f"{one_split}[:P%]"
+        )
+
+
+def _sliced(opened: _OpenedSource, split: Optional[str], task: str) -> _OpenedSource:
+    """``opened`` restricted to the slice of ``split`` (as ``datasets`` slices a split)."""
+    if not split or "[" not in split:
+        return opened
+    from datasets import ReadInstruction
+
+    total = len(opened.rows)
+    (absolute,) = ReadInstruction.from_spec(split).to_absolute({_split_name(split): total})
+    start, stop = int(absolute.from_), int(absolute.to)
+    if stop <= start:
+        raise CalibrationError(
+            f"model {task}: split {split!r} selects no rows of {opened.description!r} "
+            f"({total} rows)"
+        )
+    opened.rows = _SlicedRows(opened.rows, start, stop)
+    opened.split, opened.offset, opened.total = split, start, total
+    return opened
+
+
+def describe_split(opened: _OpenedSource) -> str:
+    """Which rows were read, in words (``--dry-run``)."""
+    n = len(opened.rows)
+    if opened.total is not None:
+        return f"{opened.split}: rows {opened.offset}-{opened.offset + n - 1} of {opened.total}"
+    return f"{opened.split}: all {n} rows" if opened.split else f"all {n} rows"
+
+
+_IN_MEMORY: contextvars.ContextVar[bool] = contextvars.ContextVar("in_memory", default=False)
+
+
+@contextlib.contextmanager
+def in_memory() -> Iterator[None]:
+    """While active, data files and Hub datasets are read into memory through a temporary
+    cache that is removed afterwards: nothing is written under ``$HF_HOME`` (``--dry-run``).
+    Otherwise ``datasets`` keeps an Arrow copy of each file in its cache, for the next run."""
+    token = _IN_MEMORY.set(True)
+    try:
+        yield
+    finally:
+        _IN_MEMORY.reset(token)
+
+
+def _load_dataset(*args: Any, **kwargs: Any) -> Any:
+    """``datasets.load_dataset``, in memory under :func:`in_memory`."""
+    from datasets import load_dataset
+
+    if not _IN_MEMORY.get():
+        return load_dataset(*args, **kwargs)
+    with tempfile.TemporaryDirectory(prefix="mergekit-ext-calibration-") as cache:
+        return load_dataset(*args, cache_dir=cache, keep_in_memory=True, **kwargs)
 
 
 def _hub_offline() -> bool:
@@ -528,20 +642,43 @@ def _resolve_field(
     columns = list(columns)
     if spec.field is not None:
         if spec.field in columns:
+            _unflagged_chat(spec.field, spec, modality, where, task)
             return spec.field
         raise CalibrationError(
             f"model {task}: field {spec.field!r} not found in {where}; available columns: "
             f"{', '.join(columns) or '(none)'}. Set `field:` to one of them"
         )
-    for name in IMAGE_COLUMNS if modality == "image" else TEXT_COLUMNS:
+    chat = modality == "text" and spec.apply_chat_template
+    if modality == "image":
+        candidates: Sequence[str] = IMAGE_COLUMNS
+    else:
+        candidates = (*CHAT_COLUMNS, *TEXT_COLUMNS) if chat else TEXT_COLUMNS
+    for name in candidates:
         if name in columns:
             return name
     if len(columns) == 1:
+        _unflagged_chat(columns[0], spec, modality, where, task)
         return columns[0]
+    for name in CHAT_COLUMNS:
+        if name in columns:
+            _unflagged_chat(name, spec, modality, where, task)
     raise CalibrationError(
         f"model {task}: {where} has no {'image' if modality == 'image' else 'text'} column and "
         f"several columns ({', '.join(columns)}); set `field:` to one of them"
     )
+
+
+def _unflagged_chat(
+    column: str, spec: CalibrationSpec, modality: str, where: str, task: str
+) -> None:
+    """Refuse a conversation column (``messages``, ``conversations``) read without the chat
+    flag: its messages would otherwise reach the tokenizer as a list."""
+    if column in CHAT_COLUMNS and modality == "text" and not spec.apply_chat_template:
+        raise CalibrationError(
+            f"model {task}: {where} has a {column!r} column of chat messages: set "
+            "`apply_chat_template: true` in its calibration section to render them with the "
+            "tokenizer's chat template (or set `field:` to a text column)"
+        )
 
 
 def _safetensors_keys(path: str, modality: str, task: str) -> dict[str, list[int]]:
@@ -602,9 +739,11 @@ def check_calibration(spec: CalibrationSpec, *, task: str, modality: str) -> Non
             f"model {task}: calibration names {' and '.join(named)}; give exactly one of path, dataset, source"
         )
     if spec.source:
+        _check_split(spec.split, task, one_split="train")
         get_source(spec.source)
         return
     if spec.dataset:
+        _check_split(spec.split, task)
         if _hub_offline():
             raise CalibrationError(
                 f"model {task}: calibration dataset {spec.dataset!r} is on the Hugging Face Hub, "
@@ -623,6 +762,7 @@ def check_calibration(spec: CalibrationSpec, *, task: str, modality: str) -> Non
         return
     path = str(spec.path)
     fmt = _path_format(spec, task)
+    _check_split(spec.split, task, one_split=None if fmt == "disk" else "train")
     if fmt == "safetensors":
         _safetensors_keys(path, modality, task)
     elif fmt == "images":
@@ -635,7 +775,9 @@ def check_calibration(spec: CalibrationSpec, *, task: str, modality: str) -> Non
 
         try:
             with _datasets_local_only():
-                dataset = _choose_split(load_from_disk(path), spec.split, repr(path), task)
+                dataset = _choose_split(
+                    load_from_disk(path), _split_name(spec.split), repr(path), task
+                )
         except CalibrationError:
             raise
         except Exception as e:
@@ -665,7 +807,12 @@ def _datasets_local_only() -> Iterator[None]:
 
 
 def _open(spec: CalibrationSpec, *, task: str, modality: str) -> _OpenedSource:
-    """Open the (already checked) source as fetchable rows."""
+    """Open the (already checked) source as fetchable rows, sliced as ``split`` says."""
+    return _sliced(_open_whole(spec, task=task, modality=modality), spec.split, task)
+
+
+def _open_whole(spec: CalibrationSpec, *, task: str, modality: str) -> _OpenedSource:
+    """The whole source (the whole split named by ``split``) as fetchable rows."""
     if spec.source:
         fn = get_source(spec.source)
         items = list(
@@ -687,11 +834,9 @@ def _open(spec: CalibrationSpec, *, task: str, modality: str) -> _OpenedSource:
             items = [item[field] for item in items]
         return _OpenedSource(_ListRows(items), "raw", os.getcwd(), f"source:{spec.source}")
     if spec.dataset:
-        from datasets import load_dataset
-
-        split = spec.split or "train"
+        split = _split_name(spec.split) or "train"
         try:
-            dataset = load_dataset(spec.dataset, spec.subset, split=split)
+            dataset = _load_dataset(spec.dataset, spec.subset, split=split)
         except Exception as e:
             raise CalibrationError(
                 f"model {task}: cannot load Hub dataset {spec.dataset!r} "
@@ -700,7 +845,9 @@ def _open(spec: CalibrationSpec, *, task: str, modality: str) -> _OpenedSource:
         where = f"Hub dataset {spec.dataset!r}"
         field = _resolve_field(dataset.column_names, spec, modality, where, task)
         description = "/".join(x for x in (spec.dataset, spec.subset) if x) + f" [{split}]"
-        return _OpenedSource(_DatasetRows(dataset, field), "raw", os.getcwd(), f"hub:{description}")
+        return _OpenedSource(
+            _DatasetRows(dataset, field), "raw", os.getcwd(), f"hub:{description}", split
+        )
     path = str(spec.path)
     fmt = _path_format(spec, task)
     base_dir = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
@@ -712,19 +859,29 @@ def _open(spec: CalibrationSpec, *, task: str, modality: str) -> _OpenedSource:
         from datasets import load_from_disk
 
         with _datasets_local_only():
-            dataset = _choose_split(load_from_disk(path), spec.split, repr(path), task)
+            loaded = load_from_disk(path)
+            dataset = _choose_split(loaded, _split_name(spec.split), repr(path), task)
+        split = _chosen_split(loaded, dataset)
     else:
-        from datasets import load_dataset
-
         try:
             with _datasets_local_only():
-                dataset = load_dataset(fmt, data_files=path, split="train")
+                dataset = _load_dataset(fmt, data_files=path, split="train")
         except Exception as e:
             raise CalibrationError(
                 f"model {task}: cannot load calibration file {path!r} as {fmt}: {e}"
             ) from e
+        split = "train" if spec.split else None
     field = _resolve_field(dataset.column_names, spec, modality, repr(path), task)
-    return _OpenedSource(_DatasetRows(dataset, field), "raw", base_dir, path)
+    return _OpenedSource(_DatasetRows(dataset, field), "raw", base_dir, path, split)
+
+
+def _chosen_split(loaded: Any, dataset: Any) -> Optional[str]:
+    """The name of ``dataset`` in the ``DatasetDict`` it came from (None: a plain Dataset)."""
+    from datasets import DatasetDict
+
+    if not isinstance(loaded, DatasetDict):
+        return None
+    return next((name for name, d in loaded.items() if d is dataset), None)
 
 
 def _open_safetensors(path: str, spec: CalibrationSpec, modality: str, task: str) -> _OpenedSource:
@@ -840,37 +997,48 @@ def _pad_token_id(tokenizer: Any) -> int:
 def _text_encoder(
     tokenizer: Any, spec: CalibrationSpec, task: str, model_path: str
 ) -> Callable[[Any], list[int]]:
-    """``text -> token ids``: tokenizer defaults (special tokens), truncation unless packing."""
+    """``text or messages -> token ids``: tokenizer defaults (special tokens), truncation
+    unless packing; with ``apply_chat_template`` the chat template renders the messages."""
     truncate = {} if spec.pack else {"truncation": True, "max_length": spec.max_length}
-    if spec.chat_template and not getattr(tokenizer, "chat_template", None):
+    if spec.apply_chat_template and not getattr(tokenizer, "chat_template", None):
         raise CalibrationError(
-            f"model {task}: `chat_template: true` but the tokenizer of {model_path!r} has no chat "
-            "template; set chat_template: false or use a tokenizer with one"
+            f"model {task}: `apply_chat_template: true` but the tokenizer of {model_path!r} has "
+            "no chat template; set apply_chat_template: false or use a tokenizer with one"
         )
 
-    def encode(text: Any) -> list[int]:
-        if spec.chat_template:
-            messages = text if isinstance(text, list) else [{"role": "user", "content": text}]
-            rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+    def encode(item: Any) -> list[int]:
+        if spec.apply_chat_template:
+            rendered = tokenizer.apply_chat_template(item, tokenize=False)
             return list(
                 tokenizer(rendered, add_special_tokens=False, verbose=False, **truncate)[
                     "input_ids"
                 ]
             )
-        return list(tokenizer(text, verbose=False, **truncate)["input_ids"])
+        return list(tokenizer(item, verbose=False, **truncate)["input_ids"])
 
     return encode
 
 
-def _is_text(item: Any, spec: CalibrationSpec, task: str, source: str) -> bool:
-    """True for a usable text; False for an empty one (skipped); error for anything else."""
+def _text_item(
+    item: Any, spec: CalibrationSpec, task: str, source: str, index: int
+) -> Optional[Any]:
+    """What to encode: a text, or (``apply_chat_template``) its chat messages; None for an
+    empty example (skipped); an error naming the row for anything else."""
     if item is None or (isinstance(item, str) and not item.strip()):
-        return False
-    if isinstance(item, str) or (spec.chat_template and isinstance(item, list)):
-        return True
+        return None
+    where = f"model {task}: row {index} of calibration data {source!r}"
+    if spec.apply_chat_template:
+        return to_messages(item, where)
+    if isinstance(item, str):
+        return item
+    if is_conversation(item):
+        raise CalibrationError(
+            f"{where} holds chat messages (a list), not a text: set `apply_chat_template: "
+            "true` in its calibration section to render them with the tokenizer's chat template"
+        )
     raise CalibrationError(
-        f"model {task}: calibration data {source!r} holds a {type(item).__name__} where a text "
-        "was expected; point `field:` at a text column"
+        f"{where} holds a {type(item).__name__} where a text was expected; point `field:` at "
+        "a text column"
     )
 
 
@@ -904,11 +1072,12 @@ def _text_samples(
             hasher.add(torch.tensor(item, dtype=torch.int64).numpy().tobytes())
             ids = item if spec.pack else item[: spec.max_length]
         else:
-            if not _is_text(item, spec, task, opened.description):
+            text = _text_item(item, spec, task, opened.description, opened.offset + index)
+            if text is None:
                 skipped += 1
                 continue
             hasher.add(json.dumps(item, ensure_ascii=False, sort_keys=True).encode("utf-8"))
-            ids = encode(item)
+            ids = encode(text)
             if not ids:
                 skipped += 1
                 continue
@@ -1048,11 +1217,18 @@ def same_source(a: CalibrationSpec, b: CalibrationSpec) -> bool:
     def identity(spec: CalibrationSpec) -> tuple[Any, ...]:
         if spec.source:
             return ("source", spec.source, _jsonable(spec.options), spec.field)
+        # a slice (train[:100]) reads rows of its split, numbered as in the whole split
         if spec.dataset:
-            return ("hub", spec.dataset, spec.subset, spec.split or "train", spec.field)
+            return (
+                "hub",
+                spec.dataset,
+                spec.subset,
+                _split_name(spec.split) or "train",
+                spec.field,
+            )
         path = os.path.realpath(str(spec.path))
-        # a split only selects rows of a datasets folder; a file is read whole
-        split = spec.split if os.path.isdir(path) else None
+        # a split name only selects rows of a datasets folder; a file has one split
+        split = _split_name(spec.split) if os.path.isdir(path) else None
         return ("path", path, split, spec.field)
 
     return a.has_data and b.has_data and identity(a) == identity(b)
@@ -1066,11 +1242,14 @@ def _rows_read_by(
     model_path: str,
     trust_remote_code: bool,
 ) -> list[int]:
-    """The source indices loading ``spec`` reads (no batches are built)."""
+    """The indices (in the whole split) that loading ``spec`` reads (no batches are built);
+    ``opened``: the source ``spec`` names, opened for another spec of the same source."""
+    if (spec.split or None) != (opened.split if opened.total is not None else None):
+        opened = _open(spec, task=task, modality=modality)  # another slice of the split
     read: list[int] = []
     if modality == "image":
         _selected_images(opened, spec, frozenset(), read)
-        return read
+        return [opened.offset + i for i in read]
     if opened.form == "tokens":
         encode: Callable[[Any], list[int]] = list
     else:
@@ -1078,11 +1257,30 @@ def _rows_read_by(
         encode = _text_encoder(tokenizer, spec, task, model_path)
     with contextlib.suppress(CalibrationError):  # an empty source reads nothing usable
         _text_samples(opened, spec, task, encode, _Hasher({}), read=read)
-    return read
+    return [opened.offset + i for i in read]
 
 
 # ----------------------------------------------------------------------------------------
 # Entry point
+
+
+def _text_preview(row: list[int], tokenizer: Any) -> str:
+    """The first sample as the model reads it: its tokens decoded (special tokens and the
+    chat template's markup included, truncated to ``max_length``), or its token ids."""
+    if tokenizer is None:
+        return f"token ids {row[:32]}{' ...' if len(row) > 32 else ''}"
+    return str(tokenizer.decode(row, skip_special_tokens=False))
+
+
+def _image_preview(item: Any) -> str:
+    if isinstance(item, torch.Tensor):
+        return f"pixel_values {list(item.shape)}"
+    if isinstance(item, dict):
+        item = item.get("path") or "image bytes"
+    if isinstance(item, (str, os.PathLike)):
+        return os.fspath(item)
+    size = getattr(item, "size", None)
+    return f"{type(item).__name__} {size[0]}x{size[1]}" if size else type(item).__name__
 
 
 def load_calibration(
@@ -1106,11 +1304,13 @@ def load_calibration(
     modality = modality or detect_modality(model_path)
     check_calibration(spec, task=task, modality=modality)
     opened = _open(spec, task=task, modality=modality)
-    skip: set[int] = set()
+    skip: set[int] = set()  # indices in the whole split
     for used in exclude:
         if same_source(spec, used):
             skip.update(_rows_read_by(used, opened, task, modality, model_path, trust_remote_code))
-    skipped = frozenset(skip)
+    start, stop = opened.offset, opened.offset + len(opened.rows)
+    excluded = sorted(i for i in skip if start <= i < stop)
+    skipped = frozenset(i - start for i in excluded)  # indices in the rows opened
     read: list[int] = []
     if modality == "image":
         if opened.form == "tokens":
@@ -1118,8 +1318,8 @@ def load_calibration(
                 f"model {task} is an image model but {opened.description!r} holds token ids"
             )
         settings: dict[str, Any] = {"modality": "image", "format": opened.form}
-        if skipped:
-            settings["excluded"] = sorted(skipped)
+        if excluded:
+            settings["excluded"] = excluded
         hasher = _Hasher(settings)
         batches, num_samples = _image_batches(opened, spec, task, model_path, hasher, skipped, read)
         height, width = batches[0]["pixel_values"].shape[-2:]
@@ -1132,8 +1332,10 @@ def load_calibration(
             num_tokens,
             hasher.hexdigest(),
             opened.description,
-            tuple(read),
+            tuple(opened.offset + i for i in read),
             len(skipped),
+            split=describe_split(opened),
+            preview=_image_preview(opened.rows.fetch(read[:1])[0]) if read else "",
         )
 
     if opened.form == "pixels":
@@ -1161,19 +1363,23 @@ def load_calibration(
         )
         settings["format"] = "token ids"
         vocab_size = config.get("vocab_size")
+        tokenizer = None
     else:
         tokenizer = _load_tokenizer(model_path, trust_remote_code)
         encode = _text_encoder(tokenizer, spec, task, model_path)
         pad_id = _pad_token_id(tokenizer)
         vocab_size = None
         settings.update(
-            chat_template=spec.chat_template,
+            # the flag's old name: the sha256 of an unchanged config stays the same
+            chat_template=spec.apply_chat_template,
             tokenizer=type(tokenizer).__name__,
             vocab_size=len(tokenizer),
-            template=getattr(tokenizer, "chat_template", None) if spec.chat_template else None,
+            template=getattr(tokenizer, "chat_template", None)
+            if spec.apply_chat_template
+            else None,
         )
-    if skipped:
-        settings["excluded"] = sorted(skipped)
+    if excluded:
+        settings["excluded"] = excluded
     hasher = _Hasher(settings)
     rows = _text_samples(opened, spec, task, encode, hasher, skipped, read)
     if vocab_size is not None:
@@ -1194,6 +1400,8 @@ def load_calibration(
         num_tokens,
         hasher.hexdigest(),
         opened.description,
-        tuple(read),
+        tuple(opened.offset + i for i in read),
         len(skipped),
+        split=describe_split(opened),
+        preview=_text_preview(rows[0], tokenizer if opened.form != "tokens" else None),
     )

@@ -216,6 +216,8 @@ class MergePlan:
                 f"  - {e.task}: {e.label} ({kind}); calibration {summary.get('source', e.calibration.describe())}: "
                 f"{summary.get('samples', '?')} samples, {summary.get('tokens', '?')} tokens"
             )
+            if e.data is not None:
+                lines.append(f"    {e.data.preview_line()}")
         lines.append(
             f"non-block tensors: {len(self.pre_block)} before the blocks, {len(self.post_block)} after"
             f" (fallback merge); expert-only tensors not merged: {len(self.expert_only)}"
