@@ -290,7 +290,9 @@ def _check_complete(cfg: ExtMergeConfig, tmp: str, options: MergeOptions) -> Non
     completeness.check_output_complete(
         tmp,
         (ref, _donor_folder(cfg, options)),
-        optional=lambda: completeness.mergekit_optional_names(cfg.merge, options),
+        optional=lambda: completeness.mergekit_optional_names(
+            with_cached_snapshots(cfg.merge), options
+        ),
     )
 
 
