@@ -29,7 +29,7 @@ from mergekit.options import MergeOptions, PrettyPrintHelp, add_merge_options
 
 import mergekit_ext
 from mergekit_ext.config import load_config
-from mergekit_ext.errors import MergekitExtError
+from mergekit_ext.errors import MergekitExtError, plugin_exit_error
 from mergekit_ext.methods.registry import all_method_names, describe_method
 
 LOG = logging.getLogger(__name__)
@@ -199,7 +199,7 @@ def run_command(
     check_distributable(cfg, plan_world_size or launched, planned=plan_world_size is not None)
     if not dry_run:  # a dry run plans every rank from rank 0 and needs no process group
         distributed.init_from_env(merge_options.device, distributed_timeout)
-    with _sigterm_as_interrupt(), contextlib.ExitStack() as stack:
+    with _sigterm_as_interrupt(), contextlib.ExitStack() as stack, _no_exit_from(plugins):
         stack.callback(distributed.shutdown)
         result = run_merge_config(
             cfg,
@@ -228,6 +228,17 @@ def run_command(
             click.echo(line)
 
 
+@contextlib.contextmanager
+def _no_exit_from(plugins: tuple[str, ...]) -> Iterator[None]:
+    """A ``sys.exit()`` during the merge comes from user code (mergekit-ext never exits
+    there): a failure, never the silent exit 0 it would be."""
+    try:
+        yield
+    except SystemExit as e:
+        who = f"code loaded with --plugin {', '.join(plugins)}" if plugins else "user code"
+        raise plugin_exit_error(e, who) from None
+
+
 def _import_plugin(spec: str) -> None:
     """Import ``spec``: a ``.py`` file path or a dotted module name."""
     import importlib
@@ -242,12 +253,17 @@ def _import_plugin(spec: str) -> None:
         assert module_spec is not None and module_spec.loader is not None
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[name] = module
-        module_spec.loader.exec_module(module)
+        try:
+            module_spec.loader.exec_module(module)
+        except SystemExit as e:
+            raise plugin_exit_error(e, f"--plugin {spec} (while imported)") from None
     else:
         try:
             importlib.import_module(spec)
         except ModuleNotFoundError as e:
             raise MergekitExtError(f"--plugin module {spec!r} cannot be imported: {e}") from e
+        except SystemExit as e:
+            raise plugin_exit_error(e, f"--plugin {spec} (while imported)") from None
 
 
 @main.command("methods")

@@ -113,3 +113,56 @@ def test_yaml_ordinary_aliases_still_work(tmp_path):
     assert raw["models"][1]["parameters"] == {"weight": 0.5}
     with pytest.raises(mergekit_ext.errors.ConfigError, match="recursive"):
         load_yaml("a: &a [1, *a]\n", "x.yml")
+
+
+# ------------------------------------------------------------------ 15. sys.exit in plugins
+
+EXITING_SOURCE = """
+import sys
+
+from mergekit_ext.calibration import register_source
+
+
+@register_source("quits")
+def quits(spec):
+    yield "one text"
+    sys.exit(0)
+"""
+
+
+def test_plugin_exiting_at_import_is_a_failure(work):
+    (work / "quit.py").write_text("import sys\nsys.exit(0)\n")
+    rc, out, _ = _cli("run", "ties.yml", "out", "--plugin", "quit.py", cwd=work)
+    assert rc == 1, out
+    assert "--plugin quit.py" in out and "sys.exit(0)" in out and "quit.py:2" in out, out
+    assert not (work / "out").exists()
+
+
+def test_calibration_source_exiting_is_a_failure(work):
+    (work / "src.py").write_text(EXITING_SOURCE)
+    config = {
+        "merge_method": "regmean",
+        "base_model": "m/base",
+        "models": [{"model": "m/expert_a"}, {"model": "m/expert_b"}],
+        "calibration": {"source": "quits"},
+        "dtype": "float32",
+    }
+    (work / "rm.yml").write_text(yaml.safe_dump(config))
+    rc, out, _ = _cli("run", "rm.yml", "out", "--plugin", "src.py", cwd=work)
+    assert rc == 1, out
+    assert "calibration source 'quits'" in out and "sys.exit(0)" in out, out
+    assert "src.py:10" in out, out
+    assert not (work / "out").exists()
+    assert not [n for n in os.listdir(work) if ".partial-" in n]
+
+
+def test_plugin_exiting_during_the_merge_is_a_failure(work):
+    """A plugin that patches a step of the merge and exits there: still a failure."""
+    (work / "late.py").write_text(
+        "import sys\nimport mergekit_ext.finite as finite\n"
+        "finite.check_output_finite = lambda *a, **k: sys.exit(0)\n"
+    )
+    rc, out, _ = _cli("run", "ties.yml", "out", "--plugin", "late.py", cwd=work)
+    assert rc == 1, out
+    assert "--plugin late.py" in out and "sys.exit(0)" in out, out
+    assert not (work / "out").exists()
