@@ -17,6 +17,7 @@ from typing import Any, Optional
 from mergekit_ext.config import ExtMergeConfig
 from mergekit_ext.errors import ConfigError, ModelInputError
 from mergekit_ext.methods.registry import all_method_names, ext_method_info
+from mergekit_ext.model_files import check_model_files
 from mergekit_ext.model_paths import (
     PICKLE_PATTERNS,
     cached_snapshot,
@@ -67,6 +68,8 @@ def check_model_paths(cfg: ExtMergeConfig, allow_pickle: bool, dry_run: bool = F
                     f"model path not found: {path!r} (referenced as {ref!r}); check the path "
                     "in the YAML (relative paths resolve against the current directory)"
                 )
+            # config.json, adapter_config.json, shard indexes, safetensors headers
+            check_model_files(path, f"model {ref}")
             if os.path.exists(os.path.join(path, "adapter_config.json")):
                 continue  # a PEFT adapter: its weights are checked when merged
             if is_config_only(path):

@@ -166,3 +166,141 @@ def test_plugin_exiting_during_the_merge_is_a_failure(work):
     assert rc == 1, out
     assert "--plugin late.py" in out and "sys.exit(0)" in out, out
     assert not (work / "out").exists()
+
+
+# ------------------------------------------------------- 6. shard index leaving the folder
+
+
+def _shard_outside(folder, outside_name: str) -> str:
+    """Split ``folder``'s weights in two shards, the second saved at ``outside_name``
+    (relative to the folder, or absolute), and index them; returns the index entry."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    os.remove(os.path.join(folder, "model.safetensors"))
+    names = sorted(tensors)
+    first, second = names[: len(names) // 2], names[len(names) // 2 :]
+    save_file(
+        {k: tensors[k] for k in first}, os.path.join(folder, "model-00001-of-00002.safetensors")
+    )
+    outside = os.path.normpath(os.path.join(folder, outside_name))
+    save_file({k: tensors[k] for k in second}, outside)
+    weight_map = {k: "model-00001-of-00002.safetensors" for k in first}
+    weight_map.update({k: outside_name for k in second})
+    index = {"metadata": {}, "weight_map": weight_map}
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as fp:
+        json.dump(index, fp)
+    return second[0]
+
+
+@pytest.mark.parametrize("method", ["ties", "chain_of_merges"])
+def test_shard_index_naming_a_file_outside_the_folder_is_refused(work, method):
+    tensor = _shard_outside(work / "m" / "expert_a", "../other.safetensors")
+    config = yaml.safe_load((work / "ties.yml").read_text())
+    config["merge_method"] = method
+    if method == "chain_of_merges":
+        config["calibration"] = {"path": "data.jsonl"}
+        for m in config["models"]:
+            m.pop("parameters")
+    (work / "c.yml").write_text(yaml.safe_dump(config))
+    rc, out, _ = _cli("run", "c.yml", "out", cwd=work)
+    assert rc == 1, out
+    assert "model.safetensors.index.json" in out and "'../other.safetensors'" in out, out
+    assert tensor in out and "outside the model folder" in out, out
+    assert not (work / "out").exists()
+
+
+def test_shard_index_with_an_absolute_path_is_refused(work, tmp_path):
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    _shard_outside(work / "m" / "expert_b", str(elsewhere))
+    rc, out, _ = _cli("run", "ties.yml", "out", "--dry-run", cwd=work)
+    assert rc == 1, out
+    assert "m/expert_b" in out and str(elsewhere) in out and "outside" in out, out
+
+
+def test_shard_index_inside_the_folder_still_merges(work):
+    """The same split with both shards in the folder: a normal sharded model."""
+    _shard_outside(work / "m" / "expert_a", "model-00002-of-00002.safetensors")
+    rc, out, _ = _cli("run", "ties.yml", "out", cwd=work, timeout=300)
+    assert rc == 0, out
+    assert os.path.exists(work / "out" / "config.json")
+
+
+# ---------------------------------------------------------- 13. corrupt or truncated files
+
+
+def _truncate(path, size: int) -> None:
+    with open(path, "r+b") as fp:
+        fp.truncate(size)
+
+
+def _header_length(path, length: int) -> None:
+    with open(path, "r+b") as fp:
+        fp.write(length.to_bytes(8, "little"))
+
+
+CORRUPTIONS = {
+    "config not JSON": (
+        "config.json",
+        lambda p: p.write_text('{"model_type": "llama",'),
+        "is not valid JSON",
+    ),
+    "config not an object": ("config.json", lambda p: p.write_text("[1, 2]"), "not an object"),
+    "config not UTF-8": ("config.json", lambda p: p.write_bytes(b"\xff\xfe{}"), "not UTF-8"),
+    "safetensors shorter than its length field": (
+        "model.safetensors",
+        lambda p: _truncate(p, 5),
+        "is truncated (5 bytes",
+    ),
+    "safetensors header cut": (
+        "model.safetensors",
+        lambda p: _truncate(p, 40),
+        "header length is",
+    ),
+    "safetensors header length 2^62": (
+        "model.safetensors",
+        lambda p: _header_length(p, 2**62),
+        f"header length is {2**62} bytes",
+    ),
+    "safetensors data cut": (
+        "model.safetensors",
+        lambda p: _truncate(p, os.path.getsize(p) - 100),
+        "not a valid safetensors file",
+    ),
+    "index not JSON": (
+        "model.safetensors.index.json",
+        lambda p: p.write_text("{"),
+        "is not valid JSON",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CORRUPTIONS))
+def test_corrupt_input_files_are_named_before_anything_loads(work, case):
+    name, corrupt, message = CORRUPTIONS[case]
+    target = work / "m" / "expert_b" / name
+    corrupt(target)
+    rc, out, seconds = _cli("run", "ties.yml", "out", cwd=work)
+    assert rc == 1, out
+    assert f"m/expert_b/{name}" in out and message in out, out
+    assert "Traceback" not in out and "[run with -v" not in out, out  # our error, not a crash
+    assert not (work / "out").exists()
+
+
+def test_corrupt_adapter_config_is_named(work):
+    adapter = work / "m" / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{not json")
+    (work / "a.yml").write_text(
+        yaml.safe_dump(
+            {
+                "merge_method": "linear",
+                "models": [
+                    {"model": "m/base+m/adapter", "parameters": {"weight": 0.5}},
+                    {"model": "m/expert_a", "parameters": {"weight": 0.5}},
+                ],
+            }
+        )
+    )
+    rc, out, _ = _cli("run", "a.yml", "out", cwd=work)
+    assert rc == 1 and "m/adapter/adapter_config.json is not valid JSON" in out, out
