@@ -150,8 +150,10 @@ def _options_verbosity(kwargs: dict[str, Any]) -> int:
     type=float,
     default=None,
     metavar="SECONDS",
+    callback=lambda ctx, param, value: _check_distributed_timeout(value),
     help="With torchrun/accelerate launch: bound of every collective between the processes "
-    "(default 1800); a rank waits at most this long for the others",
+    "(default 1800, at least 1); a rank waits at most this long for the others, and at most "
+    "this long (default 300) to join them",
 )
 @add_merge_options
 @_friendly_errors(_options_verbosity)
@@ -226,6 +228,19 @@ def run_command(
         line = summary_line(diagnostics.load(result).get("resources"))
         if line:
             click.echo(line)
+
+
+def _check_distributed_timeout(value: Optional[float]) -> Optional[float]:
+    from mergekit_ext.distributed import DistributedError, check_timeout
+
+    if value is None:
+        return None
+    try:
+        return check_timeout(value)
+    except DistributedError as e:
+        raise click.BadParameter(
+            str(e).removeprefix("--distributed-timeout "), param_hint="'--distributed-timeout'"
+        ) from None
 
 
 @contextlib.contextmanager

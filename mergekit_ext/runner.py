@@ -435,6 +435,7 @@ def _describe_plan(
         assert info is not None
         plan = plan_layerwise_merge(cfg, options, info.implementation, cfg.parameters)
         if world_size > 1:
+            dist_context.check_tasks(world_size, len(plan.experts))  # the run's own rule
             return plan.describe() + "\n" + plan.describe_ranks(world_size)
         return plan.describe()
     lines = [

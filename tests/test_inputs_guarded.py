@@ -304,3 +304,113 @@ def test_corrupt_adapter_config_is_named(work):
     )
     rc, out, _ = _cli("run", "a.yml", "out", cwd=work)
     assert rc == 1 and "m/adapter/adapter_config.json is not valid JSON" in out, out
+
+
+# ------------------------------------------------------------------ 14. distributed launch
+
+
+class SilentServer:
+    """A TCP server on 127.0.0.1 that accepts every connection and never answers."""
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.connections: list = []
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        self.sock.settimeout(0.2)
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            self.connections.append(conn)
+
+    def __enter__(self) -> SilentServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self.thread.join(timeout=5)
+        for conn in self.connections:
+            conn.close()
+        self.sock.close()
+
+
+def _com_yaml(work) -> str:
+    config = {
+        "merge_method": "chain_of_merges",
+        "base_model": "m/base",
+        "models": [{"model": "m/expert_a"}, {"model": "m/expert_b"}],
+        "calibration": {"path": "data.jsonl"},
+        "dtype": "float32",
+    }
+    (work / "com.yml").write_text(yaml.safe_dump(config))
+    return "com.yml"
+
+
+@pytest.mark.parametrize("value", ["0.0001", "nan", "inf", "-5"])
+def test_distributed_timeout_must_be_finite_and_at_least_one_second(work, value, monkeypatch):
+    from click.testing import CliRunner
+
+    from mergekit_ext.cli import main
+
+    monkeypatch.chdir(work)
+    result = CliRunner().invoke(
+        main, ["run", _com_yaml(work), "out", "--distributed-timeout", value]
+    )
+    assert result.exit_code == 2, result.output
+    assert "--distributed-timeout" in result.output and ">= 1" in result.output
+    assert not (work / "out").exists()
+
+
+def test_rank_0_refuses_a_busy_master_port(work):
+    with SilentServer() as busy:
+        rc, out, seconds = _cli(
+            "run", _com_yaml(work), "out", cwd=work, timeout=120,
+            WORLD_SIZE="2", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(busy.port),
+        )  # fmt: skip
+    assert rc == 1, out
+    assert f"MASTER_PORT {busy.port}" in out and "in use" in out and "pick a free port" in out
+    assert "Traceback" not in out and not (work / "out").exists()
+
+
+def test_a_rank_pointed_at_a_foreign_port_gives_up_within_the_timeout(work):
+    """Something else holds MASTER_PORT: it accepts and never speaks torch's protocol."""
+    with SilentServer() as foreign:
+        rc, out, seconds = _cli(
+            "run", _com_yaml(work), "out", "--distributed-timeout", "3", cwd=work, timeout=120,
+            WORLD_SIZE="2", RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(foreign.port),
+        )  # fmt: skip
+        assert foreign.connections, "the rank never tried the port"
+    assert rc == 1, out
+    assert f"waiting for the other ranks at 127.0.0.1:{foreign.port}" in out, out
+    assert f"no process group at 127.0.0.1:{foreign.port} within 3 s" in out, out
+    assert seconds < 90  # imports included; without the bound it waited 1800 s
+    assert not (work / "out").exists()
+
+
+def test_dry_run_refuses_more_processes_than_tasks_like_the_run(work, monkeypatch):
+    from click.testing import CliRunner
+
+    from mergekit_ext.cli import main
+    from mergekit_ext.distributed import DistributedContext, DistributedError
+
+    monkeypatch.chdir(work)
+    result = CliRunner().invoke(
+        main, ["run", _com_yaml(work), "out", "--dry-run", "--world-size", "5"]
+    )
+    assert result.exit_code == 1, result.output
+    with pytest.raises(DistributedError) as run_refusal:  # what the launched run says
+        DistributedContext(world_size=5, rank=0).check_tasks(2)
+    assert str(run_refusal.value) in result.output
+    ok = CliRunner().invoke(main, ["run", _com_yaml(work), "out", "--dry-run", "--world-size", "2"])
+    assert ok.exit_code == 0 and "processes: 2" in ok.output, ok.output
