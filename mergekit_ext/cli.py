@@ -30,6 +30,7 @@ from mergekit.options import MergeOptions, PrettyPrintHelp, add_merge_options
 import mergekit_ext
 from mergekit_ext.config import load_config
 from mergekit_ext.errors import MergekitExtError, plugin_exit_error
+from mergekit_ext.hub.http import hub_timeout_option
 from mergekit_ext.methods.registry import all_method_names, describe_method
 
 LOG = logging.getLogger(__name__)
@@ -138,6 +139,7 @@ def _options_verbosity(kwargs: dict[str, Any]) -> int:
 )
 @click.option("--private", "hub_private", is_flag=True, help="With --push-to-hub: a private repo")
 @click.option("--token", "hub_token", default=None, help="Hub token (default: HF_TOKEN or login)")
+@hub_timeout_option
 @click.option(
     "--plugin",
     "plugins",
@@ -170,6 +172,7 @@ def run_command(
     push_to_hub: Optional[str],
     hub_private: bool,
     hub_token: Optional[str],
+    hub_timeout: float,
     plugins: tuple[str, ...],
     distributed_timeout: Optional[float],
 ) -> None:
@@ -217,6 +220,7 @@ def run_command(
                 push_to_hub=push_to_hub,
                 hub_private=hub_private,
                 hub_token=hub_token,
+                hub_timeout=hub_timeout,
                 plugins=plugins,
             ),
         )

@@ -64,6 +64,7 @@ class RunOptions:
     push_to_hub: Optional[str] = None
     hub_private: bool = False
     hub_token: Optional[str] = None
+    hub_timeout: Optional[float] = None  # --hub-timeout (default: hub.http.HUB_TIMEOUT_S)
     plugins: tuple[str, ...] = ()  # --plugin modules or .py files (the files are inputs too)
 
 
@@ -295,7 +296,11 @@ def _publish(out_path: str, run: RunOptions) -> None:
     assert run.push_to_hub is not None
     try:
         url = publish_folder(
-            out_path, run.push_to_hub, private=run.hub_private, token=run.hub_token
+            out_path,
+            run.push_to_hub,
+            private=run.hub_private,
+            token=run.hub_token,
+            timeout=run.hub_timeout,
         )
     except PublishError as e:
         raise PublishError(

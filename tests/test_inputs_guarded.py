@@ -321,6 +321,7 @@ class SilentServer:
         self.sock.listen(16)
         self.port = self.sock.getsockname()[1]
         self.connections: list = []
+        self.accepted_at: list[float] = []  # time.monotonic() of each connection
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
@@ -333,6 +334,7 @@ class SilentServer:
             except OSError:
                 continue
             self.connections.append(conn)
+            self.accepted_at.append(time.monotonic())
 
     def __enter__(self) -> SilentServer:
         return self
@@ -414,3 +416,57 @@ def test_dry_run_refuses_more_processes_than_tasks_like_the_run(work, monkeypatc
     assert str(run_refusal.value) in result.output
     ok = CliRunner().invoke(main, ["run", _com_yaml(work), "out", "--dry-run", "--world-size", "2"])
     assert ok.exit_code == 0 and "processes: 2" in ok.output, ok.output
+
+
+# ------------------------------------------------------------- 10. a Hub that never answers
+
+
+def test_publish_and_push_to_hub_give_up_on_a_silent_hub(work, tmp_path):
+    """The endpoint accepts TCP and never answers: both commands fail within the bound,
+    say what they were waiting for, and the merge stays on disk."""
+    hub_env = dict(
+        HF_HUB_OFFLINE="0",
+        HF_HUB_DISABLE_XET="1",
+        HF_HOME=str(tmp_path / "hf_home"),
+        HF_TOKEN="hf_test_token_not_real",
+    )
+    with SilentServer() as silent:
+        url = f"http://127.0.0.1:{silent.port}"
+        rc, out, _ = _cli(
+            "run", "ties.yml", "out", "--push-to-hub", "me/merged", "--hub-timeout", "2",
+            cwd=work, timeout=300, HF_ENDPOINT=url, **hub_env,
+        )  # fmt: skip
+        ended = time.monotonic()
+        assert rc == 1, out
+        assert f"publishing: creating (or finding) me/merged at {url}" in out, out
+        assert "no answer within 2 s" in out and "the merge succeeded and is kept" in out, out
+        assert os.path.exists(work / "out" / "config.json")
+        # huggingface_hub first asks for its agent registry (its own 3 s bound, swallowed),
+        # then create_repo: from the first request to the exit, the bounds (it hung > 175 s)
+        assert silent.accepted_at, "the client never reached the endpoint"
+        assert ended - silent.accepted_at[0] < 30
+        assert "hf_test_token_not_real" not in out
+
+        rc, out, _ = _cli(
+            "publish", "out", "--repo-id", "me/merged", "--endpoint", url, "--hub-timeout", "2",
+            cwd=work, timeout=300, **hub_env,
+        )  # fmt: skip
+        ended = time.monotonic()
+        assert rc == 1, out
+        assert "publishing: creating (or finding) me/merged" in out, out
+        assert f"cannot reach the Hub at {url} (no answer within 2 s" in out, out
+        assert ended - silent.accepted_at[-1] < 30
+
+
+def test_hub_timeout_is_stated_in_help_and_checked(work):
+    from click.testing import CliRunner
+
+    from mergekit_ext.cli import main
+
+    for command in (["publish", "--help"], ["run", "--help"]):
+        text = " ".join(CliRunner().invoke(main, command).output.split())
+        assert "--hub-timeout" in text and "within SECONDS when creating the repository" in text
+    bad = CliRunner().invoke(
+        main, ["publish", str(work), "--repo-id", "a/b", "--hub-timeout", "inf"]
+    )
+    assert bad.exit_code == 2 and "finite" in bad.output
