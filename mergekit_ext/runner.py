@@ -76,10 +76,11 @@ def validate(cfg: ExtMergeConfig, options: MergeOptions, run: RunOptions) -> lis
     data_aware = info is not None and info.kind != "tensorwise"
     checks.check_models_list(cfg)
     checks.check_model_paths(cfg, allow_pickle=run.allow_pickle, dry_run=run.dry_run)
+    warnings = checks.check_adapters(cfg)  # before mergekit/PEFT or the executor open one
     checks.check_compatible(cfg, allow_crimes=options.allow_crimes, shapes=data_aware)
     checks.check_layer_counts(cfg)
     checks.check_checkpoint_classes(cfg)
-    warnings = checks.check_parameter_names(cfg)
+    warnings += checks.check_parameter_names(cfg)
     warnings += checks.warn_tokenizers_differ(cfg)
     checks.check_calibration_present(cfg)
     return warnings

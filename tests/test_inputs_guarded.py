@@ -470,3 +470,117 @@ def test_hub_timeout_is_stated_in_help_and_checked(work):
         main, ["publish", str(work), "--repo-id", "a/b", "--hub-timeout", "inf"]
     )
     assert bad.exit_code == 2 and "finite" in bad.output
+
+
+# ------------------------------------------------- 7. LoRA adapters trained on another base
+
+LORA_TARGETS = ["q_proj", "v_proj", "up_proj", "down_proj"]
+
+
+def _adapter_on(base: str, folder: str, seed: int = 10) -> str:
+    """A PEFT LoRA adapter trained (randomly initialised) on the checkpoint in ``base``."""
+    import peft
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM.from_pretrained(base)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights=False
+    )
+    peft.get_peft_model(model, config).save_pretrained(folder)
+    return folder
+
+
+def _wider_llama(path: str) -> str:
+    import transformers
+
+    from mergekit_ext.testing import VOCAB_SIZE
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def adapters(models, tmp_path_factory):
+    """Adapters on the base itself, on a copy of it elsewhere, on a deeper and a wider model."""
+    base, _ = models
+    root = tmp_path_factory.mktemp("adapters")
+    copy = shutil.copytree(base, root / "base_copy")
+    deep = make_tiny_llama(str(root / "deep"), seed=0, layers=4)
+    wide = _wider_llama(str(root / "wide"))
+    return {
+        "own": _adapter_on(base, str(root / "own")),
+        "copy": _adapter_on(str(copy), str(root / "on_copy"), seed=11),
+        "deep": _adapter_on(deep, str(root / "on_deep")),
+        "wide": _adapter_on(wide, str(root / "on_wide")),
+    }
+
+
+def _lora_yaml(work, method: str, adapter_ref: str) -> str:
+    config: dict = {"merge_method": method, "base_model": "m/base", "dtype": "float32"}
+    if method == "ties":
+        config["models"] = [
+            {"model": adapter_ref, "parameters": {"weight": 0.5, "density": 0.5}},
+            {"model": "m/expert_a", "parameters": {"weight": 0.5, "density": 0.5}},
+        ]
+    else:
+        config["models"] = [{"model": "m/base"}, {"model": adapter_ref}, {"model": "m/expert_a"}]
+        config["calibration"] = {"path": "data.jsonl"}
+    (work / f"{method}.yml").write_text(yaml.safe_dump(config))
+    return f"{method}.yml"
+
+
+@pytest.mark.parametrize(
+    "method, form",
+    [
+        ("ties", "base+adapter"),
+        ("chain_of_merges", "base+adapter"),
+        ("symerge", "base+adapter"),
+        ("ties", "adapter folder"),
+    ],
+)
+@pytest.mark.parametrize(
+    "which, message",
+    [
+        ("deep", "adapts layer 2 of layers, but m/base has 2 layers (layers.0-1)"),
+        ("wide", "changes a weight of shape [32, 48], but model.layers.0.mlp.down_proj.weight"),
+    ],
+)
+def test_adapter_for_another_model_is_refused_before_loading(
+    work, adapters, method, form, which, message
+):
+    adapter = adapters[which]
+    ref = f"m/base+{adapter}" if form == "base+adapter" else adapter
+    config = _lora_yaml(work, method, ref)
+    rc, out, _ = _cli("run", config, "out", cwd=work, timeout=180)
+    assert rc == 1, out
+    assert f"adapter {adapter}" in out and message in out, out
+    assert "it names" in out and "as its base" in out, out
+    assert "Traceback" not in out and not (work / "out").exists()
+
+
+def test_adapter_named_for_another_folder_with_matching_shapes_warns(work, adapters):
+    """Trained on a copy of the base (another path, same shapes): merged, with a warning."""
+    config = _lora_yaml(work, "ties", f"m/base+{adapters['copy']}")
+    rc, out, _ = _cli("run", config, "out", cwd=work, timeout=300)
+    assert rc == 0, out
+    assert f"adapter {adapters['copy']} was trained on" in out and "shapes match" in out, out
+    assert os.path.exists(work / "out" / "config.json")
+    # its own base, named by the same folder: no warning
+    shutil.rmtree(work / "out")
+    (work / "m" / "own").symlink_to(adapters["own"])
+    config = _lora_yaml(work, "ties", f"{models_base(work)}+m/own")
+    rc, out, _ = _cli("run", config, "out", cwd=work, timeout=300)
+    assert rc == 0 and "was trained on" not in out, out
+
+
+def models_base(work) -> str:
+    """The base as the adapter names it (its absolute folder, where PEFT read it)."""
+    with open(work / "m" / "own" / "adapter_config.json") as fp:
+        return json.load(fp)["base_model_name_or_path"]
