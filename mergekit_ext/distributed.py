@@ -239,7 +239,11 @@ def init_from_env(device: Optional[str], timeout_s: Optional[float] = None) -> D
 
     Args:
         device: ``--device``; ``cuda`` selects NCCL for tensors and ``cuda:LOCAL_RANK``.
-        timeout_s: bound of every collective (and of the rendezvous), seconds.
+        timeout_s: bound of every collective and of joining, seconds (at least
+            :data:`MIN_TIMEOUT_S`); without it, collectives wait :data:`DEFAULT_TIMEOUT_S`
+            and joining :data:`DEFAULT_JOIN_TIMEOUT_S`. A rank that cannot join within that
+            bound ends its process with status 1 and a message (torch's wait cannot be
+            interrupted): this is for the ``mergekit-ext run`` process, before it writes.
 
     Returns:
         The context, also returned by :func:`current` from now on.
