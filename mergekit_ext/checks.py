@@ -11,12 +11,14 @@ import glob
 import hashlib
 import logging
 import os
+import re
 from collections.abc import Iterable
 from typing import Any, Optional
 
 from mergekit_ext.config import ExtMergeConfig
 from mergekit_ext.errors import ConfigError, ModelInputError
 from mergekit_ext.methods.registry import all_method_names, ext_method_info
+from mergekit_ext.model_files import check_model_files, read_json_object, safetensors_header
 from mergekit_ext.model_paths import (
     PICKLE_PATTERNS,
     cached_snapshot,
@@ -67,6 +69,8 @@ def check_model_paths(cfg: ExtMergeConfig, allow_pickle: bool, dry_run: bool = F
                     f"model path not found: {path!r} (referenced as {ref!r}); check the path "
                     "in the YAML (relative paths resolve against the current directory)"
                 )
+            # config.json, adapter_config.json, shard indexes, safetensors headers
+            check_model_files(path, f"model {ref}")
             if os.path.exists(os.path.join(path, "adapter_config.json")):
                 continue  # a PEFT adapter: its weights are checked when merged
             if is_config_only(path):
@@ -432,3 +436,150 @@ def _tying_input(path: str) -> Any:
     return model_class.TyingInput(
         path, model_class.tied_weights(model), frozenset(model.state_dict())
     )
+
+
+# ------------------------------------------------------------------------ LoRA adapters
+
+_PEFT_PREFIX = "base_model.model."
+# (suffix of a PEFT tensor key, factor, module kind)
+_LORA_SUFFIXES = (
+    (".lora_A.weight", "A", "linear"),
+    (".lora_B.weight", "B", "linear"),
+    (".lora_embedding_A", "A", "embedding"),
+    (".lora_embedding_B", "B", "embedding"),
+)
+# ``layers.7.`` and its stack (``layers``, ``encoder.layer``, ``h``, ``blocks``)
+_LAYER_INDEX = re.compile(r"^(?P<stack>(?:.*\.)?(?:layers|layer|h|blocks|block))\.(?P<i>\d+)\.")
+
+
+def check_adapters(cfg: ExtMergeConfig) -> list[str]:
+    """Each LoRA adapter fits the model it is applied to, checked on the files' headers.
+
+    In every form (``base+adapter`` for mergekit's methods, Chain of Merges and SyMerge; an
+    adapter folder alone, applied to ``base_model`` or to the base its config names): every
+    adapted module exists in that model, no adapted layer lies beyond its depth, and every
+    LoRA update ``B A`` (and every tensor the adapter saves whole) has the shape of the
+    weight it changes. A ``base_model_name_or_path`` that names another model while the
+    shapes fit is only a warning (a local copy and its Hub id name one model two ways).
+    Returns the warnings.
+    """
+    base_ref = str(cfg.merge.base_model) if cfg.merge.base_model else None
+    warnings = []
+    for ref in _referenced(cfg):
+        paths = model_paths(ref)
+        if len(paths) == 2:
+            target, adapter = paths
+        elif os.path.isfile(os.path.join(paths[0], "adapter_config.json")) and not (
+            os.path.isfile(os.path.join(paths[0], "config.json"))
+        ):
+            adapter, target = paths[0], ""
+        else:
+            continue
+        config_file = os.path.join(adapter, "adapter_config.json")
+        if not os.path.isfile(config_file):
+            continue  # not an adapter folder: check_model_paths says what it lacks
+        config = read_json_object(config_file, f"adapter {adapter}")
+        named = str(config.get("base_model_name_or_path") or "")
+        target = target or (model_paths(base_ref)[0] if base_ref else named)
+        folder = _local_model_folder(target)
+        if folder is None or not os.path.isfile(os.path.join(folder, "config.json")):
+            continue  # a base not downloaded yet: checked when the executor opens it
+        _check_adapter_shapes(ref, adapter, config, target, folder, named)
+        if named and not _same_model(named, target, folder):
+            msg = (
+                f"model {ref}: adapter {adapter} was trained on {named!r} "
+                f"(base_model_name_or_path) but is applied to {target!r}; their shapes match, "
+                "so it is merged: make sure that is the model it was trained on"
+            )
+            LOG.warning(msg)
+            warnings.append(msg)
+    return warnings
+
+
+def _local_model_folder(ref: str) -> Optional[str]:
+    if os.path.isdir(ref):
+        return ref
+    if looks_like_hub_id(ref.split("@")[0]):
+        return cached_snapshot(ref.split("@")[0])
+    return None
+
+
+def _same_model(named: str, target: str, folder: str) -> bool:
+    """Whether an adapter's ``base_model_name_or_path`` names ``target`` (as a path, a Hub
+    id whose cached snapshot is ``folder``, or the same folder written another way)."""
+    if named.rstrip("/") == target.rstrip("/"):
+        return True
+    if os.path.exists(named):
+        return os.path.realpath(named) == os.path.realpath(folder)
+    if looks_like_hub_id(named.split("@")[0]):
+        snapshot = cached_snapshot(named.split("@")[0])
+        return snapshot is not None and os.path.realpath(snapshot) == os.path.realpath(folder)
+    return False
+
+
+def _check_adapter_shapes(
+    ref: str, adapter: str, config: dict[str, Any], target: str, folder: str, named: str
+) -> None:
+    adapter_file = os.path.join(adapter, "adapter_model.safetensors")
+    if not os.path.isfile(adapter_file):
+        return  # a pickled adapter: refused where it would be read
+    trained_on = f" (it names {named!r} as its base)" if named else ""
+    where = f"model {ref}: adapter {adapter}"
+    header = {k: shape for k, (shape, _) in safetensors_header(adapter_file, where).items()}
+    base = _strip_prefixes(checkpoint_shapes(folder))
+    depth: dict[str, int] = {}
+    for name in base:
+        m = _LAYER_INDEX.match(name)
+        if m:
+            depth[m["stack"]] = max(depth.get(m["stack"], 0), int(m["i"]) + 1)
+    pairs: dict[str, dict[str, Any]] = {}
+    whole: dict[str, str] = {}
+    for key in header:
+        stripped = key.removeprefix(_PEFT_PREFIX)
+        for suffix, factor, kind in _LORA_SUFFIXES:
+            if stripped.endswith(suffix):
+                entry = pairs.setdefault(stripped[: -len(suffix)], {"kind": kind})
+                entry[factor] = key
+                break
+        else:
+            if ".lora_" not in stripped and ".original_module." not in stripped:
+                for wrapper in (".modules_to_save.default.", ".base_layer."):
+                    stripped = stripped.replace(wrapper, ".")
+                whole[stripped] = key
+    targets = [(module + ".weight", entry) for module, entry in pairs.items()]
+    targets += [(name, {"kind": "whole", "key": key}) for name, key in whole.items()]
+    found = 0
+    for weight, entry in targets:
+        name = _strip_prefixes({weight: ()}).popitem()[0]
+        shown = entry.get("A") or entry.get("key")
+        if name not in base:
+            m = _LAYER_INDEX.match(name)
+            if m and m["stack"] in depth and int(m["i"]) >= depth[m["stack"]]:
+                raise ModelInputError(
+                    f"{where}: tensor {shown} adapts layer {m['i']} of {m['stack']}, but {target} "
+                    f"has {depth[m['stack']]} layers ({m['stack']}.0-{depth[m['stack']] - 1}): "
+                    f"the adapter was trained on a deeper model{trained_on}; give the model it "
+                    "was trained on as its base"
+                )
+            continue
+        found += 1
+        actual = tuple(base[name])
+        if entry["kind"] == "whole":
+            expected = tuple(header[entry["key"]])
+            detail = ""
+        else:
+            if "A" not in entry or "B" not in entry:
+                continue  # an unpaired factor: refused with the details when opened
+            a, b = header[entry["A"]], header[entry["B"]]
+            expected = (a[1], b[0]) if entry["kind"] == "embedding" else (b[0], a[1])
+            if entry["kind"] == "linear" and config.get("fan_in_fan_out"):
+                expected = expected[::-1]
+            detail = f" (lora_A {list(a)}, lora_B {list(b)})"
+        if expected != actual:
+            raise ModelInputError(
+                f"{where}: tensor {shown}{detail} changes a weight of shape {list(expected)}, "
+                f"but {weight} of {target} is {list(actual)}: the adapter was trained on "
+                f"another model{trained_on}; give the model it was trained on as its base"
+            )
+    if targets and not found:  # renamed checkpoints (transformers 5): the executor maps them
+        LOG.debug("%s: no adapted weight found under its name in %s", where, target)

@@ -29,7 +29,8 @@ from mergekit.options import MergeOptions, PrettyPrintHelp, add_merge_options
 
 import mergekit_ext
 from mergekit_ext.config import load_config
-from mergekit_ext.errors import MergekitExtError
+from mergekit_ext.errors import MergekitExtError, plugin_exit_error
+from mergekit_ext.hub.http import hub_timeout_option
 from mergekit_ext.methods.registry import all_method_names, describe_method
 
 LOG = logging.getLogger(__name__)
@@ -163,6 +164,7 @@ def _options_verbosity(kwargs: dict[str, Any]) -> int:
 )
 @click.option("--private", "hub_private", is_flag=True, help="With --push-to-hub: a private repo")
 @click.option("--token", "hub_token", default=None, help="Hub token (default: HF_TOKEN or login)")
+@hub_timeout_option
 @click.option(
     "--plugin",
     "plugins",
@@ -175,8 +177,10 @@ def _options_verbosity(kwargs: dict[str, Any]) -> int:
     type=float,
     default=None,
     metavar="SECONDS",
+    callback=lambda ctx, param, value: _check_distributed_timeout(value),
     help="With torchrun/accelerate launch: bound of every collective between the processes "
-    "(default 1800); a rank waits at most this long for the others",
+    "(default 1800, at least 1); a rank waits at most this long for the others, and at most "
+    "this long (default 300) to join them",
 )
 @add_merge_options
 @_friendly_errors(_options_verbosity)
@@ -193,6 +197,7 @@ def run_command(
     push_to_hub: Optional[str],
     hub_private: bool,
     hub_token: Optional[str],
+    hub_timeout: float,
     plugins: tuple[str, ...],
     distributed_timeout: Optional[float],
 ) -> None:
@@ -224,7 +229,7 @@ def run_command(
     check_distributable(cfg, plan_world_size or launched, planned=plan_world_size is not None)
     if not dry_run:  # a dry run plans every rank from rank 0 and needs no process group
         distributed.init_from_env(merge_options.device, distributed_timeout)
-    with _sigterm_as_interrupt(), contextlib.ExitStack() as stack:
+    with _sigterm_as_interrupt(), contextlib.ExitStack() as stack, _no_exit_from(plugins):
         stack.callback(distributed.shutdown)
         result = run_merge_config(
             cfg,
@@ -240,6 +245,7 @@ def run_command(
                 push_to_hub=push_to_hub,
                 hub_private=hub_private,
                 hub_token=hub_token,
+                hub_timeout=hub_timeout,
                 plugins=plugins,
             ),
         )
@@ -251,6 +257,30 @@ def run_command(
         line = summary_line(diagnostics.load(result).get("resources"))
         if line:
             click.echo(line)
+
+
+def _check_distributed_timeout(value: Optional[float]) -> Optional[float]:
+    from mergekit_ext.distributed import DistributedError, check_timeout
+
+    if value is None:
+        return None
+    try:
+        return check_timeout(value)
+    except DistributedError as e:
+        raise click.BadParameter(
+            str(e).removeprefix("--distributed-timeout "), param_hint="'--distributed-timeout'"
+        ) from None
+
+
+@contextlib.contextmanager
+def _no_exit_from(plugins: tuple[str, ...]) -> Iterator[None]:
+    """A ``sys.exit()`` during the merge comes from user code (mergekit-ext never exits
+    there): a failure, never the silent exit 0 it would be."""
+    try:
+        yield
+    except SystemExit as e:
+        who = f"code loaded with --plugin {', '.join(plugins)}" if plugins else "user code"
+        raise plugin_exit_error(e, who) from None
 
 
 def _import_plugin(spec: str) -> None:
@@ -267,12 +297,17 @@ def _import_plugin(spec: str) -> None:
         assert module_spec is not None and module_spec.loader is not None
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[name] = module
-        module_spec.loader.exec_module(module)
+        try:
+            module_spec.loader.exec_module(module)
+        except SystemExit as e:
+            raise plugin_exit_error(e, f"--plugin {spec} (while imported)") from None
     else:
         try:
             importlib.import_module(spec)
         except ModuleNotFoundError as e:
             raise MergekitExtError(f"--plugin module {spec!r} cannot be imported: {e}") from e
+        except SystemExit as e:
+            raise plugin_exit_error(e, f"--plugin {spec} (while imported)") from None
 
 
 @main.command("methods")

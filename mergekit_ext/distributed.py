@@ -21,9 +21,14 @@ is the identity: a single process runs exactly the code it always ran.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import os
-from collections.abc import Sequence
+import socket
+import sys
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Optional
@@ -35,6 +40,12 @@ from mergekit_ext.errors import MergekitExtError
 LOG = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 1800.0
+# A collective bound below this fails before any real merge could pass one (and torch then
+# prints its C++ stack); nan/inf are no bound at all.
+MIN_TIMEOUT_S = 1.0
+# Joining the process group: without --distributed-timeout a rank waits this long for the
+# others (a rank pointed at a wrong MASTER_PORT would otherwise retry for DEFAULT_TIMEOUT_S).
+DEFAULT_JOIN_TIMEOUT_S = 300.0
 
 
 class DistributedError(MergekitExtError):
@@ -73,11 +84,7 @@ class DistributedContext:
         return [k for k in range(num_tasks) if self.owner(k) == self.rank]
 
     def check_tasks(self, num_tasks: int) -> None:
-        if self.world_size > num_tasks:
-            raise DistributedError(
-                f"{self.world_size} processes for {num_tasks} tasks: each process owns whole "
-                f"tasks, so launch at most {num_tasks} (--nproc-per-node {num_tasks})"
-            )
+        check_tasks(self.world_size, num_tasks)
 
     # ----------------------------------------------------------------------------------
     # Collectives (no-ops for a single process)
@@ -185,6 +192,27 @@ class DistributedContext:
                 raise DistributedError(f"{self.label}: rank {rank} failed {phase}: {message}")
 
 
+def check_tasks(world_size: int, num_tasks: int) -> None:
+    """The rule for how many processes a merge of ``num_tasks`` tasks may have, for the run
+    and for its plan (``--dry-run --world-size``): each process owns whole tasks."""
+    if world_size > num_tasks:
+        raise DistributedError(
+            f"{world_size} processes for {num_tasks} tasks: each process owns whole "
+            f"tasks, so launch at most {num_tasks} (--nproc-per-node {num_tasks})"
+        )
+
+
+def check_timeout(seconds: float) -> float:
+    """``--distributed-timeout``: a finite number of seconds, at least :data:`MIN_TIMEOUT_S`."""
+    if not math.isfinite(seconds) or seconds < MIN_TIMEOUT_S:
+        raise DistributedError(
+            f"--distributed-timeout must be a finite number of seconds >= {MIN_TIMEOUT_S:g}; "
+            f"got {seconds!r} (default {DEFAULT_TIMEOUT_S:g}: how long a rank waits for the "
+            "others in each collective)"
+        )
+    return float(seconds)
+
+
 _CURRENT = DistributedContext()
 
 
@@ -211,15 +239,18 @@ def init_from_env(device: Optional[str], timeout_s: Optional[float] = None) -> D
 
     Args:
         device: ``--device``; ``cuda`` selects NCCL for tensors and ``cuda:LOCAL_RANK``.
-        timeout_s: bound of every collective (and of the rendezvous), seconds.
+        timeout_s: bound of every collective and of joining, seconds (at least
+            :data:`MIN_TIMEOUT_S`); without it, collectives wait :data:`DEFAULT_TIMEOUT_S`
+            and joining :data:`DEFAULT_JOIN_TIMEOUT_S`. A rank that cannot join within that
+            bound ends its process with status 1 and a message (torch's wait cannot be
+            interrupted): this is for the ``mergekit-ext run`` process, before it writes.
 
     Returns:
         The context, also returned by :func:`current` from now on.
     """
     global _CURRENT
-    timeout = float(timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S)
-    if timeout <= 0:
-        raise DistributedError(f"--distributed-timeout must be > 0 seconds; got {timeout}")
+    timeout = check_timeout(float(timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S))
+    join_s = timeout if timeout_s is not None else min(timeout, DEFAULT_JOIN_TIMEOUT_S)
     world = world_size_from_env()
     if world <= 1:
         _CURRENT = DistributedContext(timeout_s=timeout)
@@ -250,21 +281,30 @@ def init_from_env(device: Optional[str], timeout_s: Optional[float] = None) -> D
                 "CUDA devices are visible: launch at most one process per GPU"
             )
         torch.cuda.set_device(local_rank)
+    address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    if rank == 0:
+        _check_port_free(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"], world)
+    label = f"rank {rank}/{world}"
     try:
-        dist.init_process_group(
-            backend="cpu:gloo,cuda:nccl" if cuda else "gloo",
-            init_method="env://",
-            world_size=world,
-            rank=rank,
-            timeout=timedelta(seconds=timeout),
-        )
-        # Pickled control messages stay on CPU even when the tensors go through NCCL.
-        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) if cuda else None
+        # torch bounds the rendezvous by the timeout only while it can connect: a port held by
+        # something else accepts and never answers, and the C++ handshake waits for ever.
+        with _join_watchdog(label, address, join_s):
+            dist.init_process_group(
+                backend="cpu:gloo,cuda:nccl" if cuda else "gloo",
+                init_method="env://",
+                world_size=world,
+                rank=rank,
+                timeout=timedelta(seconds=timeout),
+            )
+            # Pickled control messages stay on CPU even when the tensors go through NCCL.
+            group = (
+                dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) if cuda else None
+            )
     except (RuntimeError, ValueError) as e:
         raise DistributedError(
-            f"rank {rank}/{world}: joining the process group at {os.environ['MASTER_ADDR']}:"
-            f"{os.environ['MASTER_PORT']} failed within {timeout:g} s: {e}"
-        ) from e
+            f"{label}: joining the process group at {address} failed within {join_s:g} s: "
+            f"{_first_line(e)}; check MASTER_ADDR/MASTER_PORT and that every rank was started"
+        ) from None
     _CURRENT = DistributedContext(
         world_size=world,
         rank=rank,
@@ -275,6 +315,77 @@ def init_from_env(device: Optional[str], timeout_s: Optional[float] = None) -> D
     )
     LOG.info("%s joined the merge (backend %s)", _CURRENT.label, _CURRENT.backend)
     return _CURRENT
+
+
+def _first_line(error: BaseException) -> str:
+    """An error of torch's C++ side without its stack (it can run to dozens of frames)."""
+    text = str(error).strip().splitlines()
+    return " ".join(text[0].split()) if text else type(error).__name__
+
+
+def _check_port_free(addr: str, port: str, world: int) -> None:
+    """Rank 0 serves the rendezvous on MASTER_PORT (unless a torchrun agent already does):
+    a port another program holds is refused here with the remedy, not a C++ stack."""
+    from torch.distributed.rendezvous import _torchelastic_use_agent_store
+
+    if _torchelastic_use_agent_store():
+        return  # torchrun's agent bound it; the ranks connect to the agent
+    try:
+        number = int(port)
+    except ValueError:
+        raise DistributedError(f"MASTER_PORT={port!r} is not a port number") from None
+    # Rank 0 runs on MASTER_ADDR's machine; SO_REUSEADDR as the store's own socket, so that
+    # only a listening socket (not a closed connection in TIME_WAIT) counts as busy.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", number))
+        except OSError as e:
+            raise DistributedError(
+                f"rank 0/{world}: MASTER_PORT {number} on {addr} is in use ({e.strerror}); "
+                "another program (or another merge) holds it: pick a free port "
+                "(torchrun --master-port P, or MASTER_PORT=P)"
+            ) from None
+
+
+@contextlib.contextmanager
+def _join_watchdog(label: str, address: str, seconds: float) -> Iterator[None]:
+    """Bound a blocking rendezvous: a line after 10 s, a clear exit after ``seconds``.
+
+    The wait is inside torch's C++ code, which no Python exception interrupts; nothing has
+    been written yet, so the process ends with status 1 and the message.
+    """
+
+    def waiting() -> None:
+        print(
+            f"{label}: waiting for the other ranks at {address} (at most {seconds:g} s; "
+            "--distributed-timeout)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def give_up() -> None:
+        print(
+            f"error: {label}: no process group at {address} within {seconds:g} s: the other "
+            "ranks did not start, or another program holds that port; check MASTER_ADDR/"
+            "MASTER_PORT (torchrun --master-port) and start every rank",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
+
+    timers = [
+        threading.Timer(min(10.0, seconds / 2), waiting),
+        threading.Timer(seconds + 2, give_up),
+    ]
+    for timer in timers:
+        timer.daemon = True
+        timer.start()
+    try:
+        yield
+    finally:
+        for timer in timers:
+            timer.cancel()
 
 
 def shutdown() -> None:

@@ -34,3 +34,23 @@ class TensorError(MergekitExtError, ValueError):
 
 class NotSupportedError(MergekitExtError, NotImplementedError):
     """A documented option that is not implemented for this input (says what is missing)."""
+
+
+class PluginError(MergekitExtError):
+    """Code the user loaded (``--plugin``, a custom calibration source) failed or exited."""
+
+
+def plugin_exit_error(exc: SystemExit, who: str) -> PluginError:
+    """A ``sys.exit()`` inside ``who`` (user code) as a failure, naming where it was called.
+
+    ``sys.exit(0)`` in a plugin would otherwise end ``run`` with status 0 and no output, as
+    if the merge had succeeded.
+    """
+    tb, where = exc.__traceback__, ""
+    while tb is not None:  # the innermost frame: the line that called sys.exit
+        where = f" at {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return PluginError(
+        f"{who} called sys.exit({exc.code!r}){where}; user code must raise an exception, "
+        "not exit: the merge stopped and nothing was written"
+    )

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import functools
 import glob
-import json
 import logging
 import os
 import re
 from typing import Any, Optional
 
 from mergekit_ext.errors import ModelInputError
+from mergekit_ext.model_files import read_json_object, safetensors_header
 
 LOG = logging.getLogger(__name__)
 
@@ -48,9 +48,8 @@ def model_paths(ref: str) -> list[str]:
 
 
 def read_config_json(path: str) -> dict[str, Any]:
-    """A model folder's ``config.json``."""
-    with open(os.path.join(path, "config.json"), encoding="utf-8") as fp:
-        return json.load(fp)
+    """A model folder's ``config.json`` (an error naming the file when it is not JSON)."""
+    return read_json_object(os.path.join(path, "config.json"), f"model {path}")
 
 
 def has_weights(path: str) -> bool:
@@ -195,12 +194,8 @@ def tensor_shapes(path: str) -> dict[str, tuple[int, ...]]:
     """Tensor names and shapes of a safetensors checkpoint, from the file headers only."""
     shapes: dict[str, tuple[int, ...]] = {}
     for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-        with open(file, "rb") as fp:
-            n = int.from_bytes(fp.read(8), "little")
-            header = json.loads(fp.read(n))
-        for name, info in header.items():
-            if name != "__metadata__":
-                shapes[name] = tuple(info["shape"])
+        for name, (shape, _) in safetensors_header(file, f"model {path}").items():
+            shapes[name] = shape
     return shapes
 
 

@@ -66,6 +66,7 @@ class RunOptions:
     push_to_hub: Optional[str] = None
     hub_private: bool = False
     hub_token: Optional[str] = None
+    hub_timeout: Optional[float] = None  # --hub-timeout (default: hub.http.HUB_TIMEOUT_S)
     plugins: tuple[str, ...] = ()  # --plugin modules or .py files (the files are inputs too)
 
 
@@ -77,10 +78,11 @@ def validate(cfg: ExtMergeConfig, options: MergeOptions, run: RunOptions) -> lis
     data_aware = info is not None and info.kind != "tensorwise"
     checks.check_models_list(cfg)
     checks.check_model_paths(cfg, allow_pickle=run.allow_pickle, dry_run=run.dry_run)
+    warnings = checks.check_adapters(cfg)  # before mergekit/PEFT or the executor open one
     checks.check_compatible(cfg, allow_crimes=options.allow_crimes, shapes=data_aware)
     checks.check_layer_counts(cfg)
     checks.check_checkpoint_classes(cfg)
-    warnings = checks.check_parameter_names(cfg)
+    warnings += checks.check_parameter_names(cfg)
     warnings += checks.warn_tokenizers_differ(cfg)
     checks.check_calibration_present(cfg)
     return warnings
@@ -334,7 +336,11 @@ def _publish(out_path: str, run: RunOptions) -> None:
     assert run.push_to_hub is not None
     try:
         url = publish_folder(
-            out_path, run.push_to_hub, private=run.hub_private, token=run.hub_token
+            out_path,
+            run.push_to_hub,
+            private=run.hub_private,
+            token=run.hub_token,
+            timeout=run.hub_timeout,
         )
     except PublishError as e:
         raise PublishError(
@@ -495,6 +501,7 @@ def _describe_plan(
         assert info is not None
         plan = plan_layerwise_merge(cfg, options, info.implementation, cfg.parameters)
         if world_size > 1:
+            dist_context.check_tasks(world_size, len(plan.experts))  # the run's own rule
             return plan.describe() + "\n" + plan.describe_ranks(world_size)
         return plan.describe()
     lines = [

@@ -513,7 +513,9 @@ def test_cli_publish_and_errors(hub: FakeHub, folder: Path) -> None:
     args = [str(folder), "--repo-id", "alice/cli", "--endpoint", hub.url]
     result = runner.invoke(publish_command, [*args, "--token", WRITE_TOKEN])
     assert result.exit_code == 0, result.output
-    assert result.output.startswith(f"published: {hub.url}/alice/cli/commit/")
+    # stdout is the URL alone; the steps go to stderr (issue #28: what publishing waits for)
+    assert result.stdout.startswith(f"published: {hub.url}/alice/cli/commit/")
+    assert "publishing: uploading" in result.stderr
     assert_files_arrived(hub, "alice/cli", folder)
 
     result = runner.invoke(publish_command, [*args, "--token", "hf_NotAValidToken000000"])

@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 
 from mergekit_ext.calibration.chat import CHAT_COLUMNS, is_conversation, to_messages
 from mergekit_ext.calibration.config import CalibrationSpec
-from mergekit_ext.errors import CalibrationError, ModelInputError
+from mergekit_ext.errors import CalibrationError, ModelInputError, plugin_exit_error
 
 if TYPE_CHECKING:
     import PIL.Image
@@ -173,6 +173,10 @@ def register_source(name: str) -> Callable[[_F], _F]:
         return fn
 
     return decorator
+
+
+def _qualname(fn: Any) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
 def get_source(name: str) -> CalibrationSource:
@@ -815,14 +819,19 @@ def _open_whole(spec: CalibrationSpec, *, task: str, modality: str) -> _OpenedSo
     """The whole source (the whole split named by ``split``) as fetchable rows."""
     if spec.source:
         fn = get_source(spec.source)
-        items = list(
-            tqdm(
-                fn(spec),
-                desc=f"calibration {task}: source {spec.source}",
-                disable=None,
-                leave=False,
+        try:
+            items = list(
+                tqdm(
+                    fn(spec),
+                    desc=f"calibration {task}: source {spec.source}",
+                    disable=None,
+                    leave=False,
+                )
             )
-        )
+        except SystemExit as e:
+            raise plugin_exit_error(
+                e, f"model {task}: calibration source {spec.source!r} ({_qualname(fn)})"
+            ) from None
         if items and all(isinstance(item, dict) for item in items):
             columns = sorted({key for item in items for key in item})
             field = _resolve_field(columns, spec, modality, f"source {spec.source!r}", task)

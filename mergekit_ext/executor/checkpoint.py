@@ -21,7 +21,6 @@ is the one place the executor reads a weight (tests instrument it to count live 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from torch import nn
 from mergekit_ext import model_class
 from mergekit_ext.errors import ModelInputError
 from mergekit_ext.executor.families import ModelFamily
+from mergekit_ext.model_files import check_model_files, read_json_object
 from mergekit_ext.model_paths import config_shapes, is_config_only
 from mergekit_ext.model_paths import resolve_model_folder as resolve_model_folder
 
@@ -192,6 +192,7 @@ def _header_shapes(path: str, what: str) -> tuple[dict[str, tuple[int, ...]], di
     only a ``config.json``: from its class, :func:`~mergekit_ext.model_paths.config_shapes`)."""
     if is_config_only(path):
         return config_shapes(path)
+    check_model_files(path, what)  # corrupt files, index entries outside the folder
     try:
         index = ShardedTensorIndex.from_disk(path)
     except RuntimeError as e:
@@ -285,8 +286,8 @@ def is_adapter_folder(path: str) -> bool:
 
 
 def adapter_base_path(adapter_path: str) -> Optional[str]:
-    with open(os.path.join(adapter_path, "adapter_config.json"), encoding="utf-8") as fp:
-        return json.load(fp).get("base_model_name_or_path")
+    config = os.path.join(adapter_path, "adapter_config.json")
+    return read_json_object(config, f"adapter {adapter_path}").get("base_model_name_or_path")
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,7 @@ from mergekit_ext.calibration.sources import (
     load_calibration,
 )
 from mergekit_ext.calibration.statistics import flatten_tokens
-from mergekit_ext.config import ExtMergeConfig
+from mergekit_ext.config import ExtMergeConfig, load_yaml
 from mergekit_ext.errors import CalibrationError, ConfigError, MergekitExtError, ModelInputError
 from mergekit_ext.executor.checkpoint import (
     HEAD_PREFIX,
@@ -257,8 +257,6 @@ def parse_heldout(values: Sequence[str]) -> dict[Optional[str], dict[str, Any]]:
     Unset fields come from the task's calibration (``max_length``, ``field``, ...; the data
     fields only when the mapping names no data, e.g. ``{split: validation}``).
     """
-    import yaml
-
     out: dict[Optional[str], dict[str, Any]] = {}
 
     def add(task: Optional[str], mapping: Any, where: str) -> None:
@@ -275,12 +273,12 @@ def parse_heldout(values: Sequence[str]) -> dict[Optional[str], dict[str, Any]]:
         text = value.strip()
         if text.startswith("{") or text.lower().endswith((".yml", ".yaml")):
             if text.startswith("{"):
-                mapping = yaml.safe_load(text)
+                mapping = load_yaml(text, f"--heldout {value}")
             else:
                 if not os.path.isfile(text):
                     raise ConfigError(f"--heldout {value}: no such file")
                 with open(text, encoding="utf-8") as fp:
-                    mapping = yaml.safe_load(fp) or {}
+                    mapping = load_yaml(fp.read(), text) or {}
             if not isinstance(mapping, dict):
                 raise ConfigError(f"--heldout {value}: expected a mapping of calibration fields")
             per_task = mapping.pop("tasks", None) or {}

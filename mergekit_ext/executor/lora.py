@@ -18,7 +18,6 @@ DoRA, LoRA biases and other PEFT types are refused with a clear error.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -35,6 +34,7 @@ from mergekit_ext.executor.checkpoint import (
     compute_tensor,
     rename_to_module_keys,
 )
+from mergekit_ext.model_files import read_json_object, safetensors_header
 
 LOG = logging.getLogger(__name__)
 
@@ -211,8 +211,7 @@ def open_lora_expert(
         raise ModelInputError(
             f"{what}: {adapter_path!r} is not a PEFT adapter (no adapter_config.json)"
         )
-    with open(config_file, encoding="utf-8") as fp:
-        cfg = json.load(fp)
+    cfg = read_json_object(config_file, what)
     peft_type = str(cfg.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":
         raise ModelInputError(
@@ -236,8 +235,7 @@ def open_lora_expert(
             f"{what}: adapter {adapter_path} has no adapter_model.safetensors (pickled adapters "
             "are not read; re-save it with safe_serialization=True)"
         )
-    with safe_open(adapter_file, framework="pt") as f:
-        file_shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    file_shapes = {k: shape for k, (shape, _) in safetensors_header(adapter_file, what).items()}
 
     rank_default = int(cfg.get("r", 8))
     alpha_default = float(cfg.get("lora_alpha", rank_default))

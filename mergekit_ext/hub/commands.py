@@ -11,6 +11,7 @@ from typing import Any, Optional
 import click
 
 from mergekit_ext.errors import MergekitExtError
+from mergekit_ext.hub.http import hub_timeout_option
 
 LOG = logging.getLogger(__name__)
 
@@ -201,6 +202,7 @@ def _diagnose(out_dir: str, config_path: str, device: str) -> dict[str, Any]:
     default=None,
     help="Your own card templates for the uploaded card (as for `card`)",
 )
+@hub_timeout_option
 @click.option("-v", "--verbose", count=True, help="Show logs (-vv: debug) and tracebacks")
 @_user_errors
 def publish_command(
@@ -215,6 +217,7 @@ def publish_command(
     endpoint: Optional[str],
     keep_card: bool,
     template_dir: Optional[str],
+    hub_timeout: float,
     verbose: int,
 ) -> None:
     """Upload the finished merge in OUT_DIR to the Hugging Face Hub in one commit.
@@ -237,6 +240,7 @@ def publish_command(
         endpoint=endpoint,
         keep_card=keep_card,
         template_dir=template_dir,
+        timeout=hub_timeout,
     )
     click.echo(result if dry_run else f"published: {result}")
 

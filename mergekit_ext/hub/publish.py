@@ -31,12 +31,14 @@ import logging
 import os
 import re
 import struct
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from mergekit_ext.errors import PublishError
+from mergekit_ext.hub.http import HUB_TIMEOUT_S, bounded_hub_requests
 
 LOG = logging.getLogger(__name__)
 
@@ -319,16 +321,16 @@ _VERBATIM = ("tokenizer*", "vocab*", "merges.txt", "special_tokens_map.json",
 def _redactor(out_dir: str) -> Any:
     """The redactor of ``run`` (:func:`~mergekit_ext.hub.card.local_path_redactor`) for the
     config in ``out_dir``: the config's paths as written, then every other absolute path."""
-    import yaml
-
+    from mergekit_ext.config import load_yaml
+    from mergekit_ext.errors import MergekitExtError
     from mergekit_ext.hub.card import CONFIG_FILENAME, local_path_redactor
 
     raw: Any = None
     config = Path(out_dir, CONFIG_FILENAME)
     if config.is_file():
         try:
-            raw = yaml.safe_load(config.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+            raw = load_yaml(config.read_text(encoding="utf-8"), str(config))
+        except (OSError, UnicodeDecodeError, MergekitExtError) as e:
             LOG.debug("%s not read for redaction: %s", config, e)
     return local_path_redactor(raw)
 
@@ -476,6 +478,7 @@ class _Target:
     token: Optional[str]
     token_origin: str
     n_files: int
+    timeout: float = HUB_TIMEOUT_S
 
 
 def _publish_error(exc: BaseException, stage: str, target: _Target) -> PublishError:
@@ -516,6 +519,11 @@ def _publish_error(exc: BaseException, stage: str, target: _Target) -> PublishEr
             message = f"the Hub answered HTTP {status} during {stage}{detail}"
     elif network is not None:
         reason = " ".join(str(network).split()) or type(network).__name__
+        if "timeout" in type(network).__name__.lower() or isinstance(network, TimeoutError):
+            reason = (
+                f"no answer within {target.timeout:g} s ({type(network).__name__}); raise "
+                "--hub-timeout if the Hub is just slow"
+            )
         if stage in ("create", "branch"):
             message = (
                 f"cannot reach the Hub at {target.endpoint} ({reason}): check the network "
@@ -551,6 +559,11 @@ def _publish_error(exc: BaseException, stage: str, target: _Target) -> PublishEr
 
 
 # ------------------------------------------------------------------------------- publish
+
+
+def _status(line: str) -> None:
+    """What publishing is waiting for, on stderr (a Hub call can take a while)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def dry_run_report(
@@ -629,6 +642,7 @@ def publish_folder(
     endpoint: Optional[str] = None,
     keep_card: bool = False,
     template_dir: Optional[str] = None,
+    timeout: Optional[float] = None,
 ) -> str:
     """Upload the merge in ``out_dir`` to ``repo_id``; returns the commit (or PR) URL.
 
@@ -640,7 +654,8 @@ def publish_folder(
     With ``dry_run`` nothing is sent and the returned text lists the files, their sizes
     and the card's front matter. Raises :class:`PublishError` with a message that says what
     to do: invalid repo id, incomplete folder, not logged in, 401/403, network down, an
-    upload that failed half-way.
+    upload that failed half-way. Every Hub request gives up after ``timeout`` seconds
+    without an answer (:mod:`~mergekit_ext.hub.http`); each step is announced on stderr.
     """
     from huggingface_hub import HfApi, constants
 
@@ -704,24 +719,50 @@ def publish_folder(
         )
     api = HfApi(endpoint=endpoint, token=resolved)
     target = _Target(repo_id, endpoint, revision or "main", resolved, origin, len(files))
+    with bounded_hub_requests(timeout) as bound:
+        target.timeout = bound
+        return _create_and_upload(
+            api, out_dir, card_text, target, private, revision, uploader, message, commit_message,
+            create_pr, total,
+        )  # fmt: skip
+
+
+def _create_and_upload(
+    api: Any,
+    out_dir: str,
+    card_text: str,
+    target: _Target,
+    private: bool,
+    revision: Optional[str],
+    uploader: str,
+    message: str,
+    commit_message: Optional[str],
+    create_pr: bool,
+    total: int,
+) -> str:
+    repo_id, endpoint, files = target.repo_id, target.endpoint, target.n_files
+    bound = f"each request gives up after {target.timeout:g} s without an answer"
     LOG.info(
         "publishing %s to %s/%s (%d files, %s, %s)",
         out_dir,
         endpoint,
         repo_id,
-        len(files),
+        files,
         _human(total),
         uploader,
     )
+    _status(f"publishing: creating (or finding) {repo_id} at {endpoint} ({bound})")
     try:
         api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
     except Exception as e:  # noqa: BLE001 - mapped to a clear PublishError
         raise _publish_error(e, "create", target) from None
     if revision and revision != "main" and not create_pr:
+        _status(f"publishing: creating branch {revision} of {repo_id}")
         try:
             api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
         except Exception as e:  # noqa: BLE001
             raise _publish_error(e, "branch", target) from None
+    _status(f"publishing: uploading {files} files ({_human(total)}) to {repo_id} ({bound})")
     with staged_folder(out_dir, card_text, repo_id) as staging:
         return _upload(api, staging, target, revision, uploader, message, commit_message, create_pr)
 
