@@ -141,6 +141,7 @@ class ChainOfMergesMethod(LayerwiseMethod):
             task_weight=_correlation_weight_of if correlation else None,
             task_weight_needs_normalized_gram=correlation,
             task_weighting_label=p.task_weighting,
+            max_norm_ratio=p.max_norm_ratio,
         )
 
     def merge_linear_group(
