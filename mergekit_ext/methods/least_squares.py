@@ -64,7 +64,7 @@ _CONDITION_BLOCK = 8
 # directions the calibration inputs do not span (or span below the ridge) the merged weight is
 # then the experts' mean whatever its size; in the well-spanned ones it moves the solution by
 # about AUTO_RIDGE relative.
-AUTO_RIDGE = 1e-4
+AUTO_RIDGE = 1e-2
 # ``ridge: auto`` leaves a group unregularised (the exact least-squares solution) when the
 # condition number of Σ ω G̃ is at most this. The Grams and the products W_k G_k are summed
 # from float32 products, whose rounding (~1e-7 of the largest entries) swamps any direction
