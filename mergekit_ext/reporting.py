@@ -17,7 +17,7 @@ import re
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 IMAGES_DIR = "images"
 _DPI = 110
@@ -109,15 +109,15 @@ def is_measured_nan(value: Any) -> bool:
     return isinstance(value, float) and math.isnan(value)
 
 
-def worst_value(values: Sequence[Any]) -> float:
+def worst_value(values: Sequence[Any]) -> Optional[float]:
     """The largest of raw diagnostics values with the non-finite ones kept: a measured NaN
     (:func:`is_measured_nan`) is worse than inf, inf worse than any number; missing values
-    (None) are skipped. NaN also when nothing was measured."""
+    (None) are skipped. None when nothing was measured."""
     if any(is_measured_nan(v) for v in values):
         return math.nan
     numbers = [as_float(v) for v in values if v is not None]
     numbers = [v for v in numbers if not math.isnan(v)]
-    return max(numbers) if numbers else math.nan
+    return max(numbers) if numbers else None
 
 
 def summary_stats(values: Sequence[float]) -> dict[str, float]:
