@@ -318,8 +318,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                     for t in (layer.get("tasks") or {}).values()
                 ]
                 note = (
-                    f"ridge on {len(ridged)}/{len(layers)} groups; cond(Σ ω G̃) before any "
-                    f"ridge: min {min(conditions):.3g}, max {max(conditions):.3g}; max "
+                    f"ridge on {len(ridged)}/{len(layers)} groups; cond(Σ ω G̃) (before auto's "
+                    f"ridge where the condition triggered it, else as solved): min {min(conditions):.3g}, max {max(conditions):.3g}; max "
                     f"relative output error (calibration) {max(errors):.3g}"
                 )
         score(label, out, seconds, note)
