@@ -311,3 +311,22 @@ def test_bf16_merge_records_the_written_error(low_diversity, tmp_path):
         expected = float(((merged - expert_weight) @ x.T).norm() / (expert_weight @ x.T).norm())
         got = record["tasks"][f"task{k}"]["relative_output_error"]
         assert got == pytest.approx(expected, rel=1e-3)
+
+
+def test_qp_layer_objective_has_the_same_guard(low_diversity, tmp_path):
+    s = low_diversity
+    out = tmp_path / "qp"
+    run_merge(_config(s, method="qp_projection"), out)
+    layers = diagnostics.load(str(out))["sections"]["qp_projection"]["layers"]
+    assert all(layer["guard"] == "ok" for layer in layers)
+    worst = max(layers, key=lambda layer: layer["max_norm_ratio"])
+    assert worst["max_norm_ratio"] == pytest.approx(
+        _max_norm_ratio(str(out), s["experts"]), rel=1e-6
+    )
+    # task arithmetic's sum of both updates is a little above either expert's norm: a
+    # limit below it stops the merge, naming the linear, and leaves nothing
+    assert worst["max_norm_ratio"] > 1.0
+    stopped = tmp_path / "stopped"
+    with pytest.raises(TensorError, match=r"qp_projection: the merged model\.layers\.\d\."):
+        run_merge(_config(s, method="qp_projection", max_norm_ratio=1.0), stopped)
+    assert not stopped.exists()

@@ -120,8 +120,6 @@ def guard_group(
     worst_name = max(ratios, key=lambda n: _order(ratios[n]))
     worst = ratios[worst_name]
     record: dict[str, Any] = {"norm_ratio": dict(ratios), "max_norm_ratio": worst, "guard": "ok"}
-    if worst <= NORM_RATIO_WARN:
-        return record
     if not worst <= max_norm_ratio:
         raise TensorError(
             f"{method}: the merged {worst_name} (linear group {group}) has {_x(worst)} the norm "
@@ -130,6 +128,8 @@ def guard_group(
             f"merged model would be broken, so nothing was written. Fix: {FIXES}; or set "
             'max_norm_ratio: .inf to write it anyway (docs/methods.md, "The result guard")'
         )
+    if worst <= NORM_RATIO_WARN:
+        return record
     LOG.warning(
         "%s: linear group %s is outside the experts' range: the merged %s has %s the norm of "
         'the largest expert\'s. Fix: %s (docs/methods.md, "The result guard")',
