@@ -16,8 +16,8 @@ before issue #27 for groups with at least as many tokens as inputs; after: the d
 
     python -m benchmarks.low_diversity_calibration [--work-dir DIR] [--out benchmarks/results]
 
-Writes ``low_diversity_calibration.md`` (the table, this command in its header) and
-``low_diversity_calibration.json`` under ``--out``.
+Writes ``low_diversity_calibration.md`` (the table, this command in its header) under
+``--out`` and the raw rows as ``low_diversity_calibration.json`` under ``--work-dir``.
 """
 
 from __future__ import annotations
@@ -353,9 +353,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "low_diversity_calibration.md"), "w", encoding="utf-8") as fp:
         fp.write("\n".join(lines) + "\n")
-    with open(
-        os.path.join(args.out, "low_diversity_calibration.json"), "w", encoding="utf-8"
-    ) as fp:
+    # the raw rows beside the merges (benchmarks/results/*.json are the suites' method tables)
+    with open(os.path.join(w, "low_diversity_calibration.json"), "w", encoding="utf-8") as fp:
         json.dump({"calibration": calibration_facts, "rows": rows}, fp, indent=2)
     print("\n".join(lines))
 
