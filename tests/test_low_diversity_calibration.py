@@ -330,3 +330,39 @@ def test_qp_layer_objective_has_the_same_guard(low_diversity, tmp_path):
     with pytest.raises(TensorError, match=r"qp_projection: the merged model\.layers\.\d\."):
         run_merge(_config(s, method="qp_projection", max_norm_ratio=1.0), stopped)
     assert not stopped.exists()
+
+
+def test_card_section_leads_with_the_worst_layer_and_keeps_inf_and_nan():
+    from mergekit_ext.hub.card.render import _environment
+    from mergekit_ext.methods.reports.least_squares import summarize_layerwise
+
+    def layer(name, error, cond, ratio):
+        return {
+            "layer": name,
+            "condition_number": cond,
+            "ridge": 0.0,
+            "max_norm_ratio": ratio,
+            "guard": "warned" if ratio > NORM_RATIO_WARN else "ok",
+            "tasks": {"a": {"weight": 1.0, "relative_output_error": error}},
+        }
+
+    # as read back from the JSON: inf and NaN are strings
+    section = {
+        "layers": [
+            layer("m.0.qkv", 0.1, 10.0, 1.0),
+            layer("m.0.o_proj", "inf", "inf", 3.5),
+            layer("m.1.qkv", "nan", 20.0, 1.0),
+        ]
+    }
+    summary = summarize_layerwise(section)
+    assert summary["worst"]["layer"] == "m.1.qkv" and math.isnan(summary["worst"]["error"])
+    assert summary["condition_number"]["max"] == math.inf and summary["singular"] == 1
+    assert math.isnan(summary["tasks"][0]["error"]["max"])
+    assert summary["out_of_range"] == [{"layer": "m.0.o_proj", "norm_ratio": 3.5}]
+    template = _environment(None).get_template("sections/least_squares.md.j2")
+    text = template.render(s={"summary": summary})
+    assert text.lstrip().startswith("**Worst layer:** `m.1.qkv`, relative output error NaN")
+    assert "max ∞ (1 singular)" in text and "`m.0.o_proj` (3.5×)" in text
+    # without the NaN layer the inf one is the worst
+    summary = summarize_layerwise({"layers": section["layers"][:2]})
+    assert summary["worst"]["layer"] == "m.0.o_proj" and summary["worst"]["error"] == math.inf
