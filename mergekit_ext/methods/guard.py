@@ -27,9 +27,9 @@ from mergekit_ext.errors import TensorError
 
 LOG = logging.getLogger(__name__)
 
-# Healthy merges keep every linear within about 1.1x of the largest expert's norm (a
-# least-squares merge is a data-weighted average of the experts); the broken merges of
-# issue #27 reached 10x to 700x (docs/methods.md, "The result guard").
+# Healthy merges keep every linear within about 1.5x of the largest expert's norm (a
+# least-squares merge is close to a data-weighted average of the experts); the broken merges
+# of issue #27 reached 16x to 742x (docs/methods.md, "The result guard").
 NORM_RATIO_WARN = 2.0
 DEFAULT_MAX_NORM_RATIO = 10.0
 # ‖W X − W_k X‖ / ‖W_k X‖ above 1: the merged layer's output on the calibration inputs is
@@ -49,7 +49,7 @@ def max_norm_ratio_field() -> Any:
         ge=1.0,
         description="the merge stops before writing when a merged linear's Frobenius norm "
         "exceeds this multiple of the largest expert's (a solve that left the experts' range; "
-        f"healthy merges stay below ~1.1x); a warning from {NORM_RATIO_WARN:g}x; .inf: never "
+        f"healthy merges stay below ~1.5x); a warning from {NORM_RATIO_WARN:g}x; .inf: never "
         "stop (the warning stays)",
     )
 
