@@ -58,12 +58,17 @@ FILENAME = "mergekit_ext_diagnostics.json"
 
 
 def _jsonable(value: Any) -> Any:
-    """Convert tensors, numpy values and non-finite floats into plain JSON values."""
+    """Convert tensors, numpy values and non-finite floats into plain JSON values.
+
+    JSON has no NaN or infinity: they become the strings ``"nan"``, ``"inf"`` and ``"-inf"``
+    (``reporting.as_float`` reads them back), so a measured NaN is not confused with a value
+    that was not measured (``null``).
+    """
     if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):
         value = value.tolist()
     if isinstance(value, float):
         if math.isnan(value):
-            return None
+            return "nan"
         if math.isinf(value):
             return "inf" if value > 0 else "-inf"
         return value
@@ -93,7 +98,7 @@ class DiagnosticsRecorder:
             "schema_version": SCHEMA_VERSION,
             "mergekit_ext_version": _version(),
             "method": method,
-            **header,
+            **{key: _jsonable(value) for key, value in header.items()},
             "sections": {},
         }
 

@@ -17,7 +17,7 @@ import re
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 IMAGES_DIR = "images"
 _DPI = 110
@@ -34,7 +34,7 @@ class Plot:
 
 
 def as_float(value: Any) -> float:
-    """A diagnostics number as float: ``None`` (NaN in the JSON) → nan, ``"inf"`` → inf."""
+    """A diagnostics number as float: ``None`` (not measured) and ``"nan"`` → nan, ``"inf"`` → inf."""
     if value is None:
         return math.nan
     if isinstance(value, str):
@@ -100,6 +100,24 @@ def layer_ticks(ax: Any, names: Sequence[str]) -> None:
 
 def finite(values: Sequence[float]) -> list[float]:
     return [v for v in values if math.isfinite(v)]
+
+
+def is_measured_nan(value: Any) -> bool:
+    """A NaN that was measured (``"nan"`` in the JSON, or a float NaN), not a missing value."""
+    if isinstance(value, str):
+        return value.strip().lower() == "nan"
+    return isinstance(value, float) and math.isnan(value)
+
+
+def worst_value(values: Sequence[Any]) -> Optional[float]:
+    """The largest of raw diagnostics values with the non-finite ones kept: a measured NaN
+    (:func:`is_measured_nan`) is worse than inf, inf worse than any number; missing values
+    (None) are skipped. None when nothing was measured."""
+    if any(is_measured_nan(v) for v in values):
+        return math.nan
+    numbers = [as_float(v) for v in values if v is not None]
+    numbers = [v for v in numbers if not math.isnan(v)]
+    return max(numbers) if numbers else None
 
 
 def summary_stats(values: Sequence[float]) -> dict[str, float]:

@@ -36,8 +36,9 @@ def test_header_and_sections_follow_the_schema(tmp_path) -> None:
 
 
 def test_values_become_strict_json() -> None:
-    """Tensors and numpy values become lists and numbers; NaN becomes null and ±inf the
-    strings "inf"/"-inf", so the file is valid JSON (``allow_nan=False``)."""
+    """Tensors and numpy values become lists and numbers; NaN and ±inf the strings
+    "nan"/"inf"/"-inf", so the file is valid JSON (``allow_nan=False``) and a measured NaN
+    stays apart from a missing value (null)."""
     value = {
         "tensor": torch.tensor([1.5, float("nan")]),
         "array": np.array([[1, 2]]),
@@ -47,7 +48,7 @@ def test_values_become_strict_json() -> None:
         3: (1, 2),
     }
     assert diagnostics._jsonable(value) == {
-        "tensor": [1.5, None],
+        "tensor": [1.5, "nan"],  # a measured NaN, not a missing value (null)
         "array": [[1, 2]],
         "scalar": 2.5,
         "inf": "inf",

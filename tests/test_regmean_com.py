@@ -423,6 +423,7 @@ def test_registration():
         "solver": "pinv",
         "fallback": "mean",
         "statistics_dtype": "float64",
+        "max_norm_ratio": 10.0,
     }
     docs = {p.name: p.description for p in com.parameters}
     # user-facing text never speaks of internal process

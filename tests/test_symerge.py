@@ -612,7 +612,7 @@ def test_chain_of_merges_body_is_epoch_zero(problem_set, tmp_path):
     from mergekit_ext.executor import run_layerwise_merge
     from mergekit_ext.methods.registry import ext_method_info
 
-    body_parameters = {"propagate": True}
+    body_parameters = {"propagate": True, "max_norm_ratio": float("inf")}
     cfg, params = make_config(
         problem_set,
         parameters={"epochs": 2, "body": "chain_of_merges", "body_parameters": body_parameters},

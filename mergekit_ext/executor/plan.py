@@ -38,6 +38,7 @@ from mergekit_ext.executor.checkpoint import (
 from mergekit_ext.executor.families import GroupSpec, ModelFamily
 from mergekit_ext.executor.lora import LoraModelSource, open_lora_expert
 from mergekit_ext.methods.layerwise import LayerwiseMethod, StatisticsRequest
+from mergekit_ext.methods.least_squares import AUTO_RIDGE
 
 LOG = logging.getLogger(__name__)
 
@@ -528,7 +529,8 @@ def rank_deficiency_warnings(plan: MergePlan) -> list[str]:
             continue
         if ridge == "auto":
             remedy = (
-                "meanwhile ridge: auto applies a relative ridge of 1e-4 toward the experts' mean "
+                f"meanwhile ridge: auto applies a relative ridge of {AUTO_RIDGE:g} toward the "
+                "experts' mean "
                 "(unseen directions keep the experts' mean) and solves in the tokens' span"
             )
         elif ridge == 0:

@@ -383,14 +383,17 @@ class SequentialExecutor:
     # ---------------------------------------------------------------------------------
     # Tensors in and out
 
+    def _written_dtype(self, canonical: str) -> torch.dtype:
+        """The dtype a floating tensor is written in: the merge's ``dtype``, else the base's."""
+        return self.plan.out_dtype or safetensors_dtype(self.base.dtypes[canonical])
+
     def _write(self, canonical: str, tensor: torch.Tensor) -> torch.Tensor:
         """Write a merged tensor; returns it as the saved model holds it (float32 on device).
 
         Ranks other than 0 write nothing and get the same value.
         """
         if tensor.dtype.is_floating_point:
-            dtype = self.plan.out_dtype or safetensors_dtype(self.base.dtypes[canonical])
-            saved = tensor.to(dtype)
+            saved = tensor.to(self._written_dtype(canonical))
         else:
             saved = tensor
         if self.writer is None:
@@ -734,6 +737,7 @@ class SequentialExecutor:
                 task_names=[s.name for s in self.states],
                 expert_stats=expert_stats[group.label] if expert_stats is not None else [],
                 merged_stats=merged_stats,
+                output_dtypes={n_: self._written_dtype(c) for n_, c in zip(names, canonical)},
             )
             if self.dist.enabled:
                 result, group_diagnostics = self._merge_group_distributed(
@@ -910,6 +914,7 @@ class SequentialExecutor:
             task_names=[e.task for e in self.experts],
             expert_stats=expert_stats if local.expert_stats else [],  # type: ignore[arg-type]
             merged_stats=merged_stats if local.merged_stats is not None else None,  # type: ignore[arg-type]
+            output_dtypes=local.output_dtypes,
         )
 
     def _release(self) -> None:

@@ -19,9 +19,9 @@ with the same ``reduce_non_diagonal``/``ridge``/``solver``. Regularisation: the 
 off-diagonal shrink α (``reduce_non_diagonal``) with a pseudo-inverse solve. Our sweep over
 α ∈ {0.5, 0.8, 0.9, 0.95, 1.0} (``benchmarks/sweep.py``) found α = 1 (no shrink) best on
 all three benchmark suites, so that is the default; ``ridge`` adds
-``ridge · mean(diag) · I`` on top (default ``auto``: 0 where a group has at least as many
-calibration tokens as inputs, 1e-4 and the span solve where it has fewer; RegMean's section
-of ``docs/methods.md``).
+``ridge · mean(diag) · I`` on top (default ``auto``: 1e-2 where the system solved is
+ill-conditioned or rank-deficient, with the span solve where a group has fewer calibration
+tokens than inputs, exactly 0 where it is well conditioned; ``docs/methods.md``, "ridge: auto").
 
 Weights are ``out x in`` (``y = W x``); the executor transposes HF ``Conv1D`` weights.
 
@@ -141,6 +141,7 @@ class ChainOfMergesMethod(LayerwiseMethod):
             task_weight=_correlation_weight_of if correlation else None,
             task_weight_needs_normalized_gram=correlation,
             task_weighting_label=p.task_weighting,
+            max_norm_ratio=p.max_norm_ratio,
         )
 
     def merge_linear_group(

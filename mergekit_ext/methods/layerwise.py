@@ -59,6 +59,9 @@ class LinearGroup:
     - ``merged_stats``: per task, the statistics of this group's input when the task's data
       runs through the already merged layers before it (CoM/QP ``propagate``); None when
       the method did not ask for propagation
+    - ``output_dtypes``: ``{weight name: dtype}`` each merged weight is written in (the
+      merge's ``dtype``, else the base's); None: as the method returns it. Diagnostics that
+      describe the shipped model measure the merged weights cast to it.
     All weights are float32 ``out x in`` (HF Conv1D weights are transposed by the executor).
     """
 
@@ -69,6 +72,14 @@ class LinearGroup:
     task_names: Sequence[str]
     expert_stats: Sequence[TaskStatistics]
     merged_stats: Optional[Sequence[TaskStatistics]] = None
+    output_dtypes: Optional[Mapping[str, torch.dtype]] = None
+
+    def as_written(self, weight_name: str, merged: torch.Tensor) -> torch.Tensor:
+        """``merged`` rounded as the output file will hold it (in its own dtype after)."""
+        dtype = (self.output_dtypes or {}).get(weight_name)
+        if dtype is None or dtype == merged.dtype or not merged.dtype.is_floating_point:
+            return merged
+        return merged.to(dtype).to(merged.dtype)
 
 
 @dataclass(frozen=True)

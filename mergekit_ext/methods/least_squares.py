@@ -29,6 +29,13 @@ import torch
 from pydantic import Field
 
 from mergekit_ext.errors import CalibrationError, TensorError
+from mergekit_ext.methods.guard import (
+    expert_norms,
+    guard_group,
+    max_norm_ratio_field,
+    norm_ratios,
+    warn_output_errors,
+)
 from mergekit_ext.methods.layerwise import LinearGroup, SumReduction, TaskStatistics
 from mergekit_ext.methods.parameters import (
     MethodParameters,
@@ -52,12 +59,18 @@ EXACT_CONDITION_MAX_DIM = 1024
 _CHOLESKY_PINV_MARGIN = 1e-3
 _CONDITION_ITERATIONS = 10
 _CONDITION_BLOCK = 8
-# ``ridge: auto`` when a group's Gram is rank-deficient by count (fewer calibration tokens
-# than inputs): this relative ridge, toward the experts' mean (docs/methods.md, "The solve").
-# In the directions no token spans the merged weight is then the experts' mean whatever its
-# size; in the spanned ones it moves the solution by about AUTO_RIDGE relative. With at
-# least as many tokens as inputs ``auto`` is exactly 0 (outputs unchanged).
-AUTO_RIDGE = 1e-4
+# ``ridge: auto`` regularises a group whose system Σ ω G̃ is rank-deficient or ill-conditioned:
+# this relative ridge, toward the experts' mean (docs/methods.md, "ridge: auto"). In the
+# directions the calibration inputs do not span (or span below the ridge) the merged weight is
+# then the experts' mean whatever its size; in the well-spanned ones it moves the solution by
+# about AUTO_RIDGE relative.
+AUTO_RIDGE = 1e-2
+# ``ridge: auto`` leaves a group unregularised (the exact least-squares solution) when the
+# condition number of Σ ω G̃ is at most this. The Grams and the products W_k G_k are summed
+# from float32 products, whose rounding (~1e-7 of the largest entries) swamps any direction
+# whose eigenvalue is below about 1e-6 of the largest: there the solve amplifies rounding and
+# the directions the calibration data barely spans (docs/methods.md gives the measurements).
+AUTO_RIDGE_MAX_CONDITION = 1e6
 
 Ridge = Union[float, Literal["auto"]]
 
@@ -91,6 +104,11 @@ class RegMeanSolution:
     products: Optional[list[torch.Tensor]] = None  # W_k G_k per task, when asked for
     ridge: float = 0.0  # the relative ridge applied (``auto`` resolved)
     tokens: Optional[int] = None  # calibration tokens behind Σ ω G̃ (None: not given)
+    # why this ridge (``auto``: from the tokens or the condition number; else "as set")
+    ridge_reason: str = "as set"
+    # the condition number of Σ ω G̃ before ``auto`` added its ridge (None: no ridge added
+    # by ``auto``, or the span solve, whose unregularised system is rank-deficient by count)
+    condition_number_unregularized: Optional[float] = None
     # span solve: each task's ‖W X_kᵀ − W_k X_kᵀ‖²_F on the rows it solved with (None where
     # not computed: the solve did not form V H⁻¹, or the task had ω_k = 0)
     row_errors: Optional[list[Optional[float]]] = None
@@ -216,9 +234,10 @@ def span_solve_applies(
 
 
 def resolve_ridge(ridge: Ridge, n_in: int, tokens: Optional[int]) -> float:
-    """The relative ridge to apply: ``auto`` is :data:`AUTO_RIDGE` when fewer than ``n_in``
-    calibration tokens stand behind the Gram (it is then rank-deficient), exactly 0 otherwise
-    (or when the count is unknown); a number is used as given."""
+    """The relative ridge known before the solve: ``auto`` is :data:`AUTO_RIDGE` when fewer
+    than ``n_in`` calibration tokens stand behind the Gram (it is then rank-deficient by
+    count), else 0 here; :func:`solve_regmean_sums` then adds :data:`AUTO_RIDGE` when the
+    system it solves is ill-conditioned (:func:`auto_ridge_needed`). A number is used as given."""
     if isinstance(ridge, str):
         if ridge != "auto":
             raise ValueError(f"ridge must be a number >= 0 or 'auto'; got {ridge!r}")
@@ -227,6 +246,24 @@ def resolve_ridge(ridge: Ridge, n_in: int, tokens: Optional[int]) -> float:
     if value < 0.0 or not math.isfinite(value):
         raise ValueError(f"ridge must be a finite number >= 0 or 'auto'; got {ridge}")
     return value
+
+
+def auto_ridge_needed(condition: float) -> bool:
+    """Whether ``ridge: auto`` regularises a system of this condition number (inf or NaN:
+    singular; above :data:`AUTO_RIDGE_MAX_CONDITION`: ill-conditioned)."""
+    return not condition <= AUTO_RIDGE_MAX_CONDITION
+
+
+def _ridge_reason(ridge: Ridge, applied: float, n_in: int, tokens: Optional[int]) -> str:
+    """Why the ridge known before the solve is what it is (for the diagnostics)."""
+    if not isinstance(ridge, str):
+        return "as set"
+    if applied > 0.0:
+        return (
+            f"auto: {tokens} calibration tokens for {n_in} inputs (Σ ω G̃ has rank at most "
+            f"{tokens} < {n_in})"
+        )
+    return "auto"
 
 
 def regmean_solve(
@@ -251,7 +288,9 @@ def regmean_solve(
       ``min_W Σ_k ω_k (‖W X_k − W_k X_k‖²/N_k + λ ‖W − W_k‖²_F)``, i.e. the inverted matrix is
       ``A + ridge · mean(diag(A)) · I`` and the numerator gains ``λ Σ_k ω_k W_k``
       (so a huge ridge gives the weighted mean of the experts, not zero). ``"auto"``:
-      :func:`resolve_ridge` with ``tokens`` (:data:`AUTO_RIDGE` when ``tokens < in``, else 0).
+      :data:`AUTO_RIDGE` when ``tokens < in`` (:func:`resolve_ridge`) or when ``Σ ω G̃`` is
+      singular or its condition number exceeds :data:`AUTO_RIDGE_MAX_CONDITION`, else 0
+      (the exact solution); the solution says which and why (``ridge_reason``).
     - ``solver``: ``pinv`` (Moore–Penrose pseudo-inverse, the CoM paper's choice) or
       ``solve`` (falls back to pinv with a warning when the matrix is singular). ``pinv`` is
       computed as a Cholesky solve when ``Σ ω G̃`` is positive definite and its condition
@@ -325,6 +364,7 @@ def regmean_solve(
                 task_weights=weights,
                 ridge=relative_ridge,
                 tokens=tokens,
+                ridge_reason=_ridge_reason(ridge, relative_ridge, n_in, tokens),
             )
     if any(g is None for g in grams):
         assert rows is not None
@@ -332,7 +372,9 @@ def regmean_solve(
 
     # The same sums and solve as the distributed reduction (LeastSquaresReduction), so one
     # process and several add and solve bit for bit alike.
-    sums = regmean_zero_sums(shape, with_weighted_experts=relative_ridge > 0.0)
+    sums = regmean_zero_sums(
+        shape, with_weighted_experts=isinstance(ridge, str) or relative_ridge > 0.0
+    )
     products: list[torch.Tensor] = []
     for w, g, omega in zip(expert_weights, grams, weights):
         # W_k G̃_k = α W_k G_k + (1 − α) W_k diag(G_k): one GEMM, no shrunk copy of G_k.
@@ -342,7 +384,7 @@ def regmean_solve(
             products.append(product)
         del product
     solution = solve_regmean_sums(
-        sums, ridge=relative_ridge, solver=solver, name=name, out_dtype=out_dtype, tokens=tokens
+        sums, ridge=ridge, solver=solver, name=name, out_dtype=out_dtype, tokens=tokens
     )
     solution.products = products if keep_products else None
     return solution
@@ -378,6 +420,7 @@ def span_solve(
     task_weights: Sequence[float],
     ridge: float,
     tokens: Optional[int] = None,
+    ridge_reason: str = "as set",
 ) -> RegMeanSolution:
     """The ridge-regularised RegMean solution written in the span of the calibration tokens.
 
@@ -513,6 +556,7 @@ def span_solve(
         ridge=ridge,
         tokens=tokens if tokens is not None else total_rows,
         row_errors=row_errors,
+        ridge_reason=ridge_reason,
     )
 
 
@@ -545,49 +589,49 @@ def relative_output_error(
     """``‖W X − W_k X‖_F / ‖W_k X‖_F`` from the Gram ``G = X Xᵀ / N`` alone (CoM's diagnostic).
 
     ``= sqrt(tr((W − W_k) G (W − W_k)ᵀ) / tr(W_k G W_kᵀ))``; 0 when both are zero, inf when
-    only the expert's output is zero. The difference is formed in float64, the
-    ``out x in x in`` products in float32 (a diagnostic: ~1e-7 relative), the traces summed
-    in float64. ``expert_product`` = ``W_k G`` when the caller has it (saves one product).
+    only the expert's output is zero, NaN when a weight holds NaN. The error term is float64
+    throughout (difference, product, trace) and never clamped: a float32 product cancels to
+    noise when W is close to W_k. The reference (a sum of squares, no cancellation) reuses
+    ``expert_product`` = ``W_k G`` when the caller has it, summed in float64. A negative
+    value can only be float64 rounding of a zero error (an indefinite Gram by rounding) and
+    is returned as ``-sqrt(|e| / ref)``, not hidden.
     """
-    w_k = expert_weight.double()
-    diff = merged_weight.double() - w_k
-    g = gram.float()
-    diff32 = diff.float()
-    error = max(float(((diff32 @ g) * diff32).sum(dtype=torch.float64)), 0.0)
+    diff = merged_weight.double() - expert_weight.double()
+    error = float(((diff @ gram.double()) * diff).sum())
+    del diff
     if expert_product is None:
-        w32 = w_k.float()
-        expert_product = w32 @ g
-    reference = float((expert_product.float() * expert_weight.float()).sum(dtype=torch.float64))
-    reference = max(reference, 0.0)
-    if reference == 0.0:
+        expert_product = expert_weight.double() @ gram.double()
+    reference = float((expert_product.double() * expert_weight.double()).sum(dtype=torch.float64))
+    return _ratio(error, reference)
+
+
+def _ratio(error: float, reference: float) -> float:
+    """``sqrt(error / reference)`` keeping the sign, inf and NaN of what was measured."""
+    if math.isnan(error) or math.isnan(reference):
+        return math.nan
+    if reference <= 0.0:
         return 0.0 if error == 0.0 else math.inf
-    return math.sqrt(error / reference)
+    return math.copysign(math.sqrt(abs(error) / reference), error)
 
 
 def relative_output_error_rows(
     merged_weight: torch.Tensor,
     expert_weight: torch.Tensor,
     rows: torch.Tensor,
-    squared_error: Optional[float] = None,
 ) -> float:
     """:func:`relative_output_error` from the inputs themselves (``rows``: ``N x in``).
 
-    ``‖(W − W_k) Xᵀ‖_F / ‖W_k Xᵀ‖_F``: two ``out x in x N`` products instead of two
-    ``out x in x in`` ones, the cheaper form when N < in; one when the solve already gave
-    ``squared_error`` = ``‖(W − W_k) Xᵀ‖²_F`` (:attr:`RegMeanSolution.row_errors`). Same
-    dtypes as the Gram form.
+    ``‖(W − W_k) Xᵀ‖_F / ‖W_k Xᵀ‖_F``: ``out x in x N`` products instead of ``out x in x in``
+    ones, the cheaper form when N < in. The error term is float64 (difference and product);
+    the reference in the weights' dtype (float32 for float32 weights), summed in float64.
     """
-    x = rows.float() if expert_weight.dtype != torch.float64 else rows.double()
-    if squared_error is None:
-        # in the products' dtype: the difference of two float32 weights is exact to 1 ulp
-        diff = merged_weight.to(x.dtype) - expert_weight.to(x.dtype)
-        squared_error = float((diff @ x.T).square().sum(dtype=torch.float64))
-        del diff
-    error = squared_error
-    reference = float((expert_weight.to(x.dtype) @ x.T).square().sum(dtype=torch.float64))
-    if reference == 0.0:
-        return 0.0 if error == 0.0 else math.inf
-    return math.sqrt(error / reference)
+    x = rows.double()
+    diff = merged_weight.double() - expert_weight.double()
+    error = float((diff @ x.T).square().sum())
+    del diff
+    xr = rows.float() if expert_weight.dtype != torch.float64 else x
+    reference = float((expert_weight.to(xr.dtype) @ xr.T).square().sum(dtype=torch.float64))
+    return _ratio(error, reference)
 
 
 def _symmetric_sqrt(matrix: torch.Tensor) -> torch.Tensor:
@@ -823,15 +867,14 @@ def _task_output_error(
     st: TaskStatistics,
     raw_gram: Optional[torch.Tensor],
     product: Optional[torch.Tensor],
-    known: Optional[float] = None,
 ) -> float:
-    """One task's relative output error, on the raw inputs: from its kept rows where no
-    product ``W_k G_k`` of the raw Gram was formed (span solve, normalized Gram), else from
-    ``raw_gram`` (formed from the rows when None) and ``product``; ``known``: the span
-    solve's own squared error on those rows."""
+    """One task's relative output error, on the raw inputs, of ``merged`` as written: from
+    its kept rows where no product ``W_k G_k`` of the raw Gram was formed (span solve,
+    normalized Gram), else from ``raw_gram`` (formed from the rows when None) and
+    ``product``."""
     rows = _kept_rows(st)
     if product is None and rows is not None:
-        return relative_output_error_rows(merged, weight, rows, known)
+        return relative_output_error_rows(merged, weight, rows)
     gram = raw_gram if raw_gram is not None else st.gram_from_rows()
     return relative_output_error(merged, weight, gram, product)  # type: ignore[arg-type]
 
@@ -861,6 +904,7 @@ def merge_group_least_squares(
     task_weight_needs_normalized_gram: bool = False,
     task_weighting_label: str = "uniform",
     full_covariance_max_dim: int = FULL_COVARIANCE_W2_MAX_DIM,
+    max_norm_ratio: float = math.inf,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Merge one :class:`LinearGroup` by (weighted) RegMean; shared by RegMean and CoM.
 
@@ -870,8 +914,11 @@ def merge_group_least_squares(
     - ``task_weight``: ω_k from the task's statistics on the chosen path (None: ω_k = 1);
       ``task_weight_needs_normalized_gram`` when it reads ``gram_normalized``.
 
-    The relative output error is measured on the raw Gram of the chosen path (the inputs
-    the objective used); the covariate shift W2 whenever ``merged_stats`` are present.
+    The relative output error is measured on the merged weights as written (cast to
+    ``group.output_dtypes``), on the raw Gram of the chosen path (the inputs the objective
+    used); the covariate shift W2 whenever ``merged_stats`` are present. The result guard
+    (:mod:`~mergekit_ext.methods.guard`) then compares each merged linear's norm with the
+    experts' and stops the merge above ``max_norm_ratio`` (None: never).
     """
     stacked, rows, n_in = _stacked_weights(group, method)
     path = "merged-path" if use_merged_path else "expert-path"
@@ -944,6 +991,15 @@ def merge_group_least_squares(
         weight_name: part.to(group.experts[0][weight_name].dtype).contiguous()
         for weight_name, part in zip(group.weights, merged_parts)
     }
+    # The diagnostics describe the model that ships: the weights rounded as written
+    written = {w: group.as_written(w, merged[w]) for w in group.weights}
+    written_weight = torch.cat([written[w] for w in group.weights])
+    guard = guard_group(
+        method,
+        group.name,
+        norm_ratios(written, expert_norms(group.experts, group.weights)),
+        max_norm_ratio,
+    )
 
     tasks: dict[str, dict[str, Any]] = {}
     shift_kind: Optional[str] = None
@@ -953,40 +1009,48 @@ def merge_group_least_squares(
             shift, shift_kind = covariate_shift_w2(
                 merged_path[k], expert_path[k], full_covariance_max_dim=full_covariance_max_dim
             )
-        # the span solve's own errors are on the rows it solved with (raw ones only)
-        known = None
-        if solution.row_errors is not None and not use_normalized_gram:
-            known = solution.row_errors[k]
         output_error = _task_output_error(
-            solution.merged_weight,
+            written_weight,
             stacked[k],
             chosen[k],
             None if use_normalized_gram else grams[k],
             solution.products[k] if solution.products is not None else None,
-            known,
         )
         tasks[task] = {
             "weight": omegas[k],
             "relative_output_error": output_error,
             "covariate_shift_w2": shift,
         }
+    warn_output_errors(
+        method, group.name, {t: rec["relative_output_error"] for t, rec in tasks.items()}
+    )
     diagnostics: dict[str, Any] = {
         "layer": group.name,
-        "condition_number": solution.condition_number,
-        "condition_number_method": solution.condition_number_method,
-        "solver": solution.solver,
+        **_solve_record(solution, ridge),
         "reduce_non_diagonal": float(reduce_non_diagonal),
-        "ridge": solution.ridge,
-        "ridge_setting": ridge if isinstance(ridge, str) else float(ridge),
         "tokens": tokens,
         "input_width": n_in,
         "statistics": "merged_path" if use_merged_path else "expert_path",
         "normalized_gram": bool(use_normalized_gram),
         "task_weighting": task_weighting_label,
         "covariate_shift_covariance": shift_kind,
+        **guard,
         "tasks": tasks,
     }
     return merged, diagnostics
+
+
+def _solve_record(solution: RegMeanSolution, ridge: Ridge) -> dict[str, Any]:
+    """The group record's fields on the solve: conditioning, solver, ridge and why."""
+    return {
+        "condition_number": solution.condition_number,
+        "condition_number_method": solution.condition_number_method,
+        "condition_number_unregularized": solution.condition_number_unregularized,
+        "solver": solution.solver,
+        "ridge": solution.ridge,
+        "ridge_setting": ridge if isinstance(ridge, str) else float(ridge),
+        "ridge_reason": solution.ridge_reason,
+    }
 
 
 # --------------------------------------------------------------------------------------
@@ -1050,7 +1114,7 @@ def regmean_add_task(
 def solve_regmean_sums(
     sums: dict[str, torch.Tensor],
     *,
-    ridge: float = 0.0,
+    ridge: Ridge = 0.0,
     solver: Solver = "pinv",
     name: str = "<weight>",
     out_dtype: torch.dtype = torch.float32,
@@ -1059,31 +1123,64 @@ def solve_regmean_sums(
     """``W = numerator · system⁻¹`` from the sums of :func:`regmean_add_task`.
 
     The one dense solve of every least-squares merge (:func:`regmean_solve` and the
-    distributed :class:`LeastSquaresReduction`). ``ridge`` is the relative ridge already
-    resolved (:func:`resolve_ridge`); ``tokens`` is recorded in the solution. The
-    ``solver`` choice is :func:`regmean_solve`'s.
+    distributed :class:`LeastSquaresReduction`). ``ridge``: a relative ridge, or ``"auto"``:
+    :data:`AUTO_RIDGE` when ``tokens`` is below the input width, or when the unregularised
+    system is singular or its condition number exceeds :data:`AUTO_RIDGE_MAX_CONDITION`
+    (:func:`auto_ridge_needed`), else exactly 0. ``auto`` needs ``sums["weighted_experts"]``.
+    ``tokens`` is recorded in the solution. The ``solver`` choice is :func:`regmean_solve`'s.
     """
     if float(sums["task_weight_sum"].sum()) <= 0.0:
         raise TensorError(f"{name}: the task weights are all zero; use task_weighting: uniform")
     numerator = sums["numerator"].double().clone()
     system = sums["system"].double().clone()
     n_in = system.shape[0]
+    auto = isinstance(ridge, str)
+    relative_ridge = resolve_ridge(ridge, n_in, tokens)
+    reason = _ridge_reason(ridge, relative_ridge, n_in, tokens)
     torch.diagonal(system).add_(sums["system_diagonal"].double())
     system = 0.5 * (system + system.T)  # exact symmetry for eigh
-    if ridge > 0.0:
-        strength = ridge * float(torch.diagonal(system).mean())
+
+    def add_ridge(value: float) -> None:
+        nonlocal numerator
+        strength = value * float(torch.diagonal(system).mean())
         torch.diagonal(system).add_(strength)
         numerator += (strength / float(sums["task_weight_sum"].sum())) * sums[
             "weighted_experts"
         ].double()
 
+    if relative_ridge > 0.0:
+        add_ridge(relative_ridge)
+
     n_eps = n_in * torch.finfo(torch.float64).eps
     cholesky = _cholesky(system)
-    if cholesky is None and solver == "pinv":
+    if cholesky is None and solver == "pinv" and not auto:
         # pinv's eigh below gives the condition number: no eigvalsh of the same matrix first
         condition, condition_method = math.inf, "exact"
+    elif cholesky is None and auto and relative_ridge == 0.0:
+        condition, condition_method = math.inf, "exact"  # not positive definite: singular
     else:
         condition, condition_method = _condition(system, cholesky)
+    unregularized: Optional[float] = None
+    if auto and relative_ridge == 0.0:
+        if auto_ridge_needed(condition):
+            # Decided from the system actually solved, whatever the token count: a few
+            # distinct tokens repeated many times give a Gram of low numerical rank.
+            unregularized = condition
+            relative_ridge = AUTO_RIDGE
+            reason = (
+                f"auto: condition number {condition:.3g} of Σ ω G̃ above "
+                f"{AUTO_RIDGE_MAX_CONDITION:g}"
+                if math.isfinite(condition)
+                else "auto: Σ ω G̃ is numerically singular (not positive definite in float64)"
+            )
+            add_ridge(relative_ridge)
+            cholesky = _cholesky(system)
+            condition, condition_method = _condition(system, cholesky)
+        else:
+            reason = (
+                f"auto: condition number {condition:.3g} of Σ ω G̃ at most "
+                f"{AUTO_RIDGE_MAX_CONDITION:g} (exact solution)"
+            )
     used = solver
     merged: Optional[torch.Tensor] = None
     if solver == "solve":
@@ -1103,12 +1200,16 @@ def solve_regmean_sums(
         # and a Cholesky solve gives it at a fraction of an eigendecomposition's cost.
         merged = torch.cholesky_solve(numerator.T, cholesky).T
     if merged is None:
-        if n_in > EXACT_CONDITION_MAX_DIM and ridge == 0.0:
+        if relative_ridge == 0.0:
+            # only an explicit ridge: 0 gets here (auto regularises a singular system)
             LOG.warning(
-                "%s: Σ ω G̃ (%d inputs) is singular or nearly so; taking its pseudo-inverse by "
-                "an eigendecomposition (slow at this width; ridge: auto or a small ridge avoids it)",
+                "%s: Σ ω G̃ (%d inputs) is singular or nearly so and ridge: 0 was set; taking "
+                "its pseudo-inverse by an eigendecomposition (slow at large widths, and the "
+                "merged weight may leave the experts' range: ridge: auto or ridge: %g "
+                'regularises it; docs/methods.md, "ridge: auto")',
                 name,
                 n_in,
+                AUTO_RIDGE,
             )
         pinv, eigenvalues = _symmetric_pinv(system)
         merged = numerator @ pinv
@@ -1119,8 +1220,10 @@ def solve_regmean_sums(
         used,
         condition_method,
         None,
-        ridge=ridge,
+        ridge=relative_ridge,
         tokens=tokens,
+        ridge_reason=reason,
+        condition_number_unregularized=unregularized,
     )
 
 
@@ -1150,8 +1253,10 @@ class LeastSquaresReduction(SumReduction):
         task_weight_needs_normalized_gram: bool = False,
         task_weighting_label: str = "uniform",
         full_covariance_max_dim: int = FULL_COVARIANCE_W2_MAX_DIM,
+        max_norm_ratio: float = math.inf,
     ) -> None:
         self.method = method
+        self.max_norm_ratio = max_norm_ratio
         self.reduce_non_diagonal = reduce_non_diagonal
         self.ridge = ridge
         self.solver = solver
@@ -1168,6 +1273,7 @@ class LeastSquaresReduction(SumReduction):
         self._omegas: list[float] = []
         self._grams: list[torch.Tensor] = []
         self._products: list[torch.Tensor] = []
+        self._norms: list[torch.Tensor] = []
 
     def _paths(self, group: LinearGroup, n_in: int) -> None:
         path = "merged-path" if self.use_merged_path else "expert-path"
@@ -1236,12 +1342,26 @@ class LeastSquaresReduction(SumReduction):
         self._products = [
             w.to(product_dtype) @ g.to(product_dtype) for w, g in zip(self._stacked, self._grams)
         ]
-        return regmean_zero_sums(
+        # each task's weight norms (per weight of the group), for the result guard
+        self._norms = [
+            torch.stack(
+                [
+                    torch.linalg.vector_norm(part, dtype=torch.float64)
+                    for part in torch.split(w, self._rows, dim=0)
+                ]
+            )
+            for w in self._stacked
+        ]
+        sums = regmean_zero_sums(
             self._stacked[0].shape,
             # auto is resolved in solve from the tokens of every task
             with_weighted_experts=isinstance(self.ridge, str) or float(self.ridge) > 0.0,
             device=self._stacked[0].device,
         )
+        sums["expert_norm_max"] = torch.zeros(
+            len(self._rows), dtype=torch.float64, device=self._stacked[0].device
+        )
+        return sums
 
     def add_task(self, sums: dict[str, torch.Tensor], position: int) -> None:
         regmean_add_task(
@@ -1253,6 +1373,8 @@ class LeastSquaresReduction(SumReduction):
             self._products[position],
             count=self._chosen[position].count,
         )
+        # a running max, not a sum: the largest expert's norm per weight
+        torch.maximum(sums["expert_norm_max"], self._norms[position], out=sums["expert_norm_max"])
 
     def solve(
         self, sums: Mapping[str, torch.Tensor], group: LinearGroup
@@ -1262,9 +1384,10 @@ class LeastSquaresReduction(SumReduction):
         reference = group.experts[0]
         n_in = int(sums["system"].shape[0])
         tokens = int(round(float(sums["tokens"].sum())))
+        reference_norms = sums["expert_norm_max"].tolist()
         solution = solve_regmean_sums(
-            dict(sums),
-            ridge=resolve_ridge(self.ridge, n_in, tokens),
+            {k: v for k, v in sums.items() if k != "expert_norm_max"},
+            ridge=self.ridge,
             tokens=tokens,
             solver=self.solver,
             name=f"linear group {group.name}",
@@ -1275,6 +1398,15 @@ class LeastSquaresReduction(SumReduction):
             weight_name: part.to(reference[weight_name].dtype).contiguous()
             for weight_name, part in zip(group.weights, parts)
         }
+        guard = guard_group(
+            self.method,
+            group.name,
+            norm_ratios(
+                {w: group.as_written(w, merged[w]) for w in group.weights},
+                dict(zip(group.weights, reference_norms)),
+            ),
+            self.max_norm_ratio,
+        )
         shift_kind: Optional[str] = None
         if self._other is not None and self._chosen:
             merged_path, expert_path = (
@@ -1285,18 +1417,15 @@ class LeastSquaresReduction(SumReduction):
             shift_kind = shift_covariance(merged_path, expert_path, self.full_covariance_max_dim)
         diagnostics: dict[str, Any] = {
             "layer": group.name,
-            "condition_number": solution.condition_number,
-            "condition_number_method": solution.condition_number_method,
-            "solver": solution.solver,
+            **_solve_record(solution, self.ridge),
             "reduce_non_diagonal": float(self.reduce_non_diagonal),
-            "ridge": solution.ridge,
-            "ridge_setting": self.ridge if isinstance(self.ridge, str) else float(self.ridge),
             "tokens": tokens,
             "input_width": n_in,
             "statistics": "merged_path" if self.use_merged_path else "expert_path",
             "normalized_gram": bool(self.use_normalized_gram),
             "task_weighting": self.task_weighting_label,
             "covariate_shift_covariance": shift_kind,
+            **guard,
             "tasks": {},
         }
         return merged, diagnostics
@@ -1304,7 +1433,10 @@ class LeastSquaresReduction(SumReduction):
     def task_diagnostics(
         self, group: LinearGroup, merged: Mapping[str, torch.Tensor]
     ) -> dict[str, dict[str, Any]]:
-        merged_weight = torch.cat([merged[w].to(self._stacked[0].dtype) for w in group.weights])
+        # as written (the shared weights were broadcast in float32 before the cast)
+        merged_weight = torch.cat(
+            [group.as_written(w, merged[w].to(self._stacked[0].dtype)) for w in group.weights]
+        )
         tasks: dict[str, dict[str, Any]] = {}
         for k, task in enumerate(group.task_names):
             shift: Optional[float] = None
@@ -1330,6 +1462,9 @@ class LeastSquaresReduction(SumReduction):
                 "relative_output_error": output_error,
                 "covariate_shift_w2": shift,
             }
+        warn_output_errors(
+            self.method, group.name, {t: r["relative_output_error"] for t, r in tasks.items()}
+        )
         return tasks
 
 
@@ -1374,3 +1509,4 @@ class RegMeanParameters(MethodParameters):
         description="merge of biases, norms, embeddings and heads: mean | base | task_arithmetic",
     )
     statistics_dtype: StatisticsDtype = statistics_dtype_field()
+    max_norm_ratio: float = max_norm_ratio_field()

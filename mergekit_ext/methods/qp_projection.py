@@ -62,6 +62,7 @@ import torch
 from pydantic import Field, field_validator, model_validator
 
 from mergekit_ext.errors import ConfigError, TensorError
+from mergekit_ext.methods.guard import expert_norms, guard_group, max_norm_ratio_field, norm_ratios
 from mergekit_ext.methods.layerwise import (
     LayerwiseMethod,
     LinearGroup,
@@ -708,6 +709,7 @@ class QPParameters(MethodParameters):
     )
 
     statistics_dtype: StatisticsDtype = statistics_dtype_field()
+    max_norm_ratio: float = max_norm_ratio_field()
 
     objective: Literal["layer_output", "model_output"] = Field(
         "layer_output",
@@ -761,6 +763,11 @@ class QPParameters(MethodParameters):
             ),
             "propagate": (not self.propagate, "the output is always that of the merged model"),
             "diagnose_both_bases": (self.diagnose_both_bases, "only the diagonal basis exists"),
+            "max_norm_ratio": (
+                "max_norm_ratio" in self.model_fields_set,
+                "the result guard is the layer objective's; the model-output fit warns when "
+                "its coefficients leave the experts",
+            ),
         }
         bad = [f"{name} ({why})" for name, (is_set, why) in unsupported.items() if is_set]
         if bad:
@@ -865,7 +872,17 @@ class QPProjectionMethod(LayerwiseMethod):
                 weights_diag[weight_name]["captured_energy"],
                 weights_diag[weight_name]["J0"],
             )
-        return merged, {"layer": group.name, "weights": weights_diag}
+        # layer_output only: the model-output fit has its own coefficient warning
+        guard = guard_group(
+            self.name,
+            group.name,
+            norm_ratios(
+                {w: group.as_written(w, merged[w]) for w in group.weights},
+                expert_norms(group.experts, group.weights),
+            ),
+            resolved.max_norm_ratio,
+        )
+        return merged, {"layer": group.name, **guard, "weights": weights_diag}
 
 
 # --------------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ class RegMeanMethod(LayerwiseMethod):
             solver=p.solver,
             use_merged_path=False,
             use_normalized_gram=False,
+            max_norm_ratio=p.max_norm_ratio,
         )
 
     def reduction(self, parameters: Any) -> LeastSquaresReduction:
@@ -65,6 +66,7 @@ class RegMeanMethod(LayerwiseMethod):
             solver=p.solver,
             use_merged_path=False,
             use_normalized_gram=False,
+            max_norm_ratio=p.max_norm_ratio,
         )
 
 

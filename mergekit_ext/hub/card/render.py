@@ -76,6 +76,13 @@ def _fmt(value: Any, digits: int = 3) -> str:
     return str(value)
 
 
+def _fmt_measured(value: Any, digits: int = 3) -> str:
+    """:func:`_fmt` for a value that was measured: NaN shows as ``NaN``, not as missing."""
+    if isinstance(value, float) and math.isnan(value):
+        return "NaN"
+    return _fmt(value, digits)
+
+
 def _pct(value: Any) -> str:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         return f"{100.0 * value:.1f}%"
@@ -104,6 +111,7 @@ def _environment(template_dir: Optional[str]) -> jinja2.Environment:
         keep_trailing_newline=True,
     )
     env.filters["fmt"] = _fmt
+    env.filters["fmtm"] = _fmt_measured
     env.filters["pct"] = _pct
     env.filters["cell"] = _cell
     env.filters["yamlv"] = _yaml_value

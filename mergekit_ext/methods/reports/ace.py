@@ -14,6 +14,7 @@ from mergekit_ext.reporting import (
     save_figure,
     summary_stats,
     tensor_kind,
+    worst_value,
 )
 
 
@@ -43,7 +44,11 @@ def summarize_ace(section: Mapping[str, Any], parameters: Any) -> dict[str, Any]
         "statistic_label": label,
         "threshold": threshold,
         "statistic": summary_stats([as_float(r.get(key)) for r in tensors.values()]),
-        "condition_number": summary_stats(list(conds.values())),
+        # inf (a singular A) is the worst value, not dropped
+        "condition_number": {
+            **summary_stats(list(conds.values())),
+            "max": worst_value([rec.get("condition_number") for rec in tensors.values()]),
+        },
         "worst_condition_tensor": worst,
         "top5_energy_share": summary_stats(
             [as_float(r.get("top5_energy_share")) for r in tensors.values()]

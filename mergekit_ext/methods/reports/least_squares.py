@@ -13,10 +13,12 @@ from mergekit_ext.reporting import (
     Plot,
     as_float,
     finite,
+    is_measured_nan,
     layer_ticks,
     new_figure,
     save_figure,
     summary_stats,
+    worst_value,
 )
 
 
@@ -118,7 +120,7 @@ def summarize_layerwise(section: Mapping[str, Any], parameters: Any = None) -> d
     tasks = layer_tasks(layers)
     rows = []
     for task in tasks:
-        shares, shifts, errors = [], [], []
+        shares, shifts, errors, raw_errors = [], [], [], []
         worst_layer, worst_shift = None, -math.inf
         for layer in layers:
             per_task = layer.get("tasks") or {}
@@ -135,13 +137,20 @@ def summarize_layerwise(section: Mapping[str, Any], parameters: Any = None) -> d
             if math.isfinite(s) and s > worst_shift:
                 worst_shift, worst_layer = s, layer.get("layer")
             errors.append(as_float(rec.get("relative_output_error")))
+            raw_errors.append(rec.get("relative_output_error"))
+        error = summary_stats(errors)
+        # inf and NaN are the worst values, not dropped (the mean is over the finite ones)
+        error["max"] = worst_value(raw_errors)
         rows.append(
             {
                 "task": task,
                 "weight_share": summary_stats(shares)["mean"],
                 "shift": summary_stats(shifts),
                 "worst_shift_layer": worst_layer,
-                "error": summary_stats(errors),
+                "error": error,
+                "error_nonfinite": sum(
+                    1 for v in raw_errors if is_measured_nan(v) or math.isinf(as_float(v))
+                ),
             }
         )
     settings: dict[str, Any] = {}
@@ -156,15 +165,65 @@ def summarize_layerwise(section: Mapping[str, Any], parameters: Any = None) -> d
         values = {str(layer.get(key)) for layer in layers if layer.get(key) is not None}
         if values:
             settings[label] = ", ".join(sorted(values))
+    raw_conditions = [layer.get("condition_number") for layer in layers]
+    condition = summary_stats([as_float(c) for c in raw_conditions])
+    condition["max"] = worst_value(raw_conditions)  # inf (singular) kept
     return {
         "n_layers": len(layers),
+        "worst": worst_layer_record(layers),
+        "out_of_range": [
+            {"layer": layer.get("layer"), "norm_ratio": _measured(layer.get("max_norm_ratio"))}
+            for layer in layers
+            if layer.get("guard") in ("warned", "allowed")
+        ],
+        "ridged": sum(1 for layer in layers if as_float(layer.get("ridge")) > 0.0),
         "tasks": rows,
         "settings": settings,
         "shift_measured": any(math.isfinite(v) for r in rows for v in (r["shift"]["max"],)),
-        "condition_number": summary_stats(
-            [as_float(layer.get("condition_number")) for layer in layers]
-        ),
+        "condition_number": condition,
+        "singular": sum(1 for c in raw_conditions if as_float(c) == math.inf),
     }
+
+
+def _measured(value: Any) -> float | None:
+    """A raw diagnostics value as float (inf and NaN kept), None when it was not recorded."""
+    return None if value is None else as_float(value)
+
+
+def _error_order(value: Any) -> tuple[int, float]:
+    """A measured NaN is the worst error, then inf, then the largest number."""
+    if is_measured_nan(value):
+        return (2, 0.0)
+    number = as_float(value)
+    if math.isinf(number) and number > 0:
+        return (1, 0.0)
+    return (0, -math.inf if math.isnan(number) else number)
+
+
+def worst_layer_record(layers: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The layer whose largest per-task relative output error (measured on the weights as
+    written) is the worst, with its task, norm ratio, condition number and ridge; None when
+    no error was recorded. Ties (e.g. two NaN) go to the first layer."""
+    worst: dict[str, Any] | None = None
+    order = (-1, 0.0)
+    for layer in layers:
+        for task, rec in (layer.get("tasks") or {}).items():
+            raw = (rec or {}).get("relative_output_error")
+            if raw is None:
+                continue
+            key = _error_order(raw)
+            if key > order:
+                order = key
+                worst = {
+                    "layer": layer.get("layer"),
+                    "task": task,
+                    "error": _measured(raw),
+                    "norm_ratio": _measured(layer.get("max_norm_ratio")),
+                    "condition_number": _measured(layer.get("condition_number")),
+                    "ridge": _measured(layer.get("ridge")),
+                    "ridge_reason": layer.get("ridge_reason"),
+                }
+    return worst
 
 
 def least_squares_report(section_name: str, title: str) -> MethodReport:
