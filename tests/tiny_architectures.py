@@ -1,0 +1,212 @@
+"""Tiny random checkpoints (hidden 64, 2 layers) of the transformers model types the
+community merges, built from transformers' own config classes.
+
+``ARCHITECTURES[model_type]`` gives the config factory, the model class saved (the one Hub
+checkpoints of that type usually hold) and the modality. :func:`build` saves one with the
+tiny word-level tokenizer (text) or an image processor (images).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import transformers
+
+from mergekit_ext import testing
+
+HIDDEN = 64
+LAYERS = 2
+VOCAB = testing.VOCAB_SIZE
+
+
+def _decoder(cls_name: str, **extra: Any) -> Callable[[], transformers.PretrainedConfig]:
+    def make() -> transformers.PretrainedConfig:
+        kw: dict[str, Any] = dict(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            intermediate_size=2 * HIDDEN,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+            pad_token_id=0,
+            bos_token_id=4,
+            eos_token_id=5,
+        )
+        kw.update(extra)
+        return getattr(transformers, cls_name)(**kw)
+
+    return make
+
+
+def _encoder(cls_name: str, **extra: Any) -> Callable[[], transformers.PretrainedConfig]:
+    def make() -> transformers.PretrainedConfig:
+        kw: dict[str, Any] = dict(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            intermediate_size=2 * HIDDEN,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=4,
+            max_position_embeddings=68,
+            num_labels=3,
+            pad_token_id=0,
+        )
+        kw.update(extra)
+        return getattr(transformers, cls_name)(**kw)
+
+    return make
+
+
+def _vision(**extra: Any) -> dict[str, Any]:
+    kw = dict(
+        image_size=16,
+        patch_size=4,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+    )
+    kw.update(extra)
+    return kw
+
+
+def _text_tower(**extra: Any) -> dict[str, Any]:
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        max_position_embeddings=32,
+        pad_token_id=0,
+        bos_token_id=4,
+        eos_token_id=5,
+    )
+    kw.update(extra)
+    return kw
+
+
+def _gpt2() -> transformers.PretrainedConfig:
+    return transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=4, n_positions=64,
+        bos_token_id=4, eos_token_id=5, pad_token_id=0,
+    )  # fmt: skip
+
+
+def _t5() -> transformers.PretrainedConfig:
+    return transformers.T5Config(
+        vocab_size=VOCAB, d_model=HIDDEN, d_kv=16, d_ff=2 * HIDDEN, num_layers=LAYERS,
+        num_heads=4, pad_token_id=0, eos_token_id=5, decoder_start_token_id=0,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Architecture:
+    config: Callable[[], transformers.PretrainedConfig]
+    model_class: str
+    modality: str  # "text" | "image"
+    tokenizer: str = "llama"  # the tiny tokenizer's style ("llama" | "bert")
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "llama": Architecture(_decoder("LlamaConfig"), "LlamaForCausalLM", "text"),
+    "mistral": Architecture(_decoder("MistralConfig"), "MistralForCausalLM", "text"),
+    "qwen2": Architecture(_decoder("Qwen2Config"), "Qwen2ForCausalLM", "text"),
+    "qwen3": Architecture(_decoder("Qwen3Config", head_dim=16), "Qwen3ForCausalLM", "text"),
+    "gemma": Architecture(_decoder("GemmaConfig", head_dim=16), "GemmaForCausalLM", "text"),
+    "gemma2": Architecture(
+        _decoder("Gemma2Config", head_dim=16, query_pre_attn_scalar=16, sliding_window=4),
+        "Gemma2ForCausalLM",
+        "text",
+    ),
+    "gemma3_text": Architecture(
+        _decoder("Gemma3TextConfig", head_dim=16, sliding_window=4),
+        "Gemma3ForCausalLM",
+        "text",
+    ),
+    "phi": Architecture(_decoder("PhiConfig"), "PhiForCausalLM", "text"),
+    "phi3": Architecture(_decoder("Phi3Config"), "Phi3ForCausalLM", "text"),
+    "olmo2": Architecture(_decoder("Olmo2Config"), "Olmo2ForCausalLM", "text"),
+    "granite": Architecture(_decoder("GraniteConfig"), "GraniteForCausalLM", "text"),
+    "starcoder2": Architecture(_decoder("Starcoder2Config"), "Starcoder2ForCausalLM", "text"),
+    "stablelm": Architecture(_decoder("StableLmConfig"), "StableLmForCausalLM", "text"),
+    "cohere": Architecture(_decoder("CohereConfig"), "CohereForCausalLM", "text"),
+    "gpt2": Architecture(_gpt2, "GPT2LMHeadModel", "text"),
+    "gpt_neox": Architecture(
+        _decoder("GPTNeoXConfig", num_key_value_heads=None), "GPTNeoXForCausalLM", "text"
+    ),
+    "falcon": Architecture(
+        _decoder("FalconConfig", num_key_value_heads=None, new_decoder_architecture=False),
+        "FalconForCausalLM",
+        "text",
+    ),
+    "bert": Architecture(_encoder("BertConfig"), "BertForSequenceClassification", "text", "bert"),
+    "roberta": Architecture(
+        _encoder("RobertaConfig"), "RobertaForSequenceClassification", "text", "bert"
+    ),
+    "deberta-v2": Architecture(
+        _encoder(
+            "DebertaV2Config",
+            relative_attention=True,
+            pos_att_type=["p2c", "c2p"],
+            position_buckets=8,
+            max_relative_positions=16,
+            norm_rel_ebd="layer_norm",
+            share_att_key=True,  # as DeBERTa-v3 checkpoints
+        ),
+        "DebertaV2ForSequenceClassification",
+        "text",
+        "bert",
+    ),
+    "vit": Architecture(
+        lambda: transformers.ViTConfig(num_labels=3, **_vision()),
+        "ViTForImageClassification",
+        "image",
+    ),
+    "clip": Architecture(
+        lambda: transformers.CLIPConfig(
+            text_config=_text_tower(projection_dim=16),
+            vision_config=_vision(projection_dim=16),
+            projection_dim=16,
+        ),
+        "CLIPModel",
+        "image",
+    ),
+    "siglip": Architecture(
+        lambda: transformers.SiglipConfig(text_config=_text_tower(), vision_config=_vision()),
+        "SiglipModel",
+        "image",
+    ),
+    "t5": Architecture(_t5, "T5ForConditionalGeneration", "text"),
+}
+
+
+def build(model_type: str, path: str, seed: int = 0) -> str:
+    """Save a tiny random ``model_type`` checkpoint (with tokenizer / processor) into ``path``."""
+    arch = ARCHITECTURES[model_type]
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch.model_class)(arch.config())
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    if arch.modality == "text":
+        testing._tokenizer(arch.tokenizer).save_pretrained(path)
+    else:
+        transformers.CLIPImageProcessor(
+            size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16}
+        ).save_pretrained(path)
+    return path
+
+
+def outputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The model's logits (or image features for a two-tower model) on one batch."""
+    if "pixel_values" in batch:
+        if hasattr(model, "get_image_features"):
+            out = model.get_image_features(pixel_values=batch["pixel_values"])
+            return out if isinstance(out, torch.Tensor) else out.pooler_output
+        return model(pixel_values=batch["pixel_values"]).logits
+    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
