@@ -1,0 +1,254 @@
+"""Data-aware merging across the model types the community merges (docs/coverage.md).
+
+Tiny random checkpoints (hidden 64, 2 layers; :mod:`tiny_architectures`) of each model
+type, a base and two perturbed experts, merged with ``regmean``, ``chain_of_merges`` and
+``qp_projection`` (layer objective) through the sequential executor, whose blocks and linear
+groups are discovered from the model (no family file). Each supported type: the merge loads
+with transformers and gives finite outputs; each refused type: the plan refuses it, before
+any weight loads, naming the reason and what works instead. For gemma2, phi3, gpt2 and bert,
+RegMean equals a whole-model closed-form reference.
+
+``EXPECTED`` is the coverage table: docs/coverage.md is generated from it
+(``python tests/tiny_architectures.py``), and :func:`test_coverage_doc_is_current` fails
+when the two differ, so the published table is the one these tests check.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+import tiny_architectures
+import torch
+import transformers
+import yaml
+from mergekit.options import MergeOptions
+from PIL import Image
+from safetensors.torch import load_file
+
+from mergekit_ext import testing
+from mergekit_ext.calibration.sources import load_calibration
+from mergekit_ext.config import parse_config
+from mergekit_ext.errors import ModelInputError
+from mergekit_ext.executor import plan_layerwise_merge, run_layerwise_merge
+from mergekit_ext.executor.checkpoint import ModelSource
+from mergekit_ext.executor.families.discovery import is_linear_like, is_transposed_linear
+from mergekit_ext.methods.registry import ext_method_info
+
+EXPECTED = tiny_architectures.EXPECTED
+METHODS = tiny_architectures.METHODS
+SAMPLES = 12  # text samples per task: > 64 tokens per task (widest input: 128, 2 tasks)
+OPTIONS = MergeOptions(quiet=True)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny matrices: one thread is much faster on a shared 2-core machine."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("architectures"))
+
+
+@pytest.fixture(scope="module")
+def data(root) -> dict[str, list[str]]:
+    """Calibration data per modality: one file (folder) per task."""
+    rng = np.random.RandomState(0)
+    out: dict[str, list[str]] = {"text": [], "image": []}
+    for k in range(2):
+        path = os.path.join(root, f"text{k}.jsonl")
+        with open(path, "w", encoding="utf-8") as fp:
+            for _ in range(SAMPLES):
+                words = rng.choice(testing.WORDS, size=rng.randint(8, 14))
+                fp.write(json.dumps({"text": " ".join(words)}) + "\n")
+        out["text"].append(path)
+        folder = os.path.join(root, f"images{k}")
+        os.makedirs(folder)
+        for i in range(4):
+            pixels = (rng.rand(16, 16, 3) * 255).astype("uint8")
+            Image.fromarray(pixels).save(os.path.join(folder, f"{i}.png"))
+        out["image"].append(folder)
+    return out
+
+
+_BUILT: dict[str, tuple[str, list[str]]] = {}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(root):
+    """``checkpoints(model_type)`` -> (base, [expert0, expert1]), built once per module."""
+    _BUILT.clear()
+
+    def get(model_type: str) -> tuple[str, list[str]]:
+        if model_type not in _BUILT:
+            folder = os.path.join(root, model_type)
+            base = tiny_architectures.build(model_type, os.path.join(folder, "base"))
+            experts = testing.make_experts(
+                base, [os.path.join(folder, f"expert{i}") for i in range(2)]
+            )
+            _BUILT[model_type] = (base, list(experts))
+        return _BUILT[model_type]
+
+    yield get
+    _BUILT.clear()
+
+
+def _config(method: str, base: str, experts: list[str], data: list[str], **params: Any):
+    samples = SAMPLES if data[0].endswith(".jsonl") else 4
+    models = [
+        {"model": e, "name": f"task{k}", "calibration": {"path": d, "samples": samples}}
+        for k, (e, d) in enumerate(zip(experts, data))
+    ]
+    merge = {"merge_method": method, "base_model": base, "models": models}
+    if params:
+        merge["parameters"] = params
+    return parse_config(yaml.safe_dump(merge))
+
+
+def _method(name: str):
+    info = ext_method_info(name)
+    assert info is not None
+    return info.implementation
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("model_type", list(EXPECTED))
+def test_merges_or_refuses(model_type, method, checkpoints, data, tmp_path, monkeypatch):
+    arch = tiny_architectures.ARCHITECTURES[model_type]
+    base, experts = checkpoints(model_type)
+    cfg = _config(method, base, experts, data[arch.modality])
+    refusal = EXPECTED[model_type]
+    if refusal is not None:
+
+        def no_weights(*args, **kwargs):  # pragma: no cover - the refusal comes first
+            raise AssertionError("a weight was read before the refusal")
+
+        monkeypatch.setattr(ModelSource, "load", no_weights)
+        with pytest.raises(ModelInputError, match=refusal) as raised:
+            plan_layerwise_merge(cfg, OPTIONS, _method(method), cfg.parameters)
+        assert "ties" in str(raised.value) and "symerge" in str(raised.value)
+        return
+    out = str(tmp_path / "out")
+    result = run_layerwise_merge(cfg, out, OPTIONS, _method(method), cfg.parameters)
+    assert result["layers"], "no linear group was merged with data"
+    model = getattr(transformers, arch.model_class).from_pretrained(out, dtype=torch.float32)
+    # every tensor of the base is written, none left at random initialisation
+    merged = load_file(os.path.join(out, "model.safetensors"))
+    assert set(merged) == set(load_file(os.path.join(base, "model.safetensors")))
+    batch = load_calibration(
+        cfg.calibration_for(cfg.models[0]), base, task="task0", modality=arch.modality
+    ).batches[0]
+    with torch.no_grad():
+        assert torch.isfinite(tiny_architectures.outputs(model.eval(), batch)).all()
+
+
+# ------------------------------------------------------------------------------------------
+# RegMean against a whole-model closed form
+
+
+def _block_linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Every linear-like module inside the model's block list (whole-model module names)."""
+    out = {}
+    for name, module in model.named_modules():
+        if is_linear_like(module) and any(
+            f".{part}." in f".{name}." for part in ("layers", "layer", "h")
+        ):
+            out[name] = module
+    return out
+
+
+def _input_grams(model, modules, batches) -> dict[str, torch.Tensor]:
+    """``(1/N) Σ x xᵀ`` of each module's input over the non-padding tokens, float64."""
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+    mask: list[Any] = [None]
+
+    def hook(name):
+        def fn(module, args):
+            x = args[0].double()
+            rows = x[mask[0].bool()] if mask[0] is not None else x.reshape(-1, x.shape[-1])
+            sums[name] = sums.get(name, 0) + rows.T @ rows
+            counts[name] = counts.get(name, 0) + rows.shape[0]
+
+        return fn
+
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in modules.items()]
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                mask[0] = batch.get("attention_mask")
+                if "pixel_values" in batch:
+                    model(pixel_values=batch["pixel_values"])
+                else:
+                    model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    finally:
+        for h in handles:
+            h.remove()
+    return {n: sums[n] / counts[n] for n in modules}
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "phi3", "gpt2", "bert"])
+def test_regmean_equals_whole_model_reference(model_type, checkpoints, data, tmp_path):
+    """Per linear: ``W = (Σ_k W_k G_k)(Σ_k G_k)⁻¹`` with ``G_k`` from expert k's own forward
+    passes (hooks on each whole expert model), to 1e-4 in the relative data-norm error
+    ``‖(W − W_ref) G^½‖ / ‖W_ref G^½‖`` with ``G = Σ_k G_k`` (the error of the merged
+    linear's outputs on the calibration inputs; the executor forms its Gram products in
+    float32, so directions the data barely spans differ more)."""
+    arch = tiny_architectures.ARCHITECTURES[model_type]
+    base, experts = checkpoints(model_type)
+    cfg = _config("regmean", base, experts, data[arch.modality], ridge=0.0)
+    out = str(tmp_path / "out")
+    run_layerwise_merge(cfg, out, OPTIONS, _method("regmean"), cfg.parameters)
+    merged = getattr(transformers, arch.model_class).from_pretrained(out, dtype=torch.float32)
+    merged_linears = _block_linears(merged)
+    assert len(merged_linears) >= 8
+    cls = getattr(transformers, arch.model_class)
+    weights, grams = [], []
+    for k, path in enumerate(experts):
+        model = cls.from_pretrained(path, dtype=torch.float32).eval()
+        batches = load_calibration(
+            cfg.calibration_for(cfg.models[k]), path, task=f"task{k}", modality=arch.modality
+        ).batches
+        linears = _block_linears(model)
+        grams.append(_input_grams(model, linears, batches))
+        # out x in: a Conv1D stores its weight in x out
+        weights.append(
+            {
+                n: (m.weight.T if is_transposed_linear(m) else m.weight).double()
+                for n, m in linears.items()
+            }
+        )
+    worst = 0.0
+    for name, module in merged_linears.items():
+        system = sum(g[name] for g in grams)
+        rhs = sum(w[name] @ g[name] for w, g in zip(weights, grams))
+        expected = torch.linalg.solve(system, rhs.T).T
+        got = (module.weight.T if is_transposed_linear(module) else module.weight).double()
+        delta = got.detach() - expected
+        error = (
+            float(
+                torch.trace(delta @ system @ delta.T) / torch.trace(expected @ system @ expected.T)
+            )
+            ** 0.5
+        )
+        worst = max(worst, error)
+        assert error <= 1e-4, f"{model_type} {name}: relative data-norm error {error:.2e}"
+    print(f"{model_type}: worst relative data-norm error {worst:.2e}")
+
+
+def test_coverage_doc_is_current():
+    """docs/coverage.md is the table these tests check (regenerate it with
+    ``python tests/tiny_architectures.py``)."""
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "coverage.md")
+    with open(path, encoding="utf-8") as fp:
+        assert fp.read() == tiny_architectures.coverage_markdown(), (
+            "docs/coverage.md is out of date: run `python tests/tiny_architectures.py`"
+        )
