@@ -252,3 +252,36 @@ def test_coverage_doc_is_current():
         assert fp.read() == tiny_architectures.coverage_markdown(), (
             "docs/coverage.md is out of date: run `python tests/tiny_architectures.py`"
         )
+
+
+@pytest.mark.parametrize("model_type", ["phi3", "gpt2"])
+def test_dry_run_from_config_json_alone(model_type, checkpoints, data, tmp_path):
+    """A folder with config.json and the tokenizer only: the plan discovers the same blocks
+    and groups from the class and estimates memory from the config's shapes."""
+    import shutil
+
+    base, experts = checkpoints(model_type)
+    folders = []
+    for i, source in enumerate([base, *experts]):
+        folder = tmp_path / f"m{i}"
+        folder.mkdir()
+        for f in os.listdir(source):
+            if not f.endswith(".safetensors"):
+                shutil.copy(os.path.join(source, f), folder / f)
+        folders.append(str(folder))
+    method = _method("chain_of_merges")
+    full = plan_layerwise_merge(
+        _config("chain_of_merges", base, experts, data["text"]), OPTIONS, method, {}
+    )
+    weightless = plan_layerwise_merge(
+        _config("chain_of_merges", folders[0], folders[1:], data["text"]), OPTIONS, method, {}
+    )
+    assert weightless.weightless and not full.weightless
+    assert [b.groups for b in weightless.blocks] == [b.groups for b in full.blocks]
+    assert weightless.memory == full.memory
+    text = weightless.describe()
+    expected = {
+        "phi3": "qkv_proj: self_attn.qkv_proj",
+        "gpt2": "c_attn: attn.c_attn",
+    }[model_type]
+    assert expected in text and "blocks: 2" in text

@@ -372,8 +372,30 @@ def _block_groups(
     )
 
 
+# Discovered structures by (family, class, config): the base and experts of one merge share
+# one architecture, so the traced forward runs once.
+_DISCOVERED: dict[tuple[str, str, str], dict[str, Any]] = {}
+_FIELDS = (
+    "layers_paths",
+    "pre_block_modules",
+    "modality",
+    "causal_lm",
+    "block_returns",
+    "_discovered_groups",
+)
+
+
 def discover_structure(family: ModelFamily, model: nn.Module, config: Any) -> None:
     """Fill ``family`` (a declaration, possibly empty) from ``model`` (meta device)."""
+    key = (family.name, type(model).__qualname__, config.to_json_string(use_diff=False))
+    if key not in _DISCOVERED:
+        _discover(family, model, config)
+        _DISCOVERED[key] = {f: getattr(family, f) for f in _FIELDS}
+    for name, value in _DISCOVERED[key].items():
+        setattr(family, name, value)
+
+
+def _discover(family: ModelFamily, model: nn.Module, config: Any) -> None:
     what = f"{config.model_type} ({type(model).__name__})"
     if getattr(config, "is_encoder_decoder", False):
         raise ModelInputError(
