@@ -299,6 +299,24 @@ def _trace(
     return trace, before, between
 
 
+_MOE_REASON = (
+    "mixture-of-experts expert weights (transformers holds the experts as one 3-D tensor); "
+    "data-aware merging of routed experts is not built"
+)
+
+
+def _refuse_expert_tensors(block: nn.Module, where: str) -> None:
+    """Refuse a block holding weights of more than two dimensions (MoE experts) before the
+    traced forward (which could not run them on stride-0 tensors anyway)."""
+    for name, p in block.named_parameters():
+        if p.dim() >= 3:
+            owner = block.get_submodule(name.rsplit(".", 1)[0]) if "." in name else block
+            raise ModelInputError(
+                f"{where}.{name} ({type(owner).__name__}, shape {list(p.shape)}): "
+                f"{_MOE_REASON}; {ALTERNATIVES}"
+            )
+
+
 def _block_groups(
     block: nn.Module,
     calls: list[tuple[str, torch.Tensor]],
@@ -351,10 +369,7 @@ def _block_groups(
         if p.dim() < 2 or (is_linear_like(owner) and module_path in grouped):
             continue
         if "expert" in name.lower() or p.dim() >= 3:
-            reason = (
-                "mixture-of-experts expert weights (transformers holds the experts as one "
-                "3-D tensor); data-aware merging of routed experts is not built"
-            )
+            reason = _MOE_REASON
         else:
             reason = "a weight matrix of a module that is not a linear layer"
         raise ModelInputError(
@@ -410,6 +425,8 @@ def _discover(family: ModelFamily, model: nn.Module, config: Any) -> None:
         family.layers_path(backbone) if family.layers_paths else _find_block_list(backbone, what)
     )
     blocks = backbone.get_submodule(layers_path)
+    for index, block in enumerate(blocks):
+        _refuse_expert_tensors(block, f"{type(model).__name__} block {layers_path}.{index}")
     modality = _modality(backbone, family.modality, what)
     trace, before, between = _trace(
         backbone, layers_path, _dummy_inputs(backbone, config, modality), what
