@@ -285,3 +285,34 @@ def test_dry_run_from_config_json_alone(model_type, checkpoints, data, tmp_path)
         "gpt2": "c_attn: attn.c_attn",
     }[model_type]
     assert expected in text and "blocks: 2" in text
+
+
+def test_model_output_objective_on_conv1d_weights(checkpoints, data, tmp_path):
+    """QP's model-output fit on GPT-2: each Conv1D weight is fitted as ``out x in`` and
+    written back as stored; the merge loads, its KL to the experts falls, and it differs from
+    the base in every fitted weight."""
+    base, experts = checkpoints("gpt2")
+    cfg = _config(
+        "qp_projection",
+        base,
+        experts,
+        data["text"],
+        objective="model_output",
+        output_sketch=2,
+        prior=0.0,
+    )
+    out = str(tmp_path / "out")
+    result = run_layerwise_merge(cfg, out, OPTIONS, _method("qp_projection"), cfg.parameters)
+    summary = result["model_output"]
+    assert summary["output_error_final"] < summary["output_error_initial"]
+    merged = load_file(os.path.join(out, "model.safetensors"))
+    original = load_file(os.path.join(base, "model.safetensors"))
+    name = "transformer.h.1.attn.c_attn.weight"
+    assert merged[name].shape == original[name].shape == (64, 192)
+    assert not torch.equal(merged[name], original[name])
+    model = transformers.GPT2LMHeadModel.from_pretrained(out, dtype=torch.float32).eval()
+    batch = load_calibration(
+        cfg.calibration_for(cfg.models[0]), base, task="task0", modality="text"
+    ).batches[0]
+    with torch.no_grad():
+        assert torch.isfinite(tiny_architectures.outputs(model, batch)).all()

@@ -111,6 +111,7 @@ class Architecture:
     model_class: str
     modality: str  # "text" | "image"
     tokenizer: str = "llama"  # the tiny tokenizer's style ("llama" | "bert")
+    title: str = ""  # the table's row name when not the key (a variant of a model type)
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -162,6 +163,13 @@ ARCHITECTURES: dict[str, Architecture] = {
         "DebertaV2ForSequenceClassification",
         "text",
         "bert",
+    ),
+    "deberta-v2-absolute": Architecture(
+        _encoder("DebertaV2Config", relative_attention=False, position_biased_input=True),
+        "DebertaV2ForSequenceClassification",
+        "text",
+        "bert",
+        title="deberta-v2 (no relative attention)",
     ),
     "vit": Architecture(
         lambda: transformers.ViTConfig(num_labels=3, **_vision()),
@@ -288,6 +296,7 @@ EXPECTED: dict[str, str | None] = {
             "falcon",
             "bert",
             "roberta",
+            "deberta-v2-absolute",
             "vit",
             "clip",
             "siglip",
@@ -334,9 +343,10 @@ def coverage_markdown() -> str:
         "|---|---|" + "---|" * len(METHODS),
     ]
     for model_type, refusal in EXPECTED.items():
-        cls = ARCHITECTURES[model_type].model_class
+        arch = ARCHITECTURES[model_type]
         cell = "✓" if refusal is None else "refused"
-        lines.append(f"| {model_type} | {cls} | " + " | ".join([cell] * len(METHODS)) + " |")
+        row = f"| {arch.title or model_type} | {arch.model_class} | "
+        lines.append(row + " | ".join([cell] * len(METHODS)) + " |")
     lines += ["", "Refusals:", ""]
     lines += [f"- **{t}**: {why}." for t, why in _WHY.items()]
     lines += [
