@@ -316,3 +316,19 @@ def test_model_output_objective_on_conv1d_weights(checkpoints, data, tmp_path):
     ).batches[0]
     with torch.no_grad():
         assert torch.isfinite(tiny_architectures.outputs(model, batch)).all()
+
+
+def test_model_types_of_one_structure_plan_together(checkpoints, data):
+    """A Mistral expert of a Llama base (the runner allows it with --allow-crimes) walks
+    alike: the executor compares the discovered structures, not the model type names; a
+    BERT expert of a Llama base is refused, naming both."""
+    llama, _ = checkpoints("llama")
+    _, mistral = checkpoints("mistral")
+    _, bert = checkpoints("bert")
+    method = _method("regmean")
+    plan = plan_layerwise_merge(
+        _config("regmean", llama, mistral, data["text"]), OPTIONS, method, {}
+    )
+    assert [g.label for g in plan.blocks[0].groups] == ["qkv", "o_proj", "gate_up", "down_proj"]
+    with pytest.raises(ModelInputError, match=r"'bert' model \(bert family\) but the base model"):
+        plan_layerwise_merge(_config("regmean", llama, bert, data["text"]), OPTIONS, method, {})

@@ -151,6 +151,22 @@ class ModelFamily:
             f"({[[m for g in layout for m in g.modules] for layout in self.group_layouts]})"
         )
 
+    def structure(self) -> tuple[Any, ...]:
+        """What the executor walks: two families with equal structures walk a model alike."""
+        groups = (
+            tuple(sorted(self._discovered_groups.values(), key=repr))
+            if self._discovered_groups is not None
+            else self.group_layouts
+        )
+        return (
+            self.backbone_class_names,
+            self.layers_paths,
+            self.pre_block_modules,
+            self.modality,
+            self.block_returns,
+            groups,
+        )
+
     def is_pre_block(self, name: str) -> bool:
         """Whether the backbone tensor ``name`` belongs to a module that runs before the blocks."""
         return any(name == m or name.startswith(m + ".") for m in self.pre_block_modules)
