@@ -332,3 +332,30 @@ def test_model_types_of_one_structure_plan_together(checkpoints, data):
     assert [g.label for g in plan.blocks[0].groups] == ["qkv", "o_proj", "gate_up", "down_proj"]
     with pytest.raises(ModelInputError, match=r"'bert' model \(bert family\) but the base model"):
         plan_layerwise_merge(_config("regmean", llama, bert, data["text"]), OPTIONS, method, {})
+
+
+def test_lora_experts_on_conv1d_equal_premerged_checkpoints(checkpoints, data, tmp_path):
+    """PEFT LoRA adapters on GPT-2's Conv1D layers (``fan_in_fan_out``), applied block by block,
+    merge as the same experts saved as full checkpoints."""
+    import tiny_models
+
+    base, _ = checkpoints("gpt2")
+    adapters, full = tiny_models.make_lora_experts(
+        base,
+        str(tmp_path),
+        transformers.GPT2LMHeadModel,
+        ["c_attn", "c_proj", "c_fc"],
+        fan_in_fan_out=True,
+    )
+    outputs = {}
+    for label, experts in {"plus": [f"{base}+{a}" for a in adapters], "full": full}.items():
+        cfg = _config("chain_of_merges", base, experts, data["text"])
+        out = str(tmp_path / label)
+        run_layerwise_merge(cfg, out, OPTIONS, _method("chain_of_merges"), cfg.parameters)
+        outputs[label] = load_file(os.path.join(out, "model.safetensors"))
+    assert set(outputs["plus"]) == set(outputs["full"])
+    for name, tensor in outputs["full"].items():
+        torch.testing.assert_close(outputs["plus"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    original = load_file(os.path.join(base, "model.safetensors"))
+    name = "transformer.h.1.mlp.c_fc.weight"
+    assert not torch.allclose(outputs["plus"][name], original[name])
