@@ -34,7 +34,7 @@ from mergekit_ext.methods.least_squares import (
     solve_regmean_sums,
 )
 from mergekit_ext.methods.regmean import RegMeanMethod
-from mergekit_ext.testing import WORDS
+from mergekit_ext.testing import WORDS, make_experts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -207,7 +207,23 @@ CASES = {
     "qp-K2": ("qp_projection", {"basis": "diagonal"}, 2, "tiny_llama_set"),
     "regmean-K2-accelerate": ("regmean", {}, 2, "tiny_llama_set"),
     "com-bert-K3": ("chain_of_merges", {}, 3, "tiny_bert_set"),
+    # discovered structure: GPT-2's Conv1D weights (transposed) through the reduction and
+    # through the gathered path
+    "com-gpt2-K3": ("chain_of_merges", {}, 3, "tiny_gpt2_set"),
+    "qp-gpt2-K2": ("qp_projection", {}, 2, "tiny_gpt2_set"),
 }
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2_set(tmp_path_factory):
+    """GPT2LMHeadModel (Conv1D linears), hidden 64, 2 layers, three experts."""
+    import tiny_architectures
+    from conftest import TinySet
+
+    root = tmp_path_factory.mktemp("gpt2")
+    base = tiny_architectures.build("gpt2", str(root / "base"))
+    experts = make_experts(base, [str(root / f"expert{i}") for i in range(3)])
+    return TinySet("gpt2", "GPT2LMHeadModel", base, tuple(experts))
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -378,7 +378,9 @@ def _labels(family: str) -> list[str]:
         "llama": ["qkv", "o_proj", "gate_up", "down_proj"],
         "qwen3": ["qkv", "o_proj", "gate_up", "down_proj"],
         "bert": ["qkv", "attention_output", "intermediate", "output"],
-        "vit": ["qkv", "attention_output", "intermediate", "output"],
+        # discovered labels: a lone linear is named by its module (transformers 5's ViT
+        # modules are attention.o_proj, mlp.fc1, mlp.fc2)
+        "vit": ["qkv", "o_proj", "fc1", "fc2"],
         "clip_vision": ["qkv", "out_proj", "fc1", "fc2"],
     }[family]
 
@@ -822,15 +824,18 @@ def test_shape_mismatch_names_the_tensor(tiny_llama_set, data_dir, tmp_path):
         plan_layerwise_merge(cfg, OPTIONS, GramLeastSquares(True), {})
 
 
-def test_unknown_architecture_lists_the_families(tmp_path, data_dir, tiny_llama_set):
-    path = str(tmp_path / "gpt2")
-    transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=128, n_positions=32)
+def test_encoder_decoder_is_refused_before_weights_load(tmp_path, data_dir, tiny_llama_set):
+    """T5 (encoder-decoder) is refused while planning, naming why and what works instead."""
+    path = str(tmp_path / "t5")
+    transformers.T5ForConditionalGeneration(
+        transformers.T5Config(
+            vocab_size=128, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2
+        )
     ).save_pretrained(path)
     cfg = _config("regmean", path, [tiny_llama_set.experts[0]], [_data(data_dir, "text", 0)])
     with pytest.raises(
         ModelInputError,
-        match=r"model_type 'gpt2'.*supported families: bert \(bert, roberta\); clip_vision .*llama \(llama, mistral, qwen2, qwen3\); vit",
+        match=r"t5 \(T5ForConditionalGeneration\) is an encoder-decoder model.*ties, ace\) or symerge",
     ):
         plan_layerwise_merge(cfg, OPTIONS, GramLeastSquares(True), {})
 

@@ -262,12 +262,17 @@ def test_mixed_rows_and_grams_and_full_w2_from_rows():
 
 def _plan(tokens: list[int], ridge, keep_rows: bool = True):
     shapes = {"layers.0.mlp.up_proj.weight": (64, 16), "layers.0.mlp.down_proj.weight": (16, 64)}
-    block = SimpleNamespace(
+    from mergekit_ext.executor.families import GroupSpec
+    from mergekit_ext.executor.plan import BlockLayout
+
+    block = BlockLayout(
+        index=0,
+        prefix="layers.0.",
         groups=(
-            SimpleNamespace(label="mlp.up", modules=("mlp.up_proj",)),
-            SimpleNamespace(label="mlp.down_proj", modules=("mlp.down_proj",)),
+            GroupSpec("mlp.up", ("mlp.up_proj",)),
+            GroupSpec("mlp.down_proj", ("mlp.down_proj",)),
         ),
-        group_weight=lambda m: f"layers.0.{m}.weight",
+        tensors=list(shapes),
     )
     return SimpleNamespace(
         request=StatisticsRequest(propagate=True, keep_rows=keep_rows),

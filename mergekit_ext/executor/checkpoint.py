@@ -215,17 +215,25 @@ def _header_shapes(path: str, what: str) -> tuple[dict[str, tuple[int, ...]], di
 
 def open_model(label: str, path: str, family: Optional[ModelFamily], *, what: str) -> ModelSource:
     """Index a full checkpoint folder: config, skeleton, canonical names and shapes."""
-    from mergekit_ext.executor.families import family_for
+    from mergekit_ext.executor.families import discover_family, family_for
 
     config = read_config(path, what)
     arch = (getattr(config, "architectures", None) or [""])[0]
-    own_family = family_for(config.model_type, arch)
-    if family is not None and own_family.name != family.name:
+    declared = family_for(config.model_type, arch)
+    skeleton = build_skeleton(config)
+    # Blocks, pre-block modules and linear groups from the class itself (no weights read).
+    own_family = discover_family(skeleton, config)
+    if (
+        family is not None
+        and declared.name != family.name
+        and own_family.structure() != family.structure()
+    ):
+        # Model types that only rename a structure (a Mistral expert of a Llama base, with
+        # --allow-crimes) walk alike; others are refused.
         raise ModelInputError(
-            f"{what}: {label} is a {config.model_type!r} model ({own_family.name} family) but the "
+            f"{what}: {label} is a {config.model_type!r} model ({declared.name} family) but the "
             f"base model is of the {family.name} family; merge models of one architecture"
         )
-    skeleton = build_skeleton(config)
     backbone_path = own_family.backbone_path(skeleton)
     shapes_by_key, dtypes_by_key = _header_shapes(path, what)
     module_keys = rename_to_module_keys(skeleton, list(shapes_by_key), what)

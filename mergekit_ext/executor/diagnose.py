@@ -51,7 +51,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
@@ -422,7 +422,7 @@ def _check_same_body(merged: MergedModel, task: DiagnosisTask, family: ModelFami
             f"expert {task.label} (task {task.name!r}) has {e_blocks}"
         )
     needed = [n for i in range(e_blocks) for n in _block_names(e, e_path, i)]
-    needed += [n for n in e.names() if any(n.startswith(p + ".") for p in family.pre_block_modules)]
+    needed += [n for n in e.names() if family.is_pre_block(n)]
     for i in range(m_blocks):
         extra = set(_block_names(m, m_path, i)) - set(_block_names(e, e_path, i))
         if extra:
@@ -574,19 +574,21 @@ def plan_diagnosis(
 
 
 class _Replay(nn.Module):
-    """Stands in for block ``index`` in the output pass: the last one returns ``output``."""
+    """Stands in for block ``index`` in the output pass: the last one returns ``output``
+    (shaped as the block returns its result: ``wrap``)."""
 
-    def __init__(self, index: int, last: int) -> None:
+    def __init__(self, index: int, last: int, wrap: Callable[[torch.Tensor], Any]) -> None:
         super().__init__()
         self.index = index
         self.last = last
+        self.wrap = wrap
         self.output: Optional[torch.Tensor] = None
 
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if self.index == self.last:
             assert self.output is not None
-            return self.output
-        return hidden_states
+            return self.wrap(self.output)
+        return self.wrap(hidden_states)
 
 
 def _accepts_cache(module: nn.Module) -> bool:
@@ -618,8 +620,9 @@ class _Walker:
         self.blocks: list[nn.Module] = list(self.block_list)
         last = len(self.blocks) - 1
         self.sink = _CallSink(last=last)
-        self.recorders = [_BlockCallRecorder(i, self.sink) for i in range(len(self.blocks))]
-        self.replays = [_Replay(i, last) for i in range(len(self.blocks))]
+        wrap = family.wrap_block_output
+        self.recorders = [_BlockCallRecorder(i, self.sink, wrap) for i in range(len(self.blocks))]
+        self.replays = [_Replay(i, last, wrap) for i in range(len(self.blocks))]
         self._install(self.recorders)
         self.backbone_extra = {"use_cache": False} if _accepts_cache(self.backbone) else {}
         self.model_extra = {"use_cache": False} if _accepts_cache(self.skeleton) else {}
@@ -861,7 +864,7 @@ class Diagnoser:
             pre = {
                 n: path.body.load(n, device)
                 for n in path.walker.non_block_tensors()
-                if any(n.startswith(p + ".") for p in self.family.pre_block_modules)
+                if self.family.is_pre_block(n)
             }
             pairs = [path.walker.embed(pre, x) for x in inputs]
             hidden.append([h for h, _ in pairs])

@@ -46,7 +46,12 @@ from mergekit_ext.errors import MergekitExtError, ModelInputError, NotSupportedE
 from mergekit_ext.executor.checkpoint import HEAD_PREFIX, canonical_name
 from mergekit_ext.executor.families import ModelFamily
 from mergekit_ext.executor.plan import MergePlan, _numel
-from mergekit_ext.executor.sequential import SequentialExecutor, _group_name, _TaskState
+from mergekit_ext.executor.sequential import (
+    SequentialExecutor,
+    _group_name,
+    _oriented,
+    _TaskState,
+)
 from mergekit_ext.memory_model import (
     GIB,
     MemoryParts,
@@ -109,8 +114,7 @@ def estimate_model_output_memory(plan: MergePlan) -> ModelOutputMemory:
     for block in plan.blocks[:1]:
         for group in block.groups:
             for module in group.modules:
-                shape = tuple(base.shapes[block.group_weight(module)])
-                widest = max(widest, (int(shape[0]), int(shape[1])))
+                widest = max(widest, block.linear_shape(group, module, base.shapes))
     out_dim, in_dim = widest
     samples = positions = batch = 0
     for e in plan.experts:
@@ -601,8 +605,13 @@ class ModelOutputExecutor(SequentialExecutor):
         self._check_inputs(
             {canonical: base}, [{canonical: w} for w in experts], f"layer {block.index}"
         )
+        flip = module in group.transposed  # a Conv1D: the fit takes out x in
         fit = self.method.model_output_fit(
-            name, base, experts, [s.name for s in self.states], self.parameters
+            name,
+            _oriented(base, flip),
+            [_oriented(w, flip) for w in experts],
+            [s.name for s in self.states],
+            self.parameters,
         )
         del experts
         self._release()
@@ -627,6 +636,7 @@ class ModelOutputExecutor(SequentialExecutor):
                     fit.add_batch(x, grads[:-1], sketched, weight, error_grad=grads[-1])
                 del x, grads
         merged, diagnostics = fit.solve()
+        merged = _oriented(merged, flip)
         self._check_merged(name, merged, base.shape)
         diagnostics["output_error_before"] = error_before
         self.params[canonical] = self._write(canonical, merged)

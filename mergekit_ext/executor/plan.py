@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -103,6 +104,18 @@ class BlockLayout:
 
     def group_weight(self, module: str) -> str:
         return f"{self.prefix}{module}.weight"
+
+    def linear_shape(
+        self, group: GroupSpec, module: str, shapes: Mapping[str, tuple[int, ...]]
+    ) -> tuple[int, int]:
+        """``(out, in)`` of one linear of ``group`` (a ``Conv1D`` stores ``in x out``)."""
+        shape = shapes[self.group_weight(module)]
+        rows, cols = int(shape[0]), int(shape[1])
+        return (cols, rows) if module in group.transposed else (rows, cols)
+
+    def group_width(self, group: GroupSpec, shapes: Mapping[str, tuple[int, ...]]) -> int:
+        """The input width of a group (its linears read the same input)."""
+        return self.linear_shape(group, group.modules[0], shapes)[1]
 
     @property
     def group_weights(self) -> set[str]:
@@ -414,11 +427,7 @@ def build_plan(
             )
         blocks.append(BlockLayout(i, prefix, family.groups(layer), tensors))
         in_blocks.update(tensors)
-    pre_block = [
-        n
-        for n in names
-        if n not in in_blocks and any(n.startswith(m + ".") for m in family.pre_block_modules)
-    ]
+    pre_block = [n for n in names if n not in in_blocks and family.is_pre_block(n)]
     post_block = [n for n in names if n not in in_blocks and n not in pre_block]
     if any(n.startswith(HEAD_PREFIX + "text_model.") for n in post_block):
         LOG.warning(
@@ -468,8 +477,7 @@ def build_plan(
     except RuntimeError as e:
         raise ConfigError(f"dtype {out_dtype_name!r}: {e}") from e
 
-    first_group_weight = blocks[0].group_weight(groups[0].modules[0]) if blocks else None
-    hidden = int(base.shapes[first_group_weight][1]) if first_group_weight else 0
+    hidden = blocks[0].group_width(groups[0], base.shapes) if blocks else 0
 
     plan = MergePlan(
         cfg=cfg,
@@ -524,7 +532,7 @@ def rank_deficiency_warnings(plan: MergePlan) -> list[str]:
     block = plan.blocks[0]
     out = []
     for g in block.groups:
-        width = int(plan.base.shapes[block.group_weight(g.modules[0])][1])
+        width = block.group_width(g, plan.base.shapes)
         if tokens >= width:
             continue
         if ridge == "auto":
@@ -607,8 +615,8 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
     if plan.blocks:
         b = plan.blocks[0]
         for g in b.groups:
-            width = int(base.shapes[b.group_weight(g.modules[0])][1])
-            out = sum(int(base.shapes[b.group_weight(m)][0]) for m in g.modules)
+            width = b.group_width(g, base.shapes)
+            out = sum(b.linear_shape(g, m, base.shapes)[0] for m in g.modules)
             largest_sums = max(largest_sums, (out * width + width * width + width + 1) * 8)
             gram = width * width * itemsize
             normalized = gram if request.normalized_gram else 0

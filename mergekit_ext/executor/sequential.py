@@ -97,20 +97,24 @@ class _CallSink:
 
 
 class _BlockCallRecorder(nn.Module):
-    """Stands in for block ``index``: records its call arguments and passes the hidden states on."""
+    """Stands in for block ``index``: records its call arguments and passes the hidden states
+    on, shaped as the block returns its result (``wrap``: a tensor, or a tuple)."""
 
-    def __init__(self, index: int, sink: _CallSink) -> None:
+    def __init__(
+        self, index: int, sink: _CallSink, wrap: Optional[Callable[[torch.Tensor], Any]] = None
+    ) -> None:
         super().__init__()
         self.index = index
         self.sink = sink
+        self.wrap = wrap
 
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if self.index == 0:
             self.sink.hidden = hidden_states
         self.sink.calls.append((args, kwargs))
         if self.index == self.sink.last:
             raise _StopForward
-        return hidden_states
+        return self.wrap(hidden_states) if self.wrap is not None else hidden_states
 
 
 class _LinearOutputCache:
@@ -253,6 +257,12 @@ def _on(stats: TaskStatistics, device: Any) -> TaskStatistics:
     )
 
 
+def _oriented(tensor: torch.Tensor, flip: bool) -> torch.Tensor:
+    """A linear weight as the methods take it (``out x in``) from a ``Conv1D``'s ``in x out``
+    (and back: the transpose is its own inverse)."""
+    return tensor.t() if flip else tensor
+
+
 def _group_name(output_names: Sequence[str], label: str) -> str:
     stems = [n[: -len(".weight")] if n.endswith(".weight") else n for n in output_names]
     if len(stems) == 1:
@@ -302,7 +312,7 @@ class SequentialExecutor:
         self.blocks: list[nn.Module] = list(block_list)
         self.sink = _CallSink(last=len(self.blocks) - 1)
         for i in range(len(self.blocks)):
-            block_list[i] = _BlockCallRecorder(i, self.sink)
+            block_list[i] = _BlockCallRecorder(i, self.sink, plan.family.wrap_block_output)
         signature = inspect.signature(self.backbone.forward).parameters
         self.extra_inputs: dict[str, Any] = {"use_cache": False} if "use_cache" in signature else {}
 
@@ -559,7 +569,7 @@ class SequentialExecutor:
         return hook
 
     def _group_width(self, block: BlockLayout, group: GroupSpec) -> int:
-        return int(self.base.shapes[block.group_weight(group.modules[0])][1])
+        return block.group_width(group, self.base.shapes)
 
     def _new_accumulator(self, width: int, *, expert_path: bool) -> ActivationStatistics:
         """An accumulator for one group and task on the merged or the expert path.
@@ -726,12 +736,17 @@ class SequentialExecutor:
                 del params
             canonical = [block.group_weight(m) for m in group.modules]
             names = [self.plan.output_name(c) for c in canonical]
+            # Conv1D weights (in x out) reach the method as out x in, and go back as stored.
+            flip = {n_: m in group.transposed for n_, m in zip(names, group.modules)}
             linear_group = LinearGroup(
                 name=_group_name(names, group.label),
                 weights=names,
-                base={n_: base_block[c] for n_, c in zip(names, canonical)},
+                base={n_: _oriented(base_block[c], flip[n_]) for n_, c in zip(names, canonical)},
                 experts=[
-                    {n_: expert_blocks[s.index][c] for n_, c in zip(names, canonical)}
+                    {
+                        n_: _oriented(expert_blocks[s.index][c], flip[n_])
+                        for n_, c in zip(names, canonical)
+                    }
                     for s in self.states
                 ],
                 task_names=[s.name for s in self.states],
@@ -745,6 +760,7 @@ class SequentialExecutor:
                     canonical,
                     base_block,
                     expert_blocks,
+                    flip,
                     # the groups take turns over the ranks, so that over W blocks each rank
                     # solves each group of the block once
                     solver=(block.index + index) % self.dist.world_size,
@@ -753,6 +769,7 @@ class SequentialExecutor:
                 result, group_diagnostics = self.method.merge_linear_group(
                     linear_group, self.parameters
                 )
+                result = self._as_stored(linear_group, result, flip)
                 self._check_result(linear_group, result, canonical, base_block)
             for n_, c in zip(names, canonical):
                 merged[c] = self._write(c, result[n_])
@@ -763,6 +780,23 @@ class SequentialExecutor:
             if expert_stats is not None:
                 del expert_stats[group.label]  # each group's statistics are used once
             _trim_heap()
+
+    def _as_stored(
+        self, group: LinearGroup, result: dict[str, torch.Tensor], flip: dict[str, bool]
+    ) -> dict[str, torch.Tensor]:
+        """The method's ``out x in`` results as the checkpoint stores them (Conv1D: ``in x
+        out``); checks that every weight of the group came back."""
+        missing = [n_ for n_ in group.weights if n_ not in result]
+        if missing:
+            raise TensorError(
+                f"{self.method.name} returned no merged weight for {missing[0]} "
+                f"(linear group {group.name})"
+            )
+        out = dict(result)
+        for n_ in group.weights:
+            if flip.get(n_) and isinstance(out[n_], torch.Tensor):
+                out[n_] = out[n_].t()
+        return out
 
     def _check_result(
         self,
@@ -795,6 +829,7 @@ class SequentialExecutor:
         canonical: Sequence[str],
         base_block: dict[str, torch.Tensor],
         expert_blocks: list[dict[str, torch.Tensor]],
+        flip: dict[str, bool],
         solver: int = 0,
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """One group over several ranks; ``local`` holds this rank's tasks.
@@ -839,10 +874,12 @@ class SequentialExecutor:
             if self.writes:
                 assert gathered is not None
                 result, diagnostics = self.method.merge_linear_group(
-                    self._whole_group(local, canonical, expert_blocks, gathered), self.parameters
+                    self._whole_group(local, canonical, expert_blocks, gathered, flip),
+                    self.parameters,
                 )
         if solves:
             assert result is not None
+            result = self._as_stored(local, result, flip)
             self._check_result(local, result, canonical, base_block)
         shared = {
             n_: self._share(c, result[n_] if result is not None else None, src=solver)
@@ -853,7 +890,8 @@ class SequentialExecutor:
             if not self.writes:
                 diagnostics = {}
         if reduction is not None:
-            tasks = reduction.task_diagnostics(local, shared)
+            oriented = {n_: _oriented(w, flip.get(n_, False)) for n_, w in shared.items()}
+            tasks = reduction.task_diagnostics(local, oriented)
             if tasks:
                 self.task_diagnostics[len(self.layer_diagnostics)] = tasks
         return shared, diagnostics
@@ -890,13 +928,19 @@ class SequentialExecutor:
         canonical: Sequence[str],
         expert_blocks: list[dict[str, torch.Tensor]],
         gathered: list[Any],
+        flip: dict[str, bool],
     ) -> LinearGroup:
         """The group of every task on rank 0, from the statistics each rank gathered to it."""
         k_all = len(self.experts)
         expert_stats: list[Optional[TaskStatistics]] = [None] * k_all
         merged_stats: list[Optional[TaskStatistics]] = [None] * k_all
         experts = [
-            {n_: w[c] for n_, c in zip(local.weights, canonical) if c in w} for w in expert_blocks
+            {
+                n_: _oriented(w[c], flip.get(n_, False))
+                for n_, c in zip(local.weights, canonical)
+                if c in w
+            }
+            for w in expert_blocks
         ]
         for indices, own_expert, own_merged, own_weights in gathered:
             for position, k in enumerate(indices):

@@ -1,12 +1,21 @@
-"""Model families the sequential executor can walk block by block.
+"""How the sequential executor walks a model: its backbone, blocks and linear groups.
 
-A family is one small adapter class that says, for every architecture it covers, where the
-transformer *backbone* sits inside the model class (``LlamaForCausalLM.model``,
-``CLIPVisionModelWithProjection.vision_model``, or the class itself for a headless
-``BertModel``), which modules run before the first block (embeddings), where the blocks
-are, and the *linear groups* of one block in forward order (linears that read the same
-input). Everything else (norms, biases, the final norm, pooler, heads) is merged with the
-method's fallback.
+A family says, for one model, where the transformer *backbone* sits inside the model class
+(``LlamaForCausalLM.model``, ``CLIPVisionModelWithProjection.vision_model``, or the class
+itself for a headless ``BertModel``), which modules run before the first block
+(embeddings), where the blocks are, and the *linear groups* of each block in forward order
+(linear layers that read the same input tensor). Everything else (norms, biases, the final
+norm, pooler, heads) is merged with the method's fallback.
+
+The structure is **discovered from the model itself** (:mod:`.discovery`, docs/methods.md
+"Model structure"): the block list is the largest ``ModuleList`` of identical blocks in the
+backbone, and one forward pass of the model's own class on a few dummy tokens (no weights:
+parameters are stride-0 zeros, linear layers return zeros) records which modules run
+before the first block and, per block, which linear-like layers (``nn.Linear``, GPT-2's
+``Conv1D``, fused projections such as ``qkv_proj``) read the same input tensor, in the
+order the block calls them. A family *file* exists only for what that cannot tell (each
+says why); today :mod:`.clip`: which tower of a two-tower model the calibration data runs
+through.
 
 The executor never re-implements a forward pass: it builds the backbone with the model's
 own transformers class (parameters on the meta device), runs the embeddings through the
@@ -35,31 +44,55 @@ Modality = Literal["text", "image"]
 
 @dataclass(frozen=True)
 class GroupSpec:
-    """One linear group of a block: a short label and the linears' module paths in the block."""
+    """One linear group of a block: a short label and the linears' module paths in the block.
+
+    ``transposed``: the modules of the group whose weight is stored ``in x out`` (GPT-2's
+    ``Conv1D``, ``y = x W + b``); the executor hands every weight to the methods as
+    ``out x in`` and writes it back as stored.
+    """
 
     label: str
     modules: tuple[str, ...]
+    transposed: frozenset[str] = frozenset()
 
 
 class ModelFamily:
-    """Describes one family of architectures to the executor (subclass per family)."""
+    """Describes one model's structure to the executor.
 
-    name: ClassVar[str]
-    model_types: ClassVar[frozenset[str]]
-    modality: ClassVar[Modality]
+    Declarations (class attributes) are optional: what is not declared is discovered from
+    the model by :meth:`discover` (:mod:`.discovery`). A subclass registered with
+    :func:`register_family` declares only what discovery cannot know.
+    """
+
+    name: str = ""
+    model_types: frozenset[str] = frozenset()
+    modality: Optional[Modality] = None
     # Paths of the block list inside the backbone; the first that exists is used.
-    layers_paths: ClassVar[tuple[str, ...]]
-    # Modules of the backbone that run before the first block.
-    pre_block_modules: ClassVar[tuple[str, ...]]
-    # Alternative group layouts (module names differ between transformers versions); the
-    # first whose modules all exist in the block is used.
-    group_layouts: ClassVar[tuple[tuple[GroupSpec, ...], ...]]
+    layers_paths: tuple[str, ...] = ()
+    # Modules of the backbone whose tensors the embeddings pass needs (they run before the
+    # first block).
+    pre_block_modules: tuple[str, ...] = ()
+    # Alternative group layouts; the first whose modules all exist in the block is used
+    # (empty: discovered).
+    group_layouts: tuple[tuple[GroupSpec, ...], ...] = ()
     # Classes whose instance is the backbone (searched in the model when set); otherwise the
     # model's ``base_model``.
     backbone_class_names: ClassVar[tuple[str, ...]] = ()
     # A causal language model: its output is next-token distributions over the vocabulary
     # (the model-output objective fits the per-token KL to each expert).
-    causal_lm: ClassVar[bool] = False
+    causal_lm: bool = False
+    # What a block returns: 0 a tensor, n a tuple of n whose first item is the hidden states
+    # (the executor's block stand-ins return the same shape of result).
+    block_returns: int = 0
+    # Discovered linear groups by block signature (see :func:`.discovery.block_signature`).
+    _discovered_groups: Optional[dict[Any, tuple[GroupSpec, ...]]] = None
+
+    def discover(self, model: nn.Module, config: Any) -> ModelFamily:
+        """Fill in, from ``model`` (the class built on the meta device), what is not declared."""
+        from mergekit_ext.executor.families.discovery import discover_structure
+
+        discover_structure(self, model, config)
+        return self
 
     def backbone_path(self, model: nn.Module) -> str:
         """Dotted path of the backbone module in ``model`` (``""`` for the model itself)."""
@@ -91,6 +124,16 @@ class ModelFamily:
         )
 
     def groups(self, block: nn.Module) -> tuple[GroupSpec, ...]:
+        if self._discovered_groups is not None and not self.group_layouts:
+            from mergekit_ext.executor.families.discovery import block_signature
+
+            found = self._discovered_groups.get(block_signature(block))
+            if found is None:
+                raise ModelInputError(
+                    f"{type(block).__name__}: a block that the structure of the {self.name} "
+                    "model was not discovered from (another configuration of the class?)"
+                )
+            return found
         names = {name for name, _ in block.named_modules()}
         for layout in self.group_layouts:
             if all(m in names for g in layout for m in g.modules):
@@ -99,13 +142,40 @@ class ModelFamily:
                         if not isinstance(block.get_submodule(m), nn.Linear):
                             raise ModelInputError(
                                 f"{type(block).__name__}.{m} is a {type(block.get_submodule(m)).__name__}, "
-                                "not a torch.nn.Linear; the executor merges nn.Linear weights only"
+                                "not a torch.nn.Linear; declare it in the group's `transposed` "
+                                "if it is a Conv1D"
                             )
                 return layout
         raise ModelInputError(
             f"{type(block).__name__} has none of the linear layouts of the {self.name} family "
             f"({[[m for g in layout for m in g.modules] for layout in self.group_layouts]})"
         )
+
+    def structure(self) -> tuple[Any, ...]:
+        """What the executor walks: two families with equal structures walk a model alike."""
+        groups = (
+            tuple(sorted(self._discovered_groups.values(), key=repr))
+            if self._discovered_groups is not None
+            else self.group_layouts
+        )
+        return (
+            self.backbone_class_names,
+            self.layers_paths,
+            self.pre_block_modules,
+            self.modality,
+            self.block_returns,
+            groups,
+        )
+
+    def is_pre_block(self, name: str) -> bool:
+        """Whether the backbone tensor ``name`` belongs to a module that runs before the blocks."""
+        return any(name == m or name.startswith(m + ".") for m in self.pre_block_modules)
+
+    def wrap_block_output(self, hidden: torch.Tensor) -> Any:
+        """``hidden`` as the block itself returns its result (a tensor or a tuple)."""
+        if self.block_returns:
+            return (hidden, *([None] * (self.block_returns - 1)))
+        return hidden
 
     def forward_inputs(self, batch: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """Keyword arguments of the backbone's ``forward`` for one calibration batch."""
@@ -131,11 +201,13 @@ _FAMILIES: dict[str, type[ModelFamily]] = {}
 
 
 def register_family(cls: type[ModelFamily]) -> type[ModelFamily]:
+    """Register a family declaration for the ``model_types`` it lists."""
     _FAMILIES[cls.name] = cls
     return cls
 
 
 def families() -> dict[str, type[ModelFamily]]:
+    """The registered declarations (model types whose structure discovery alone cannot find)."""
     _load_builtin()
     return dict(_FAMILIES)
 
@@ -147,24 +219,32 @@ def family_names() -> str:
 
 
 def family_for(model_type: str, architecture: str = "") -> ModelFamily:
-    """The family of a ``config.json`` ``model_type``; a clear error lists the supported ones."""
+    """The declaration for a ``config.json`` ``model_type``: a registered family's, or an
+    empty one named after the model type (everything is then discovered, :meth:`discover`)."""
     for cls in families().values():
         if model_type in cls.model_types:
             return cls()
-    raise ModelInputError(
-        f"the sequential executor does not support model_type {model_type!r}"
-        f"{f' ({architecture})' if architecture else ''}; supported families: {family_names()}. "
-        "Use a tensor-wise method (e.g. ties, ace) for other architectures"
-    )
+    family = ModelFamily()
+    family.name = model_type
+    family.model_types = frozenset({model_type})
+    return family
+
+
+def discover_family(model: nn.Module, config: Any) -> ModelFamily:
+    """The family of ``model`` (built on the meta device from ``config``): its model type's
+    declaration, with everything not declared discovered from the model."""
+    arch = (getattr(config, "architectures", None) or [""])[0]
+    return family_for(config.model_type, arch).discover(model, config)
 
 
 def _load_builtin() -> None:
-    from mergekit_ext.executor.families import bert, clip, llama, vit  # noqa: F401
+    from mergekit_ext.executor.families import clip  # noqa: F401
 
 
 __all__ = [
     "GroupSpec",
     "ModelFamily",
+    "discover_family",
     "family_for",
     "family_names",
     "families",

@@ -1,17 +1,18 @@
-"""CLIP vision towers: ``CLIPVisionModel``, ``CLIPVisionModelWithProjection`` and ``CLIPModel``.
+"""Two-tower image-text models (CLIP, SigLIP): the image tower is the walked backbone.
 
-Block ``encoder.layers.{i}`` of the vision tower: ``[q_proj, k_proj, v_proj] -> out_proj ->
-fc1 -> fc2``; ``embeddings`` and ``pre_layrnorm`` run before the first block.
-
-A whole ``CLIPModel`` is merged with data on its vision tower only: the text tower, the
-projections and ``logit_scale`` are not in the walked backbone and take the method's
-fallback merge (a warning says so). Merge a text tower with data by giving it as a text
-model of its own.
+Why a declaration: a ``CLIPModel`` / ``SiglipModel`` holds two block lists of the same
+kind (a text and a vision tower) and discovery cannot tell which one the calibration data
+should run through. The vision tower is walked with calibration images (the usual merge
+target: image classifiers built on these towers); its blocks and linear groups are
+discovered. The text tower, the projections and ``logit_scale`` are outside the walked
+backbone and take the method's fallback merge (a warning says so). Merge a text tower with
+data by giving it as a text model of its own. Vision-only checkpoints
+(``CLIPVisionModel``, ``SiglipVisionModel``) resolve to their vision transformer the same way.
 """
 
 from __future__ import annotations
 
-from mergekit_ext.executor.families import GroupSpec, ModelFamily, register_family
+from mergekit_ext.executor.families import ModelFamily, register_family
 
 
 @register_family
@@ -20,13 +21,11 @@ class CLIPVisionFamily(ModelFamily):
     model_types = frozenset({"clip", "clip_vision_model"})
     modality = "image"
     backbone_class_names = ("CLIPVisionModel", "CLIPVisionTransformer")
-    layers_paths = ("encoder.layers",)
-    pre_block_modules = ("embeddings", "pre_layrnorm")
-    group_layouts = (
-        (
-            GroupSpec("qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-            GroupSpec("out_proj", ("self_attn.out_proj",)),
-            GroupSpec("fc1", ("mlp.fc1",)),
-            GroupSpec("fc2", ("mlp.fc2",)),
-        ),
-    )
+
+
+@register_family
+class SiglipVisionFamily(ModelFamily):
+    name = "siglip_vision"
+    model_types = frozenset({"siglip", "siglip_vision_model"})
+    modality = "image"
+    backbone_class_names = ("SiglipVisionModel", "SiglipVisionTransformer")

@@ -1,0 +1,361 @@
+"""Data-aware merging across the model types the community merges (docs/coverage.md).
+
+Tiny random checkpoints (hidden 64, 2 layers; :mod:`tiny_architectures`) of each model
+type, a base and two perturbed experts, merged with ``regmean``, ``chain_of_merges`` and
+``qp_projection`` (layer objective) through the sequential executor, whose blocks and linear
+groups are discovered from the model (no family file). Each supported type: the merge loads
+with transformers and gives finite outputs; each refused type: the plan refuses it, before
+any weight loads, naming the reason and what works instead. For gemma2, phi3, gpt2 and bert,
+RegMean equals a whole-model closed-form reference.
+
+``EXPECTED`` is the coverage table: docs/coverage.md is generated from it
+(``python tests/tiny_architectures.py``), and :func:`test_coverage_doc_is_current` fails
+when the two differ, so the published table is the one these tests check.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+import tiny_architectures
+import torch
+import transformers
+import yaml
+from mergekit.options import MergeOptions
+from PIL import Image
+from safetensors.torch import load_file
+
+from mergekit_ext import testing
+from mergekit_ext.calibration.sources import load_calibration
+from mergekit_ext.config import parse_config
+from mergekit_ext.errors import ModelInputError
+from mergekit_ext.executor import plan_layerwise_merge, run_layerwise_merge
+from mergekit_ext.executor.checkpoint import ModelSource
+from mergekit_ext.executor.families.discovery import is_linear_like, is_transposed_linear
+from mergekit_ext.methods.registry import ext_method_info
+
+EXPECTED = tiny_architectures.EXPECTED
+METHODS = tiny_architectures.METHODS
+SAMPLES = 12  # text samples per task: > 64 tokens per task (widest input: 128, 2 tasks)
+OPTIONS = MergeOptions(quiet=True)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny matrices: one thread is much faster on a shared 2-core machine."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("architectures"))
+
+
+@pytest.fixture(scope="module")
+def data(root) -> dict[str, list[str]]:
+    """Calibration data per modality: one file (folder) per task."""
+    rng = np.random.RandomState(0)
+    out: dict[str, list[str]] = {"text": [], "image": []}
+    for k in range(2):
+        path = os.path.join(root, f"text{k}.jsonl")
+        with open(path, "w", encoding="utf-8") as fp:
+            for _ in range(SAMPLES):
+                words = rng.choice(testing.WORDS, size=rng.randint(8, 14))
+                fp.write(json.dumps({"text": " ".join(words)}) + "\n")
+        out["text"].append(path)
+        folder = os.path.join(root, f"images{k}")
+        os.makedirs(folder)
+        for i in range(4):
+            pixels = (rng.rand(16, 16, 3) * 255).astype("uint8")
+            Image.fromarray(pixels).save(os.path.join(folder, f"{i}.png"))
+        out["image"].append(folder)
+    return out
+
+
+_BUILT: dict[str, tuple[str, list[str]]] = {}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(root):
+    """``checkpoints(model_type)`` -> (base, [expert0, expert1]), built once per module."""
+    _BUILT.clear()
+
+    def get(model_type: str) -> tuple[str, list[str]]:
+        if model_type not in _BUILT:
+            folder = os.path.join(root, model_type)
+            base = tiny_architectures.build(model_type, os.path.join(folder, "base"))
+            experts = testing.make_experts(
+                base, [os.path.join(folder, f"expert{i}") for i in range(2)]
+            )
+            _BUILT[model_type] = (base, list(experts))
+        return _BUILT[model_type]
+
+    yield get
+    _BUILT.clear()
+
+
+def _config(method: str, base: str, experts: list[str], data: list[str], **params: Any):
+    samples = SAMPLES if data[0].endswith(".jsonl") else 4
+    models = [
+        {"model": e, "name": f"task{k}", "calibration": {"path": d, "samples": samples}}
+        for k, (e, d) in enumerate(zip(experts, data))
+    ]
+    merge = {"merge_method": method, "base_model": base, "models": models}
+    if params:
+        merge["parameters"] = params
+    return parse_config(yaml.safe_dump(merge))
+
+
+def _method(name: str):
+    info = ext_method_info(name)
+    assert info is not None
+    return info.implementation
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("model_type", list(EXPECTED))
+def test_merges_or_refuses(model_type, method, checkpoints, data, tmp_path, monkeypatch):
+    arch = tiny_architectures.ARCHITECTURES[model_type]
+    base, experts = checkpoints(model_type)
+    cfg = _config(method, base, experts, data[arch.modality])
+    refusal = EXPECTED[model_type]
+    if refusal is not None:
+
+        def no_weights(*args, **kwargs):  # pragma: no cover - the refusal comes first
+            raise AssertionError("a weight was read before the refusal")
+
+        monkeypatch.setattr(ModelSource, "load", no_weights)
+        with pytest.raises(ModelInputError, match=refusal) as raised:
+            plan_layerwise_merge(cfg, OPTIONS, _method(method), cfg.parameters)
+        assert "ties" in str(raised.value) and "symerge" in str(raised.value)
+        return
+    out = str(tmp_path / "out")
+    result = run_layerwise_merge(cfg, out, OPTIONS, _method(method), cfg.parameters)
+    assert result["layers"], "no linear group was merged with data"
+    model = getattr(transformers, arch.model_class).from_pretrained(out, dtype=torch.float32)
+    # every tensor of the base is written, none left at random initialisation
+    merged = load_file(os.path.join(out, "model.safetensors"))
+    assert set(merged) == set(load_file(os.path.join(base, "model.safetensors")))
+    batch = load_calibration(
+        cfg.calibration_for(cfg.models[0]), base, task="task0", modality=arch.modality
+    ).batches[0]
+    with torch.no_grad():
+        assert torch.isfinite(tiny_architectures.outputs(model.eval(), batch)).all()
+
+
+# ------------------------------------------------------------------------------------------
+# RegMean against a whole-model closed form
+
+
+def _block_linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Every linear-like module inside the model's block list (whole-model module names)."""
+    out = {}
+    for name, module in model.named_modules():
+        if is_linear_like(module) and any(
+            f".{part}." in f".{name}." for part in ("layers", "layer", "h")
+        ):
+            out[name] = module
+    return out
+
+
+def _input_grams(model, modules, batches) -> dict[str, torch.Tensor]:
+    """``(1/N) Σ x xᵀ`` of each module's input over the non-padding tokens, float64."""
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+    mask: list[Any] = [None]
+
+    def hook(name):
+        def fn(module, args):
+            x = args[0].double()
+            rows = x[mask[0].bool()] if mask[0] is not None else x.reshape(-1, x.shape[-1])
+            sums[name] = sums.get(name, 0) + rows.T @ rows
+            counts[name] = counts.get(name, 0) + rows.shape[0]
+
+        return fn
+
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in modules.items()]
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                mask[0] = batch.get("attention_mask")
+                if "pixel_values" in batch:
+                    model(pixel_values=batch["pixel_values"])
+                else:
+                    model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    finally:
+        for h in handles:
+            h.remove()
+    return {n: sums[n] / counts[n] for n in modules}
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "phi3", "gpt2", "bert"])
+def test_regmean_equals_whole_model_reference(model_type, checkpoints, data, tmp_path):
+    """Per linear: ``W = (Σ_k W_k G_k)(Σ_k G_k)⁻¹`` with ``G_k`` from expert k's own forward
+    passes (hooks on each whole expert model), to 1e-4 in the relative data-norm error
+    ``‖(W − W_ref) G^½‖ / ‖W_ref G^½‖`` with ``G = Σ_k G_k`` (the error of the merged
+    linear's outputs on the calibration inputs; the executor forms its Gram products in
+    float32, so directions the data barely spans differ more)."""
+    arch = tiny_architectures.ARCHITECTURES[model_type]
+    base, experts = checkpoints(model_type)
+    cfg = _config("regmean", base, experts, data[arch.modality], ridge=0.0)
+    out = str(tmp_path / "out")
+    run_layerwise_merge(cfg, out, OPTIONS, _method("regmean"), cfg.parameters)
+    merged = getattr(transformers, arch.model_class).from_pretrained(out, dtype=torch.float32)
+    merged_linears = _block_linears(merged)
+    assert len(merged_linears) >= 8
+    cls = getattr(transformers, arch.model_class)
+    weights, grams = [], []
+    for k, path in enumerate(experts):
+        model = cls.from_pretrained(path, dtype=torch.float32).eval()
+        batches = load_calibration(
+            cfg.calibration_for(cfg.models[k]), path, task=f"task{k}", modality=arch.modality
+        ).batches
+        linears = _block_linears(model)
+        grams.append(_input_grams(model, linears, batches))
+        # out x in: a Conv1D stores its weight in x out
+        weights.append(
+            {
+                n: (m.weight.T if is_transposed_linear(m) else m.weight).double()
+                for n, m in linears.items()
+            }
+        )
+    worst = 0.0
+    for name, module in merged_linears.items():
+        system = sum(g[name] for g in grams)
+        rhs = sum(w[name] @ g[name] for w, g in zip(weights, grams))
+        expected = torch.linalg.solve(system, rhs.T).T
+        got = (module.weight.T if is_transposed_linear(module) else module.weight).double()
+        delta = got.detach() - expected
+        error = (
+            float(
+                torch.trace(delta @ system @ delta.T) / torch.trace(expected @ system @ expected.T)
+            )
+            ** 0.5
+        )
+        worst = max(worst, error)
+        assert error <= 1e-4, f"{model_type} {name}: relative data-norm error {error:.2e}"
+    print(f"{model_type}: worst relative data-norm error {worst:.2e}")
+
+
+def test_coverage_doc_is_current():
+    """docs/coverage.md is the table these tests check (regenerate it with
+    ``python tests/tiny_architectures.py``)."""
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "coverage.md")
+    with open(path, encoding="utf-8") as fp:
+        assert fp.read() == tiny_architectures.coverage_markdown(), (
+            "docs/coverage.md is out of date: run `python tests/tiny_architectures.py`"
+        )
+
+
+@pytest.mark.parametrize("model_type", ["phi3", "gpt2"])
+def test_dry_run_from_config_json_alone(model_type, checkpoints, data, tmp_path):
+    """A folder with config.json and the tokenizer only: the plan discovers the same blocks
+    and groups from the class and estimates memory from the config's shapes."""
+    import shutil
+
+    base, experts = checkpoints(model_type)
+    folders = []
+    for i, source in enumerate([base, *experts]):
+        folder = tmp_path / f"m{i}"
+        folder.mkdir()
+        for f in os.listdir(source):
+            if not f.endswith(".safetensors"):
+                shutil.copy(os.path.join(source, f), folder / f)
+        folders.append(str(folder))
+    method = _method("chain_of_merges")
+    full = plan_layerwise_merge(
+        _config("chain_of_merges", base, experts, data["text"]), OPTIONS, method, {}
+    )
+    weightless = plan_layerwise_merge(
+        _config("chain_of_merges", folders[0], folders[1:], data["text"]), OPTIONS, method, {}
+    )
+    assert weightless.weightless and not full.weightless
+    assert [b.groups for b in weightless.blocks] == [b.groups for b in full.blocks]
+    assert weightless.memory == full.memory
+    text = weightless.describe()
+    expected = {
+        "phi3": "qkv_proj: self_attn.qkv_proj",
+        "gpt2": "c_attn: attn.c_attn",
+    }[model_type]
+    assert expected in text and "blocks: 2" in text
+
+
+def test_model_output_objective_on_conv1d_weights(checkpoints, data, tmp_path):
+    """QP's model-output fit on GPT-2: each Conv1D weight is fitted as ``out x in`` and
+    written back as stored; the merge loads, its KL to the experts falls, and it differs from
+    the base in every fitted weight."""
+    base, experts = checkpoints("gpt2")
+    cfg = _config(
+        "qp_projection",
+        base,
+        experts,
+        data["text"],
+        objective="model_output",
+        output_sketch=2,
+        prior=0.0,
+    )
+    out = str(tmp_path / "out")
+    result = run_layerwise_merge(cfg, out, OPTIONS, _method("qp_projection"), cfg.parameters)
+    summary = result["model_output"]
+    assert summary["output_error_final"] < summary["output_error_initial"]
+    merged = load_file(os.path.join(out, "model.safetensors"))
+    original = load_file(os.path.join(base, "model.safetensors"))
+    name = "transformer.h.1.attn.c_attn.weight"
+    assert merged[name].shape == original[name].shape == (64, 192)
+    assert not torch.equal(merged[name], original[name])
+    model = transformers.GPT2LMHeadModel.from_pretrained(out, dtype=torch.float32).eval()
+    batch = load_calibration(
+        cfg.calibration_for(cfg.models[0]), base, task="task0", modality="text"
+    ).batches[0]
+    with torch.no_grad():
+        assert torch.isfinite(tiny_architectures.outputs(model, batch)).all()
+
+
+def test_model_types_of_one_structure_plan_together(checkpoints, data):
+    """A Mistral expert of a Llama base (the runner allows it with --allow-crimes) walks
+    alike: the executor compares the discovered structures, not the model type names; a
+    BERT expert of a Llama base is refused, naming both."""
+    llama, _ = checkpoints("llama")
+    _, mistral = checkpoints("mistral")
+    _, bert = checkpoints("bert")
+    method = _method("regmean")
+    plan = plan_layerwise_merge(
+        _config("regmean", llama, mistral, data["text"]), OPTIONS, method, {}
+    )
+    assert [g.label for g in plan.blocks[0].groups] == ["qkv", "o_proj", "gate_up", "down_proj"]
+    with pytest.raises(ModelInputError, match=r"'bert' model \(bert family\) but the base model"):
+        plan_layerwise_merge(_config("regmean", llama, bert, data["text"]), OPTIONS, method, {})
+
+
+def test_lora_experts_on_conv1d_equal_premerged_checkpoints(checkpoints, data, tmp_path):
+    """PEFT LoRA adapters on GPT-2's Conv1D layers (``fan_in_fan_out``), applied block by block,
+    merge as the same experts saved as full checkpoints."""
+    import tiny_models
+
+    base, _ = checkpoints("gpt2")
+    adapters, full = tiny_models.make_lora_experts(
+        base,
+        str(tmp_path),
+        transformers.GPT2LMHeadModel,
+        ["c_attn", "c_proj", "c_fc"],
+        fan_in_fan_out=True,
+    )
+    outputs = {}
+    for label, experts in {"plus": [f"{base}+{a}" for a in adapters], "full": full}.items():
+        cfg = _config("chain_of_merges", base, experts, data["text"])
+        out = str(tmp_path / label)
+        run_layerwise_merge(cfg, out, OPTIONS, _method("chain_of_merges"), cfg.parameters)
+        outputs[label] = load_file(os.path.join(out, "model.safetensors"))
+    assert set(outputs["plus"]) == set(outputs["full"])
+    for name, tensor in outputs["full"].items():
+        torch.testing.assert_close(outputs["plus"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    original = load_file(os.path.join(base, "model.safetensors"))
+    name = "transformer.h.1.mlp.c_fc.weight"
+    assert not torch.allclose(outputs["plus"][name], original[name])
