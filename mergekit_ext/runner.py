@@ -64,6 +64,11 @@ class RunOptions:
     push_to_hub: Optional[str] = None
     hub_private: bool = False
     hub_token: Optional[str] = None
+    # the rest of `publish`'s options (hub/commands.py::publish_options)
+    hub_make_private: bool = False
+    hub_revision: Optional[str] = None
+    hub_commit_message: Optional[str] = None
+    hub_create_pr: bool = False
     plugins: tuple[str, ...] = ()  # --plugin modules or .py files (the files are inputs too)
 
 
@@ -123,7 +128,14 @@ def run_merge_config(
     if run.push_to_hub:
         from mergekit_ext.hub.publish import check_can_publish
 
-        check_can_publish(run.push_to_hub, run.hub_token)
+        check_can_publish(
+            run.push_to_hub,
+            run.hub_token,
+            private=run.hub_private,
+            make_private=run.hub_make_private,
+            revision=run.hub_revision,
+            create_pr=run.hub_create_pr,
+        )
     info = ext_method_info(cfg.method)
     kind = info.kind if info else "tensorwise"
     # mergekit's executor writes the tokenizer of tensor-wise merges itself.
@@ -211,7 +223,14 @@ def _run_distributed(
         if run.push_to_hub:
             from mergekit_ext.hub.publish import check_can_publish
 
-            check_can_publish(run.push_to_hub, run.hub_token)
+            check_can_publish(
+                run.push_to_hub,
+                run.hub_token,
+                private=run.hub_private,
+                make_private=run.hub_make_private,
+                revision=run.hub_revision,
+                create_pr=run.hub_create_pr,
+            )
         out_tokenizer = tokenization.plan_output_tokenizer(cfg.merge, options, cfg.method)
         with exclusive_output(target, out_path):
             validate(cfg, options, run)
@@ -321,7 +340,14 @@ def _publish(out_path: str, run: RunOptions) -> None:
     assert run.push_to_hub is not None
     try:
         url = publish_folder(
-            out_path, run.push_to_hub, private=run.hub_private, token=run.hub_token
+            out_path,
+            run.push_to_hub,
+            private=run.hub_private,
+            make_private=run.hub_make_private,
+            revision=run.hub_revision,
+            commit_message=run.hub_commit_message,
+            create_pr=run.hub_create_pr,
+            token=run.hub_token,
         )
     except PublishError as e:
         raise PublishError(
@@ -329,7 +355,7 @@ def _publish(out_path: str, run: RunOptions) -> None:
             f"— publish it later with `mergekit-ext publish {out_path} --repo-id "
             f"{run.push_to_hub}`"
         ) from e
-    LOG.info("published to %s", url)
+    print(f"published: {url}")  # the one line a user needs, without -v
 
 
 def _donor_folder(cfg: ExtMergeConfig, options: MergeOptions) -> str:
