@@ -316,11 +316,16 @@ def _write_metadata(
     stays, like every other published file, has the paths in their display form.
     """
     from mergekit_ext.hub.card import input_records, local_path_redactor
+    from mergekit_ext.hub.card.inputs import dot_local_models, undot
 
     # Where each input came from is decided here, where the merge read it, never later.
-    recorder.set_header("inputs", input_records(cfg))
+    records = input_records(cfg)
+    recorder.set_header("inputs", records)
     redact = local_path_redactor(cfg.raw)
-    published = redact(cfg.source_text)
+    local = {undot(redact(r["model"])) for r in records if r["source"] == "local"}
+    local |= {undot(redact(r["lora"])) for r in records if r.get("lora_source") == "local"}
+    # local folders as ./x: `m/x` would read as a Hub id to whoever reproduces the merge
+    published = dot_local_models(redact(cfg.source_text), local.__contains__)
     recorder.set_header(
         "config_written_sha256", hashlib.sha256(published.encode("utf-8")).hexdigest()
     )

@@ -224,7 +224,7 @@ def test_uploaded_card_is_rendered_for_the_repo(hub: FakeHub, folder: Path) -> N
     diff = [(a, b) for a, b in zip(local_card.splitlines(), uploaded.splitlines()) if a != b]
     assert {a for a, _ in diff} <= {
         "# merged", 'model_id = "./merged"', "- name: merged",
-        "repository) and run `mergekit-ext run mergekit_config.yml ./merged`.",
+        "and run `mergekit-ext run mergekit_config.yml ./merged`.",
     }, diff  # fmt: skip
     # The local folder is exactly as it was: same files, bytes and modification times.
     assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == local_before
