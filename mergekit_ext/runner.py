@@ -326,6 +326,8 @@ def _write_metadata(
     local |= {undot(redact(r["lora"])) for r in records if r.get("lora_source") == "local"}
     # local folders as ./x: `m/x` would read as a Hub id to whoever reproduces the merge
     published = dot_local_models(redact(cfg.source_text), local.__contains__)
+    # whether the copy's text differs by more than the ./ of local folders (the card says so)
+    recorder.set_header("config_paths_shortened", redact(cfg.source_text) != cfg.source_text)
     recorder.set_header(
         "config_written_sha256", hashlib.sha256(published.encode("utf-8")).hexdigest()
     )

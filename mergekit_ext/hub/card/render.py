@@ -648,7 +648,11 @@ def build_card_context(
         "config_yaml": shown_yaml,
         # A copy the runner already shortened: the hash differs from the recorded original.
         "yaml_shortened": shortened
-        or (recorded_sha != text_sha and diag.get("config_written_sha256") == text_sha),
+        or (
+            recorded_sha != text_sha
+            and diag.get("config_written_sha256") == text_sha
+            and diag.get("config_paths_shortened", True) is not False
+        ),
         "yaml_dotted": yaml_dotted,
         "config_sha256": recorded_sha or text_sha,
         "config_modified": bool(recorded_sha)
