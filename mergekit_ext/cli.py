@@ -30,7 +30,7 @@ from mergekit.options import MergeOptions, PrettyPrintHelp, add_merge_options
 import mergekit_ext
 from mergekit_ext.config import load_config
 from mergekit_ext.errors import MergekitExtError, plugin_exit_error
-from mergekit_ext.hub.http import hub_timeout_option
+from mergekit_ext.hub.commands import publish_options
 from mergekit_ext.methods.registry import all_method_names, describe_method
 
 LOG = logging.getLogger(__name__)
@@ -162,9 +162,7 @@ def _options_verbosity(kwargs: dict[str, Any]) -> int:
 @click.option(
     "--push-to-hub", metavar="REPO_ID", default=None, help="Publish the result to the Hub"
 )
-@click.option("--private", "hub_private", is_flag=True, help="With --push-to-hub: a private repo")
-@click.option("--token", "hub_token", default=None, help="Hub token (default: HF_TOKEN or login)")
-@hub_timeout_option
+@publish_options
 @click.option(
     "--plugin",
     "plugins",
@@ -195,8 +193,12 @@ def run_command(
     force: bool,
     task_layers_only: bool,
     push_to_hub: Optional[str],
-    hub_private: bool,
-    hub_token: Optional[str],
+    private: bool,
+    make_private: bool,
+    revision: Optional[str],
+    commit_message: Optional[str],
+    create_pr: bool,
+    token: Optional[str],
     hub_timeout: float,
     plugins: tuple[str, ...],
     distributed_timeout: Optional[float],
@@ -210,6 +212,20 @@ def run_command(
     from mergekit_ext.runner import RunOptions, check_distributable, run_merge_config
 
     merge_options.apply_global_options()
+    given = [
+        name
+        for name, value in (
+            ("--private", private),
+            ("--make-private", make_private),
+            ("--revision", revision),
+            ("--commit-message", commit_message),
+            ("--create-pr", create_pr),
+            ("--token", token),
+        )
+        if value
+    ]
+    if given and not push_to_hub:
+        raise click.UsageError(f"{', '.join(given)} only apply with --push-to-hub REPO_ID")
     for plugin in plugins:
         _import_plugin(plugin)
     cfg = load_config(config_file)
@@ -243,8 +259,12 @@ def run_command(
                 force=force,
                 task_layers_only=task_layers_only,
                 push_to_hub=push_to_hub,
-                hub_private=hub_private,
-                hub_token=hub_token,
+                hub_private=private,
+                hub_token=token,
+                hub_make_private=make_private,
+                hub_revision=revision,
+                hub_commit_message=commit_message,
+                hub_create_pr=create_pr,
                 hub_timeout=hub_timeout,
                 plugins=plugins,
             ),

@@ -67,6 +67,11 @@ class RunOptions:
     hub_private: bool = False
     hub_token: Optional[str] = None
     hub_timeout: Optional[float] = None  # --hub-timeout (default: hub.http.HUB_TIMEOUT_S)
+    # the rest of `publish`'s options (hub/commands.py::publish_options)
+    hub_make_private: bool = False
+    hub_revision: Optional[str] = None
+    hub_commit_message: Optional[str] = None
+    hub_create_pr: bool = False
     plugins: tuple[str, ...] = ()  # --plugin modules or .py files (the files are inputs too)
 
 
@@ -131,9 +136,7 @@ def run_merge_config(
     target = resolve_output(out_path, inputs)
     check_replaceable(target, run.overwrite, out_path)
     if run.push_to_hub:
-        from mergekit_ext.hub.publish import check_can_publish
-
-        check_can_publish(run.push_to_hub, run.hub_token)
+        _check_can_push(run)
     info = ext_method_info(cfg.method)
     kind = info.kind if info else "tensorwise"
     # mergekit's executor writes the tokenizer of tensor-wise merges itself.
@@ -222,9 +225,7 @@ def _run_distributed(
         target = resolve_output(out_path, checks.local_input_paths(cfg, extra))
         check_replaceable(target, run.overwrite, out_path)
         if run.push_to_hub:
-            from mergekit_ext.hub.publish import check_can_publish
-
-            check_can_publish(run.push_to_hub, run.hub_token)
+            _check_can_push(run)
         out_tokenizer = tokenization.plan_output_tokenizer(cfg.merge, options, cfg.method)
         with exclusive_output(target, out_path):
             validate(cfg, options, run)
@@ -286,6 +287,21 @@ def _input_models(cfg: ExtMergeConfig) -> list[tuple[str, str]]:
     return found
 
 
+def _check_can_push(run: RunOptions) -> None:
+    """``--push-to-hub``: what ``publish`` would refuse, checked before anything merges."""
+    from mergekit_ext.hub.publish import check_can_publish
+
+    check_can_publish(
+        run.push_to_hub,
+        run.hub_token,
+        private=run.hub_private,
+        make_private=run.hub_make_private,
+        revision=run.hub_revision,
+        create_pr=run.hub_create_pr,
+        timeout=run.hub_timeout,
+    )
+
+
 def _check_complete(cfg: ExtMergeConfig, tmp: str, options: MergeOptions) -> None:
     """Every tensor of the base's checkpoint layout written, nothing foreign (``completeness``)."""
     ref = str(cfg.merge.base_model or cfg.merge.referenced_models()[0])
@@ -312,11 +328,18 @@ def _write_metadata(
     stays, like every other published file, has the paths in their display form.
     """
     from mergekit_ext.hub.card import input_records, local_path_redactor
+    from mergekit_ext.hub.card.inputs import dot_local_models, undot
 
     # Where each input came from is decided here, where the merge read it, never later.
-    recorder.set_header("inputs", input_records(cfg))
+    records = input_records(cfg)
+    recorder.set_header("inputs", records)
     redact = local_path_redactor(cfg.raw)
-    published = redact(cfg.source_text)
+    local = {undot(redact(r["model"])) for r in records if r["source"] == "local"}
+    local |= {undot(redact(r["lora"])) for r in records if r.get("lora_source") == "local"}
+    # local folders as ./x: `m/x` would read as a Hub id to whoever reproduces the merge
+    published = dot_local_models(redact(cfg.source_text), local.__contains__)
+    # whether the copy's text differs by more than the ./ of local folders (the card says so)
+    recorder.set_header("config_paths_shortened", redact(cfg.source_text) != cfg.source_text)
     recorder.set_header(
         "config_written_sha256", hashlib.sha256(published.encode("utf-8")).hexdigest()
     )
@@ -339,6 +362,10 @@ def _publish(out_path: str, run: RunOptions) -> None:
             out_path,
             run.push_to_hub,
             private=run.hub_private,
+            make_private=run.hub_make_private,
+            revision=run.hub_revision,
+            commit_message=run.hub_commit_message,
+            create_pr=run.hub_create_pr,
             token=run.hub_token,
             timeout=run.hub_timeout,
         )
@@ -348,7 +375,7 @@ def _publish(out_path: str, run: RunOptions) -> None:
             f"— publish it later with `mergekit-ext publish {out_path} --repo-id "
             f"{run.push_to_hub}`"
         ) from e
-    LOG.info("published to %s", url)
+    print(f"published: {url}")  # the one line a user needs, without -v
 
 
 def _donor_folder(cfg: ExtMergeConfig, options: MergeOptions) -> str:

@@ -13,6 +13,9 @@ Routes (as called by huggingface_hub 2.x, see ``hf_api.py``, ``_commit_api.py``,
 - ``POST /{ns}/{name}.git/info/lfs/objects/verify``   LFS verify
 - ``POST /api/models/{ns}/{name}/commit/{rev}``       NDJSON commit (base64 files + LFS refs)
 - ``POST /api/models/{ns}/{name}/branch/{branch}``    create a branch
+- ``GET  /api/models/{ns}/{name}/tree/{rev}``         list the files (``delete_patterns``)
+- ``GET  /api/whoami-v2``                             the token's user, orgs and role
+- ``PUT  /api/models/{ns}/{name}/settings``           change the visibility
 
 Files whose sample contains a NUL byte (binary: safetensors, PNG) or that are larger than
 10 MB go through LFS, the others are sent base64-encoded inside the commit, like the Hub.
@@ -55,9 +58,37 @@ class Token:
     user: str
     write: bool = True
     orgs: tuple[str, ...] = ()
+    # "fineGrained": whoami lists scoped permissions (``scopes``) instead of a role
+    kind: str = "classic"
+    scopes: tuple[str, ...] = ()  # entities ("user:NAME" / "org:NAME") the token may write to
+    # False: whoami answers without ``auth`` (what a client cannot interpret)
+    whoami_auth: bool = True
 
     def can_write(self, namespace: str) -> bool:
         return self.write and (namespace == self.user or namespace in self.orgs)
+
+    def whoami(self) -> dict[str, Any]:
+        """The ``/api/whoami-v2`` answer, shaped like the Hub's."""
+        role = "write" if self.write else "read"
+        orgs = [{"name": o, "type": "org", "roleInOrg": "write"} for o in self.orgs]
+        answer: dict[str, Any] = {"type": "user", "name": self.user, "orgs": orgs}
+        if not self.whoami_auth:
+            return answer
+        token: dict[str, Any] = {"displayName": "tests", "role": role}
+        if self.kind == "fineGrained":
+            token["role"] = "fineGrained"
+            token["fineGrained"] = {
+                "global": [],
+                "scoped": [
+                    {
+                        "entity": {"type": s.split(":")[0], "name": s.split(":")[1]},
+                        "permissions": ["repo.content.read", "repo.write"],
+                    }
+                    for s in self.scopes
+                ],
+            }
+        answer["auth"] = {"type": "access_token", "accessToken": token}
+        return answer
 
 
 @dataclass
@@ -185,6 +216,9 @@ _ROUTES: list[tuple[str, re.Pattern[str], str]] = [
     ("PUT", re.compile(r"^/lfs-objects/(?P<oid>[0-9a-f]{64})$"), "lfs_put"),
     ("POST", re.compile(rf"^/api/models/{_REPO}/commit/(?P<rev>[^/]+)$"), "commit"),
     ("POST", re.compile(rf"^/api/models/{_REPO}/branch/(?P<branch>[^/]+)$"), "create_branch"),
+    ("GET", re.compile(rf"^/api/models/{_REPO}/tree/(?P<rev>[^/]+)/?$"), "tree"),
+    ("GET", re.compile(r"^/api/whoami-v2$"), "whoami"),
+    ("PUT", re.compile(rf"^/api/models/{_REPO}/settings$"), "settings"),
 ]
 
 
@@ -414,6 +448,30 @@ class _HubHandler(BaseHTTPRequestHandler):
             raise _HTTPError(404, f"object {payload['oid']} not found")
         return 200, {}
 
+    def _tree(self, match: re.Match[str], query: dict, body: bytes) -> tuple[int, Any]:
+        repo = self.state.repos.get(f"{match['ns']}/{match['name']}")
+        if repo is None:
+            raise _HTTPError(404, "Repository not found", "RepoNotFound")
+        if repo.private:
+            self._writable_repo(match)
+        files = repo.tree(self._branch(repo, match["rev"]))
+        return 200, [
+            {"type": "file", "path": p, "size": len(c), "oid": git_blob_sha1(c)}
+            for p, c in sorted(files.items())
+        ]
+
+    def _whoami(self, match: re.Match[str], query: dict, body: bytes) -> tuple[int, Any]:
+        return 200, self._token().whoami()
+
+    def _settings(self, match: re.Match[str], query: dict, body: bytes) -> tuple[int, Any]:
+        repo = self._writable_repo(match)
+        payload = json.loads(body or b"{}")
+        if "visibility" in payload:
+            repo.private = payload["visibility"] == "private"
+        elif "private" in payload:
+            repo.private = bool(payload["private"])
+        return 200, {}
+
     def _create_branch(self, match: re.Match[str], query: dict, body: bytes) -> tuple[int, Any]:
         repo = self._writable_repo(match)
         branch = unquote(match["branch"])
@@ -432,6 +490,7 @@ class _HubHandler(BaseHTTPRequestHandler):
             raise _HTTPError(400, "the commit payload must start with a header")
         summary = lines[0]["value"]["summary"]
         changes: dict[str, bytes] = {}
+        deleted: list[str] = []
         for line in lines[1:]:
             value = line["value"]
             if line["key"] == "file":
@@ -443,10 +502,16 @@ class _HubHandler(BaseHTTPRequestHandler):
                 if stored is None:
                     raise _HTTPError(422, f"LFS object {value['oid']} was never uploaded")
                 changes[value["path"]] = stored
+            elif line["key"] == "deletedFile":
+                deleted.append(value["path"])
             else:
                 raise _HTTPError(400, f"unsupported operation {line['key']}")
         with self.state.lock:
             files = repo.tree(branch)
+            for path in deleted:
+                if path not in files:
+                    raise _HTTPError(404, f"cannot delete {path}: not in the repository")
+                del files[path]
             files.update(changes)
             parent = repo.head(branch)
             digest = hashlib.sha1(
@@ -456,7 +521,7 @@ class _HubHandler(BaseHTTPRequestHandler):
                     p.encode() + hashlib.sha256(c).digest() for p, c in sorted(changes.items())
                 )
             ).hexdigest()
-            commit = Commit(digest, summary, files, tuple(sorted(changes)))
+            commit = Commit(digest, summary, files, tuple(sorted([*changes, *deleted])))
             if create_pr:
                 repo.pull_requests.append(commit)
                 number = len(repo.pull_requests)

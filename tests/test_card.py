@@ -199,7 +199,7 @@ def test_ace_llama_card_from_real_diagnostics(llama_merge: Path, tiny_llama_set)
     # Local inputs are named by folder, never by absolute path, anywhere in the card.
     for path in (tiny_llama_set.base, *tiny_llama_set.experts):
         assert path not in text
-        assert f"`{os.path.basename(path)}`" in text
+        assert f"`./{os.path.basename(path)}`" in text  # ./: never read as a Hub id
     assert str(out.parent) not in text
     assert not re.search(r"(^|\s)/(tmp|home|root|Users)/", front_matter_text(readme))
 
@@ -415,8 +415,8 @@ def test_hub_ids_license_agreement_and_datasets(hub_workspace) -> None:
     assert meta["tags"] == ["mergekit", "merge", "mergekit-ext", "linear"]
     text = Path(readme).read_text(encoding="utf-8")
     assert "[org-b/expert-one](https://huggingface.co/org-b/expert-one)" in text
-    assert "| model | finetuned | `local/finetuned` | local folder | apache-2.0 |" in text
-    assert "| model | abs-expert | `abs-expert` | local folder | apache-2.0 |" in text
+    assert "| model | finetuned | `./local/finetuned` | local folder | apache-2.0 |" in text
+    assert "| model | abs-expert | `./abs-expert` | local folder | apache-2.0 |" in text
     assert "Inputs that declare none: base-model;" in text  # org-a/base-model is not cached
     assert str(out.parent.parent) not in text  # the absolute input is shown by folder name
     assert "The method recorded no diagnostics for this merge." in text
@@ -437,7 +437,7 @@ def test_card_rebuilt_elsewhere_keeps_the_recorded_sources(
     assert meta["base_model"] == ["org-a/base-model", "org-b/expert-one"]
     assert meta["license"] == "apache-2.0"  # recorded with the merge, not looked up again
     text = Path(readme).read_text(encoding="utf-8")
-    assert "| model | finetuned | `local/finetuned` | local folder | apache-2.0 |" in text
+    assert "| model | finetuned | `./local/finetuned` | local folder | apache-2.0 |" in text
     assert "(commit `0123456789ab`)" in text  # the cached commit the merge read
     recorded = {r["model"]: r for r in diagnostics.load(str(out))["inputs"]}
     assert recorded["local/finetuned"]["source"] == "local"
@@ -453,6 +453,9 @@ def test_card_rebuilt_elsewhere_keeps_the_recorded_sources(
         "lora": None,
         "lora_source": None,
         "license": None,
+        "hub_id": None,  # a Hub input: no id to read back from a local folder
+        "hub_id_origin": None,
+        "download_commit": None,
     }
 
 
@@ -462,7 +465,7 @@ def test_card_without_inputs_record_uses_the_hub_cache_only(hub_workspace, tmp_p
     meta = check_round_trip(write_model_card(str(out)))
     assert meta["base_model"] == ["org-b/expert-one"]  # org-a/base-model is not cached
     text = (out / "README.md").read_text(encoding="utf-8")
-    assert "| base | base-model | `org-a/base-model` | local folder |" in text
+    assert "| base | base-model | `./org-a/base-model` | local folder |" in text
     assert "do not record where its inputs came from" in text
     assert "No diagnostics file" in text
 
@@ -683,7 +686,8 @@ def test_data_aware_sections_summaries_and_plots(llama_merge: Path, tmp_path: Pa
     assert "PeftModel.from_pretrained(" in text and "LlamaForCausalLM.from_pretrained(" in text
 
     # Calibration summary: source, samples, tokens, hash; never an absolute path.
-    assert "| math | `math.jsonl` | 64 | 4,096 | text | `" + "a" * 64 + "` |" in text
+    # (a task the config does not name: no max length / chat template to show)
+    assert "| math | `math.jsonl` | 64 | 4,096 | — | — | text | `" + "a" * 64 + "` |" in text
     assert "/data/secret" not in text
 
     assert check_images(out, readme) == sorted(

@@ -75,11 +75,12 @@ def test_run_ace_writes_expected_merge_and_diagnostics(models, tmp_path):
             expected = ace_merge_simple(w0, ws, name=name)
             assert name not in recorded
         torch.testing.assert_close(merged[name], expected, rtol=1e-5, atol=1e-6)
-    # The copy keeps the YAML but no machine path: absolute paths show as their folder names.
+    # The copy keeps the YAML but no machine path: absolute paths show as their folder names,
+    # written ./NAME so that none reads as a Hub id (issue #32, 8).
     copied = (out / "mergekit_config.yml").read_text()
     assert os.path.dirname(base) not in copied
-    assert yaml.safe_load(copied)["base_model"] == "base"
-    assert [m["model"] for m in yaml.safe_load(copied)["models"]] == ["e0", "e1", "e2"]
+    assert yaml.safe_load(copied)["base_model"] == "./base"
+    assert [m["model"] for m in yaml.safe_load(copied)["models"]] == ["./e0", "./e1", "./e2"]
     assert diag["config_sha256"] == hashlib.sha256(open(config, "rb").read()).hexdigest()
     assert _no_partials(tmp_path) == []
     # A card rebuilt from the shortened copy says so, and does not call it edited.

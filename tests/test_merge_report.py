@@ -107,7 +107,7 @@ def test_card_rebuilt_from_another_directory_keeps_relative_inputs_local(
     card = (merged / "README.md").read_text(encoding="utf-8")
     front = card.split("---\n")[1]
     assert "base_model" not in front and "tiny/" not in front  # no fake Hub repositories
-    assert "| base | base | `tiny/base` | local folder |" in card
+    assert "| base | base | `./tiny/base` | local folder |" in card  # ./: not a Hub id
     assert "huggingface.co/tiny" not in card
     assert card.encode("utf-8") == written  # the same card as the merge wrote
 

@@ -224,7 +224,7 @@ def test_uploaded_card_is_rendered_for_the_repo(hub: FakeHub, folder: Path) -> N
     diff = [(a, b) for a, b in zip(local_card.splitlines(), uploaded.splitlines()) if a != b]
     assert {a for a, _ in diff} <= {
         "# merged", 'model_id = "./merged"', "- name: merged",
-        "repository) and run `mergekit-ext run mergekit_config.yml ./merged`.",
+        "and run `mergekit-ext run mergekit_config.yml ./merged`.",
     }, diff  # fmt: skip
     # The local folder is exactly as it was: same files, bytes and modification times.
     assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == local_before
@@ -657,11 +657,214 @@ def test_run_push_to_hub_failure_keeps_the_merge(
     monkeypatch.setenv("HF_ENDPOINT", hub.url)
     config = _run_config(tmp_path, tiny_llama_set)
     out = tmp_path / "merged"
+    # The token may write (checked before merging); the Hub then fails the commit.
+    hub.add_fault(Fault("POST", r"/commit/", status=403, times=None, message="quota exceeded"))
     result = CliRunner().invoke(
-        main, ["run", str(config), str(out), "--push-to-hub", "alice/m", "--token", READ_TOKEN]
+        main, ["run", str(config), str(out), "--push-to-hub", "alice/m", "--token", WRITE_TOKEN]
     )
     assert result.exit_code == 1
     assert "403" in result.output
     assert f"the merge succeeded and is kept at {out}" in result.output
     assert f"mergekit-ext publish {out} --repo-id alice/m" in result.output
     assert check_complete(str(out)) == []
+
+
+# ------------------------------------------------------------- issue #32: items 1 to 5
+
+
+def _single_file_merge(folder: Path, tmp_path: Path) -> Path:
+    """The same merge saved as one model.safetensors with other weights (an earlier merge),
+    and an image of another method's card."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    old = Path(shutil.copytree(folder, tmp_path / "old"))
+    index = json.loads((old / "model.safetensors.index.json").read_text())
+    tensors: dict = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors.update(load_file(str(old / shard)))
+        (old / shard).unlink()
+    (old / "model.safetensors.index.json").unlink()
+    save_file(
+        {k: torch.full_like(v, 0.5) for k, v in tensors.items()}, str(old / "model.safetensors")
+    )
+    (old / "images" / "old_method_plot.png").write_bytes(b"\x89PNG\r\n\x1a\n\0old")
+    return old
+
+
+def test_republish_removes_stale_weights_and_images(hub: FakeHub, folder: Path, tmp_path) -> None:
+    """Item 1: a sharded merge published over an earlier single-file merge leaves no old
+    model.safetensors (nor old images) behind, in the same commit; a local snapshot of the
+    repository loads the new weights."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    old = _single_file_merge(folder, tmp_path)
+    publish_folder(str(old), "alice/re", token=WRITE_TOKEN, endpoint=hub.url)
+    assert "model.safetensors" in hub.commits("alice/re")[-1].files
+    # A file the owner added by hand, not a merge's: never deleted.
+    hub.repos["alice/re"].branches["main"][-1].files["notes/eval.txt"] = b"mine"
+
+    publish_folder(str(folder), "alice/re", token=WRITE_TOKEN, endpoint=hub.url)
+    commits = hub.commits("alice/re")
+    assert len(commits) == 3  # initial, old merge, new merge: the deletions are in the last
+    hub_files = commits[-1].files
+    assert "model.safetensors" not in hub_files
+    assert "images/old_method_plot.png" not in hub_files
+    assert {"model.safetensors", "images/old_method_plot.png"} <= set(commits[-1].changed)
+    assert hub_files["notes/eval.txt"] == b"mine"
+    assert set(hub_files) - {"notes/eval.txt"} == {f.path for f in list_upload_files(str(folder))}
+
+    snapshot = tmp_path / "snapshot"
+    for path, data in hub_files.items():
+        (snapshot / path).parent.mkdir(parents=True, exist_ok=True)
+        (snapshot / path).write_bytes(data)
+    model = AutoModelForCausalLM.from_pretrained(str(snapshot))
+    expected = {}
+    for shard in sorted(folder.glob("model-*.safetensors")):
+        expected.update(load_file(str(shard)))
+    state = model.state_dict()
+    for name, tensor in expected.items():
+        assert name in state and state[name].equal(tensor), name
+    assert not all(bool((t == 0.5).all()) for t in expected.values())
+
+
+def test_private_on_an_existing_public_repo(hub: FakeHub, folder: Path) -> None:
+    """Item 2: --private never uploads to a public repository without a word: refused
+    before anything is sent, or made private first with --make-private."""
+    publish_folder(str(folder), "alice/pub", token=WRITE_TOKEN, endpoint=hub.url)
+    assert hub.repos["alice/pub"].private is False
+    commits = len(hub.commits("alice/pub"))
+    with pytest.raises(PublishError, match="already exists and is public") as excinfo:
+        publish_folder(str(folder), "alice/pub", token=WRITE_TOKEN, endpoint=hub.url, private=True)
+    assert "--make-private" in error_of(excinfo)
+    assert len(hub.commits("alice/pub")) == commits and hub.repos["alice/pub"].private is False
+    assert not [r for r in hub.requests if r[0] == "PUT" and r[1].endswith("/settings")]
+
+    runner = CliRunner()
+    args = [str(folder), "--repo-id", "alice/pub", "--endpoint", hub.url, "--token", WRITE_TOKEN]
+    result = runner.invoke(publish_command, [*args, "--private", "--make-private"])
+    assert result.exit_code == 0, result.output
+    assert hub.repos["alice/pub"].private is True
+    settings = [i for i, r in enumerate(hub.requests) if r[1] == "/api/models/alice/pub/settings"]
+    upload = [i for i, r in enumerate(hub.requests) if "/alice/pub/preupload/" in r[1]]
+    assert settings and settings[0] < upload[-1]  # private before the upload
+    help_text = runner.invoke(publish_command, ["--help"]).output
+    assert "--make-private" in help_text and "settings API" in help_text
+    # A new repository with --private is created private, no settings call needed.
+    publish_folder(str(folder), "alice/new-priv", token=WRITE_TOKEN, endpoint=hub.url, private=True)
+    assert hub.repos["alice/new-priv"].private is True
+
+
+@pytest.mark.parametrize(
+    "token, fine, needle",
+    [
+        (READ_TOKEN, None, "read-only"),
+        (BOB_TOKEN, None, "not a member of the organisation 'alice'"),
+        ("hf_NotAValidToken000000", None, "401"),
+        ("hf_FineGrainedOther0123456789abcdefg", ("user:alice-other",), "grants no permission"),
+    ],
+)
+def test_run_push_to_hub_checks_the_token_before_merging(
+    hub: FakeHub, tiny_llama_set, tmp_path: Path, monkeypatch, token, fine, needle
+) -> None:
+    """Item 3: a wrong, read-only or foreign token fails before the merge (whoami)."""
+    from mergekit_ext.cli import main
+
+    if fine:
+        hub.tokens[token] = Token("alice", kind="fineGrained", scopes=fine)
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    config = _run_config(tmp_path, tiny_llama_set)
+    out = tmp_path / "merged"
+    result = CliRunner().invoke(
+        main, ["run", str(config), str(out), "--push-to-hub", "alice/m", "--token", token]
+    )
+    assert result.exit_code == 1, result.output
+    assert needle in result.output and "nothing was merged" in result.output
+    assert token not in result.output
+    assert not out.exists() and not any(".partial-" in n for n in os.listdir(tmp_path))
+    assert ("GET", "/api/whoami-v2") in hub.requests
+
+
+def test_write_access_from_whoami() -> None:
+    """Item 3: what whoami's answer says about writing to a namespace."""
+    from mergekit_ext.hub.publish import _write_access
+
+    assert _write_access(Token("alice", orgs=("team",)).whoami(), "team/x")[0] is True
+    assert _write_access(Token("alice").whoami(), "alice/x")[0] is True
+    assert _write_access(Token("alice", write=False).whoami(), "alice/x")[0] is False
+    fine = Token("alice", kind="fineGrained", scopes=("org:team",)).whoami()
+    assert _write_access(fine, "team/x")[0] is True and _write_access(fine, "alice/x")[0] is False
+    read_org = Token("alice", orgs=("team",)).whoami()
+    read_org["orgs"][0]["roleInOrg"] = "read"
+    assert _write_access(read_org, "team/x")[0] is False
+    assert _write_access(Token("alice", whoami_auth=False).whoami(), "alice/x")[0] is None
+
+
+def test_undeterminable_token_warns_and_publishes(
+    hub: FakeHub, tiny_llama_set, tmp_path: Path, monkeypatch, caplog
+) -> None:
+    """Items 3 and 4: when whoami does not say what the token may do, a warning, not a
+    refusal; `run --push-to-hub` prints the URL without -v and takes publish's options."""
+    from mergekit_ext.cli import main
+
+    vague = "hf_VagueTokenForTests0123456789abcdef"
+    hub.tokens[vague] = Token("alice", whoami_auth=False)
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    config = _run_config(tmp_path, tiny_llama_set)
+    out = tmp_path / "merged"
+    args = ["run", str(config), str(out), "--push-to-hub", "alice/m", "--token", vague]
+    args += ["--revision", "dev", "--commit-message", "merge v2"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "could not tell whether the token" in caplog.text
+    commit = hub.commits("alice/m", "dev")[-1]
+    assert commit.summary == "merge v2" and len(hub.commits("alice/m", "main")) == 1
+    # (the progress bars, on stderr in a terminal, share one stream with stdout here)
+    assert re.search(rf"published: {re.escape(hub.url)}/alice/m/commit/[0-9a-f]+\n", result.output)
+    assert vague not in result.output
+
+    result = CliRunner().invoke(
+        main, ["run", str(config), str(tmp_path / "o2"), "--push-to-hub", "alice/m", "--token",
+               WRITE_TOKEN, "--create-pr", "--overwrite"]
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert f"published: {hub.url}/alice/m/discussions/1" in result.output
+
+
+def test_publish_options_are_one_group() -> None:
+    """Item 4: `run` and `publish` share the publishing options, declared once."""
+    from mergekit_ext.cli import main
+
+    def options(command) -> dict:
+        return {p.name: p.help for p in command.params if isinstance(p, click_option)}
+
+    import click
+
+    click_option = click.Option
+    run, publish = options(main.commands["run"]), options(publish_command)
+    shared = ("private", "make_private", "revision", "commit_message", "create_pr", "token")
+    for name in shared:
+        assert name in run and run[name] == publish[name], name
+    result = CliRunner().invoke(main, ["run", "c.yml", "out", "--revision", "dev"])
+    assert result.exit_code == 2 and "only apply with --push-to-hub" in result.output
+
+
+def test_foreign_card_is_kept(hub: FakeHub, folder: Path) -> None:
+    """Item 5: mergekit-yaml's own README is uploaded as it is unless --replace-card."""
+    theirs = (
+        "---\nbase_model:\n- a/b\nlibrary_name: transformers\ntags:\n- mergekit\n- merge\n"
+        "---\n# merged\n\nThis is a merge of pre-trained language models created using "
+        "[mergekit](https://github.com/cg123/mergekit).\n"
+    )
+    (folder / "README.md").write_text(theirs, encoding="utf-8")
+    publish_folder(str(folder), "alice/theirs", token=WRITE_TOKEN, endpoint=hub.url)
+    assert hub.commits("alice/theirs")[-1].files["README.md"].decode() == theirs
+
+    runner = CliRunner()
+    args = [str(folder), "--repo-id", "alice/theirs", "--endpoint", hub.url, "--token", WRITE_TOKEN]
+    result = runner.invoke(publish_command, [*args, "--replace-card"])
+    assert result.exit_code == 0, result.output
+    uploaded = hub.commits("alice/theirs")[-1].files["README.md"].decode()
+    assert "mergekit-ext" in uploaded and uploaded != theirs
+    assert (folder / "README.md").read_text(encoding="utf-8") == theirs  # local file untouched

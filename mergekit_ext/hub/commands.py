@@ -31,6 +31,35 @@ def _user_errors(f: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def publish_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """The options that say how a merge goes to the Hub, shared by ``publish`` and
+    ``run --push-to-hub`` (declared once, here): ``private``, ``make_private``, ``revision``,
+    ``commit_message``, ``create_pr``, ``token``, ``hub_timeout``."""
+    options = [
+        click.option(
+            "--private",
+            is_flag=True,
+            help="Create the repository as private. An existing public repository is refused "
+            "(the upload would be public) unless --make-private",
+        ),
+        click.option(
+            "--make-private",
+            is_flag=True,
+            help="Make the repository private through the Hub's settings API before "
+            "uploading (also when it already exists and is public)",
+        ),
+        click.option("--revision", default=None, help="Branch to commit to (created if missing)"),
+        click.option("--commit-message", default=None, help="Commit message"),
+        click.option("--create-pr", is_flag=True, help="Open a pull request instead of committing"),
+        click.option(
+            "--token", default=None, help="Hub token (default: HF_TOKEN, then the cached login)"
+        ),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return hub_timeout_option(f)
+
+
 def _setup_logging(verbose: int) -> None:
     if verbose:
         logging.basicConfig(level=logging.DEBUG if verbose > 1 else logging.INFO)
@@ -182,11 +211,7 @@ def _diagnose(out_dir: str, config_path: str, device: str) -> dict[str, Any]:
 @click.command("publish")
 @click.argument("out_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--repo-id", required=True, help="Target repository, user/name or org/name")
-@click.option("--private", is_flag=True, help="Create the repository as private")
-@click.option("--revision", default=None, help="Branch to commit to (created if missing)")
-@click.option("--commit-message", default=None, help="Commit message")
-@click.option("--create-pr", is_flag=True, help="Open a pull request instead of committing")
-@click.option("--token", default=None, help="Hub token (default: HF_TOKEN, then the cached login)")
+@publish_options
 @click.option("--dry-run", is_flag=True, help="Check and list what would be uploaded, send nothing")
 @click.option(
     "--endpoint", default=None, help="Hub endpoint (default: HF_ENDPOINT or huggingface.co)"
@@ -194,7 +219,14 @@ def _diagnose(out_dir: str, config_path: str, device: str) -> dict[str, Any]:
 @click.option(
     "--keep-card",
     is_flag=True,
-    help="Upload README.md as it is (default: the card rendered for the repository)",
+    help="Upload README.md as it is (default: our own unedited card is rendered again for "
+    "the repository; any other card goes as it is)",
+)
+@click.option(
+    "--replace-card",
+    is_flag=True,
+    help="Upload the card mergekit-ext renders even over a README.md it did not write as it "
+    "is now (mergekit's card from mergekit-yaml, a card edited by hand)",
 )
 @click.option(
     "--template-dir",
@@ -202,13 +234,13 @@ def _diagnose(out_dir: str, config_path: str, device: str) -> dict[str, Any]:
     default=None,
     help="Your own card templates for the uploaded card (as for `card`)",
 )
-@hub_timeout_option
 @click.option("-v", "--verbose", count=True, help="Show logs (-vv: debug) and tracebacks")
 @_user_errors
 def publish_command(
     out_dir: str,
     repo_id: str,
     private: bool,
+    make_private: bool,
     revision: Optional[str],
     commit_message: Optional[str],
     create_pr: bool,
@@ -216,6 +248,7 @@ def publish_command(
     dry_run: bool,
     endpoint: Optional[str],
     keep_card: bool,
+    replace_card: bool,
     template_dir: Optional[str],
     hub_timeout: float,
     verbose: int,
@@ -223,7 +256,10 @@ def publish_command(
     """Upload the finished merge in OUT_DIR to the Hugging Face Hub in one commit.
 
     The uploaded model card is rendered for the repository (its name as title, REPO_ID in
-    the loading snippets); README.md in OUT_DIR is left as it is.
+    the loading snippets); README.md in OUT_DIR is left as it is. A README.md that
+    mergekit-ext did not write (mergekit's own card) is uploaded as it is unless
+    --replace-card. Weights, indexes and images/ of an earlier upload that this one does
+    not contain are deleted in the same commit.
     """
     from mergekit_ext.hub.publish import publish_folder
 
@@ -241,8 +277,10 @@ def publish_command(
         keep_card=keep_card,
         template_dir=template_dir,
         timeout=hub_timeout,
+        replace_card=replace_card,
+        make_private=make_private,
     )
     click.echo(result if dry_run else f"published: {result}")
 
 
-__all__ = ["card_command", "publish_command"]
+__all__ = ["card_command", "publish_command", "publish_options"]

@@ -32,7 +32,7 @@ import os
 import re
 import struct
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -45,6 +45,19 @@ LOG = logging.getLogger(__name__)
 LARGE_FOLDER_BYTES = 50 * 1024**3
 ONE_COMMIT_MAX_FILES = 256  # huggingface_hub 2.x's first commit batch with hf_xet
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+# What a merge writes that an earlier merge in the same repository may have left behind:
+# weights, their indexes and the card's plots. Remote files matching these and absent from
+# the new upload are deleted in the same commit (``upload_folder(delete_patterns=...)``), so
+# ``from_pretrained`` never finds an old ``model.safetensors`` beside new shards. Other
+# files (a GGUF or a note the owner uploaded) are never touched.
+STALE_PATTERNS = (
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "pytorch_model*.bin",
+    "pytorch_model.bin.index.json",
+    "adapter_model.bin",
+    "images/*",
+)
 _TOKEN_PATTERN = re.compile(r"hf_[A-Za-z0-9_\-]{6,}")
 _IMAGE_LINK = re.compile(r"!\[[^\]]*\]\((?!https?://)([^)\s]+)\)")
 
@@ -280,11 +293,22 @@ def _front_matter_text(card_text: str) -> str:
 
 
 def card_to_upload(
-    out_dir: str, repo_id: str, *, keep_card: bool = False, template_dir: Optional[str] = None
+    out_dir: str,
+    repo_id: str,
+    *,
+    keep_card: bool = False,
+    template_dir: Optional[str] = None,
+    replace_card: bool = False,
 ) -> str:
-    """The ``README.md`` text that goes to ``repo_id``: the card rendered for the repository
-    (title, loading snippets), or the local file as it is with ``keep_card`` or for a folder
-    that is not a mergekit-ext merge (no ``mergekit_config.yml`` to render a card from)."""
+    """The ``README.md`` text that goes to ``repo_id``.
+
+    Our own card, unedited (its last line is the hash mergekit-ext writes and still
+    matches), is rendered again for the repository (title, loading snippets). A card that
+    mergekit-ext did not write as it is now (mergekit's own README from ``mergekit-yaml``,
+    a card edited by hand) is uploaded as it is unless ``replace_card``; so is the card of
+    a folder that has no ``mergekit_config.yml`` to render one from, and any card with
+    ``keep_card``.
+    """
     from mergekit_ext.hub.card import CONFIG_FILENAME, card_is_unedited, render_card_for_repo
 
     readme = Path(out_dir, "README.md")
@@ -294,11 +318,15 @@ def card_to_upload(
         LOG.info("%s has no %s: README.md is uploaded as it is", out_dir, CONFIG_FILENAME)
         return readme.read_text(encoding="utf-8")
     if not card_is_unedited(str(readme)):
-        LOG.warning(
-            "%s was edited by hand (or not written by mergekit-ext): the card uploaded is "
-            "rendered anew and does not carry your edits; pass --keep-card to upload yours",
-            readme,
-        )
+        if not replace_card:
+            LOG.warning(
+                "%s was not written by mergekit-ext as it is now (another tool's card, or "
+                "edited by hand): it is uploaded as it is; pass --replace-card to upload the "
+                "card mergekit-ext renders instead",
+                readme,
+            )
+            return readme.read_text(encoding="utf-8")
+        LOG.warning("%s is replaced on the Hub by the card mergekit-ext renders", readme)
     text = render_card_for_repo(out_dir, repo_id, template_dir=template_dir)
     missing = [link for link in _IMAGE_LINK.findall(text) if not Path(out_dir, link).is_file()]
     if missing:
@@ -588,6 +616,8 @@ def dry_run_report(
         "if created now)",
         f"Branch:         {revision or 'main'}{' (created if missing)' if revision and revision != 'main' else ''}",
         f"Pull request:   {'yes' if create_pr else 'no'}",
+        "Stale files:    weights, indexes and images/ already in the repository and not in "
+        "this upload are deleted in the same commit",
         f"Commit message: {commit_message}",
         f"Upload:         {uploader}, {len(files)} files, {_human(total)} ({total:,} bytes)"
         + (
@@ -611,22 +641,161 @@ def dry_run_report(
     return "\n".join(lines)
 
 
-def check_can_publish(repo_id: str, token: Optional[str] = None) -> None:
-    """What ``publish_folder`` would refuse without asking the Hub, checked before a merge:
-    the repo id, offline mode, and that a token exists (``--token``, HF_TOKEN or a login)."""
+def _endpoint(endpoint: Optional[str]) -> str:
     from huggingface_hub import constants
 
+    return (endpoint or os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+
+
+def _write_access(whoami: Mapping[str, Any], repo_id: str) -> tuple[Optional[bool], str]:
+    """Whether the token ``whoami`` describes can write to ``repo_id`` (None: cannot tell),
+    and why, from the fields the Hub's ``/api/whoami-v2`` returns: the token's role
+    (``read``, ``write``, ``fineGrained`` with scoped permissions), the user and the
+    organisations it belongs to (``roleInOrg``)."""
+    owner = repo_id.split("/")[0]
+    user = str(whoami.get("name") or "")
+    orgs = {
+        str(o.get("name")): o.get("roleInOrg")
+        for o in whoami.get("orgs") or []
+        if isinstance(o, Mapping)
+    }
+    token = ((whoami.get("auth") or {}).get("accessToken")) or {}
+    role = token.get("role") if isinstance(token, Mapping) else None
+    if role == "read":
+        return False, f"the token of '{user}' is read-only"
+    if role == "write":
+        if owner == user:
+            return True, ""
+        if owner not in orgs:
+            return False, f"'{user}' is not a member of the organisation '{owner}'"
+        if orgs[owner] == "read":
+            return False, f"'{user}' has the read role in the organisation '{owner}'"
+        return True, ""
+    if role == "fineGrained":
+        grants = (token.get("fineGrained") or {}).get("scoped") or []
+        for grant in grants:
+            if not isinstance(grant, Mapping):
+                continue
+            entity = grant.get("entity") or {}
+            if entity.get("name") in (owner, repo_id):
+                if "repo.write" in (grant.get("permissions") or []):
+                    return True, ""
+                return False, f"the fine-grained token has no repo.write permission on '{owner}'"
+        return False, f"the fine-grained token grants no permission on '{owner}' or {repo_id}"
+    return None, f"the Hub did not say what the token may do (role {role!r})"
+
+
+def check_write_access(
+    repo_id: str, token: Optional[str] = None, endpoint: Optional[str] = None
+) -> None:
+    """Ask the Hub (``whoami``) whether the token is valid and may write to ``repo_id``'s
+    namespace; raises :class:`PublishError` when it is not or may not, logs a warning when
+    the answer does not tell."""
+    from huggingface_hub import HfApi
+
+    resolved, origin = resolve_token(token)
+    endpoint = _endpoint(endpoint)
+    target = _Target(repo_id, endpoint, "main", resolved, origin, 0)
+    try:
+        info = HfApi(endpoint=endpoint, token=resolved).whoami(token=resolved, cache=False)
+    except Exception as e:  # noqa: BLE001 - mapped to a clear PublishError
+        raise _publish_error(e, "create", target) from None
+    writable, why = _write_access(info if isinstance(info, Mapping) else {}, repo_id)
+    if writable is False:
+        raise PublishError(
+            _scrub(
+                f"the token from {origin} cannot write to {repo_id}: {why}. Use a token with "
+                "write permission on that namespace (https://huggingface.co/settings/tokens)",
+                resolved,
+            )
+        )
+    if writable is None:
+        LOG.warning(
+            "could not tell whether the token from %s may write to %s (%s); going on",
+            origin,
+            repo_id,
+            why,
+        )
+
+
+def check_visibility(
+    api: Any, target: _Target, private: bool, make_private: bool
+) -> Optional[bool]:
+    """Whether the existing repository is private (None: it does not exist yet). A
+    ``--private`` upload to an existing public repository is refused unless
+    ``make_private`` (``--make-private``), which asks the caller to change it first."""
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    if not (private or make_private):
+        return None
+    try:
+        info = api.repo_info(target.repo_id, repo_type="model")
+    except RepositoryNotFoundError:
+        return None
+    except Exception as e:  # noqa: BLE001
+        raise _publish_error(e, "create", target) from None
+    if not info.private and not make_private:
+        raise PublishError(
+            f"{target.repo_id} already exists and is public: --private only sets the "
+            "visibility of a new repository, so this upload would be public. Pass "
+            "--make-private to make the repository private (through the Hub's settings) "
+            "before uploading, or drop --private to upload to the public repository"
+        )
+    return bool(info.private)
+
+
+def check_can_publish(
+    repo_id: str,
+    token: Optional[str] = None,
+    *,
+    private: bool = False,
+    make_private: bool = False,
+    revision: Optional[str] = None,
+    create_pr: bool = False,
+    endpoint: Optional[str] = None,
+    timeout: Optional[float] = None,
+) -> None:
+    """What ``publish_folder`` would refuse, checked before a merge: the repo id and the
+    options, offline mode, a token (``--token``, HF_TOKEN or a login) that the Hub accepts
+    and that may write to the namespace (``whoami``), and ``--private`` on a public repo.
+    Each Hub request gives up after ``timeout`` seconds without an answer."""
+    from huggingface_hub import HfApi, constants
+
     validate_repo_id(repo_id)
+    _check_options(revision, create_pr)
     if constants.is_offline_mode():
         raise PublishError(
             "--push-to-hub: HF_HUB_OFFLINE is set; unset it to publish, or drop --push-to-hub "
             "and run `mergekit-ext publish` later"
         )
-    if not resolve_token(token)[0]:
+    resolved, origin = resolve_token(token)
+    if not resolved:
         raise PublishError(
             "--push-to-hub: not logged in to the Hugging Face Hub: run `hf auth login`, set "
             "HF_TOKEN, or pass --token (a token with write permission); nothing was merged"
         )
+    try:
+        with bounded_hub_requests(timeout) as bound:
+            _status(f"--push-to-hub: checking the token and {repo_id} (each request gives up "
+                    f"after {bound:g} s without an answer)")  # fmt: skip
+            check_write_access(repo_id, resolved, endpoint)
+            endpoint = _endpoint(endpoint)
+            target = _Target(repo_id, endpoint, revision or "main", resolved, origin, 0, bound)
+            check_visibility(
+                HfApi(endpoint=endpoint, token=resolved), target, private, make_private
+            )
+    except PublishError as e:
+        raise PublishError(f"--push-to-hub: {e}; nothing was merged") from None
+
+
+def _check_options(revision: Optional[str], create_pr: bool) -> None:
+    if create_pr and revision not in (None, "main"):
+        raise PublishError(
+            "--create-pr opens a pull request against the main branch; drop --revision "
+            f"({revision!r}) or drop --create-pr"
+        )
+    if revision is not None and not revision.strip():
+        raise PublishError("--revision must name a branch")
 
 
 def publish_folder(
@@ -643,13 +812,21 @@ def publish_folder(
     keep_card: bool = False,
     template_dir: Optional[str] = None,
     timeout: Optional[float] = None,
+    replace_card: bool = False,
+    make_private: bool = False,
 ) -> str:
     """Upload the merge in ``out_dir`` to ``repo_id``; returns the commit (or PR) URL.
 
     The uploaded ``README.md`` is the card rendered for ``repo_id`` (the repository's name
     as title, ``repo_id`` in the loading snippets; ``template_dir`` as for ``card``); the
     local one, written for the folder, is left as it is. ``keep_card`` uploads the local
-    file unchanged instead (a card edited by hand).
+    file unchanged instead; a card mergekit-ext did not write as it is now (mergekit's, one
+    edited by hand) is uploaded unchanged unless ``replace_card``.
+
+    Weights, indexes and images of an earlier upload that this one does not contain are
+    deleted in the same commit (:data:`STALE_PATTERNS`). ``private`` creates a private
+    repository; an existing public one is refused unless ``make_private``, which makes it
+    private before anything is uploaded.
 
     With ``dry_run`` nothing is sent and the returned text lists the files, their sizes
     and the card's front matter. Raises :class:`PublishError` with a message that says what
@@ -660,13 +837,7 @@ def publish_folder(
     from huggingface_hub import HfApi, constants
 
     validate_repo_id(repo_id)
-    if create_pr and revision not in (None, "main"):
-        raise PublishError(
-            "--create-pr opens a pull request against the main branch; drop --revision "
-            f"({revision!r}) or drop --create-pr"
-        )
-    if revision is not None and not revision.strip():
-        raise PublishError("--revision must name a branch")
+    _check_options(revision, create_pr)
     problems = check_complete(out_dir)
     if problems:
         raise PublishError(
@@ -675,7 +846,13 @@ def publish_folder(
     files = list_upload_files(out_dir)
     redact = _redactor(out_dir)
     card_text = redact(
-        card_to_upload(out_dir, repo_id, keep_card=keep_card, template_dir=template_dir)
+        card_to_upload(
+            out_dir,
+            repo_id,
+            keep_card=keep_card,
+            template_dir=template_dir,
+            replace_card=replace_card,
+        )
     )
     sizes = {"README.md": len(card_text.encode("utf-8"))}
     for f in files:
@@ -685,7 +862,7 @@ def publish_folder(
         if changed is not None:
             sizes[f.path] = len(changed)
     files = [FolderFile(f.path, sizes.get(f.path, f.size)) for f in files]
-    endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+    endpoint = _endpoint(endpoint)
     total = sum(f.size for f in files)
     api = HfApi(endpoint=endpoint, token=token or None)
     uploader = choose_uploader(total, create_pr, api)
@@ -699,7 +876,7 @@ def publish_folder(
                 repo_id,
                 files,
                 endpoint=endpoint,
-                private=private,
+                private=private or make_private,
                 revision=revision,
                 create_pr=create_pr,
                 commit_message=message,
@@ -722,8 +899,8 @@ def publish_folder(
     with bounded_hub_requests(timeout) as bound:
         target.timeout = bound
         return _create_and_upload(
-            api, out_dir, card_text, target, private, revision, uploader, message, commit_message,
-            create_pr, total,
+            api, out_dir, card_text, target, private, make_private, revision, uploader, message,
+            commit_message, create_pr, total,
         )  # fmt: skip
 
 
@@ -733,6 +910,7 @@ def _create_and_upload(
     card_text: str,
     target: _Target,
     private: bool,
+    make_private: bool,
     revision: Optional[str],
     uploader: str,
     message: str,
@@ -751,9 +929,15 @@ def _create_and_upload(
         _human(total),
         uploader,
     )
+    if check_visibility(api, target, private, make_private) is False:
+        try:
+            api.update_repo_settings(repo_id, private=True, repo_type="model")
+        except Exception as e:  # noqa: BLE001
+            raise _publish_error(e, "settings", target) from None
+        LOG.warning("%s was public: it is now private (--make-private)", repo_id)
     _status(f"publishing: creating (or finding) {repo_id} at {endpoint} ({bound})")
     try:
-        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        api.create_repo(repo_id, private=private or make_private, exist_ok=True, repo_type="model")
     except Exception as e:  # noqa: BLE001 - mapped to a clear PublishError
         raise _publish_error(e, "create", target) from None
     if revision and revision != "main" and not create_pr:
@@ -785,6 +969,11 @@ def _upload(
                 LOG.warning(
                     "upload_large_folder writes its own commit messages; --commit-message is ignored"
                 )
+            LOG.warning(
+                "upload_large_folder cannot delete files: weights, indexes and images of an "
+                "earlier upload to %s stay beside the new ones; remove them on the Hub",
+                repo_id,
+            )
             api.upload_large_folder(
                 repo_id=repo_id, folder_path=folder, repo_type="model", revision=revision
             )
@@ -796,6 +985,7 @@ def _upload(
             revision=revision,
             commit_message=message,
             create_pr=create_pr,
+            delete_patterns=list(STALE_PATTERNS),
         )
     except Exception as e:  # noqa: BLE001
         raise _publish_error(e, "upload", target) from None

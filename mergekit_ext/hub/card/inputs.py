@@ -173,6 +173,121 @@ def display_path(path: str, cwd: Optional[str] = None) -> str:
     return os.path.basename(normalized.rstrip(os.sep)) or "model"
 
 
+def dot_path(path: str) -> str:
+    """A relative local path as ``./x`` so that ``m/x`` cannot be read as a Hub id."""
+    if (
+        path.startswith(("./", "../", "/", "~"))
+        or path in (".", "..")
+        or re.match(r"^[A-Za-z]:[\\/]", path)
+    ):
+        return path
+    return "./" + path
+
+
+def undot(path: str) -> str:
+    return path[2:] if path.startswith("./") else path
+
+
+# ``model:`` / ``base_model:`` values of a mergekit YAML (block style, optionally quoted)
+_MODEL_LINE = re.compile(
+    r"^(?P<head>[ \t]*(?:-[ \t]*)?(?:base_)?model[ \t]*:[ \t]*)(?P<q>['\"]?)"
+    r"(?P<value>[^'\"#\s]+)(?P=q)",
+    re.M,
+)
+
+
+def dot_local_models(text: str, local: Callable[[str], bool]) -> str:
+    """``model:`` and ``base_model:`` values of the YAML ``text`` that name a local folder
+    (``local(path)``; each side of ``model+lora`` apart) written as ``./path``."""
+
+    def fix(match: re.Match[str]) -> str:
+        parts = [dot_path(p) if local(undot(p)) else p for p in match["value"].split("+")]
+        return f"{match['head']}{match['q']}{'+'.join(parts)}{match['q']}"
+
+    return _MODEL_LINE.sub(fix, text)
+
+
+_DOWNLOAD_METADATA = os.path.join(".cache", "huggingface", "download")
+
+
+def _hub_like(value: Any) -> bool:
+    if not isinstance(value, str) or not _HUB_ID.match(value) or os.path.exists(value):
+        return False
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(value)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _download_commit(folder: str) -> Optional[str]:
+    """The commit that ``hf download --local-dir`` recorded for the folder's config (first
+    line of ``.cache/huggingface/download/<file>.metadata``, huggingface_hub's layout)."""
+    meta_dir = os.path.join(folder, _DOWNLOAD_METADATA)
+    for name in ("config.json", "adapter_config.json", README_FILENAME):
+        try:
+            with open(os.path.join(meta_dir, name + ".metadata"), encoding="utf-8") as fp:
+                commit = fp.readline().strip()
+        except OSError:
+            continue
+        if re.fullmatch(r"[0-9a-f]{40}", commit):
+            return commit
+    return None
+
+
+def _cached_snapshot_id(commit: str) -> Optional[str]:
+    """The repo whose snapshot ``commit`` is in the local Hugging Face cache, if one is."""
+    from huggingface_hub import constants
+
+    try:
+        entries = os.listdir(constants.HF_HUB_CACHE)
+    except OSError:
+        return None
+    for entry in sorted(entries):
+        if entry.startswith("models--") and os.path.isdir(
+            os.path.join(constants.HF_HUB_CACHE, entry, "snapshots", commit)
+        ):
+            return entry[len("models--") :].replace("--", "/", 1)
+    return None
+
+
+def downloaded_hub_id(folder: str) -> tuple[Optional[str], Optional[str], Optional[str]]:
+    """``(hub id, where it was read, commit)`` of a local folder that ``hf download
+    --local-dir`` fetched (it holds ``.cache/huggingface/download``); Nones otherwise.
+
+    Only such folders are asked: a folder saved by ``save_pretrained`` after fine-tuning
+    keeps its parent's ``_name_or_path``, which is not its own id. The id is read, in this
+    order, from ``config.json``'s ``_name_or_path``, the README front matter's
+    ``model_id`` / ``model-index`` name, and the local Hub cache's snapshot of the
+    recorded commit; a candidate whose name is the folder's name is preferred.
+    """
+    if not os.path.isdir(os.path.join(folder, _DOWNLOAD_METADATA)):
+        return None, None, None
+    commit = _download_commit(folder)
+    candidates: list[tuple[str, str]] = []
+    config = _read_json(os.path.join(folder, "config.json")) or {}
+    if _hub_like(config.get("_name_or_path")):
+        candidates.append((config["_name_or_path"], "config.json `_name_or_path`"))
+    readme = os.path.join(folder, README_FILENAME)
+    meta = _front_matter(readme) if os.path.isfile(readme) else {}
+    index = meta.get("model-index")
+    named = [meta.get("model_id")]
+    if isinstance(index, list) and index and isinstance(index[0], Mapping):
+        named.append(index[0].get("name"))
+    candidates += [(v, "README.md front matter") for v in named if _hub_like(v)]
+    if commit:
+        cached = _cached_snapshot_id(commit)
+        if cached:
+            candidates.append((cached, "the Hub cache's snapshot of the downloaded commit"))
+    if not candidates:
+        return None, None, commit
+    base = os.path.basename(os.path.normpath(folder)).lower()
+    best = next((c for c in candidates if c[0].split("/")[1].lower() == base), candidates[0])
+    return best[0], best[1], commit
+
+
 @dataclass
 class InputModel:
     """One input checkpoint (plus optional LoRA) as the card describes it."""
@@ -192,17 +307,35 @@ class InputModel:
     # False for outputs whose diagnostics predate the ``inputs`` record (see collect_inputs).
     recorded: bool = True
     commit: Optional[str] = None
+    # a local folder fetched from the Hub (`hf download --local-dir`): its id, read back
+    # from the folder (:func:`downloaded_hub_id`), and where it was read
+    hub_id: Optional[str] = None
+    hub_id_origin: Optional[str] = None
+    lora_display: Optional[str] = None
 
     @property
     def hub_ids(self) -> list[str]:
-        ids = [self.path] if self.is_hub else []
+        ids = [self.path] if self.is_hub else ([self.hub_id] if self.hub_id else [])
         if self.lora and self.lora_is_hub:
             ids.append(self.lora)
         return ids
 
     @property
+    def model_id(self) -> Optional[str]:
+        """The Hub id of the model (not of a LoRA on it): as given, or read back."""
+        return self.path if self.is_hub else self.hub_id
+
+    @property
     def url(self) -> Optional[str]:
-        return f"https://huggingface.co/{self.path}" if self.is_hub else None
+        return f"https://huggingface.co/{self.model_id}" if self.model_id else None
+
+    @property
+    def lora_url(self) -> Optional[str]:
+        return f"https://huggingface.co/{self.lora}" if self.lora and self.lora_is_hub else None
+
+    @property
+    def model_display(self) -> str:
+        return self.display.split(" + ")[0]
 
     @property
     def source(self) -> str:
@@ -281,8 +414,14 @@ def input_records(cfg: Any) -> list[dict[str, Any]]:
         declared = _declared_license(path, is_hub, ref.model.revision, cwd)
         if not declared and lora:
             declared = _declared_license(lora, lora_is_hub, None, cwd)
+        hub_id, origin, commit = (
+            (None, None, None) if is_hub else downloaded_hub_id(os.path.expanduser(path))
+        )
         records.append(
             {
+                "hub_id": hub_id,
+                "hub_id_origin": origin,
+                "download_commit": commit,
                 "role": role,
                 "model": path,
                 "revision": ref.model.revision,
@@ -324,13 +463,16 @@ def collect_inputs(
     by_key: dict[tuple[str, Optional[str]], Mapping[str, Any]] = {}
     for record in recorded or ():
         if isinstance(record, Mapping) and isinstance(record.get("model"), str):
-            by_key.setdefault((record["model"], record.get("lora")), record)
+            lora_key = record.get("lora")
+            by_key.setdefault(
+                (undot(record["model"]), undot(lora_key) if lora_key else None), record
+            )
     result = []
     for role, ref, name in _model_entries(cfg):
         path = ref.model.path
         lora = ref.lora.path if ref.lora is not None else None
         # The record holds the paths as published (absolute ones shortened): compare so.
-        record = by_key.get((redact(path), redact(lora) if lora else None))
+        record = by_key.get((undot(redact(path)), undot(redact(lora)) if lora else None))
         if record is not None:
             is_hub = record.get("source") == "hub"
             lora_is_hub = bool(lora) and record.get("lora_source") == "hub"
@@ -339,13 +481,23 @@ def collect_inputs(
                 path, ref.model.revision
             )
             lora_is_hub = bool(lora) and _in_hub_cache(lora, None)
-        display = path if is_hub else display_path(path, cwd)
+        display = path if is_hub else dot_path(display_path(path, cwd))
+        lora_display = None
         if lora:
-            display += " + " + (lora if lora_is_hub else display_path(lora, cwd))
+            lora_display = lora if lora_is_hub else dot_path(display_path(lora, cwd))
+            display += " + " + lora_display
+        if record is not None and "hub_id" in record:
+            hub_id, hub_origin = record.get("hub_id"), record.get("hub_id_origin")
+        elif not is_hub:  # an older record, or none: read the folder if it is here
+            folder = os.path.join(cwd, os.path.expanduser(path))
+            hub_id, hub_origin, _ = downloaded_hub_id(folder)
+        else:
+            hub_id = hub_origin = None
+        shown = lora_display or display
         result.append(
             InputModel(
                 role=role,
-                name=name or (os.path.basename(display.split(" + ")[0].rstrip("/")) or display),
+                name=name or (os.path.basename(undot(shown).rstrip("/")) or shown),
                 path=path,
                 revision=ref.model.revision,
                 lora=lora,
@@ -353,7 +505,10 @@ def collect_inputs(
                 lora_is_hub=lora_is_hub,
                 display=display,
                 recorded=record is not None,
-                commit=(record or {}).get("commit") if is_hub else None,
+                commit=(record or {}).get("commit" if is_hub else "download_commit"),
+                hub_id=None if is_hub else hub_id,
+                hub_id_origin=None if is_hub else hub_origin,
+                lora_display=lora_display,
             )
         )
         if record is not None and "license" in record:

@@ -32,6 +32,8 @@ from mergekit_ext.hub.card.inputs import (
     collect_inputs,
     decide_license,
     display_path,
+    dot_local_models,
+    undot,
 )
 from mergekit_ext.reporting import IMAGES_DIR
 
@@ -146,39 +148,52 @@ def _model_name(out_dir: str, name: Optional[str], repo_id: Optional[str]) -> st
 
 
 def _calibration_rows(diag: Mapping[str, Any], cfg: Any, cwd: str) -> list[dict[str, Any]]:
-    rows = []
+    """One row per model with calibration data, in the order of ``models:``; what the merge
+    recorded (samples, tokens, content hash) beside what the config asked (max_length,
+    chat template)."""
     recorded = diag.get("calibration") or {}
-    if isinstance(recorded, Mapping) and recorded:
-        for model, info in recorded.items():
-            info = info or {}
-            source = str(info.get("source") or "")
+    recorded = recorded if isinstance(recorded, Mapping) else {}
+    rows = []
+    for entry in cfg.models:
+        spec = cfg.calibration_for(entry)
+        info = recorded.get(entry.name)
+        if info is None and (spec is None or not spec.has_data):
+            continue
+        info = info or {}
+        chat = getattr(spec, "apply_chat_template", None)
+        if chat is None:
+            chat = getattr(spec, "chat_template", None)
+        rows.append(
+            {
+                "model": entry.name,
+                "source": _display_source(
+                    str(info.get("source") or (spec.describe() if spec else "")), cwd
+                ),
+                "samples": info.get("samples", spec.samples if spec else None),
+                "tokens": info.get("tokens"),
+                "max_length": getattr(spec, "max_length", None),
+                "chat_template": chat if isinstance(chat, bool) else None,
+                "modality": info.get("modality") or "",
+                "sha256": info.get("sha256") or "",
+                "recorded": bool(info),
+            }
+        )
+    names = {r["model"] for r in rows}
+    for model, info in recorded.items():  # a task the config no longer names: still shown
+        if model not in names and isinstance(info, Mapping):
             rows.append(
                 {
                     "model": model,
-                    "source": _display_source(source, cwd),
+                    "source": _display_source(str(info.get("source") or ""), cwd),
                     "samples": info.get("samples"),
                     "tokens": info.get("tokens"),
+                    "max_length": None,
+                    "chat_template": None,
                     "modality": info.get("modality") or "",
                     "sha256": info.get("sha256") or "",
                     "recorded": True,
                 }
             )
-        return rows
-    for entry in cfg.models:
-        spec = cfg.calibration_for(entry)
-        if spec is None or not spec.has_data:
-            continue
-        rows.append(
-            {
-                "model": entry.name,
-                "source": _display_source(spec.describe(), cwd),
-                "samples": spec.samples,
-                "tokens": None,
-                "modality": "",
-                "sha256": "",
-                "recorded": False,
-            }
-        )
     return rows
 
 
@@ -212,6 +227,36 @@ def _hub_datasets(cfg: Any, cwd: str) -> list[str]:
     return found
 
 
+# Remarks of a parameter's description that belong to the project's docs, not to a card:
+# benchmark-suite numbers, sweeps, references to docs/methods.md (not in the model repo).
+_RESEARCH_REMARK = re.compile(r"suite|benchmark|sweep|docs/methods\.md|FusionBench", re.I)
+
+
+def _card_description(text: str) -> str:
+    """A parameter's description for the card: parenthesised remarks and ``;``-clauses
+    about benchmarks, sweeps or the project's docs dropped."""
+    out, depth, start, pieces = "", 0, 0, []
+    for i, ch in enumerate(text):  # top-level parenthesised groups
+        if ch == "(":
+            if depth == 0:
+                pieces.append((False, text[start:i]))
+                start = i
+            depth += 1
+        elif ch == ")" and depth:
+            depth -= 1
+            if depth == 0:
+                pieces.append((True, text[start : i + 1]))
+                start = i + 1
+    pieces.append((False, text[start:]))
+    for is_group, piece in pieces:
+        if is_group and _RESEARCH_REMARK.search(piece):
+            out = out.rstrip()
+            continue
+        out += piece
+    clauses = [c for c in out.split("; ") if not _RESEARCH_REMARK.search(c)]
+    return "; ".join(clauses).strip()
+
+
 def _parameters(cfg: Any, method: Mapping[str, Any]) -> dict[str, Any]:
     """The parameters as the YAML gave them: a global table and a per-model table.
 
@@ -235,7 +280,7 @@ def _parameters(cfg: Any, method: Mapping[str, Any]) -> dict[str, Any]:
                 "value": given.get(name),
                 "default": doc.get("default"),
                 "required": bool(doc.get("required")),
-                "description": doc.get("description") or "",
+                "description": _card_description(doc.get("description") or ""),
             }
         )
     for name, value in given.items():
@@ -426,6 +471,35 @@ def _task_entry(tasks_dir: str, name: str) -> dict[str, Any]:
     }
 
 
+_CHAT_FILES = ("chat_template.jinja", "chat_template.json")
+
+
+def has_chat_template(folder: str) -> bool:
+    """The tokenizer saved in ``folder`` has a chat template (in ``tokenizer_config.json``
+    or a ``chat_template.jinja`` / ``.json`` file, as transformers saves them)."""
+    if any(os.path.isfile(os.path.join(folder, f)) for f in _CHAT_FILES):
+        return True
+    config = _read_json(os.path.join(folder, "tokenizer_config.json")) or {}
+    return bool(config.get("chat_template"))
+
+
+def _project_url() -> Optional[str]:
+    """The project's repository URL as the installed package declares it (pyproject
+    ``[project.urls]``), or None: the card links to nothing then."""
+    try:
+        urls = importlib.metadata.metadata("mergekit-ext").get_all("Project-URL") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    found = {}
+    for entry in urls:
+        label, _, url = entry.partition(",")
+        found[label.strip().lower()] = url.strip()
+    for key in ("repository", "source", "source code", "homepage"):
+        if found.get(key):
+            return found[key]
+    return None
+
+
 @dataclass
 class CardContext:
     """Everything a template sees, plus the metadata; built by :func:`build_card_context`."""
@@ -541,6 +615,11 @@ def build_card_context(
         else []
     )
     shown_yaml, shortened = _shorten_yaml_paths(config_text.rstrip("\n"), cfg.raw, cwd)
+    local = {undot(display_path(m.path, cwd)) for m in inputs if not m.is_hub}
+    local |= {undot(display_path(m.lora, cwd)) for m in inputs if m.lora and not m.lora_is_hub}
+    dotted = dot_local_models(shown_yaml, local.__contains__)
+    yaml_dotted = dotted != shown_yaml or bool(re.search(r"model:\s*['\"]?\./", shown_yaml))
+    shown_yaml = dotted
     text_sha = hashlib.sha256(config_text.encode("utf-8")).hexdigest()
     recorded_sha = diag.get("config_sha256")
     has_tokenizer = any(
@@ -550,6 +629,11 @@ def build_card_context(
     has_processor = any(
         os.path.isfile(os.path.join(out_dir, f))
         for f in ("preprocessor_config.json", "processor_config.json")
+    )
+    chat = has_chat_template(out_dir) or any(
+        has_chat_template(os.path.join(cwd, os.path.expanduser(m.path)))
+        for m in inputs
+        if not m.is_hub
     )
     eval_rows = [
         {
@@ -572,7 +656,12 @@ def build_card_context(
         "config_yaml": shown_yaml,
         # A copy the runner already shortened: the hash differs from the recorded original.
         "yaml_shortened": shortened
-        or (recorded_sha != text_sha and diag.get("config_written_sha256") == text_sha),
+        or (
+            recorded_sha != text_sha
+            and diag.get("config_written_sha256") == text_sha
+            and diag.get("config_paths_shortened", True) is not False
+        ),
+        "yaml_dotted": yaml_dotted,
         "config_sha256": recorded_sha or text_sha,
         "config_modified": bool(recorded_sha)
         and recorded_sha != text_sha
@@ -591,11 +680,13 @@ def build_card_context(
         "has_diagnostics": bool(diag),
         "eval_rows": eval_rows,
         "versions": _versions(diag),
+        "project_url": _project_url(),
         "usage": {
             "model_id": repo_id or f"./{model_name}",
             "auto_class": arch.auto_class,
             "has_tokenizer": has_tokenizer,
             "has_processor": has_processor,
+            "chat": chat,
             "tasks": _task_folders(out_dir, diag),
         },
     }

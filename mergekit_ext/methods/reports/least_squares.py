@@ -84,16 +84,25 @@ def plot_layerwise(
         t: [weights[t][i] / totals[i] if totals[i] > 0 else math.nan for i in x] for t in tasks
     }
     conds = [as_float(layer.get("condition_number")) for layer in layers]
-    fig, (ax_w, ax_c) = new_figure(rows=2)
-    bottom = [0.0] * len(x)
-    for task in tasks:
-        values = [v if math.isfinite(v) else 0.0 for v in shares[task]]
-        ax_w.bar(x, values, bottom=bottom, label=task, width=0.9)
-        bottom = [b + v for b, v in zip(bottom, values)]
-    ax_w.set_ylim(0, 1)
-    ax_w.set_ylabel("share of Σ ω")
-    ax_w.set_title(f"{title}: task weights ω_k per layer")
-    ax_w.legend(fontsize=7, ncol=min(4, max(1, len(tasks))))
+    # Equal shares everywhere (uniform weighting): a flat bar chart says nothing, so only
+    # the condition number is drawn and the caption says the weights were equal.
+    uniform = all(
+        math.isfinite(v) and abs(v - 1.0 / len(tasks)) < 1e-6 for t in tasks for v in shares[t]
+    )
+    fig, axes = new_figure(rows=1 if uniform else 2)
+    ax_c = axes[-1]
+    if not uniform:
+        ax_w = axes[0]
+        bottom = [0.0] * len(x)
+        for task in tasks:
+            values = [v if math.isfinite(v) else 0.0 for v in shares[task]]
+            ax_w.bar(x, values, bottom=bottom, label=task, width=0.9)
+            bottom = [b + v for b, v in zip(bottom, values)]
+        ax_w.set_ylim(0, 1)
+        ax_w.set_ylabel("share of Σ ω")
+        ax_w.set_title(f"{title}: task weights ω_k per layer")
+        ax_w.legend(fontsize=7, ncol=min(4, max(1, len(tasks))))
+        layer_ticks(ax_w, names)
     finite_conds = [c if math.isfinite(c) and c > 0 else math.nan for c in conds]
     ax_c.plot(x, finite_conds, marker=".", color="#55A868")
     if finite(finite_conds):
@@ -101,15 +110,20 @@ def plot_layerwise(
     ax_c.set_ylabel("condition number")
     ax_c.set_title("condition number of the merged Gram Σ ω G̃")
     ax_c.set_xlabel("linear group (forward order)")
-    for ax in (ax_w, ax_c):
-        layer_ticks(ax, names)
+    layer_ticks(ax_c, names)
     ax_c.grid(alpha=0.3)
     plots.append(
         Plot(
             save_figure(fig, images_dir, f"{section_name}_task_weights.png"),
             f"{title} task weights",
-            "Each task's share of the weights ω per layer, and the condition number of the "
-            "weighted Gram matrix that is inverted.",
+            (
+                f"The task weights are equal ({len(tasks)} tasks, each 1/{len(tasks)} of every "
+                "layer), so only the condition number of the weighted Gram matrix that is "
+                "inverted is drawn: the larger it is, the more the solve amplifies noise."
+                if uniform
+                else "Each task's share of the weights ω per layer, and the condition number "
+                "of the weighted Gram matrix that is inverted."
+            ),
         )
     )
     return plots
