@@ -58,6 +58,7 @@ from typing import Any, Literal, Optional
 import torch
 from torch import nn
 
+from mergekit_ext import diagnostics
 from mergekit_ext.calibration.config import CalibrationSpec
 from mergekit_ext.calibration.sources import (
     CalibrationData,
@@ -1341,10 +1342,4 @@ def plot_block_errors(
 
 def jsonable(value: Any) -> Any:
     """NaN/Inf as strings (``"inf"``): the JSON stays standard and reporting reads them back."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    return value
+    return diagnostics.jsonable(value)

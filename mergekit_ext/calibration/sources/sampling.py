@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mergekit_ext.diagnostics import jsonable
 from mergekit_ext.errors import CalibrationError
 
 if TYPE_CHECKING:
@@ -79,4 +80,6 @@ class _Hasher:
 
 
 def _jsonable(value: Any) -> Any:
-    return json.loads(json.dumps(value, sort_keys=True, default=str))
+    """Plain, key-sorted JSON values (other objects as ``str``), NaN/inf by the project's rule
+    (:func:`mergekit_ext.diagnostics.jsonable`)."""
+    return jsonable(json.loads(json.dumps(value, sort_keys=True, default=str)))
