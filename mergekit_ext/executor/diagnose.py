@@ -88,6 +88,7 @@ from mergekit_ext.executor.sequential import (
     _StopForward,
     _trim_heap,
 )
+from mergekit_ext.kl import kl_from_log_probs
 
 LOG = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ def kl_and_agreement(
     """
     log_p = torch.log_softmax(reference_logits.double(), dim=-1)
     log_q = torch.log_softmax(logits.double(), dim=-1)
-    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    kl = kl_from_log_probs(log_p, log_q)
     agree = reference_logits.argmax(-1) == logits.argmax(-1)
     return kl, agree
 
