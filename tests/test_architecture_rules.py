@@ -263,9 +263,9 @@ def test_merge_hashes_match_the_recorded_ones():
     """Two of the eight harness merges (benchmarks/merge_hashes.py) give the recorded bytes.
 
     The full check (all eight, < 30 s on one core) after a refactor:
-    ``python -m benchmarks.merge_hashes --check benchmarks/results/merge_hashes.json``.
+    ``python -m benchmarks.merge_hashes --check benchmarks/merge_hashes.json``.
     """
-    path = os.path.join(os.path.dirname(PACKAGE_DIR), "benchmarks", "results", "merge_hashes.json")
+    path = os.path.join(os.path.dirname(PACKAGE_DIR), "benchmarks", "merge_hashes.json")
     with open(path, encoding="utf-8") as fp:
         expected = json.load(fp)
     if expected["_environment"] != merge_hashes.environment():
