@@ -52,6 +52,7 @@ from mergekit_ext.executor.sequential import (
     _oriented,
     _TaskState,
 )
+from mergekit_ext.kl import kl_from_log_probs
 from mergekit_ext.memory_model import (
     GIB,
     MemoryParts,
@@ -284,7 +285,7 @@ def next_token_kl(
     log_p: torch.Tensor, target_log_probs: torch.Tensor, mask: Optional[torch.Tensor]
 ) -> float:
     """``Σ_j Σ_τ KL(p_t ‖ p)`` over the unmasked positions of a batch."""
-    kl = (target_log_probs.exp() * (target_log_probs - log_p)).sum(-1)
+    kl = kl_from_log_probs(target_log_probs, log_p)
     if mask is not None:
         kl = kl * mask.to(kl.dtype)
     return float(kl.double().sum())
