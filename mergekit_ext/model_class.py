@@ -175,6 +175,28 @@ def fused_keys(model: nn.Module, checkpoint_keys: Iterable[str]) -> dict[str, st
     }
 
 
+def fused_module_keys(model: nn.Module, checkpoint_keys: Iterable[str]) -> dict[str, list[str]]:
+    """``{module key: its checkpoint pieces}`` for the tensors transformers fuses at load
+    time (Mixtral's ``mlp.experts.gate_up_proj`` from ``block_sparse_moe.experts.N.w1/w3``)."""
+    out: dict[str, list[str]] = {}
+    for key, renamed, converter in _renamed(model, checkpoint_keys):
+        if converter is not None:
+            out.setdefault(renamed, []).append(key)
+    return out
+
+
+def saved_pieces(
+    model: nn.Module, module_key: str, tensor: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """``tensor`` (the class's ``module_key``) as ``save_pretrained`` writes it: its
+    checkpoint pieces by transformers' own reverted conversion (itself when not fused)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return {
+        k: v.contiguous() for k, v in revert_weight_conversion(model, {module_key: tensor}).items()
+    }
+
+
 def _renamed(model: nn.Module, checkpoint_keys: Iterable[str]):
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import (

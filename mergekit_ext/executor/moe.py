@@ -1,8 +1,8 @@
 """Routed-expert statistics and per-expert least-squares merges of mixture-of-experts blocks.
 
-Not reachable from a merge yet: discovery still refuses MoE blocks (docs/methods.md, "Model
-structure"). This module is the statistics and merge machinery that the executor's MoE
-path will call (issue #30 item 3); it is tested on its own.
+The sequential executor calls this for an experts module (a group with ``experts=True``,
+:mod:`mergekit_ext.executor.families.discovery`); docs/methods.md, "Mixture-of-experts
+blocks", states the choices.
 
 transformers 5 holds the routed experts of Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 in
 one module (``MixtralExperts`` ...) with 3-D weights ``gate_up_proj`` ``[E, 2I, H]`` and
@@ -25,7 +25,6 @@ with every row routed to ``e`` at weight 1), never from a re-implementation.
 from __future__ import annotations
 
 import logging
-import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
 
 from mergekit_ext.calibration.statistics import ActivationStatistics, TaskStatistics
@@ -60,16 +60,26 @@ class RoutedCall:
     top_k_weights: torch.Tensor  # [T, k]
 
 
+def routed_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> RoutedCall:
+    """The arguments of one call of an experts module (``forward(hidden_states,
+    top_k_index, top_k_weights)``, positional or by name)."""
+    values = list(args) + [
+        kwargs[n] for n in ("hidden_states", "top_k_index", "top_k_weights") if n in kwargs
+    ]
+    if len(values) < 3:
+        raise TensorError(
+            "an experts module was called without (hidden_states, top_k_index, top_k_weights)"
+        )
+    hidden, index, weights = values[:3]
+    return RoutedCall(hidden.detach(), index.detach(), weights.detach())
+
+
 @contextmanager
 def capture_routing(experts: nn.Module, calls: list[RoutedCall]) -> Iterator[None]:
     """Record each call of ``experts`` (the rows and the routing the block's router chose)."""
 
     def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        values = list(args) + [
-            kwargs[n] for n in ("hidden_states", "top_k_index", "top_k_weights") if n in kwargs
-        ]
-        hidden, index, weights = values[:3]
-        calls.append(RoutedCall(hidden.detach(), index.detach(), weights.detach()))
+        calls.append(routed_call(args, kwargs))
 
     handle = experts.register_forward_pre_hook(pre, with_kwargs=True)
     try:
@@ -95,20 +105,12 @@ class _LinearInputs(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-@contextmanager
-def _eager(experts: nn.Module) -> Iterator[None]:
-    """The class's own eager forward for this call: transformers dispatches the decorated
-    experts classes to fused kernels (``grouped_mm``) by ``config._experts_implementation``,
-    which compute the same products without one ``F.linear`` per expert."""
-    eager = getattr(type(experts).forward, "__wrapped__", None)
-    if eager is None:
-        yield
-        return
-    experts.forward = types.MethodType(eager, experts)  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        del experts.forward  # the instance attribute; the class's forward is back
+def _eager_forward(experts: nn.Module) -> Callable[..., torch.Tensor]:
+    """The class's own eager forward: transformers dispatches the decorated experts classes
+    to fused kernels (``grouped_mm``) by ``config._experts_implementation``, which compute
+    the same products without one ``F.linear`` per expert."""
+    forward = type(experts).forward
+    return getattr(forward, "__wrapped__", forward)
 
 
 def expert_intermediate(
@@ -132,8 +134,10 @@ def expert_intermediate(
     index = torch.full((n, 1), expert, dtype=torch.long, device=rows.device)
     weights = torch.ones(n, 1, dtype=rows.dtype, device=rows.device)
     mode = _LinearInputs(params[DOWN].untyped_storage().data_ptr())
-    with _eager(experts), mode:
-        torch.func.functional_call(experts, params, (rows, index, weights))
+    # the forward itself, not the module's __call__: no hook of the module runs again (the
+    # executor's statistics hook sits on it), with ``params`` in place of its parameters
+    with _reparametrize_module(experts, params), mode:
+        _eager_forward(experts)(experts, rows, index, weights)
     if len(mode.inputs) != 1:
         raise TensorError(
             f"{type(experts).__name__}: expected one down_proj product for expert {expert}, "
@@ -245,6 +249,7 @@ def merge_experts(
     merged_stats: Optional[
         Sequence[Sequence[Optional[tuple[TaskStatistics, TaskStatistics]]]]
     ] = None,
+    output_dtype: Optional[torch.dtype] = None,
 ) -> ExpertMergeResult:
     """Merge each routed expert's ``gate_up`` and ``down`` as linear groups of their own.
 
@@ -257,6 +262,8 @@ def merge_experts(
         expert_stats: per task, :meth:`RoutedExpertStatistics.finalize` on the expert path.
         names: expert index -> the (gate_up, down) names its groups are called by.
         merged_stats: the same on the merged path (CoM, QP ``propagate``), or None.
+        output_dtype: the dtype the merged matrices are written in (diagnostics describe
+            them as written), or None.
 
     Returns:
         The merged fused tensors; an expert that some task routed no token to takes the
@@ -287,6 +294,7 @@ def merge_experts(
                 task_names=list(task_names),
                 expert_stats=[s[part] for s in own],  # type: ignore[index]
                 merged_stats=[s[part] for s in path] if path is not None else None,  # type: ignore[index]
+                output_dtypes={name: output_dtype} if output_dtype is not None else None,
             )
             result, diagnostics = method.merge_linear_group(group, parameters)
             target[e] = result[name]
