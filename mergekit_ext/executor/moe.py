@@ -250,6 +250,7 @@ def merge_experts(
         Sequence[Sequence[Optional[tuple[TaskStatistics, TaskStatistics]]]]
     ] = None,
     output_dtype: Optional[torch.dtype] = None,
+    parts: tuple[str, ...] = (GATE_UP, DOWN),
 ) -> ExpertMergeResult:
     """Merge each routed expert's ``gate_up`` and ``down`` as linear groups of their own.
 
@@ -264,14 +265,17 @@ def merge_experts(
         merged_stats: the same on the merged path (CoM, QP ``propagate``), or None.
         output_dtype: the dtype the merged matrices are written in (diagnostics describe
             them as written), or None.
+        parts: which of ``gate_up_proj`` / ``down_proj`` to merge (the others are returned
+            as the base's): Chain of Merges merges ``gate_up`` first, then ``down`` on the
+            merged-path rows that the merged ``gate_up`` gives.
 
     Returns:
         The merged fused tensors; an expert that some task routed no token to takes the
         method's fallback merge (``merge_other``) for both matrices and is listed.
     """
     num = base[GATE_UP].shape[0]
-    gate_up = torch.empty_like(base[GATE_UP])
-    down = torch.empty_like(base[DOWN])
+    gate_up = base[GATE_UP].clone()
+    down = base[DOWN].clone()
     records: list[dict[str, Any]] = []
     without: list[int] = []
     for e in range(num):
@@ -281,11 +285,15 @@ def merge_experts(
         if any(s is None for s in own) or (path is not None and any(s is None for s in path)):
             without.append(e)
             for target, key, name in ((gate_up, GATE_UP, gu_name), (down, DOWN, dn_name)):
+                if key not in parts:
+                    continue
                 target[e] = method.merge_other(
                     name, base[key][e], [w[key][e] for w in experts], parameters
                 )
             continue
         for target, key, name, part in ((gate_up, GATE_UP, gu_name, 0), (down, DOWN, dn_name, 1)):
+            if key not in parts:
+                continue
             group = LinearGroup(
                 name=name,
                 weights=[name],

@@ -70,6 +70,7 @@ from mergekit_ext.executor.families import GroupSpec
 from mergekit_ext.executor.moe import (
     DOWN,
     GATE_UP,
+    ExpertMergeResult,
     RoutedExpertStatistics,
     merge_experts,
     routed_call,
@@ -884,20 +885,47 @@ class SequentialExecutor:
         gate_up, down = block.group_tensors(group)
         names = (self.plan.output_name(gate_up), self.plan.output_name(down))
         dtype = self._written_dtype(gate_up)
-        result = merge_experts(
-            self.method,
-            self.parameters,
-            {GATE_UP: base_block[gate_up], DOWN: base_block[down]},
-            [
-                {GATE_UP: expert_blocks[s.index][gate_up], DOWN: expert_blocks[s.index][down]}
-                for s in self.states
-            ],
-            [s.name for s in self.states],
-            expert_stats if expert_stats is not None else [],
-            lambda e: (f"{names[0]}.{e}", f"{names[1]}.{e}"),
-            merged_stats,
-            output_dtype=dtype,
-        )
+
+        def solve(parts: tuple[str, ...], path: Optional[list[Any]]) -> Any:
+            return merge_experts(
+                self.method,
+                self.parameters,
+                {GATE_UP: base_block[gate_up], DOWN: base_block[down]},
+                [
+                    {GATE_UP: expert_blocks[s.index][gate_up], DOWN: expert_blocks[s.index][down]}
+                    for s in self.states
+                ],
+                [s.name for s in self.states],
+                expert_stats if expert_stats is not None else [],
+                lambda e: (f"{names[0]}.{e}", f"{names[1]}.{e}"),
+                path,
+                output_dtype=dtype,
+                parts=parts,
+            )
+
+        if merged_stats is None:
+            result = solve((GATE_UP, DOWN), None)
+        else:
+            # Chain of Merges: every expert's gate_up first; then down on the merged-path
+            # rows that the merged gate_up gives (the routing is the same: the router and
+            # the experts' input are merged already)
+            first = solve((GATE_UP,), merged_stats)
+            self._check_merged(names[0], first.gate_up, base_block[gate_up].shape)
+            merged[gate_up] = self._write(gate_up, first.gate_up)
+            local = len(block.prefix)
+            params = {name[local:]: merged.get(name, base_block[name]) for name in block.tensors}
+            replay = _LinearOutputCache(self.blocks[block.index], 0)  # nothing recorded
+            try:
+                again = self._merged_path_statistics(block, group, params, replay)
+            finally:
+                replay.close()
+            second = solve((DOWN,), again)
+            result = ExpertMergeResult(
+                first.gate_up,
+                second.down,
+                first.records + second.records,
+                sorted(set(first.without_tokens) | set(second.without_tokens)),
+            )
         for canonical, tensor in ((gate_up, result.gate_up), (down, result.down)):
             self._check_merged(
                 self.plan.output_name(canonical), tensor, base_block[canonical].shape
