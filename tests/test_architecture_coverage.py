@@ -525,3 +525,19 @@ def test_expert_without_routed_tokens_takes_the_fallback(checkpoints, data, tmp_
     ).batches[0]
     with torch.no_grad():
         assert torch.isfinite(tiny_architectures.outputs(model.eval(), batch)).all()
+
+
+def test_moe_model_output_objective_is_refused_before_weights(checkpoints, data, monkeypatch):
+    """QP's whole-model fit walks linears one at a time; an experts module is refused while
+    planning, naming what works (the layer objective, regmean, chain_of_merges)."""
+    from mergekit_ext.errors import NotSupportedError
+
+    base, experts = checkpoints("qwen2_moe")
+    cfg = _config("qp_projection", base, experts, data["text"], objective="model_output")
+
+    def no_weights(*args, **kwargs):  # pragma: no cover - the refusal comes first
+        raise AssertionError("a weight was read before the refusal")
+
+    monkeypatch.setattr(ModelSource, "load", no_weights)
+    with pytest.raises(NotSupportedError, match="mixture-of-experts.*layer_output"):
+        plan_layerwise_merge(cfg, OPTIONS, _method("qp_projection"), cfg.parameters)
