@@ -16,11 +16,16 @@ The model is the transformers class built on the meta device (no weights). Disco
    ordered by their first call, the layers of a group in call order. Fused projections
    (``qkv_proj``, ``gate_up_proj``, Falcon's ``query_key_value``) are one linear each.
 
+Mixture-of-experts blocks: an *experts module* (transformers 5's fused 3-D
+``gate_up_proj`` / ``down_proj``) is replaced in the trace by one that records its input and
+is a group of its own (``experts=True``); a *router* (one ``[E, H]`` weight, not an
+``nn.Linear``) runs on the zero weights, its input is recorded and it is a group of its own.
+
 Refused, naming the module and the reason: a linear layer that reads two different inputs
 in one forward (DeBERTa's shared relative-position keys), a weight of a block that is not a
-linear layer that ran (mixture-of-experts expert tensors, a linear the forward never
-called), a module that runs between blocks (DeBERTa-v2's convolution after the first
-block). Nothing here reads a weight.
+linear layer, experts module or router that ran (a linear the forward never called), a
+module that runs between blocks (DeBERTa-v2's convolution after the first block). Nothing
+here reads a weight.
 """
 
 from __future__ import annotations
