@@ -75,6 +75,13 @@ def check_model_output_supported(
     family: ModelFamily, method: str, request: ModelOutputRequest
 ) -> None:
     """Refuse what the whole-model path does not implement, before anything loads."""
+    if family.fused_experts:
+        raise NotSupportedError(
+            f"{method}: objective: model_output does not fit mixture-of-experts experts "
+            f"({family.name}): the whole-model fit walks linear layers one at a time and the "
+            "routed experts are one 3-D tensor per block; use objective: layer_output (each "
+            "expert solved on the tokens routed to it), regmean or chain_of_merges"
+        )
     if family.causal_lm and request.sketch_rows == 0:
         raise NotSupportedError(
             f"{method}: output_sketch: 0 (every output coordinate) is not available for causal "
