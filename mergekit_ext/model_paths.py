@@ -200,10 +200,18 @@ def tensor_shapes(path: str) -> dict[str, tuple[int, ...]]:
 
 
 def hub_offline() -> bool:
-    """Whether ``HF_HUB_OFFLINE`` is set (as huggingface_hub reads it)."""
+    """Whether the Hub is offline: the one place mergekit-ext asks.
+
+    huggingface_hub's ``is_offline_mode()`` (``HF_HUB_OFFLINE``, read when it was imported),
+    or ``HF_HUB_OFFLINE`` set since (a plugin or a test that sets it before the merge).
+    """
     from huggingface_hub import constants
 
-    return constants.is_offline_mode()
+    return constants.is_offline_mode() or _is_true(os.environ.get("HF_HUB_OFFLINE"))
+
+
+def _is_true(value: Optional[str]) -> bool:
+    return (value or "").strip().upper() in {"1", "ON", "YES", "TRUE"}
 
 
 def cached_snapshot(
