@@ -200,18 +200,11 @@ def tensor_shapes(path: str) -> dict[str, tuple[int, ...]]:
 
 
 def hub_offline() -> bool:
-    """Whether the Hub is offline: the one place mergekit-ext asks.
-
-    huggingface_hub's ``is_offline_mode()`` (``HF_HUB_OFFLINE``, read when it was imported),
-    or ``HF_HUB_OFFLINE`` set since (a plugin or a test that sets it before the merge).
-    """
+    """Whether the Hub is offline: the one place mergekit-ext asks, and the answer
+    huggingface_hub itself acts on (``HF_HUB_OFFLINE`` as it read it, ``is_offline_mode()``)."""
     from huggingface_hub import constants
 
-    return constants.is_offline_mode() or _is_true(os.environ.get("HF_HUB_OFFLINE"))
-
-
-def _is_true(value: Optional[str]) -> bool:
-    return (value or "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+    return constants.is_offline_mode()
 
 
 def cached_snapshot(

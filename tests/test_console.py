@@ -162,11 +162,37 @@ def test_token_precedence(tmp_path, monkeypatch) -> None:
 
 
 def test_offline_mode_has_one_source(monkeypatch) -> None:
+    """``hub_offline`` answers what huggingface_hub acts on, and publishing asks it."""
+    from mergekit_ext.errors import PublishError
+    from mergekit_ext.hub.publish import check_can_publish
+
     monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     assert not model_paths.hub_offline()
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # set after huggingface_hub was imported
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
     assert model_paths.hub_offline()
-    monkeypatch.delenv("HF_HUB_OFFLINE")
-    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)  # as huggingface_hub read it
-    assert model_paths.hub_offline()
+    with pytest.raises(PublishError, match="HF_HUB_OFFLINE"):
+        check_can_publish("alice/x", token="hf_flag")
+
+
+def test_dry_run_prints_each_plan_warning_once(tiny_llama_set, tmp_path) -> None:
+    """Too few calibration tokens for the groups' width: the plan lists the rank warnings
+    (``warning: ...``) and the planner's log of the same warnings is not printed again."""
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "a b c"}\n{"text": "d e"}\n')
+    base, experts = tiny_llama_set.base, tiny_llama_set.experts[:2]
+    models = [
+        {"model": e, "name": f"t{k}", "calibration": {"path": str(data), "samples": 2}}
+        for k, e in enumerate(experts)
+    ]
+    config = tmp_path / "com.yml"
+    config.write_text(
+        yaml.safe_dump({"merge_method": "chain_of_merges", "base_model": base, "models": models})
+    )
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["run", str(config), str(out), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    warned = [line for line in result.output.splitlines() if line.startswith("warning: ")]
+    ranks = [line for line in warned if "ranks from" in line]
+    assert ranks, result.output
+    assert len(ranks) == len(set(ranks)), result.output  # each once
+    assert not out.exists()

@@ -106,8 +106,10 @@ def _safetensors_header(path: str) -> tuple[Optional[set[str]], Optional[str]]:
     try:
         with safe_open(path, framework="pt") as f:
             return set(f.keys()), None
-    except (OSError, SafetensorError) as e:
-        return None, f"unreadable, truncated or corrupt ({e})"
+    except OSError as e:
+        return None, f"unreadable ({e})"
+    except SafetensorError as e:
+        return None, f"truncated or corrupt ({e})"
 
 
 def _check_weights(folder: str, label: str) -> list[str]:
