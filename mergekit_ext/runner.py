@@ -342,9 +342,9 @@ def _write_metadata(
     stays, like every other published file, has the paths in their display form.
     """
     from mergekit_ext.hub.card import input_records, local_path_redactor
+    from mergekit_ext.hub.card.inputs import dot_local_models, undot
 
     phase("writing mergekit_config.yml, the diagnostics and the model card")
-    from mergekit_ext.hub.card.inputs import dot_local_models, undot
 
     # Where each input came from is decided here, where the merge read it, never later.
     records = input_records(cfg)
