@@ -57,12 +57,20 @@ SCHEMA_VERSION = 1
 FILENAME = "mergekit_ext_diagnostics.json"
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
     """Convert tensors, numpy values and non-finite floats into plain JSON values.
 
+    The project's one JSON sanitiser (diagnostics, ``diagnose`` results, calibration settings).
     JSON has no NaN or infinity: they become the strings ``"nan"``, ``"inf"`` and ``"-inf"``
     (``reporting.as_float`` reads them back), so a measured NaN is not confused with a value
     that was not measured (``null``).
+
+    Args:
+        value: a number, tensor, numpy value, or nested dict/list/tuple of them.
+
+    Returns:
+        The same structure with plain Python values, dict keys as strings, non-finite
+        floats as strings.
     """
     if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):
         value = value.tolist()
@@ -73,10 +81,13 @@ def _jsonable(value: Any) -> Any:
             return "inf" if value > 0 else "-inf"
         return value
     if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     return value
+
+
+_jsonable = jsonable  # the name earlier code and tests use
 
 
 def _map_strings(value: Any, fn: Callable[[str], str]) -> Any:

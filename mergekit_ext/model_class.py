@@ -17,6 +17,10 @@ Comparing tensor names across inputs would call such models incompatible; they a
 - :func:`saved_state_dict`: the tensors ``save_pretrained`` of the class writes, by their
   checkpoint names (Mixtral's per-expert ``block_sparse_moe.experts.N.w1.weight``, not the
   fused ``mlp.experts.gate_up_proj`` the class holds in memory).
+- :func:`fused_pieces`: where each checkpoint tensor of one fused in-memory tensor sits in
+  it (an index map from transformers' own reverted conversion), so a fused tensor is
+  gathered from its checkpoint pieces and a merged one split back into them
+  (:func:`gather_fused`, :func:`split_fused`).
 
 Nothing here reads a weight: configs, safetensors headers and a model built on the meta
 device only.
@@ -83,6 +87,72 @@ def saved_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return dict(revert_weight_conversion(model, state))
 
 
+def fused_pieces(
+    model: nn.Module, module_key: str, shape: Sequence[int]
+) -> dict[str, torch.Tensor]:
+    """Where each checkpoint tensor of the fused in-memory tensor ``module_key`` sits in it.
+
+    transformers' own reverted conversion (the one ``save_pretrained`` applies) is run on a
+    tensor holding each element's flat position, so whatever it does (stack per-expert
+    matrices, concatenate ``w1``/``w3``, transpose) the result says, per checkpoint key, which
+    element of the fused tensor each of its elements is. Nothing is re-implemented.
+
+    Args:
+        model: the class on the meta device (:func:`meta_model`).
+        module_key: the fused tensor's key in ``model.state_dict()``
+            (``model.layers.0.mlp.experts.gate_up_proj``).
+        shape: its shape.
+
+    Returns:
+        ``{checkpoint key: int64 tensor of the piece's shape}`` of flat positions; one entry
+        ``{module_key: arange}`` when the class writes the tensor as it holds it.
+
+    Raises:
+        ModelInputError: the conversion does more than move elements (every element must
+            land in exactly one piece, once).
+    """
+    from transformers.core_model_loading import revert_weight_conversion
+
+    numel = 1
+    for n in shape:
+        numel *= int(n)
+    if numel > 2**53:  # pragma: no cover - float64 holds positions exactly up to 2**53
+        raise ModelInputError(f"{module_key}: {numel} elements, too many to index exactly")
+    positions = torch.arange(numel, dtype=torch.float64).reshape(tuple(shape))
+    reverted = dict(revert_weight_conversion(model, {module_key: positions}))
+    out = {key: t.to(torch.int64) for key, t in reverted.items()}
+    seen = torch.cat([t.reshape(-1) for t in out.values()]) if out else torch.empty(0)
+    exact = all(torch.equal(t.to(torch.float64), reverted[k]) for k, t in out.items())
+    if (
+        not exact
+        or seen.numel() != numel
+        or not torch.equal(seen.sort().values, positions.view(-1).to(torch.int64))
+    ):
+        raise ModelInputError(
+            f"{module_key}: transformers' conversion of this tensor to its checkpoint pieces "
+            f"({', '.join(list(out)[:3])}) is not a rearrangement of its elements; it cannot "
+            "be read or written piece by piece"
+        )
+    return out
+
+
+def gather_fused(
+    pieces: Mapping[str, torch.Tensor], index: Mapping[str, torch.Tensor], shape: Sequence[int]
+) -> torch.Tensor:
+    """The fused tensor from its checkpoint ``pieces`` (``index``: :func:`fused_pieces`)."""
+    first = next(iter(pieces.values()))
+    out = torch.empty(int(torch.tensor(list(shape)).prod()), dtype=first.dtype, device=first.device)
+    for key, where in index.items():
+        out[where.reshape(-1).to(out.device)] = pieces[key].reshape(-1)
+    return out.reshape(tuple(shape))
+
+
+def split_fused(tensor: torch.Tensor, index: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A fused tensor as its checkpoint pieces (contiguous copies), by :func:`fused_pieces`."""
+    flat = tensor.reshape(-1)
+    return {key: flat[where.to(flat.device)].contiguous() for key, where in index.items()}
+
+
 def rename_to_module_keys(model: nn.Module, checkpoint_keys: Iterable[str]) -> dict[str, str]:
     """``{checkpoint key: module key}`` by transformers' own load-time renaming.
 
@@ -102,6 +172,28 @@ def fused_keys(model: nn.Module, checkpoint_keys: Iterable[str]) -> dict[str, st
         key: str(converter)
         for key, _, converter in _renamed(model, checkpoint_keys)
         if converter is not None
+    }
+
+
+def fused_module_keys(model: nn.Module, checkpoint_keys: Iterable[str]) -> dict[str, list[str]]:
+    """``{module key: its checkpoint pieces}`` for the tensors transformers fuses at load
+    time (Mixtral's ``mlp.experts.gate_up_proj`` from ``block_sparse_moe.experts.N.w1/w3``)."""
+    out: dict[str, list[str]] = {}
+    for key, renamed, converter in _renamed(model, checkpoint_keys):
+        if converter is not None:
+            out.setdefault(renamed, []).append(key)
+    return out
+
+
+def saved_pieces(
+    model: nn.Module, module_key: str, tensor: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """``tensor`` (the class's ``module_key``) as ``save_pretrained`` writes it: its
+    checkpoint pieces by transformers' own reverted conversion (itself when not fused)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return {
+        k: v.contiguous() for k, v in revert_weight_conversion(model, {module_key: tensor}).items()
     }
 
 

@@ -695,7 +695,7 @@ def test_com_reference_path_keeps_moments_only_above_the_width_limit(
 
     hidden = 32  # the tiny Llama: hidden 32 (q/k/v, gate/up inputs), wider o and down inputs
     monkeypatch.setattr(chain_of_merges, "FULL_COVARIANCE_W2_MAX_DIM", hidden)
-    monkeypatch.setattr(least_squares, "FULL_COVARIANCE_W2_MAX_DIM", hidden)
+    monkeypatch.setattr(least_squares.measures, "FULL_COVARIANCE_W2_MAX_DIM", hidden)
     monkeypatch.setattr(chain_of_merges.ChainOfMergesMethod, "merge_linear_group", spy)
     cfg = _config(
         "chain_of_merges",

@@ -438,15 +438,19 @@ def test_publish_and_push_to_hub_give_up_on_a_silent_hub(work, tmp_path):
         )  # fmt: skip
         ended = time.monotonic()
         assert rc == 1, out
-        assert f"publishing: creating (or finding) me/merged at {url}" in out, out
-        assert "no answer within 2 s" in out and "the merge succeeded and is kept" in out, out
-        assert os.path.exists(work / "out" / "config.json")
+        # the token is checked (whoami) before anything merges, within the same bound
+        assert "--push-to-hub: checking the token and me/merged" in out, out
+        assert f"cannot reach the Hub at {url} (no answer within 2 s" in out, out
+        assert "nothing was merged" in out, out
+        assert not os.path.exists(work / "out")
         # huggingface_hub first asks for its agent registry (its own 3 s bound, swallowed),
-        # then create_repo: from the first request to the exit, the bounds (it hung > 175 s)
+        # then whoami: from the first request to the exit, the bounds (it hung > 175 s)
         assert silent.accepted_at, "the client never reached the endpoint"
         assert ended - silent.accepted_at[0] < 30
         assert "hf_test_token_not_real" not in out
 
+        rc, out, _ = _cli("run", "ties.yml", "out", cwd=work, timeout=300)
+        assert rc == 0, out
         rc, out, _ = _cli(
             "publish", "out", "--repo-id", "me/merged", "--endpoint", url, "--hub-timeout", "2",
             cwd=work, timeout=300, **hub_env,

@@ -121,7 +121,7 @@ def test_span_solve_float32_and_condition_estimate(monkeypatch):
     expected = closed_form([w.double() for w in ws], xs, 1.0, [1.0, 1.0], AUTO_RIDGE)
     assert rel(exact.merged_weight, expected) < 1e-5
     # above EXACT_CONDITION_MAX_DIM the condition number comes from the T x T matrix
-    monkeypatch.setattr(least_squares, "EXACT_CONDITION_MAX_DIM", 8)
+    monkeypatch.setattr(least_squares.solve, "EXACT_CONDITION_MAX_DIM", 8)
     for alpha in (1.0, 0.7):
         est = regmean_solve(ws, grams, alpha, ridge="auto", tokens=17, rows=xs)
         dense = regmean_solve(ws, grams, alpha, ridge="auto", tokens=17)

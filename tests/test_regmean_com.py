@@ -520,7 +520,9 @@ def test_pinv_solver_takes_the_cholesky_path_only_when_pinv_equals_the_inverse(m
     torch.testing.assert_close(exact.merged_weight, direct, rtol=1e-9, atol=1e-10)
     assert exact.condition_number == pytest.approx(float(torch.linalg.cond(system)), rel=1e-9)
 
-    monkeypatch.setattr(least_squares_module, "EXACT_CONDITION_MAX_DIM", 8)  # estimate above 8
+    monkeypatch.setattr(
+        least_squares_module.solve, "EXACT_CONDITION_MAX_DIM", 8
+    )  # estimate above 8
     estimated = regmean_solve(ws, grams, 0.9)
     assert estimated.condition_number_method == "estimate" and estimated.solver == "pinv"
     torch.testing.assert_close(estimated.merged_weight, direct, rtol=1e-9, atol=1e-10)

@@ -100,10 +100,19 @@ class TaskStatistics:
 def flatten_tokens(hidden: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
     """``[B, T, D] -> [N, D]``: the rows of the non-padding positions (all of them without a mask).
 
-    ``attention_mask`` is ``[B, T]`` with 1 for real tokens and 0 for padding.
+    ``attention_mask`` is ``[B, T]`` with 1 for real tokens and 0 for padding. Rows laid out
+    otherwise in the same order, flattened ``[B·T, D]`` (a mixture-of-experts router's input)
+    or with singleton axes (DeepSeek-V3's ``[B, 1, T, D]`` latent), take the flattened mask.
     """
     if attention_mask is None:
         return hidden.reshape(-1, hidden.shape[-1])
+    lead = tuple(hidden.shape[:-1])
+    if lead != tuple(attention_mask.shape) and (
+        (hidden.dim() == 2 and lead[0] == attention_mask.numel())
+        or tuple(d for d in lead if d != 1) == tuple(d for d in attention_mask.shape if d != 1)
+    ):
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        return rows[attention_mask.reshape(-1).to(device=hidden.device).bool()]
     if hidden.dim() != 3 or tuple(attention_mask.shape) != tuple(hidden.shape[:2]):
         raise TensorError(
             f"attention mask of shape {tuple(attention_mask.shape)} does not fit hidden states of "

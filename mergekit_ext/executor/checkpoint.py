@@ -63,11 +63,13 @@ def build_skeleton(config: transformers.PretrainedConfig) -> nn.Module:
 
 
 def rename_to_module_keys(
-    model: nn.Module, checkpoint_keys: list[str], where: str
+    model: nn.Module, checkpoint_keys: list[str], where: str, *, allow_fused: bool = False
 ) -> dict[str, str]:
-    """``{checkpoint key: module key}`` by transformers' own load-time renaming."""
+    """``{checkpoint key: module key}`` by transformers' own load-time renaming; the keys
+    transformers fuses at load time are refused unless ``allow_fused`` (then absent: see
+    :func:`mergekit_ext.model_class.fused_module_keys`)."""
     fused = model_class.fused_keys(model, checkpoint_keys)
-    if fused:
+    if fused and not allow_fused:
         key, converter = next(iter(fused.items()))
         raise ModelInputError(
             f"{where}: checkpoint tensor {key} is fused/split by transformers at load time "
@@ -96,6 +98,10 @@ class ModelSource:
     tied: dict[str, str] = field(default_factory=dict)
     # only a config.json (no weights): shapes from its class, for a dry run; never read
     weightless: bool = False
+    # canonical of a tensor the class holds fused (MoE experts, ``checkpoint_key`` then its
+    # module key) -> its checkpoint pieces; read gathered, written split (docs/methods.md,
+    # "Mixture-of-experts blocks")
+    fused: dict[str, list[str]] = field(default_factory=dict)
     _loader: Optional[LazyTensorLoader] = field(default=None, repr=False)
 
     @property
@@ -142,6 +148,8 @@ class ModelSource:
         self._check_readable()
         if self._loader is None:
             self._loader = LazyTensorLoader(ShardedTensorIndex.from_disk(self.path))
+        if canonical in self.fused:
+            return self._read_fused(canonical, device)
         try:
             tensor = self._loader.get_tensor(self.checkpoint_key[canonical])
         except KeyError:
@@ -150,6 +158,16 @@ class ModelSource:
                 "is listed but cannot be read"
             ) from None
         return compute_tensor(tensor, device)
+
+    def _read_fused(self, canonical: str, device: torch.device | str) -> torch.Tensor:
+        """A fused tensor gathered from its pieces by the class's own conversion's index map
+        (transient: an int64 map the size of the tensor, dropped after the read)."""
+        assert self._loader is not None
+        module_key = self.checkpoint_key[canonical]
+        shape = self.shapes[canonical]
+        index = model_class.fused_pieces(self.skeleton, module_key, shape)
+        pieces = {k: compute_tensor(self._loader.get_tensor(k), device) for k in index}
+        return model_class.gather_fused(pieces, index, shape)
 
     def read_checkpoint_key(self, key: str) -> torch.Tensor:
         """One tensor as stored (dtype and all), by checkpoint key, on the CPU."""
@@ -236,7 +254,9 @@ def open_model(label: str, path: str, family: Optional[ModelFamily], *, what: st
         )
     backbone_path = own_family.backbone_path(skeleton)
     shapes_by_key, dtypes_by_key = _header_shapes(path, what)
-    module_keys = rename_to_module_keys(skeleton, list(shapes_by_key), what)
+    module_keys = rename_to_module_keys(
+        skeleton, list(shapes_by_key), what, allow_fused=own_family.fused_experts
+    )
     unloaded = model_class.unloaded_keys(skeleton, module_keys)
     LOG.debug("%s: not loaded by %s: %s", label, type(skeleton).__name__, unloaded)
     checkpoint_key: dict[str, str] = {}
@@ -254,6 +274,31 @@ def open_model(label: str, path: str, family: Optional[ModelFamily], *, what: st
         checkpoint_key[canonical] = key
         shapes[canonical] = shapes_by_key[key]
         dtypes[canonical] = dtypes_by_key[key]
+    fused: dict[str, list[str]] = {}
+    if own_family.fused_experts:
+        state = skeleton.state_dict()
+        for module_key, pieces in model_class.fused_module_keys(
+            skeleton, list(shapes_by_key)
+        ).items():
+            canonical = canonical_name(module_key, backbone_path)
+            expected = sorted(model_class.saved_pieces(skeleton, module_key, state[module_key]))
+            if sorted(pieces) != expected:
+                missing = sorted(set(expected) - set(pieces))
+                raise ModelInputError(
+                    f"{what}: {label} holds {len(pieces)} of the {len(expected)} checkpoint "
+                    f"tensors of {module_key} (missing e.g. {missing[:2]}); its class fuses "
+                    "them on load"
+                )
+            kinds = {dtypes_by_key[k] for k in pieces}
+            if len(kinds) != 1:
+                raise ModelInputError(
+                    f"{what}: the checkpoint tensors of {module_key} in {label} have "
+                    f"different dtypes ({sorted(kinds)})"
+                )
+            checkpoint_key[canonical] = module_key
+            shapes[canonical] = tuple(state[module_key].shape)
+            dtypes[canonical] = kinds.pop()
+            fused[canonical] = sorted(pieces)
     tied = {}
     for target, source in model_class.tied_weights(skeleton).items():
         target, source = (canonical_name(k, backbone_path) for k in (target, source))
@@ -272,6 +317,7 @@ def open_model(label: str, path: str, family: Optional[ModelFamily], *, what: st
         unloaded=unloaded,
         tied=tied,
         weightless=is_config_only(path),
+        fused=fused,
     )
 
 

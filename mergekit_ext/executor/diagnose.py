@@ -58,6 +58,7 @@ from typing import Any, Literal, Optional
 import torch
 from torch import nn
 
+from mergekit_ext import diagnostics
 from mergekit_ext.calibration.config import CalibrationSpec
 from mergekit_ext.calibration.sources import (
     CalibrationData,
@@ -87,6 +88,7 @@ from mergekit_ext.executor.sequential import (
     _StopForward,
     _trim_heap,
 )
+from mergekit_ext.kl import kl_from_log_probs
 
 LOG = logging.getLogger(__name__)
 
@@ -117,7 +119,7 @@ def kl_and_agreement(
     """
     log_p = torch.log_softmax(reference_logits.double(), dim=-1)
     log_q = torch.log_softmax(logits.double(), dim=-1)
-    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    kl = kl_from_log_probs(log_p, log_q)
     agree = reference_logits.argmax(-1) == logits.argmax(-1)
     return kl, agree
 
@@ -1344,10 +1346,4 @@ def plot_block_errors(
 
 def jsonable(value: Any) -> Any:
     """NaN/Inf as strings (``"inf"``): the JSON stays standard and reporting reads them back."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    return value
+    return diagnostics.jsonable(value)

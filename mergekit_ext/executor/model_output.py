@@ -52,6 +52,7 @@ from mergekit_ext.executor.sequential import (
     _oriented,
     _TaskState,
 )
+from mergekit_ext.kl import kl_from_log_probs
 from mergekit_ext.memory_model import (
     GIB,
     MemoryParts,
@@ -74,6 +75,13 @@ def check_model_output_supported(
     family: ModelFamily, method: str, request: ModelOutputRequest
 ) -> None:
     """Refuse what the whole-model path does not implement, before anything loads."""
+    if family.fused_experts:
+        raise NotSupportedError(
+            f"{method}: objective: model_output does not fit mixture-of-experts experts "
+            f"({family.name}): the whole-model fit walks linear layers one at a time and the "
+            "routed experts are one 3-D tensor per block; use objective: layer_output (each "
+            "expert solved on the tokens routed to it), regmean or chain_of_merges"
+        )
     if family.causal_lm and request.sketch_rows == 0:
         raise NotSupportedError(
             f"{method}: output_sketch: 0 (every output coordinate) is not available for causal "
@@ -284,7 +292,7 @@ def next_token_kl(
     log_p: torch.Tensor, target_log_probs: torch.Tensor, mask: Optional[torch.Tensor]
 ) -> float:
     """``Σ_j Σ_τ KL(p_t ‖ p)`` over the unmasked positions of a batch."""
-    kl = (target_log_probs.exp() * (target_log_probs - log_p)).sum(-1)
+    kl = kl_from_log_probs(target_log_probs, log_p)
     if mask is not None:
         kl = kl * mask.to(kl.dtype)
     return float(kl.double().sum())

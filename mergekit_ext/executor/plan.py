@@ -93,6 +93,9 @@ class Expert:
     data: Optional[CalibrationData] = None
 
 
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # an experts module's fused weights
+
+
 @dataclass
 class BlockLayout:
     """Canonical tensor names of one block, split into linear groups and the rest."""
@@ -105,10 +108,21 @@ class BlockLayout:
     def group_weight(self, module: str) -> str:
         return f"{self.prefix}{module}.weight"
 
+    def group_tensors(self, group: GroupSpec) -> list[str]:
+        """The canonical weights a group merges: one per linear, or an experts module's
+        fused ``gate_up_proj`` and ``down_proj``."""
+        if group.experts:
+            return [f"{self.prefix}{m}.{w}" for m in group.modules for w in EXPERT_WEIGHTS]
+        return [self.group_weight(m) for m in group.modules]
+
     def linear_shape(
         self, group: GroupSpec, module: str, shapes: Mapping[str, tuple[int, ...]]
     ) -> tuple[int, int]:
-        """``(out, in)`` of one linear of ``group`` (a ``Conv1D`` stores ``in x out``)."""
+        """``(out, in)`` of one linear of ``group`` (a ``Conv1D`` stores ``in x out``); for
+        an experts module, every expert's ``gate_up`` rows by the hidden width."""
+        if group.experts:
+            experts, rows, cols = shapes[f"{self.prefix}{module}.{EXPERT_WEIGHTS[0]}"]
+            return (int(experts) * int(rows), int(cols))
         shape = shapes[self.group_weight(module)]
         rows, cols = int(shape[0]), int(shape[1])
         return (cols, rows) if module in group.transposed else (rows, cols)
@@ -119,7 +133,7 @@ class BlockLayout:
 
     @property
     def group_weights(self) -> set[str]:
-        return {self.group_weight(m) for g in self.groups for m in g.modules}
+        return {t for g in self.groups for t in self.group_tensors(g)}
 
     @property
     def others(self) -> list[str]:

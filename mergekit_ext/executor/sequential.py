@@ -61,13 +61,22 @@ from mergekit.io import TensorWriter
 from torch import nn
 from tqdm.auto import tqdm
 
-from mergekit_ext import finite
+from mergekit_ext import finite, model_class
 from mergekit_ext.calibration.statistics import ActivationStatistics, flatten_tokens
 from mergekit_ext.distributed import DistributedContext
-from mergekit_ext.errors import MergekitExtError, TensorError
+from mergekit_ext.errors import MergekitExtError, ModelInputError, TensorError
 from mergekit_ext.executor.checkpoint import HEAD_PREFIX, TAGALONG_FILES, build_skeleton
 from mergekit_ext.executor.families import GroupSpec
+from mergekit_ext.executor.moe import (
+    DOWN,
+    GATE_UP,
+    ExpertMergeResult,
+    RoutedExpertStatistics,
+    merge_experts,
+    routed_call,
+)
 from mergekit_ext.executor.plan import (
+    EXPERT_WEIGHTS,
     BlockLayout,
     MergePlan,
     output_shard_bytes,
@@ -164,6 +173,8 @@ class _LinearOutputCache:
             output = self.outputs.get(key)
             if output is None:
                 output = original(*args, **kwargs)
+                if not isinstance(output, torch.Tensor):
+                    return output  # a router's routing tuple: recomputed, never recorded
                 size = output.numel() * output.element_size()
                 if self.recorded_bytes + size <= self.budget_bytes:
                     self.outputs[key] = output
@@ -335,6 +346,14 @@ class SequentialExecutor:
         ]
         self._mask: Optional[torch.Tensor] = None
         self.states: list[_TaskState] = []
+        # block index -> experts (of an experts module) that took the fallback merge
+        self.experts_without_tokens: dict[int, dict[str, Any]] = {}
+        if self.dist.enabled and any(g.experts for b in plan.blocks for g in b.groups):
+            raise ModelInputError(
+                f"{plan.base.label}: mixture-of-experts blocks are merged on one process only "
+                "(the per-expert statistics do not travel between ranks yet); run without "
+                "torchrun"
+            )
 
     # ---------------------------------------------------------------------------------
     # Entry point
@@ -365,6 +384,11 @@ class SequentialExecutor:
         result: dict[str, Any] = {
             "layers": self.layer_diagnostics,
             "not_merged": self.not_merged,
+            **(
+                {"moe": {"experts_without_tokens": self.experts_without_tokens}}
+                if any(g.experts for b in self.plan.blocks for g in b.groups)
+                else {}
+            ),
             "calibration": {e.task: e.data.summary() for e in self.experts if e.data is not None},
         }
         if self.dist.enabled:
@@ -415,7 +439,15 @@ class SequentialExecutor:
             stored.untyped_storage().nbytes() != stored.numel() * stored.element_size()
         ):
             stored = stored.clone()  # a view of a larger tensor (e.g. a split q/k/v group)
-        self.writer.save_tensor(self.plan.output_name(canonical), stored)
+        if canonical in self.base.fused:
+            # fused in memory (MoE experts): written as the base checkpoint's pieces
+            module_key = self.base.checkpoint_key[canonical]
+            for key, piece in model_class.saved_pieces(
+                self.base.skeleton, module_key, stored
+            ).items():
+                self.writer.save_tensor(key, piece.clone())
+        else:
+            self.writer.save_tensor(self.plan.output_name(canonical), stored)
         if saved.dtype.is_floating_point:
             return saved.to(device=self.device, dtype=torch.float32)
         return saved.to(self.device)
@@ -568,6 +600,36 @@ class SequentialExecutor:
 
         return hook
 
+    def _routed_accumulator(self, block: BlockLayout, group: GroupSpec) -> RoutedExpertStatistics:
+        """Per-expert statistics of one task at an experts module (docs/methods.md,
+        "Mixture-of-experts blocks")."""
+        gate_up = self.base.shapes[f"{block.prefix}{group.modules[0]}.{GATE_UP}"]
+        return RoutedExpertStatistics(
+            int(gate_up[0]),
+            int(gate_up[2]),
+            int(gate_up[1]) // 2,
+            dtype=self.request.statistics_dtype,
+            device=self.device,
+        )
+
+    def _experts_hook(
+        self,
+        accumulator: RoutedExpertStatistics,
+        group: GroupSpec,
+        params: dict[str, torch.Tensor],
+        stop: bool,
+    ):
+        """A pre-hook on the experts module: the routing the block's own router chose, and
+        each expert's rows through its own weights (``params``: the block's tensors)."""
+        own = {w: params[f"{group.modules[0]}.{w}"] for w in EXPERT_WEIGHTS}
+
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            accumulator.update(module, own, routed_call(args, kwargs), self._mask)
+            if stop:
+                raise _StopForward
+
+        return hook
+
     def _group_width(self, block: BlockLayout, group: GroupSpec) -> int:
         return block.group_width(group, self.base.shapes)
 
@@ -598,21 +660,26 @@ class SequentialExecutor:
         self, block: BlockLayout, expert_blocks: list[dict[str, torch.Tensor]]
     ) -> dict[str, list[TaskStatistics]]:
         """Each own task through its expert's own block, every group's input hooked at once."""
-        stats: dict[str, list[TaskStatistics]] = {g.label: [] for g in block.groups}
+        stats: dict[str, list[Any]] = {g.label: [] for g in block.groups}
         module = self.blocks[block.index]
         for state in self.states:
             weights = expert_blocks[state.index]
-            accumulators = {
+            params = {name[len(block.prefix) :]: t for name, t in weights.items()}
+            accumulators: dict[str, Any] = {
                 g.label: self._new_accumulator(self._group_width(block, g), expert_path=True)
+                if not g.experts
+                else self._routed_accumulator(block, g)
                 for g in block.groups
             }
             handles = [
                 module.get_submodule(g.modules[0]).register_forward_pre_hook(
                     self._input_hook(accumulators[g.label], stop=False)
+                    if not g.experts
+                    else self._experts_hook(accumulators[g.label], g, params, stop=False),
+                    with_kwargs=g.experts,
                 )
                 for g in block.groups
             ]
-            params = {name[len(block.prefix) :]: t for name, t in weights.items()}
             try:
                 assert state.expert_hidden is not None
                 outputs = []
@@ -642,8 +709,16 @@ class SequentialExecutor:
         module = self.blocks[block.index].get_submodule(group.modules[0])
         stats = []
         for t, state in enumerate(self.states):
-            accumulator = self._new_accumulator(self._group_width(block, group), expert_path=False)
-            handle = module.register_forward_pre_hook(self._input_hook(accumulator, stop=True))
+            accumulator: Any
+            if group.experts:
+                accumulator = self._routed_accumulator(block, group)
+                hook = self._experts_hook(accumulator, group, params, stop=True)
+                handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+            else:
+                accumulator = self._new_accumulator(
+                    self._group_width(block, group), expert_path=False
+                )
+                handle = module.register_forward_pre_hook(self._input_hook(accumulator, stop=True))
             try:
                 assert state.merged_hidden is not None
                 for b, hidden in enumerate(state.merged_hidden):
@@ -734,6 +809,19 @@ class SequentialExecutor:
                 replay.cover([m for g in block.groups[:index] for m in g.modules])
                 merged_stats = self._merged_path_statistics(block, group, params, replay)
                 del params
+            if group.experts:
+                self._merge_experts_group(
+                    block,
+                    group,
+                    base_block,
+                    expert_blocks,
+                    merged,
+                    expert_stats[group.label] if expert_stats is not None else None,
+                    merged_stats,
+                )
+                if expert_stats is not None:
+                    del expert_stats[group.label]
+                continue
             canonical = [block.group_weight(m) for m in group.modules]
             names = [self.plan.output_name(c) for c in canonical]
             # Conv1D weights (in x out) reach the method as out x in, and go back as stored.
@@ -780,6 +868,86 @@ class SequentialExecutor:
             if expert_stats is not None:
                 del expert_stats[group.label]  # each group's statistics are used once
             _trim_heap()
+
+    def _merge_experts_group(
+        self,
+        block: BlockLayout,
+        group: GroupSpec,
+        base_block: dict[str, torch.Tensor],
+        expert_blocks: list[dict[str, torch.Tensor]],
+        merged: dict[str, torch.Tensor],
+        expert_stats: Optional[list[Any]],
+        merged_stats: Optional[list[Any]],
+    ) -> None:
+        """An experts module: each expert's ``gate_up`` and ``down`` solved with the statistics
+        of the tokens routed to it; an expert some task routed no token to takes the fallback
+        (counted per block in the diagnostics)."""
+        gate_up, down = block.group_tensors(group)
+        names = (self.plan.output_name(gate_up), self.plan.output_name(down))
+        dtype = self._written_dtype(gate_up)
+
+        def solve(parts: tuple[str, ...], path: Optional[list[Any]]) -> Any:
+            return merge_experts(
+                self.method,
+                self.parameters,
+                {GATE_UP: base_block[gate_up], DOWN: base_block[down]},
+                [
+                    {GATE_UP: expert_blocks[s.index][gate_up], DOWN: expert_blocks[s.index][down]}
+                    for s in self.states
+                ],
+                [s.name for s in self.states],
+                expert_stats if expert_stats is not None else [],
+                lambda e: (f"{names[0]}.{e}", f"{names[1]}.{e}"),
+                path,
+                output_dtype=dtype,
+                parts=parts,
+            )
+
+        if merged_stats is None:
+            result = solve((GATE_UP, DOWN), None)
+        else:
+            # Chain of Merges: every expert's gate_up first; then down on the merged-path
+            # rows that the merged gate_up gives (the routing is the same: the router and
+            # the experts' input are merged already)
+            first = solve((GATE_UP,), merged_stats)
+            self._check_merged(names[0], first.gate_up, base_block[gate_up].shape)
+            merged[gate_up] = self._write(gate_up, first.gate_up)
+            local = len(block.prefix)
+            params = {name[local:]: merged.get(name, base_block[name]) for name in block.tensors}
+            replay = _LinearOutputCache(self.blocks[block.index], 0)  # nothing recorded
+            try:
+                again = self._merged_path_statistics(block, group, params, replay)
+            finally:
+                replay.close()
+            second = solve((DOWN,), again)
+            result = ExpertMergeResult(
+                first.gate_up,
+                second.down,
+                first.records + second.records,
+                sorted(set(first.without_tokens) | set(second.without_tokens)),
+            )
+        for canonical, tensor in ((gate_up, result.gate_up), (down, result.down)):
+            self._check_merged(
+                self.plan.output_name(canonical), tensor, base_block[canonical].shape
+            )
+            merged[canonical] = self._write(canonical, tensor)
+        for record in result.records:
+            self.layer_diagnostics.append({"block": block.index, "group": group.label, **record})
+        if result.without_tokens:
+            LOG.warning(
+                "block %d: experts %s of %s received no calibration token in some task; they "
+                "take the %s fallback merge (more calibration data routes tokens to them)",
+                block.index,
+                result.without_tokens,
+                group.modules[0],
+                self.method.name,
+            )
+        self.experts_without_tokens[block.index] = {
+            "module": group.modules[0],
+            "count": len(result.without_tokens),
+            "experts": result.without_tokens,
+        }
+        _trim_heap()
 
     def _as_stored(
         self, group: LinearGroup, result: dict[str, torch.Tensor], flip: dict[str, bool]

@@ -670,7 +670,10 @@ def _write_access(whoami: Mapping[str, Any], repo_id: str) -> tuple[Optional[boo
 
 
 def check_write_access(
-    repo_id: str, token: Optional[str] = None, endpoint: Optional[str] = None
+    repo_id: str,
+    token: Optional[str] = None,
+    endpoint: Optional[str] = None,
+    timeout: float = HUB_TIMEOUT_S,
 ) -> None:
     """Ask the Hub (``whoami``) whether the token is valid and may write to ``repo_id``'s
     namespace; raises :class:`PublishError` when it is not or may not, logs a warning when
@@ -679,7 +682,7 @@ def check_write_access(
 
     resolved, origin = resolve_token(token)
     endpoint = _endpoint(endpoint)
-    target = _Target(repo_id, endpoint, "main", resolved, origin, 0)
+    target = _Target(repo_id, endpoint, "main", resolved, origin, 0, timeout)
     try:
         info = HfApi(endpoint=endpoint, token=resolved).whoami(token=resolved, cache=False)
     except Exception as e:  # noqa: BLE001 - mapped to a clear PublishError
@@ -762,7 +765,7 @@ def check_can_publish(
         with bounded_hub_requests(timeout) as bound:
             _status(f"--push-to-hub: checking the token and {repo_id} (each request gives up "
                     f"after {bound:g} s without an answer)")  # fmt: skip
-            check_write_access(repo_id, resolved, endpoint)
+            check_write_access(repo_id, resolved, endpoint, bound)
             endpoint = _endpoint(endpoint)
             target = _Target(repo_id, endpoint, revision or "main", resolved, origin, 0, bound)
             check_visibility(

@@ -38,7 +38,7 @@ from typing import Any, Optional
 import torch
 
 from mergekit_ext.errors import TensorError
-from mergekit_ext.methods import qp_projection as qp
+from mergekit_ext.methods import qp_solve as qp
 from mergekit_ext.methods.layerwise import ModelOutputFit
 
 LOG = logging.getLogger(__name__)

@@ -49,11 +49,17 @@ class GroupSpec:
     ``transposed``: the modules of the group whose weight is stored ``in x out`` (GPT-2's
     ``Conv1D``, ``y = x W + b``); the executor hands every weight to the methods as
     ``out x in`` and writes it back as stored.
+
+    ``experts``: the group is one mixture-of-experts experts module (transformers 5's fused
+    ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]); each expert's two matrices are
+    merged as linear groups of their own with the statistics of the tokens routed to it
+    (:mod:`mergekit_ext.executor.moe`).
     """
 
     label: str
     modules: tuple[str, ...]
     transposed: frozenset[str] = frozenset()
+    experts: bool = False
 
 
 class ModelFamily:
@@ -84,6 +90,9 @@ class ModelFamily:
     # What a block returns: 0 a tensor, n a tuple of n whose first item is the hidden states
     # (the executor's block stand-ins return the same shape of result).
     block_returns: int = 0
+    # The blocks hold mixture-of-experts experts modules (their checkpoint stores each expert
+    # apart; the class holds them fused).
+    fused_experts: bool = False
     # Discovered linear groups by block signature (see :func:`.discovery.block_signature`).
     _discovered_groups: Optional[dict[Any, tuple[GroupSpec, ...]]] = None
 

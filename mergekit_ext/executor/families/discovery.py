@@ -16,11 +16,16 @@ The model is the transformers class built on the meta device (no weights). Disco
    ordered by their first call, the layers of a group in call order. Fused projections
    (``qkv_proj``, ``gate_up_proj``, Falcon's ``query_key_value``) are one linear each.
 
+Mixture-of-experts blocks: an *experts module* (transformers 5's fused 3-D
+``gate_up_proj`` / ``down_proj``) is replaced in the trace by one that records its input and
+is a group of its own (``experts=True``); a *router* (one ``[E, H]`` weight, not an
+``nn.Linear``) runs on the zero weights, its input is recorded and it is a group of its own.
+
 Refused, naming the module and the reason: a linear layer that reads two different inputs
 in one forward (DeBERTa's shared relative-position keys), a weight of a block that is not a
-linear layer that ran (mixture-of-experts expert tensors, a linear the forward never
-called), a module that runs between blocks (DeBERTa-v2's convolution after the first
-block). Nothing here reads a weight.
+linear layer, experts module or router that ran (a linear the forward never called), a
+module that runs between blocks (DeBERTa-v2's convolution after the first block). Nothing
+here reads a weight.
 """
 
 from __future__ import annotations
@@ -65,6 +70,39 @@ def is_transposed_linear(module: nn.Module) -> bool:
 def is_linear_like(module: nn.Module) -> bool:
     """``nn.Linear`` (and subclasses such as Falcon's) or GPT-2's ``Conv1D``."""
     return isinstance(module, nn.Linear) or is_transposed_linear(module)
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """transformers 5's fused mixture-of-experts experts (``MixtralExperts`` ...): 3-D
+    ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] parameters of their own."""
+    params = dict(module.named_parameters(recurse=False))
+    return all(n in params and params[n].dim() == 3 for n in ("gate_up_proj", "down_proj"))
+
+
+def is_router(module: nn.Module, num_experts: int) -> bool:
+    """A mixture-of-experts router: not a linear layer, one 2-D ``weight`` of ``num_experts``
+    rows of its own (its logits are ``F.linear(x, weight)``; it returns the routing)."""
+    params = dict(module.named_parameters(recurse=False))
+    weight = params.get("weight")
+    return (
+        not is_linear_like(module)
+        and weight is not None
+        and weight.dim() == 2
+        and int(weight.shape[0]) == num_experts
+        and set(params) <= {"weight", "bias", "e_score_correction_bias"}
+    )
+
+
+def moe_modules(block: nn.Module) -> tuple[set[str], set[str]]:
+    """The experts modules of a block and its routers (module paths in the block)."""
+    experts = {n for n, m in block.named_modules() if n and is_experts_module(m)}
+    counts = {int(block.get_submodule(n).gate_up_proj.shape[0]) for n in experts}
+    routers = {
+        n
+        for n, m in block.named_modules()
+        if n and n not in experts and any(is_router(m, e) for e in counts)
+    }
+    return experts, routers
 
 
 def out_features(module: nn.Module) -> int:
@@ -210,16 +248,38 @@ def _fake_linears(blocks: nn.ModuleList, trace: _Trace) -> Iterator[None]:
 
         return forward
 
+    def fake_experts(index: int, name: str):
+        def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            trace.linear_calls.setdefault(index, []).append((name, x))
+            return torch.zeros_like(x)
+
+        return forward
+
+    def record(index: int, name: str):
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            trace.linear_calls.setdefault(index, []).append((name, args[0]))
+
+        return hook
+
+    handles = []
     try:
         for index, block in enumerate(blocks):
+            experts, routers = moe_modules(block)
             for name, module in block.named_modules():
-                if name and is_linear_like(module):
+                if name in experts:
+                    module.forward = fake_experts(index, name)  # type: ignore[method-assign]
+                    patched.append(module)
+                elif name in routers:  # runs (zeros route somewhere); its input is recorded
+                    handles.append(module.register_forward_pre_hook(record(index, name)))
+                elif name and is_linear_like(module):
                     module.forward = fake(index, name, module)  # type: ignore[method-assign]
                     patched.append(module)
         yield
     finally:
         for module in patched:
             del module.forward  # the instance attribute; the class's forward is back
+        for h in handles:
+            h.remove()
 
 
 def _trace(
@@ -300,17 +360,20 @@ def _trace(
 
 
 _MOE_REASON = (
-    "mixture-of-experts expert weights (transformers holds the experts as one 3-D tensor); "
-    "data-aware merging of routed experts is not built"
+    "mixture-of-experts expert weights outside an experts module of transformers 5's layout "
+    "(3-D gate_up_proj and down_proj); data-aware merging cannot route them"
 )
 
 
 def _refuse_expert_tensors(block: nn.Module, where: str) -> None:
     """Refuse a block holding weights of more than two dimensions (MoE experts) before the
     traced forward (which could not run them on stride-0 tensors anyway)."""
+    experts, _ = moe_modules(block)
     for name, p in block.named_parameters():
         if p.dim() >= 3:
             owner = block.get_submodule(name.rsplit(".", 1)[0]) if "." in name else block
+            if name.rsplit(".", 1)[0] in experts:
+                continue
             raise ModelInputError(
                 f"{where}.{name} ({type(owner).__name__}, shape {list(p.shape)}): "
                 f"{_MOE_REASON}; {ALTERNATIVES}"
@@ -325,11 +388,20 @@ def _block_groups(
 ) -> tuple[GroupSpec, ...]:
     """The linear groups of one block from its recorded linear calls (``tokens``: the
     leading shape of the block's input hidden states)."""
-    inputs: list[torch.Tensor] = []  # one tensor object per group, in first-call order
+    inputs: list[Optional[torch.Tensor]] = []  # one tensor per group (None: a group alone)
     members: list[list[str]] = []
     read: dict[str, torch.Tensor] = {}
+    experts, routers = moe_modules(block)
+    flat = (int(torch.tensor(tokens).prod()),) if tokens is not None else None
     for name, x in calls:
-        if tokens is not None and tuple(x.shape[:-1]) != tokens and "expert" not in name:
+        rows = tuple(x.shape[:-1])
+        # the block's tokens, flattened (a router's input) or with singleton axes (DeepSeek's
+        # [B, 1, T, D] latent) are the same rows in the same order
+        same = rows in (tokens, flat) or (
+            tokens is not None
+            and tuple(d for d in rows if d != 1) == tuple(d for d in tokens if d != 1)
+        )
+        if tokens is not None and not same:
             raise ModelInputError(
                 f"{where}.{name} ({type(block.get_submodule(name)).__name__}) reads a tensor of "
                 f"shape {list(x.shape)}, not one row per token of the block's input "
@@ -348,6 +420,12 @@ def _block_groups(
                 )
             continue
         read[name] = x
+        if name in experts or name in routers:
+            # a group of its own: a router's weight is no linear of the shared experts, and
+            # the experts are merged one expert at a time
+            inputs.append(None)
+            members.append([name])
+            continue
         for i, seen in enumerate(inputs):
             if seen is x:
                 members[i].append(name)
@@ -356,6 +434,11 @@ def _block_groups(
             inputs.append(x)
             members.append([name])
     grouped = {m for g in members for m in g}
+    for name in sorted((experts | routers) - grouped):
+        raise ModelInputError(
+            f"{where}.{name} ({type(block.get_submodule(name)).__name__}) does not run in a "
+            f"forward pass of the block: the executor cannot fit it from its inputs; {ALTERNATIVES}"
+        )
     for name, module in block.named_modules():
         if name and is_linear_like(module) and name not in grouped:
             raise ModelInputError(
@@ -366,7 +449,10 @@ def _block_groups(
     for name, p in block.named_parameters():
         module_path = name.rsplit(".", 1)[0] if "." in name else ""
         owner = block.get_submodule(module_path)
-        if p.dim() < 2 or (is_linear_like(owner) and module_path in grouped):
+        if p.dim() < 2 or (
+            module_path in grouped
+            and (is_linear_like(owner) or module_path in experts or module_path in routers)
+        ):
             continue
         if "expert" in name.lower() or p.dim() >= 3:
             reason = _MOE_REASON
@@ -382,6 +468,7 @@ def _block_groups(
             label,
             g,
             frozenset(m for m in g if is_transposed_linear(block.get_submodule(m))),
+            experts=g[0] in experts,
         )
         for label, g in zip(_unique_labels(groups), groups)
     )
@@ -396,6 +483,7 @@ _FIELDS = (
     "modality",
     "causal_lm",
     "block_returns",
+    "fused_experts",
     "_discovered_groups",
 )
 
@@ -473,6 +561,7 @@ def _discover(family: ModelFamily, model: nn.Module, config: Any) -> None:
     family.pre_block_modules = tuple(pre)
     family.modality = modality  # type: ignore[assignment]
     family.causal_lm = _causal_lm(model)
+    family.fused_experts = any(g.experts for gs in groups_by_signature.values() for g in gs)
     family._discovered_groups = groups_by_signature
     LOG.debug(
         "%s: blocks %s (%d), before them %s, groups of block 0 %s",

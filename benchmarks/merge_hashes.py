@@ -1,0 +1,160 @@
+"""Byte-identity harness: the eight tiny-model merges, one sha256 per output weight file.
+
+Every merge method (mergekit's ties and each mergekit-ext method, QP under both objectives) runs
+on the same tiny random Llama set (built here from fixed seeds), on one thread, and the
+sha256 of each written weight file is printed. A refactor that must not change behaviour keeps
+these hashes byte-identical:
+
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python -m benchmarks.merge_hashes --write hashes.json
+    ... change the code ...
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python -m benchmarks.merge_hashes --check hashes.json
+
+``--only NAME`` (repeatable) runs a subset (the test in tests/test_architecture_rules.py does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import sys
+import tempfile
+from typing import Any
+
+import torch
+import yaml
+
+#: case name -> (merge_method, parameters); run in this order
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "ties": ("ties", {"weight": 0.5, "density": 0.7}),
+    "ace": ("ace", {}),
+    "regmean": ("regmean", {}),
+    "chain_of_merges": ("chain_of_merges", {"propagate": True}),
+    "qp_projection": ("qp_projection", {"basis": "diagonal"}),
+    "qp_projection_model_output": ("qp_projection", {"objective": "model_output"}),
+    "symerge": ("symerge", {"epochs": 2, "seed": 0}),
+    "wudi": ("wudi", {}),
+}
+DATA_AWARE = {"regmean", "chain_of_merges", "qp_projection", "symerge"}
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+def _texts(path: str, k: int) -> dict[str, Any]:
+    from mergekit_ext.testing import WORDS
+
+    rng = random.Random(k)
+    with open(path, "w", encoding="utf-8") as fp:
+        for _ in range(12):
+            fp.write(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(10))}) + "\n")
+    return {"path": path, "field": "text"}
+
+
+def _models(root: str) -> tuple[str, list[str]]:
+    from mergekit_ext import testing
+
+    base = testing.make_tiny_llama(os.path.join(root, "base"), seed=0)
+    experts = testing.make_experts(base, [os.path.join(root, f"expert{i}") for i in range(2)])
+    return base, experts
+
+
+def _config(root: str, base: str, experts: list[str], method: str, params: dict) -> dict:
+    models: list[dict[str, Any]] = []
+    for k, expert in enumerate(experts):
+        entry: dict[str, Any] = {"model": expert}
+        if method in DATA_AWARE:
+            entry["calibration"] = _texts(os.path.join(root, f"texts{k}.jsonl"), k)
+        if method == "ties":
+            entry["parameters"] = dict(params)
+        models.append(entry)
+    config: dict[str, Any] = {"merge_method": method, "base_model": base, "models": models}
+    if method in DATA_AWARE:
+        config["calibration"] = {"samples": 8, "max_length": 16, "batch_size": 4}
+    if method != "ties" and params:
+        config["parameters"] = params
+    config["dtype"] = "float32"
+    return config
+
+
+def _hashes(folder: str) -> dict[str, str]:
+    out = {}
+    for dirpath, _dirs, files in os.walk(folder):
+        for name in sorted(files):
+            if name.endswith(WEIGHT_SUFFIXES):
+                path = os.path.join(dirpath, name)
+                with open(path, "rb") as fp:
+                    out[os.path.relpath(path, folder)] = hashlib.sha256(fp.read()).hexdigest()
+    return dict(sorted(out.items()))
+
+
+def run_cases(names: list[str]) -> dict[str, dict[str, str]]:
+    """Run the named merges in a fresh temporary folder; return {case: {weight file: sha256}}."""
+    from click.testing import CliRunner
+
+    from mergekit_ext.cli import main
+
+    torch.set_num_threads(1)
+    results: dict[str, dict[str, str]] = {}
+    with tempfile.TemporaryDirectory() as root:
+        base, experts = _models(root)
+        for name in names:
+            method, params = CASES[name]
+            torch.manual_seed(0)
+            random.seed(0)
+            case_root = os.path.join(root, name)
+            os.makedirs(case_root)
+            config = _config(case_root, base, experts, method, params)
+            cfg_path = os.path.join(case_root, "c.yml")
+            with open(cfg_path, "w", encoding="utf-8") as fp:
+                yaml.safe_dump(config, fp)
+            out = os.path.join(case_root, "out")
+            result = CliRunner().invoke(main, ["run", cfg_path, out], catch_exceptions=False)
+            if result.exit_code != 0:
+                raise RuntimeError(f"merge {name!r} failed:\n{result.output}")
+            results[name] = _hashes(out)
+    return results
+
+
+def environment() -> dict[str, str]:
+    """The library versions the hashes depend on (another torch may round differently)."""
+    import safetensors
+    import transformers
+
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "safetensors": safetensors.__version__,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", action="append", choices=sorted(CASES), help="run this case")
+    parser.add_argument("--write", metavar="FILE", help="write the hashes as JSON")
+    parser.add_argument("--check", metavar="FILE", help="compare with the hashes in FILE")
+    args = parser.parse_args(argv)
+    names = args.only or list(CASES)
+    results = run_cases(names)
+    for name, files in results.items():
+        for path, digest in files.items():
+            print(f"{digest}  {name}/{path}")
+    if args.write:
+        with open(args.write, "w", encoding="utf-8") as fp:
+            json.dump({"_environment": environment(), **results}, fp, indent=1, sort_keys=True)
+            fp.write("\n")
+    if args.check:
+        with open(args.check, encoding="utf-8") as fp:
+            expected = json.load(fp)
+        if expected.get("_environment") not in (None, environment()):
+            print(f"note: hashes recorded with {expected['_environment']}, now {environment()}")
+        bad = [n for n in names if expected.get(n) != results[n]]
+        if bad:
+            print(f"DIFFERENT: {', '.join(bad)}")
+            return 1
+        print(f"identical: {len(names)} merges")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

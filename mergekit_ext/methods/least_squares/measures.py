@@ -1,0 +1,170 @@
+"""Per-task measures of a least-squares merge: relative output error and the covariate-shift
+Wasserstein-2 distance (``docs/methods.md``)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Literal, Optional
+
+import torch
+
+from mergekit_ext.methods.layerwise import TaskStatistics
+from mergekit_ext.methods.least_squares.solve import (
+    _cholesky,
+)
+
+LOG = logging.getLogger(__name__)
+
+# Above this input width the covariate-shift W2 uses diagonal covariances (an in x in
+# eigendecomposition per task and group would dominate the merge's cost).
+FULL_COVARIANCE_W2_MAX_DIM = 1024
+
+
+def relative_output_error(
+    merged_weight: torch.Tensor,
+    expert_weight: torch.Tensor,
+    gram: torch.Tensor,
+    expert_product: Optional[torch.Tensor] = None,
+) -> float:
+    """``‖W X − W_k X‖_F / ‖W_k X‖_F`` from the Gram ``G = X Xᵀ / N`` alone (CoM's diagnostic).
+
+    ``= sqrt(tr((W − W_k) G (W − W_k)ᵀ) / tr(W_k G W_kᵀ))``; 0 when both are zero, inf when
+    only the expert's output is zero, NaN when a weight holds NaN. The error term is float64
+    throughout (difference, product, trace) and never clamped: a float32 product cancels to
+    noise when W is close to W_k. The reference (a sum of squares, no cancellation) reuses
+    ``expert_product`` = ``W_k G`` when the caller has it, summed in float64. A negative
+    value can only be float64 rounding of a zero error (an indefinite Gram by rounding) and
+    is returned as ``-sqrt(|e| / ref)``, not hidden.
+    """
+    diff = merged_weight.double() - expert_weight.double()
+    error = float(((diff @ gram.double()) * diff).sum())
+    del diff
+    if expert_product is None:
+        expert_product = expert_weight.double() @ gram.double()
+    reference = float((expert_product.double() * expert_weight.double()).sum(dtype=torch.float64))
+    return _ratio(error, reference)
+
+
+def _ratio(error: float, reference: float) -> float:
+    """``sqrt(error / reference)`` keeping the sign, inf and NaN of what was measured."""
+    if math.isnan(error) or math.isnan(reference):
+        return math.nan
+    if reference <= 0.0:
+        return 0.0 if error == 0.0 else math.inf
+    return math.copysign(math.sqrt(abs(error) / reference), error)
+
+
+def relative_output_error_rows(
+    merged_weight: torch.Tensor,
+    expert_weight: torch.Tensor,
+    rows: torch.Tensor,
+) -> float:
+    """:func:`relative_output_error` from the inputs themselves (``rows``: ``N x in``).
+
+    ``‖(W − W_k) Xᵀ‖_F / ‖W_k Xᵀ‖_F``: ``out x in x N`` products instead of ``out x in x in``
+    ones, the cheaper form when N < in. The error term is float64 (difference and product);
+    the reference in the weights' dtype (float32 for float32 weights), summed in float64.
+    """
+    x = rows.double()
+    diff = merged_weight.double() - expert_weight.double()
+    error = float((diff @ x.T).square().sum())
+    del diff
+    xr = rows.float() if expert_weight.dtype != torch.float64 else x
+    reference = float((expert_weight.to(xr.dtype) @ xr.T).square().sum(dtype=torch.float64))
+    return _ratio(error, reference)
+
+
+def _symmetric_sqrt(matrix: torch.Tensor) -> torch.Tensor:
+    """Principal square root of a symmetric PSD matrix via eigh (negative rounding → 0)."""
+    eigenvalues, eigenvectors = torch.linalg.eigh(0.5 * (matrix + matrix.T))
+    return (eigenvectors * eigenvalues.clamp(min=0.0).sqrt()) @ eigenvectors.T
+
+
+def gaussian_w2(
+    mean_a: torch.Tensor,
+    cov_a: torch.Tensor,
+    mean_b: torch.Tensor,
+    cov_b: torch.Tensor,
+    *,
+    diagonal: bool = False,
+) -> float:
+    """Wasserstein-2 distance between ``N(μ_a, Σ_a)`` and ``N(μ_b, Σ_b)``.
+
+    Full: ``W2² = ‖μ_a − μ_b‖² + tr(Σ_a + Σ_b − 2 (Σ_b^½ Σ_a Σ_b^½)^½)`` (the symmetric
+    square roots via eigh). ``diagonal=True`` keeps only the variances:
+    ``W2² = ‖μ_a − μ_b‖² + Σ_i (σ_a,i − σ_b,i)²``. This is the merging covariate shift of
+    CoM when a = the inputs the merged model sees, b = those the unmerged expert sees.
+    """
+    ca, cb = cov_a.double(), cov_b.double()
+    if diagonal:
+        return _diagonal_w2(mean_a, torch.diagonal(ca), mean_b, torch.diagonal(cb))
+    mean_term = float((mean_a.double() - mean_b.double()).pow(2).sum())
+    cov_term = float(
+        torch.trace(ca) + torch.trace(cb) - 2.0 * _trace_sqrt_product(ca, 0.5 * (cb + cb.T))
+    )
+    return math.sqrt(max(mean_term + cov_term, 0.0))
+
+
+def _diagonal_w2(
+    mean_a: torch.Tensor, var_a: torch.Tensor, mean_b: torch.Tensor, var_b: torch.Tensor
+) -> float:
+    """W2 between diagonal Gaussians: ``sqrt(‖μ_a − μ_b‖² + Σ_i (σ_a,i − σ_b,i)²)``."""
+    mean_term = float((mean_a.double() - mean_b.double()).pow(2).sum())
+    sd_a = var_a.double().clamp(min=0.0).sqrt()
+    sd_b = var_b.double().clamp(min=0.0).sqrt()
+    return math.sqrt(max(mean_term + float((sd_a - sd_b).pow(2).sum()), 0.0))
+
+
+def _trace_sqrt_product(cov_a: torch.Tensor, cov_b: torch.Tensor) -> float:
+    """``tr((Σ_b^½ Σ_a Σ_b^½)^½)`` = the sum of the square roots of the eigenvalues of ``Σ_a Σ_b``.
+
+    With ``Σ_b = L Lᵀ`` (Cholesky) those are the eigenvalues of the symmetric ``Lᵀ Σ_a L``:
+    one factorisation and one ``eigvalsh`` instead of a matrix square root. A singular
+    ``Σ_b`` falls back to the square root by ``eigh``.
+    """
+    factor = _cholesky(cov_b)
+    if factor is not None:
+        cross = factor.T @ cov_a @ factor
+    else:
+        root_b = _symmetric_sqrt(cov_b)
+        cross = root_b @ cov_a @ root_b
+    eigenvalues = torch.linalg.eigvalsh(0.5 * (cross + cross.T)).clamp(min=0.0)
+    return float(eigenvalues.sqrt().sum())
+
+
+def shift_covariance(
+    merged_path: TaskStatistics, expert_path: TaskStatistics, full_covariance_max_dim: int
+) -> Literal["full", "diagonal"]:
+    """Which covariances :func:`covariate_shift_w2` compares for these two paths."""
+    full = (
+        merged_path.mean.numel() <= full_covariance_max_dim
+        and (merged_path.gram is not None or merged_path.rows is not None)
+        and (expert_path.gram is not None or expert_path.rows is not None)
+    )
+    return "full" if full else "diagonal"
+
+
+def covariate_shift_w2(
+    merged_path: TaskStatistics,
+    expert_path: TaskStatistics,
+    *,
+    full_covariance_max_dim: int = FULL_COVARIANCE_W2_MAX_DIM,
+) -> tuple[float, Literal["full", "diagonal"]]:
+    """The merging covariate shift of one task at one group (CoM): W2 between Gaussian fits.
+
+    Full covariances when the input width is at most ``full_covariance_max_dim`` and both
+    paths kept their Gram, diagonal ones otherwise. Returns ``(W2, "full" | "diagonal")``.
+    """
+    if shift_covariance(merged_path, expert_path, full_covariance_max_dim) == "full":
+        distance = gaussian_w2(
+            merged_path.mean,
+            merged_path.covariance.double(),
+            expert_path.mean,
+            expert_path.covariance.double(),
+        )
+        return distance, "full"
+    distance = _diagonal_w2(
+        merged_path.mean, merged_path.variance, expert_path.mean, expert_path.variance
+    )
+    return distance, "diagonal"

@@ -1,0 +1,283 @@
+"""Several processes: the least-squares group merge from sums over disjoint task sets
+(:class:`LeastSquaresReduction`, a :class:`~mergekit_ext.methods.layerwise.SumReduction`)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Optional
+
+import torch
+
+from mergekit_ext.errors import TensorError
+from mergekit_ext.methods.guard import (
+    guard_group,
+    norm_ratios,
+    warn_output_errors,
+)
+from mergekit_ext.methods.layerwise import LinearGroup, SumReduction, TaskStatistics
+from mergekit_ext.methods.least_squares.group import (
+    _check_statistics,
+    _solve_record,
+    _stacked_weights,
+    _task_output_error,
+    _token_rows,
+)
+from mergekit_ext.methods.least_squares.measures import (
+    FULL_COVARIANCE_W2_MAX_DIM,
+    covariate_shift_w2,
+    shift_covariance,
+)
+from mergekit_ext.methods.least_squares.solve import (
+    Ridge,
+    Solver,
+    regmean_add_task,
+    regmean_zero_sums,
+    resolve_ridge,
+    solve_regmean_sums,
+    span_solve_applies,
+)
+
+LOG = logging.getLogger(__name__)
+
+
+class LeastSquaresReduction(SumReduction):
+    """:func:`merge_group_least_squares` split over processes (:class:`SumReduction`).
+
+    Takes the same settings. Each rank computes its tasks' products ``W_k G_k`` and adds
+    its tasks' terms of ``Σ ω_k W_k G̃_k``, ``Σ ω_k G̃_k``, ``Σ ω_k`` (and ``Σ ω_k W_k`` with
+    a ridge) when the sums reach it in task order, so they equal :func:`regmean_solve`'s
+    bit for bit; the correlation weight ω_k needs only task k's own normalized Gram, so it
+    is computed where the task lives. The
+    per-task diagnostics (relative output error, covariate shift) are computed by the
+    task's rank once the merged weights are known; the group record is the one
+    :func:`merge_group_least_squares` writes.
+    """
+
+    def __init__(
+        self,
+        *,
+        method: str,
+        reduce_non_diagonal: float,
+        ridge: Ridge,
+        solver: Solver,
+        use_merged_path: bool,
+        use_normalized_gram: bool,
+        task_weight: Optional[Callable[[TaskStatistics], float]] = None,
+        task_weight_needs_normalized_gram: bool = False,
+        task_weighting_label: str = "uniform",
+        full_covariance_max_dim: int = FULL_COVARIANCE_W2_MAX_DIM,
+        max_norm_ratio: float = math.inf,
+    ) -> None:
+        self.method = method
+        self.max_norm_ratio = max_norm_ratio
+        self.reduce_non_diagonal = reduce_non_diagonal
+        self.ridge = ridge
+        self.solver = solver
+        self.use_merged_path = use_merged_path
+        self.use_normalized_gram = use_normalized_gram
+        self.task_weight = task_weight
+        self.task_weight_needs_normalized_gram = task_weight_needs_normalized_gram
+        self.task_weighting_label = task_weighting_label
+        self.full_covariance_max_dim = full_covariance_max_dim
+        self._stacked: list[torch.Tensor] = []
+        self._rows: list[int] = []
+        self._chosen: list[TaskStatistics] = []
+        self._other: Optional[list[TaskStatistics]] = None
+        self._omegas: list[float] = []
+        self._grams: list[torch.Tensor] = []
+        self._products: list[torch.Tensor] = []
+        self._norms: list[torch.Tensor] = []
+
+    def _paths(self, group: LinearGroup, n_in: int) -> None:
+        path = "merged-path" if self.use_merged_path else "expert-path"
+        self._chosen = _check_statistics(
+            group.merged_stats if self.use_merged_path else group.expert_stats,
+            group,
+            n_in,
+            self.method,
+            path,
+            need_normalized=self.use_normalized_gram or self.task_weight_needs_normalized_gram,
+        )
+        other, other_path = (
+            (group.expert_stats, "expert-path")
+            if self.use_merged_path
+            else (group.merged_stats, "merged-path")
+        )
+        self._other = (
+            _check_statistics(other, group, n_in, self.method, other_path, False, need_gram=False)
+            if other
+            else None
+        )
+
+    def _setup(self, group: LinearGroup) -> None:
+        """This rank's weights, checked statistics and task weights (once per group)."""
+        if self._chosen:
+            return
+        self._stacked, self._rows, n_in = _stacked_weights(group, self.method)
+        self._paths(group, n_in)
+        self._omegas = [
+            float(self.task_weight(st)) if self.task_weight else 1.0 for st in self._chosen
+        ]
+        if any(not math.isfinite(w) or w < 0.0 for w in self._omegas):
+            raise TensorError(
+                f"{self.method}: task weights must be finite and non-negative for linear group "
+                f"{group.name}; got {self._omegas}"
+            )
+
+    def gather_vote(self, group: LinearGroup) -> dict[str, Any]:
+        self._setup(group)
+        return {
+            "rows": _token_rows(self._chosen) is not None,
+            "tokens": sum(st.count for st, w in zip(self._chosen, self._omegas) if w > 0.0),
+            "inputs": int(self._stacked[0].shape[1]),
+        }
+
+    def needs_gather(self, votes: Sequence[Any]) -> bool:
+        # The span solve (every task kept its rows and all tasks together have fewer tokens
+        # than inputs, with a ridge) needs every task's rows on one rank; the dense solve
+        # needs only the sums, each task's Gram formed from its rows where it kept them.
+        tokens = sum(v["tokens"] for v in votes)
+        n_in = votes[0]["inputs"]
+        return all(v["rows"] for v in votes) and span_solve_applies(
+            self.reduce_non_diagonal, resolve_ridge(self.ridge, n_in, tokens), tokens, n_in
+        )
+
+    def prepare(self, group: LinearGroup) -> dict[str, torch.Tensor]:
+        self._setup(group)
+        # A task that kept its rows gets its Gram formed from them, bit for bit as the
+        # single process's dense path forms it
+        self._grams = [
+            st.gram_normalized if self.use_normalized_gram else st.gram_from_rows()  # type: ignore[misc]
+            for st in self._chosen
+        ]
+        product_dtype = torch.float64 if self._stacked[0].dtype == torch.float64 else torch.float32
+        # The GEMMs W_k G_k of this rank's tasks, in parallel with the other ranks'.
+        self._products = [
+            w.to(product_dtype) @ g.to(product_dtype) for w, g in zip(self._stacked, self._grams)
+        ]
+        # each task's weight norms (per weight of the group), for the result guard
+        self._norms = [
+            torch.stack(
+                [
+                    torch.linalg.vector_norm(part, dtype=torch.float64)
+                    for part in torch.split(w, self._rows, dim=0)
+                ]
+            )
+            for w in self._stacked
+        ]
+        sums = regmean_zero_sums(
+            self._stacked[0].shape,
+            # auto is resolved in solve from the tokens of every task
+            with_weighted_experts=isinstance(self.ridge, str) or float(self.ridge) > 0.0,
+            device=self._stacked[0].device,
+        )
+        sums["expert_norm_max"] = torch.zeros(
+            len(self._rows), dtype=torch.float64, device=self._stacked[0].device
+        )
+        return sums
+
+    def add_task(self, sums: dict[str, torch.Tensor], position: int) -> None:
+        regmean_add_task(
+            sums,
+            self._stacked[position],
+            self._grams[position],
+            self.reduce_non_diagonal,
+            self._omegas[position],
+            self._products[position],
+            count=self._chosen[position].count,
+        )
+        # a running max, not a sum: the largest expert's norm per weight
+        torch.maximum(sums["expert_norm_max"], self._norms[position], out=sums["expert_norm_max"])
+
+    def solve(
+        self, sums: Mapping[str, torch.Tensor], group: LinearGroup
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        if not self._rows:
+            self._stacked, self._rows, _ = _stacked_weights(group, self.method)
+        reference = group.experts[0]
+        n_in = int(sums["system"].shape[0])
+        tokens = int(round(float(sums["tokens"].sum())))
+        reference_norms = sums["expert_norm_max"].tolist()
+        solution = solve_regmean_sums(
+            {k: v for k, v in sums.items() if k != "expert_norm_max"},
+            ridge=self.ridge,
+            tokens=tokens,
+            solver=self.solver,
+            name=f"linear group {group.name}",
+            out_dtype=reference[group.weights[0]].dtype,
+        )
+        parts = torch.split(solution.merged_weight, self._rows, dim=0)
+        merged = {
+            weight_name: part.to(reference[weight_name].dtype).contiguous()
+            for weight_name, part in zip(group.weights, parts)
+        }
+        guard = guard_group(
+            self.method,
+            group.name,
+            norm_ratios(
+                {w: group.as_written(w, merged[w]) for w in group.weights},
+                dict(zip(group.weights, reference_norms)),
+            ),
+            self.max_norm_ratio,
+        )
+        shift_kind: Optional[str] = None
+        if self._other is not None and self._chosen:
+            merged_path, expert_path = (
+                (self._chosen[0], self._other[0])
+                if self.use_merged_path
+                else (self._other[0], self._chosen[0])
+            )
+            shift_kind = shift_covariance(merged_path, expert_path, self.full_covariance_max_dim)
+        diagnostics: dict[str, Any] = {
+            "layer": group.name,
+            **_solve_record(solution, self.ridge),
+            "reduce_non_diagonal": float(self.reduce_non_diagonal),
+            "tokens": tokens,
+            "input_width": n_in,
+            "statistics": "merged_path" if self.use_merged_path else "expert_path",
+            "normalized_gram": bool(self.use_normalized_gram),
+            "task_weighting": self.task_weighting_label,
+            "covariate_shift_covariance": shift_kind,
+            **guard,
+            "tasks": {},
+        }
+        return merged, diagnostics
+
+    def task_diagnostics(
+        self, group: LinearGroup, merged: Mapping[str, torch.Tensor]
+    ) -> dict[str, dict[str, Any]]:
+        # as written (the shared weights were broadcast in float32 before the cast)
+        merged_weight = torch.cat(
+            [group.as_written(w, merged[w].to(self._stacked[0].dtype)) for w in group.weights]
+        )
+        tasks: dict[str, dict[str, Any]] = {}
+        for k, task in enumerate(group.task_names):
+            shift: Optional[float] = None
+            # W_k G_k of the diagnostic's own (raw) Gram, as the single process does
+            output_error = _task_output_error(
+                merged_weight,
+                self._stacked[k],
+                self._chosen[k],
+                None if self.use_normalized_gram else self._grams[k],
+                None if self.use_normalized_gram else self._products[k],
+            )
+            if self._other is not None:
+                merged_path, expert_path = (
+                    (self._chosen[k], self._other[k])
+                    if self.use_merged_path
+                    else (self._other[k], self._chosen[k])
+                )
+                shift, _ = covariate_shift_w2(
+                    merged_path, expert_path, full_covariance_max_dim=self.full_covariance_max_dim
+                )
+            tasks[task] = {
+                "weight": self._omegas[k],
+                "relative_output_error": output_error,
+                "covariate_shift_w2": shift,
+            }
+        warn_output_errors(
+            self.method, group.name, {t: r["relative_output_error"] for t, r in tasks.items()}
+        )
+        return tasks

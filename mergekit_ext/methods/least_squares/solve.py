@@ -1,0 +1,723 @@
+"""The least-squares solve RegMean and CoM share: off-diagonal shrink, ridge, condition number,
+pseudo-inverse / span solve, and the sums the solve is formed from (so several processes can
+form the same sums over disjoint task sets). Equations: ``docs/methods.md``."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Optional, Union
+
+import torch
+
+from mergekit_ext.errors import TensorError
+
+LOG = logging.getLogger(__name__)
+
+
+Solver = Literal["pinv", "solve"]
+Fallback = Literal["mean", "base", "task_arithmetic"]
+
+# Up to this size the condition number of Σ ω G̃ comes from all its eigenvalues; above it,
+# from block power / inverse iterations on its Cholesky factor (an estimate from below).
+EXACT_CONDITION_MAX_DIM = 1024
+# The pseudo-inverse is computed as a Cholesky solve when cond(Σ ω G̃) · n · eps is below
+# this: then no eigenvalue is near pinv's cut-off n · eps · max|λ| and pinv = inverse.
+_CHOLESKY_PINV_MARGIN = 1e-3
+_CONDITION_ITERATIONS = 10
+_CONDITION_BLOCK = 8
+# ``ridge: auto`` regularises a group whose system Σ ω G̃ is rank-deficient or ill-conditioned:
+# this relative ridge, toward the experts' mean (docs/methods.md, "ridge: auto"). In the
+# directions the calibration inputs do not span (or span below the ridge) the merged weight is
+# then the experts' mean whatever its size; in the well-spanned ones it moves the solution by
+# about AUTO_RIDGE relative.
+AUTO_RIDGE = 1e-2
+# ``ridge: auto`` leaves a group unregularised (the exact least-squares solution) when the
+# condition number of Σ ω G̃ is at most this. The Grams and the products W_k G_k are summed
+# from float32 products, whose rounding (~1e-7 of the largest entries) swamps any direction
+# whose eigenvalue is below about 1e-6 of the largest: there the solve amplifies rounding and
+# the directions the calibration data barely spans (docs/methods.md gives the measurements).
+AUTO_RIDGE_MAX_CONDITION = 1e6
+
+Ridge = Union[float, Literal["auto"]]
+
+
+# --------------------------------------------------------------------------------------
+# Pure tensor functions
+# --------------------------------------------------------------------------------------
+
+
+def shrink_off_diagonal(gram: torch.Tensor, reduce_non_diagonal: float) -> torch.Tensor:
+    """RegMean's off-diagonal shrink ``G̃ = α G + (1 − α) diag(G)`` (Jin et al., §3.2).
+
+    ``reduce_non_diagonal`` (α) = 1 keeps the Gram; 0 keeps only its diagonal, which turns the
+    merge into a per-input-column average of the experts weighted by ``G[j, j]``.
+    """
+    if not 0.0 <= reduce_non_diagonal <= 1.0:
+        raise ValueError(f"reduce_non_diagonal must be in [0, 1]; got {reduce_non_diagonal}")
+    return reduce_non_diagonal * gram + (1.0 - reduce_non_diagonal) * torch.diag_embed(
+        torch.diagonal(gram)
+    )
+
+
+@dataclass
+class RegMeanSolution:
+    """The merged weight and how it was solved."""
+
+    merged_weight: torch.Tensor
+    condition_number: float  # of the matrix inverted: Σ ω G̃ (+ ridge term)
+    solver: str  # "pinv", "solve", or "pinv (solve failed: singular)"
+    condition_number_method: str = "exact"  # "exact" (all eigenvalues) | "estimate"
+    products: Optional[list[torch.Tensor]] = None  # W_k G_k per task, when asked for
+    ridge: float = 0.0  # the relative ridge applied (``auto`` resolved)
+    tokens: Optional[int] = None  # calibration tokens behind Σ ω G̃ (None: not given)
+    # why this ridge (``auto``: from the tokens or the condition number; else "as set")
+    ridge_reason: str = "as set"
+    # the condition number of Σ ω G̃ before ``auto`` added its ridge (None: no ridge added
+    # by ``auto``, or the span solve, whose unregularised system is rank-deficient by count)
+    condition_number_unregularized: Optional[float] = None
+    # span solve: each task's ‖W X_kᵀ − W_k X_kᵀ‖²_F on the rows it solved with (None where
+    # not computed: the solve did not form V H⁻¹, or the task had ω_k = 0)
+    row_errors: Optional[list[Optional[float]]] = None
+
+
+def _pinv_tolerance(eigenvalues: torch.Tensor, n: int) -> float:
+    """Eigenvalues at or below ``n · eps · max|λ|`` count as zero (``torch.linalg.pinv``'s rule)."""
+    return n * torch.finfo(eigenvalues.dtype).eps * float(eigenvalues.abs().max())
+
+
+def _symmetric_pinv(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Moore–Penrose pseudo-inverse of a symmetric matrix via ``eigh``, and its eigenvalues."""
+    eigenvalues, eigenvectors = torch.linalg.eigh(matrix)
+    keep = eigenvalues.abs() > _pinv_tolerance(eigenvalues, matrix.shape[0])
+    inverse = torch.where(keep, 1.0 / eigenvalues, torch.zeros_like(eigenvalues))
+    return (eigenvectors * inverse) @ eigenvectors.T, eigenvalues
+
+
+def _condition_number(eigenvalues: torch.Tensor) -> float:
+    """2-norm condition number ``max|λ| / min|λ|`` of a symmetric matrix.
+
+    inf when the matrix is numerically singular (its smallest eigenvalue is one the
+    pseudo-inverse treats as zero).
+    """
+    magnitude = eigenvalues.abs()
+    smallest = float(magnitude.min())
+    if smallest <= _pinv_tolerance(eigenvalues, eigenvalues.numel()):
+        return math.inf
+    return float(magnitude.max()) / smallest
+
+
+def _cholesky(matrix: torch.Tensor) -> Optional[torch.Tensor]:
+    """The lower Cholesky factor of a symmetric matrix, or None when it is not positive definite."""
+    factor, info = torch.linalg.cholesky_ex(matrix)
+    if int(info) != 0 or not bool(torch.isfinite(factor).all()):
+        return None
+    return factor
+
+
+def estimate_condition_number(
+    matrix: torch.Tensor,
+    cholesky: torch.Tensor,
+    *,
+    iterations: int = _CONDITION_ITERATIONS,
+    block: int = _CONDITION_BLOCK,
+) -> float:
+    """``λ_max / λ_min`` of a symmetric positive definite matrix, estimated cheaply.
+
+    Block subspace iteration (``block`` seeded random vectors, ``iterations`` steps) on the
+    matrix for ``λ_max`` and on its inverse (two triangular solves with ``cholesky``) for
+    ``λ_min``, each finished by a Rayleigh–Ritz step. Ritz values lie inside the spectrum,
+    so the estimate is never above the true condition number. O(iterations · block · n²)
+    instead of the O(n³) of an eigendecomposition; deterministic.
+    """
+    return estimate_condition_number_of(
+        lambda q: matrix @ q,
+        lambda q: torch.cholesky_solve(q, cholesky),
+        matrix.shape[0],
+        dtype=matrix.dtype,
+        device=matrix.device,
+        iterations=iterations,
+        block=block,
+    )
+
+
+def estimate_condition_number_of(
+    apply: Callable[[torch.Tensor], torch.Tensor],
+    apply_inverse: Callable[[torch.Tensor], torch.Tensor],
+    n: int,
+    *,
+    dtype: torch.dtype = torch.float64,
+    device: Optional[torch.device] = None,
+    iterations: int = _CONDITION_ITERATIONS,
+    block: int = _CONDITION_BLOCK,
+) -> float:
+    """:func:`estimate_condition_number` for a matrix given as ``apply`` / ``apply_inverse``.
+
+    Both map an ``n x b`` block to ``A @ block`` / ``A⁻¹ @ block``; the Rayleigh–Ritz steps
+    use ``apply`` too, so the matrix itself is never formed (the span solve's ``A`` is
+    ``Rᵀ D R + E``, applied in O(n · T) per vector).
+    """
+    largest = float(_ritz_values(apply, apply, n, dtype, device, iterations, block).max())
+    smallest = float(_ritz_values(apply, apply_inverse, n, dtype, device, iterations, block).min())
+    if smallest <= 0.0:
+        return math.inf
+    return largest / smallest
+
+
+def _ritz_values(
+    apply: Callable[[torch.Tensor], torch.Tensor],
+    power: Callable[[torch.Tensor], torch.Tensor],
+    n: int,
+    dtype: torch.dtype = torch.float64,
+    device: Optional[torch.device] = None,
+    iterations: int = _CONDITION_ITERATIONS,
+    block: int = _CONDITION_BLOCK,
+) -> torch.Tensor:
+    """Ritz values of ``apply`` on the subspace that ``iterations`` steps of ``power`` reach
+    from a seeded random block: the extreme eigenvalues of ``power``'s dominant end."""
+    width = min(block, n)
+    generator = torch.Generator().manual_seed(0)
+    start = torch.randn(n, width, generator=generator, dtype=torch.float64)
+    basis = torch.linalg.qr(start.to(device=device, dtype=dtype)).Q
+    for _ in range(iterations):
+        basis = torch.linalg.qr(power(basis)).Q
+    projected = basis.T @ apply(basis)
+    return torch.linalg.eigvalsh(0.5 * (projected + projected.T))
+
+
+def _condition(system: torch.Tensor, cholesky: Optional[torch.Tensor]) -> tuple[float, str]:
+    """``(condition number, "exact" | "estimate")`` of ``system``."""
+    if cholesky is None or system.shape[0] <= EXACT_CONDITION_MAX_DIM:
+        return _condition_number(torch.linalg.eigvalsh(system)), "exact"
+    return estimate_condition_number(system, cholesky), "estimate"
+
+
+def span_solve_applies(
+    reduce_non_diagonal: float, relative_ridge: float, tokens: int, n_in: int
+) -> bool:
+    """Whether a group whose tasks all kept their input rows is solved in the rows' span
+    (:func:`span_solve`): a ridge, an off-diagonal part, and fewer tokens than inputs."""
+    return relative_ridge > 0.0 and reduce_non_diagonal > 0.0 and tokens < n_in
+
+
+def resolve_ridge(ridge: Ridge, n_in: int, tokens: Optional[int]) -> float:
+    """The relative ridge known before the solve: ``auto`` is :data:`AUTO_RIDGE` when fewer
+    than ``n_in`` calibration tokens stand behind the Gram (it is then rank-deficient by
+    count), else 0 here; :func:`solve_regmean_sums` then adds :data:`AUTO_RIDGE` when the
+    system it solves is ill-conditioned (:func:`auto_ridge_needed`). A number is used as given."""
+    if isinstance(ridge, str):
+        if ridge != "auto":
+            raise ValueError(f"ridge must be a number >= 0 or 'auto'; got {ridge!r}")
+        return AUTO_RIDGE if tokens is not None and tokens < n_in else 0.0
+    value = float(ridge)
+    if value < 0.0 or not math.isfinite(value):
+        raise ValueError(f"ridge must be a finite number >= 0 or 'auto'; got {ridge}")
+    return value
+
+
+def auto_ridge_needed(condition: float) -> bool:
+    """Whether ``ridge: auto`` regularises a system of this condition number (inf or NaN:
+    singular; above :data:`AUTO_RIDGE_MAX_CONDITION`: ill-conditioned)."""
+    return not condition <= AUTO_RIDGE_MAX_CONDITION
+
+
+def _ridge_reason(ridge: Ridge, applied: float, n_in: int, tokens: Optional[int]) -> str:
+    """Why the ridge known before the solve is what it is (for the diagnostics)."""
+    if not isinstance(ridge, str):
+        return "as set"
+    if applied > 0.0:
+        return (
+            f"auto: {tokens} calibration tokens for {n_in} inputs (Σ ω G̃ has rank at most "
+            f"{tokens} < {n_in})"
+        )
+    return "auto"
+
+
+def regmean_solve(
+    expert_weights: Sequence[torch.Tensor],
+    grams: Sequence[Optional[torch.Tensor]],
+    reduce_non_diagonal: float,
+    *,
+    task_weights: Optional[Sequence[float]] = None,
+    ridge: Ridge = 0.0,
+    solver: Solver = "pinv",
+    name: str = "<weight>",
+    keep_products: bool = False,
+    tokens: Optional[int] = None,
+    rows: Optional[Sequence[torch.Tensor]] = None,
+) -> RegMeanSolution:
+    """``W = (Σ_k ω_k W_k G̃_k)(Σ_k ω_k G̃_k)⁻¹`` with diagnostics (RegMean eq. 3; CoM eq. for ω).
+
+    - ``expert_weights``: one ``out x in`` weight per task; ``grams``: one ``in x in`` input
+      Gram per task (means over tokens); ``task_weights``: ω_k (default 1 each).
+    - ``ridge`` > 0 is Tikhonov regularisation toward the ω-weighted mean of the experts:
+      with ``λ = ridge · mean(diag(A)) / Σ_k ω_k``, ``A = Σ_k ω_k G̃_k``, it solves
+      ``min_W Σ_k ω_k (‖W X_k − W_k X_k‖²/N_k + λ ‖W − W_k‖²_F)``, i.e. the inverted matrix is
+      ``A + ridge · mean(diag(A)) · I`` and the numerator gains ``λ Σ_k ω_k W_k``
+      (so a huge ridge gives the weighted mean of the experts, not zero). ``"auto"``:
+      :data:`AUTO_RIDGE` when ``tokens < in`` (:func:`resolve_ridge`) or when ``Σ ω G̃`` is
+      singular or its condition number exceeds :data:`AUTO_RIDGE_MAX_CONDITION`, else 0
+      (the exact solution); the solution says which and why (``ridge_reason``).
+    - ``solver``: ``pinv`` (Moore–Penrose pseudo-inverse, the CoM paper's choice) or
+      ``solve`` (falls back to pinv with a warning when the matrix is singular). ``pinv`` is
+      computed as a Cholesky solve when ``Σ ω G̃`` is positive definite and its condition
+      number is far from pinv's cut-off (then the two are the same matrix), by ``eigh``
+      otherwise. With a ridge the matrix is positive definite and both are its inverse.
+    - ``tokens``: the calibration tokens behind the Grams (``Σ_k N_k``), for ``auto``.
+    - ``rows``: optionally each task's inputs ``X_kᵀ`` (``N_k x in``, ``G_k = X_kᵀ X_k / N_k``,
+      the rows of the Gram the solve uses; a Gram may then be None and is formed from its
+      rows where the dense path needs it). With a ridge and ``Σ N_k < in`` the solve is then
+      written in the span of the tokens (:func:`span_solve`: a ``T x T`` system, T = Σ N_k)
+      instead of the ``in x in`` one; same solution, O(T · in · (T + out)) instead of O(in³).
+    - ``keep_products``: also return each ``W_k G_k`` (for diagnostics that reuse them);
+      None on the span path, which never forms them.
+
+    The Grams, ``Σ ω G̃`` and the solve are float64; the products ``W_k G_k`` are float32
+    GEMMs for float32 weights (float64 for float64 weights). The result has the dtype of
+    ``expert_weights[0]``.
+    """
+    n_tasks = len(expert_weights)
+    if n_tasks == 0:
+        raise TensorError(f"RegMean needs at least one expert weight for {name}; got none")
+    if len(grams) != n_tasks:
+        raise TensorError(f"{name}: {n_tasks} expert weights but {len(grams)} input Grams")
+    weights = [1.0] * n_tasks if task_weights is None else [float(w) for w in task_weights]
+    if len(weights) != n_tasks:
+        raise TensorError(f"{name}: {n_tasks} expert weights but {len(weights)} task weights")
+    if any(not math.isfinite(w) or w < 0.0 for w in weights) or sum(weights) <= 0.0:
+        raise TensorError(
+            f"{name}: task weights must be finite, non-negative and not all zero; got {weights}"
+        )
+    if solver not in ("pinv", "solve"):
+        raise ValueError(f"solver must be pinv or solve; got {solver!r}")
+
+    out_dtype = expert_weights[0].dtype
+    # float32 GEMMs for float32 (or narrower) weights: their own rounding is of that order
+    product_dtype = torch.float64 if out_dtype == torch.float64 else torch.float32
+    shape = tuple(expert_weights[0].shape)
+    if len(shape) != 2:
+        raise TensorError(f"RegMean merges 2-D linear weights; {name} has shape {shape}")
+    n_in = shape[1]
+    relative_ridge = resolve_ridge(ridge, n_in, tokens)
+    for k, (w, g) in enumerate(zip(expert_weights, grams)):
+        if tuple(w.shape) != shape:
+            raise TensorError(
+                f"shape mismatch for {name}: task {k} has {tuple(w.shape)}, task 0 has {shape}"
+            )
+        if g is None:
+            if rows is None:
+                raise TensorError(f"{name}: task {k} has neither an input Gram nor input rows")
+            continue
+        if tuple(g.shape) != (n_in, n_in):
+            raise TensorError(
+                f"{name}: the input Gram of task {k} is {tuple(g.shape)}, expected "
+                f"({n_in}, {n_in}) for an out x in weight of shape {shape}"
+            )
+    if rows is not None:
+        if len(rows) != n_tasks or any(
+            r.ndim != 2 or r.shape[1] != n_in or r.shape[0] == 0 for r in rows
+        ):
+            raise TensorError(
+                f"{name}: rows must be one non-empty N_k x {n_in} tensor per task; got "
+                f"{[tuple(r.shape) for r in rows]}"
+            )
+        span_tokens = sum(r.shape[0] for r, omega in zip(rows, weights) if omega > 0.0)
+        if span_solve_applies(reduce_non_diagonal, relative_ridge, span_tokens, n_in):
+            return span_solve(
+                expert_weights,
+                grams,
+                rows,
+                reduce_non_diagonal,
+                task_weights=weights,
+                ridge=relative_ridge,
+                tokens=tokens,
+                ridge_reason=_ridge_reason(ridge, relative_ridge, n_in, tokens),
+            )
+    if any(g is None for g in grams):
+        assert rows is not None
+        grams = [_gram_of(r) if g is None else g for g, r in zip(grams, rows)]
+
+    # The same sums and solve as the distributed reduction (LeastSquaresReduction), so one
+    # process and several add and solve bit for bit alike.
+    sums = regmean_zero_sums(
+        shape, with_weighted_experts=isinstance(ridge, str) or relative_ridge > 0.0
+    )
+    products: list[torch.Tensor] = []
+    for w, g, omega in zip(expert_weights, grams, weights):
+        # W_k G̃_k = α W_k G_k + (1 − α) W_k diag(G_k): one GEMM, no shrunk copy of G_k.
+        product = w.to(product_dtype) @ g.to(product_dtype)
+        regmean_add_task(sums, w, g, reduce_non_diagonal, omega, product)
+        if keep_products:
+            products.append(product)
+        del product
+    solution = solve_regmean_sums(
+        sums, ridge=ridge, solver=solver, name=name, out_dtype=out_dtype, tokens=tokens
+    )
+    solution.products = products if keep_products else None
+    return solution
+
+
+def _gram_of(rows: torch.Tensor) -> torch.Tensor:
+    """``rowsᵀ rows / N`` in float64, exactly symmetric."""
+    r = rows.double()
+    gram = r.T @ r / r.shape[0]
+    return (gram + gram.T).mul_(0.5)
+
+
+def _outer_gram(rows: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """``rows @ rows.T`` (``T x T``) from its lower block triangle: about half the flops of
+    one GEMM at T ≫ block, and exactly symmetric."""
+    t = int(rows.shape[0])
+    out = torch.empty((t, t), dtype=rows.dtype)
+    for i in range(0, t, block):
+        top = min(i + block, t)
+        torch.mm(rows[i:top], rows[:top].T, out=out[i:top, :top])
+        out[:i, i:top] = out[i:top, :i].T
+        diagonal = out[i:top, i:top]
+        diagonal.copy_(0.5 * (diagonal + diagonal.T))
+    return out
+
+
+def span_solve(
+    expert_weights: Sequence[torch.Tensor],
+    grams: Sequence[Optional[torch.Tensor]],
+    rows: Sequence[torch.Tensor],
+    reduce_non_diagonal: float,
+    *,
+    task_weights: Sequence[float],
+    ridge: float,
+    tokens: Optional[int] = None,
+    ridge_reason: str = "as set",
+) -> RegMeanSolution:
+    """The ridge-regularised RegMean solution written in the span of the calibration tokens.
+
+    With ``R`` the ``T x in`` stack of every task's rows (tasks with ω_k = 0 left out),
+    ``D = diag(α ω_k / N_k)`` per row, ``E = diag((1 − α) Σ_k ω_k diag(G_k) + λ)``
+    (``λ = ridge · mean(diag(A))``, the same λ as :func:`regmean_solve`), the inverted matrix
+    is ``A = Rᵀ D R + E`` and the numerator ``N = Σ_k α ω_k W_k R_kᵀ R_k / N_k + M`` with
+    ``M = Σ_k ω_k W_k ((1 − α) diag(G_k) + λ / Σ ω)``. Let ``W₀ = M E⁻¹`` (a per-input-column
+    weighted mean of the experts; with α = 1 their ω-mean). Then ``N − W₀ A = V D R`` with
+    ``V = [(W_k − W₀) R_kᵀ]_k`` (``out x T``), and the push-through identity
+    ``D R (Rᵀ D R + E)⁻¹ = (R E⁻¹ Rᵀ + D⁻¹)⁻¹ R E⁻¹`` gives::
+
+        W = N A⁻¹ = W₀ + V H⁻¹ (R E⁻¹),     H = R E⁻¹ Rᵀ + D⁻¹     (T x T, positive definite)
+
+    exactly (Woodbury), for any T. It is used when T < in: then ``A``'s ``in x in``
+    factorisation (O(in³)) is replaced by ``H``'s (O(T³)) and O(T · in · (T + out)) products;
+    in the directions no token spans, ``W = W₀``.
+
+    On the calibration rows, ``W Rᵀ − [W_k R_kᵀ]_k = W₀Rᵀ + V H⁻¹(H − D⁻¹) − (W₀Rᵀ + V)
+    = −V H⁻¹ D⁻¹``: where ``V H⁻¹`` is formed (``out ≤ in``) each task's squared output error
+    comes with it (``RegMeanSolution.row_errors``).
+
+    Float64 throughout (``H``, its Cholesky factor, the solve and the ``out x in x T``
+    products), so the bytes do not depend on the number of torch threads. The condition
+    number of ``A`` is exact (dense) up to :data:`EXACT_CONDITION_MAX_DIM` inputs, estimated
+    above from ``A``'s action (``Rᵀ D R q + E q``) and its inverse (by Woodbury), with no
+    ``in x in`` matrix formed.
+    """
+    out_dtype = expert_weights[0].dtype
+    # float64 throughout: BLAS splits a GEMM's reduction differently with the number of
+    # threads (float32 and float64 alike); in float64 those last-bit differences do not reach
+    # the float32/bf16 result, so one process and several give the same bytes
+    out, n_in = expert_weights[0].shape
+    weights = [float(w) for w in task_weights]
+    total = sum(weights)
+    # mean(diag(A)) of the dense path: Σ_k ω_k mean(diag(G̃_k)) = Σ_k ω_k mean(diag(G_k))
+    diagonals = [
+        torch.diagonal(g).double() if g is not None else r.double().square().mean(0)
+        for g, r in zip(grams, rows)
+    ]
+    mean_diagonal = float(sum(omega * d for d, omega in zip(diagonals, weights)).mean())
+    strength = ridge * mean_diagonal
+    e = torch.full((n_in,), strength, dtype=torch.float64)
+    # At LLM widths these are GB-sized: accumulate into one float64 buffer (mixed-dtype
+    # in-place ops convert on the fly) instead of a float64 copy of every expert weight.
+    w0 = torch.zeros((out, n_in), dtype=torch.float64)
+    for w, d, omega in zip(expert_weights, diagonals, weights):
+        e.add_(d, alpha=omega * (1.0 - reduce_non_diagonal))
+        if reduce_non_diagonal == 1.0:
+            w0.add_(w, alpha=omega * strength / total)
+        else:
+            w0.addcmul_(w, omega * ((1.0 - reduce_non_diagonal) * d + strength / total))
+    if not bool((e > 0.0).all()):
+        raise TensorError("span_solve needs a positive E = (1 − α) Σ ω diag(G) + λ; use a ridge")
+    w0.div_(e)  # W₀ = M E⁻¹
+
+    kept = [k for k, omega in enumerate(weights) if omega > 0.0]
+    r_all = torch.cat([rows[k].double() for k in kept])  # T x in
+    counts = [int(rows[k].shape[0]) for k in kept]
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + c)
+    d_inv = torch.cat(
+        [
+            torch.full((c,), c / (reduce_non_diagonal * weights[k]), dtype=torch.float64)
+            for k, c in zip(kept, counts)
+        ]
+    )
+    # Vᵀ = [R_k (W_k − W₀)ᵀ]_k (T x out), each task's rows a contiguous slice
+    v_t = torch.empty((int(r_all.shape[0]), out), dtype=torch.float64)
+    delta = torch.empty((out, n_in), dtype=torch.float64)
+    for k, a, b in zip(kept, offsets, offsets[1:]):
+        delta.copy_(expert_weights[k]).sub_(w0)
+        torch.mm(r_all[a:b], delta.T, out=v_t[a:b])
+    del delta
+    root_e = e.sqrt()
+    scaled = r_all / root_e  # R E^(-1/2)
+    h = _outer_gram(scaled)  # R E⁻¹ Rᵀ, exactly symmetric
+    f = scaled.div_(root_e)  # R E⁻¹, in place
+    del scaled
+    torch.diagonal(h).add_(d_inv)
+    factor = _cholesky(h)
+    if factor is None:  # pragma: no cover - H ⪰ D⁻¹ > 0
+        raise TensorError("span_solve: H = R E⁻¹ Rᵀ + D⁻¹ is not positive definite")
+    row_errors: Optional[list[Optional[float]]] = None
+    # Forming V H⁻¹ costs 2T²·out in triangular solves against 2T²·in for H⁻¹ R E⁻¹, but it
+    # gives the output errors for free (below), which otherwise take an out x in x T product:
+    # the cheaper of the two up to about out = 2·in (a Llama q/k/v group, not gate/up).
+    if out <= 2 * n_in:
+        z_t = torch.cholesky_solve(v_t, factor)  # (V H⁻¹)ᵀ, T x out
+        del v_t
+        w0.addmm_(z_t.T, f)  # W = W₀ + V H⁻¹ R E⁻¹, in place
+        # On the calibration rows W Rᵀ − [W_k R_kᵀ]_k = −V H⁻¹ D⁻¹ (from H = R E⁻¹ Rᵀ + D⁻¹):
+        # each task's output error comes free with Z, no out x in x N product
+        row_errors = [None] * len(weights)
+        for k, a, b in zip(kept, offsets, offsets[1:]):
+            scale = (b - a) / (reduce_non_diagonal * weights[k])
+            row_errors[k] = float(z_t[a:b].square().sum()) * scale * scale
+        del z_t
+    else:
+        p = torch.cholesky_solve(f, factor)  # H⁻¹ R E⁻¹, T x in
+        w0.addmm_(v_t.T, p)
+        del v_t, p
+    merged = w0
+
+    d = 1.0 / d_inv
+    if n_in <= EXACT_CONDITION_MAX_DIM:
+        system = (r_all.T * d) @ r_all
+        torch.diagonal(system).add_(e)
+        eigenvalues = torch.linalg.eigvalsh(0.5 * (system + system.T))
+        condition, method = _condition_number(eigenvalues), "exact"
+    elif reduce_non_diagonal == 1.0:
+        # E = λ I and T < in: λ_min(A) = λ exactly (A = λ I off the tokens' span) and
+        # λ_max(A) = λ · λ_max(D^½ H D^½), from the T x T matrix already formed.
+        root = d.sqrt()
+        scaled = root[:, None] * h * root[None, :]
+        condition = float(_ritz_values(lambda q: scaled @ q, lambda q: scaled @ q, len(d)).max())
+        method = "estimate"
+    else:
+        condition = estimate_condition_number_of(
+            lambda q: r_all.T @ (d[:, None] * (r_all @ q)) + e[:, None] * q,
+            lambda q: q / e[:, None] - f.T @ torch.cholesky_solve(f @ q, factor),
+            n_in,
+        )
+        method = "estimate"
+    total_rows = int(r_all.shape[0])
+    return RegMeanSolution(
+        merged.to(out_dtype),
+        condition,
+        f"cholesky in the span of {total_rows} tokens",
+        method,
+        None,
+        ridge=ridge,
+        tokens=tokens if tokens is not None else total_rows,
+        row_errors=row_errors,
+        ridge_reason=ridge_reason,
+    )
+
+
+def regmean_merge_weights(
+    expert_weights: Sequence[torch.Tensor],
+    grams: Sequence[torch.Tensor],
+    reduce_non_diagonal: float,
+    *,
+    task_weights: Optional[Sequence[float]] = None,
+    ridge: Ridge = 0.0,
+    solver: Solver = "pinv",
+) -> torch.Tensor:
+    """``W = (Σ_k ω_k W_k G̃_k)(Σ_k ω_k G̃_k)⁻¹``; see :func:`regmean_solve` for the details."""
+    return regmean_solve(
+        expert_weights,
+        grams,
+        reduce_non_diagonal,
+        task_weights=task_weights,
+        ridge=ridge,
+        solver=solver,
+    ).merged_weight
+
+
+# --------------------------------------------------------------------------------------
+# Several processes: the same merge from sums over disjoint task sets
+# --------------------------------------------------------------------------------------
+
+
+def regmean_zero_sums(
+    shape: Sequence[int], *, with_weighted_experts: bool = False, device: Any = None
+) -> dict[str, torch.Tensor]:
+    """The accumulators of :func:`regmean_solve`'s sums (float64 zeros), for
+    :func:`regmean_add_task`: ``numerator`` (out x in), ``system`` (in x in),
+    ``system_diagonal`` (in), ``task_weight_sum`` (1), ``tokens`` (1) and, for a ridge,
+    ``weighted_experts``."""
+    out, n_in = int(shape[0]), int(shape[1])
+    zeros = dict(dtype=torch.float64, device=device)
+    sums = {
+        "numerator": torch.zeros((out, n_in), **zeros),
+        "system": torch.zeros((n_in, n_in), **zeros),
+        "system_diagonal": torch.zeros(n_in, **zeros),
+        "task_weight_sum": torch.zeros(1, **zeros),
+        "tokens": torch.zeros(1, **zeros),  # Σ N_k over tasks with ω_k > 0 (for ridge: auto)
+    }
+    if with_weighted_experts:
+        sums["weighted_experts"] = torch.zeros((out, n_in), **zeros)
+    return sums
+
+
+def regmean_add_task(
+    sums: dict[str, torch.Tensor],
+    weight: torch.Tensor,
+    gram: torch.Tensor,
+    reduce_non_diagonal: float,
+    omega: float,
+    product: Optional[torch.Tensor] = None,
+    count: int = 0,
+) -> None:
+    """Add one task's terms to the sums, in place: ``ω (α W G + (1 − α) W diag(G))`` to the
+    numerator, ``ω (α G + (1 − α) diag(G))`` to the system (its diagonal part kept apart),
+    ``ω``, ``ω W`` and (ω > 0) the task's token count ``count``.
+
+    The same operations in the same order as :func:`regmean_solve`'s loop, so adding the
+    tasks in order gives its sums bit for bit; ``product`` is ``W G`` when already computed
+    (as :func:`regmean_solve` forms it: float32 for float32 weights).
+    """
+    if product is None:
+        product_dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        product = weight.to(product_dtype) @ gram.to(product_dtype)
+    diagonal = torch.diagonal(gram).double()
+    sums["numerator"].add_(product.double(), alpha=omega * reduce_non_diagonal)
+    sums["numerator"].add_(weight.double() * diagonal, alpha=omega * (1.0 - reduce_non_diagonal))
+    sums["system"].add_(gram.double(), alpha=omega * reduce_non_diagonal)
+    sums["system_diagonal"].add_(diagonal, alpha=omega * (1.0 - reduce_non_diagonal))
+    sums["task_weight_sum"].add_(omega)
+    if omega > 0.0:
+        sums["tokens"].add_(float(count))
+    if "weighted_experts" in sums:
+        sums["weighted_experts"].add_(omega * weight.double())
+
+
+def solve_regmean_sums(
+    sums: dict[str, torch.Tensor],
+    *,
+    ridge: Ridge = 0.0,
+    solver: Solver = "pinv",
+    name: str = "<weight>",
+    out_dtype: torch.dtype = torch.float32,
+    tokens: Optional[int] = None,
+) -> RegMeanSolution:
+    """``W = numerator · system⁻¹`` from the sums of :func:`regmean_add_task`.
+
+    The one dense solve of every least-squares merge (:func:`regmean_solve` and the
+    distributed :class:`LeastSquaresReduction`). ``ridge``: a relative ridge, or ``"auto"``:
+    :data:`AUTO_RIDGE` when ``tokens`` is below the input width, or when the unregularised
+    system is singular or its condition number exceeds :data:`AUTO_RIDGE_MAX_CONDITION`
+    (:func:`auto_ridge_needed`), else exactly 0. ``auto`` needs ``sums["weighted_experts"]``.
+    ``tokens`` is recorded in the solution. The ``solver`` choice is :func:`regmean_solve`'s.
+    """
+    if float(sums["task_weight_sum"].sum()) <= 0.0:
+        raise TensorError(f"{name}: the task weights are all zero; use task_weighting: uniform")
+    numerator = sums["numerator"].double().clone()
+    system = sums["system"].double().clone()
+    n_in = system.shape[0]
+    auto = isinstance(ridge, str)
+    relative_ridge = resolve_ridge(ridge, n_in, tokens)
+    reason = _ridge_reason(ridge, relative_ridge, n_in, tokens)
+    torch.diagonal(system).add_(sums["system_diagonal"].double())
+    system = 0.5 * (system + system.T)  # exact symmetry for eigh
+
+    def add_ridge(value: float) -> None:
+        nonlocal numerator
+        strength = value * float(torch.diagonal(system).mean())
+        torch.diagonal(system).add_(strength)
+        numerator += (strength / float(sums["task_weight_sum"].sum())) * sums[
+            "weighted_experts"
+        ].double()
+
+    if relative_ridge > 0.0:
+        add_ridge(relative_ridge)
+
+    n_eps = n_in * torch.finfo(torch.float64).eps
+    cholesky = _cholesky(system)
+    if cholesky is None and solver == "pinv" and not auto:
+        # pinv's eigh below gives the condition number: no eigvalsh of the same matrix first
+        condition, condition_method = math.inf, "exact"
+    elif cholesky is None and auto and relative_ridge == 0.0:
+        condition, condition_method = math.inf, "exact"  # not positive definite: singular
+    else:
+        condition, condition_method = _condition(system, cholesky)
+    unregularized: Optional[float] = None
+    if auto and relative_ridge == 0.0:
+        if auto_ridge_needed(condition):
+            # Decided from the system actually solved, whatever the token count: a few
+            # distinct tokens repeated many times give a Gram of low numerical rank.
+            unregularized = condition
+            relative_ridge = AUTO_RIDGE
+            reason = (
+                f"auto: condition number {condition:.3g} of Σ ω G̃ above "
+                f"{AUTO_RIDGE_MAX_CONDITION:g}"
+                if math.isfinite(condition)
+                else "auto: Σ ω G̃ is numerically singular (not positive definite in float64)"
+            )
+            add_ridge(relative_ridge)
+            cholesky = _cholesky(system)
+            condition, condition_method = _condition(system, cholesky)
+        else:
+            reason = (
+                f"auto: condition number {condition:.3g} of Σ ω G̃ at most "
+                f"{AUTO_RIDGE_MAX_CONDITION:g} (exact solution)"
+            )
+    used = solver
+    merged: Optional[torch.Tensor] = None
+    if solver == "solve":
+        try:
+            if cholesky is not None:
+                merged = torch.cholesky_solve(numerator.T, cholesky).T
+            else:
+                merged = torch.linalg.solve(system, numerator.T).T
+        except RuntimeError:  # torch.linalg.LinAlgError subclasses RuntimeError
+            merged = None
+        if merged is None or not torch.isfinite(merged).all():
+            LOG.warning("%s: Σ ω G̃ is singular; solving with the pseudo-inverse instead", name)
+            used = "pinv (solve failed: singular)"
+            merged = None
+    elif cholesky is not None and condition * n_eps < _CHOLESKY_PINV_MARGIN:
+        # No eigenvalue is anywhere near pinv's cut-off: the pseudo-inverse is the inverse,
+        # and a Cholesky solve gives it at a fraction of an eigendecomposition's cost.
+        merged = torch.cholesky_solve(numerator.T, cholesky).T
+    if merged is None:
+        if relative_ridge == 0.0:
+            # only an explicit ridge: 0 gets here (auto regularises a singular system)
+            LOG.warning(
+                "%s: Σ ω G̃ (%d inputs) is singular or nearly so and ridge: 0 was set; taking "
+                "its pseudo-inverse by an eigendecomposition (slow at large widths, and the "
+                "merged weight may leave the experts' range: ridge: auto or ridge: %g "
+                'regularises it; docs/methods.md, "ridge: auto")',
+                name,
+                n_in,
+                AUTO_RIDGE,
+            )
+        pinv, eigenvalues = _symmetric_pinv(system)
+        merged = numerator @ pinv
+        condition, condition_method = _condition_number(eigenvalues), "exact"
+    return RegMeanSolution(
+        merged.to(out_dtype),
+        condition,
+        used,
+        condition_method,
+        None,
+        ridge=relative_ridge,
+        tokens=tokens,
+        ridge_reason=reason,
+        condition_number_unregularized=unregularized,
+    )
