@@ -23,11 +23,11 @@ from mergekit_ext.model_paths import (
     PICKLE_PATTERNS,
     cached_snapshot,
     checkpoint_shapes,
-    hub_offline,
     is_config_only,
     model_paths,
     read_config_json,
 )
+from mergekit_ext.offline import hub_offline
 
 LOG = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from huggingface_hub import constants as hf_constants
 from tiny_models import make_experts, make_lora_experts, make_tiny_llama
 from tqdm.auto import tqdm
 
-from mergekit_ext import checks, model_paths
+from mergekit_ext import checks, offline
 from mergekit_ext.cli import main
 from mergekit_ext.config import load_config
 from mergekit_ext.console import cli_errors
@@ -167,9 +167,9 @@ def test_offline_mode_has_one_source(monkeypatch) -> None:
     from mergekit_ext.hub.publish import check_can_publish
 
     monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
-    assert not model_paths.hub_offline()
+    assert not offline.hub_offline()
     monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
-    assert model_paths.hub_offline()
+    assert offline.hub_offline()
     with pytest.raises(PublishError, match="HF_HUB_OFFLINE"):
         check_can_publish("alice/x", token="hf_flag")
 

@@ -38,7 +38,7 @@ from typing import Any, Optional
 
 from mergekit_ext.errors import PublishError
 from mergekit_ext.hub.http import HUB_TIMEOUT_S, bounded_hub_requests
-from mergekit_ext.model_paths import hub_offline
+from mergekit_ext.offline import hub_offline
 
 LOG = logging.getLogger(__name__)
 
