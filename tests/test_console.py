@@ -196,3 +196,33 @@ def test_dry_run_prints_each_plan_warning_once(tiny_llama_set, tmp_path) -> None
     assert ranks, result.output
     assert len(ranks) == len(set(ranks)), result.output  # each once
     assert not out.exists()
+
+
+def test_data_aware_merge_announces_writing_the_last_shard(llamas, tmp_path) -> None:
+    """The layer-wise executor says when it writes the last shard and the index (the step
+    after the last block's progress bar), once, without ``-v``."""
+    from mergekit_ext.testing import WORDS
+
+    root, base, experts = llamas
+    data = tmp_path / "calibration.jsonl"
+    data.write_text(
+        "".join(
+            f'{{"text": "{" ".join(WORDS[i % len(WORDS) :] + WORDS[:3])}"}}\n' for i in range(8)
+        )
+    )
+    cfg = {
+        "merge_method": "regmean",
+        "base_model": base,
+        "models": [
+            {"model": e, "name": f"t{k}", "calibration": {"path": str(data), "samples": 8}}
+            for k, e in enumerate(experts)
+        ],
+    }
+    config = tmp_path / "regmean.yml"
+    config.write_text(yaml.safe_dump(cfg))
+    result = CliRunner().invoke(
+        main, ["run", str(config), str(tmp_path / "out")], catch_exceptions=False
+    )
+    assert result.exit_code == 0, result.output
+    lines = [_last_segment(line) for line in result.output.splitlines()]
+    assert lines.count("writing the last checkpoint shard and the shard index") == 1, result.output
