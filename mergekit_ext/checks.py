@@ -23,11 +23,11 @@ from mergekit_ext.model_paths import (
     PICKLE_PATTERNS,
     cached_snapshot,
     checkpoint_shapes,
-    hub_offline,
     is_config_only,
     model_paths,
     read_config_json,
 )
+from mergekit_ext.offline import hub_offline
 
 LOG = logging.getLogger(__name__)
 
@@ -366,7 +366,11 @@ def warn_tokenizers_differ(cfg: ExtMergeConfig) -> list[str]:
 
     Weights of models with different vocabularies do not line up row by row; the data-aware
     methods refuse them when they tokenize calibration data, the data-free ones only warn.
+    Silent when ``tokenizer_source:`` / ``tokenizer:`` is set: the user chose the output's
+    tokenizer (mergekit then aligns the embedding rows), which is what the warning advises.
     """
+    if cfg.merge.tokenizer_source is not None or cfg.merge.tokenizer is not None:
+        return []
     digests = {}
     for ref in _referenced(cfg):
         folder = model_paths(ref)[0]

@@ -20,7 +20,6 @@ import os
 import signal
 import sys
 import threading
-import traceback
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
@@ -29,6 +28,7 @@ from mergekit.options import MergeOptions, PrettyPrintHelp, add_merge_options
 
 import mergekit_ext
 from mergekit_ext.config import load_config
+from mergekit_ext.console import cli_errors
 from mergekit_ext.errors import MergekitExtError, plugin_exit_error
 from mergekit_ext.hub.commands import publish_options
 from mergekit_ext.methods.registry import all_method_names, describe_method
@@ -75,15 +75,17 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 
 def _friendly_errors(verbose_of: Callable[[dict[str, Any]], int]) -> Callable:
-    """Print user errors on one line and exit 1; the traceback only with ``-v``."""
+    """:func:`console.cli_errors` (logging through the progress bars, one-line ``error:``),
+    plus interrupts: Ctrl-C, SIGTERM and SIGHUP exit with their code and say nothing was
+    written."""
 
     def decorator(f: Callable) -> Callable:
+        inner = cli_errors(verbose_of)(f)
+
         @functools.wraps(f)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             try:
-                return f(*args, **kwargs)
-            except (click.exceptions.Exit, click.ClickException, click.Abort):
-                raise
+                return inner(*args, **kwargs)
             except KeyboardInterrupt as e:
                 if isinstance(e, Terminated):
                     name = signal.Signals(e.signum).name
@@ -91,33 +93,10 @@ def _friendly_errors(verbose_of: Callable[[dict[str, Any]], int]) -> Callable:
                     sys.exit(128 + e.signum)
                 click.echo("interrupted; no output was written", err=True)
                 sys.exit(130)
-            except Exception as e:  # noqa: BLE001 - the CLI boundary
-                if verbose_of(kwargs) > 0:
-                    traceback.print_exc()
-                prefix = (
-                    "error" if isinstance(e, MergekitExtError) else f"error ({type(e).__name__})"
-                )
-                message = " ".join(str(e).split()) or type(e).__name__
-                message = _with_rank(message)
-                hint = (
-                    ""
-                    if verbose_of(kwargs) > 0 or isinstance(e, MergekitExtError)
-                    else " [run with -v for the traceback]"
-                )
-                click.echo(f"{prefix}: {message}{hint}", err=True)
-                sys.exit(1)
 
         return wrapper
 
     return decorator
-
-
-def _with_rank(message: str) -> str:
-    """Name this process's rank in errors of a merge launched on several processes."""
-    world, rank = os.environ.get("WORLD_SIZE", "1"), os.environ.get("RANK", "0")
-    if world in ("", "0", "1") or message.startswith("rank "):
-        return message
-    return f"rank {rank}/{world}: {message}"
 
 
 @click.group()
@@ -279,6 +258,12 @@ def run_command(
             click.echo(line)
 
 
+# mergekit's option is `-v` only; `--verbose` as on every other command
+for _param in run_command.params:
+    if _param.name == "verbosity" and isinstance(_param, click.Option):
+        _param.opts.append("--verbose")
+
+
 def _check_distributed_timeout(value: Optional[float]) -> Optional[float]:
     from mergekit_ext.distributed import DistributedError, check_timeout
 
@@ -333,16 +318,15 @@ def _import_plugin(spec: str) -> None:
 @main.command("methods")
 @click.argument("name", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output")
-def methods_command(name: Optional[str], as_json: bool) -> None:
+@click.option("-v", "--verbose", count=True, help="Show logs (-vv: debug) and tracebacks")
+@_friendly_errors(lambda kwargs: kwargs.get("verbose", 0))
+def methods_command(name: Optional[str], as_json: bool, verbose: int) -> None:
     """List every merge method with its parameters (or describe NAME)."""
     names = [name] if name else all_method_names()
     if name and name not in all_method_names():
         from mergekit_ext.checks import check_method
 
-        try:
-            check_method(name)
-        except MergekitExtError as e:
-            raise click.ClickException(str(e)) from e
+        check_method(name)  # raises a MergekitExtError naming the nearest methods
     described = [describe_method(n) for n in names]
     if as_json:
         click.echo(json.dumps(described, indent=2))
@@ -433,8 +417,6 @@ def diagnose_command(
     """
     from mergekit_ext.executor.diagnose import diagnose, format_report, plot_block_errors
 
-    if verbose:
-        logging.basicConfig(level=logging.DEBUG if verbose > 1 else logging.INFO)
     for plugin in plugins:
         _import_plugin(plugin)
     cfg = load_config(config_file)

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from mergekit_ext.errors import ModelInputError
 from mergekit_ext.model_files import read_json_object, safetensors_header
+from mergekit_ext.offline import hub_offline
 
 LOG = logging.getLogger(__name__)
 
@@ -197,13 +198,6 @@ def tensor_shapes(path: str) -> dict[str, tuple[int, ...]]:
         for name, (shape, _) in safetensors_header(file, f"model {path}").items():
             shapes[name] = shape
     return shapes
-
-
-def hub_offline() -> bool:
-    """Whether ``HF_HUB_OFFLINE`` is set (as huggingface_hub reads it)."""
-    from huggingface_hub import constants
-
-    return constants.is_offline_mode()
 
 
 def cached_snapshot(

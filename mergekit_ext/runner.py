@@ -18,12 +18,13 @@ collective, and rank 0 removes its temporary folder.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
 import os
-import tempfile
-from collections.abc import Callable
+import shutil
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -32,6 +33,7 @@ from mergekit.options import MergeOptions
 from mergekit_ext import checks, completeness, diagnostics, finite, tokenization
 from mergekit_ext import distributed as dist_context
 from mergekit_ext.config import ExtMergeConfig
+from mergekit_ext.console import phase
 from mergekit_ext.errors import MergekitExtError, PublishError
 from mergekit_ext.methods.registry import ext_method_info
 from mergekit_ext.model_paths import (
@@ -156,7 +158,10 @@ def run_merge_config(
 
         with in_memory():  # a dry run writes nothing, not even datasets' Arrow cache
             validate(cfg, options, run)
-            show_plan(_describe_plan(cfg, options, kind, world))
+            with _plan_prints_its_warnings() as listed:
+                described = _describe_plan(cfg, options, kind, world)
+                listed.update(line.removeprefix("warning: ") for line in described.splitlines())
+            show_plan(described)
         return None
 
     with exclusive_output(target, out_path):
@@ -180,6 +185,7 @@ def run_merge_config(
                 else:  # pragma: no cover - registry guarantees the kinds
                     raise MergekitExtError(f"unknown method kind {kind!r}")
                 if out_tokenizer is not None:
+                    phase("writing the output tokenizer")
                     tokenization.write_output_tokenizer(
                         out_tokenizer,
                         _donor_folder(cfg, options),
@@ -187,7 +193,7 @@ def run_merge_config(
                         copy_tokenizer=options.copy_tokenizer,
                         trust_remote_code=options.trust_remote_code,
                     )
-                finite.check_output_finite(tmp, _input_models(cfg))
+                _check_finite(cfg, tmp)
                 _check_complete(cfg, tmp, options)
             assert meter.usage is not None
             recorder.set_header("resources", meter.usage.to_json())
@@ -243,6 +249,7 @@ def _run_distributed(
                     _run_layerwise(cfg, tmp, options, recorder, ctx)
                     merged = True
                     if out_tokenizer is not None:
+                        phase("writing the output tokenizer")
                         tokenization.write_output_tokenizer(
                             out_tokenizer,
                             _donor_folder(cfg, options),
@@ -250,7 +257,7 @@ def _run_distributed(
                             copy_tokenizer=options.copy_tokenizer,
                             trust_remote_code=options.trust_remote_code,
                         )
-                finite.check_output_finite(tmp, _input_models(cfg))
+                _check_finite(cfg, tmp)
                 _check_complete(cfg, tmp, options)
                 _write_metadata(cfg, tmp, target, options, run, recorder)
     except BaseException as e:
@@ -302,8 +309,15 @@ def _check_can_push(run: RunOptions) -> None:
     )
 
 
+def _check_finite(cfg: ExtMergeConfig, tmp: str) -> None:
+    """No NaN/Inf in any written tensor (``finite``)."""
+    phase("checking every written tensor is finite")
+    finite.check_output_finite(tmp, _input_models(cfg))
+
+
 def _check_complete(cfg: ExtMergeConfig, tmp: str, options: MergeOptions) -> None:
     """Every tensor of the base's checkpoint layout written, nothing foreign (``completeness``)."""
+    phase("checking the checkpoint is complete, in the base model's layout")
     ref = str(cfg.merge.base_model or cfg.merge.referenced_models()[0])
     completeness.check_output_complete(
         tmp,
@@ -329,6 +343,8 @@ def _write_metadata(
     """
     from mergekit_ext.hub.card import input_records, local_path_redactor
     from mergekit_ext.hub.card.inputs import dot_local_models, undot
+
+    phase("writing mergekit_config.yml, the diagnostics and the model card")
 
     # Where each input came from is decided here, where the merge read it, never later.
     records = input_records(cfg)
@@ -357,6 +373,7 @@ def _publish(out_path: str, run: RunOptions) -> None:
     from mergekit_ext.hub.publish import publish_folder
 
     assert run.push_to_hub is not None
+    phase(f"publishing to {run.push_to_hub}")
     try:
         url = publish_folder(
             out_path,
@@ -420,8 +437,11 @@ def _run_tensorwise(cfg: ExtMergeConfig, out_dir: str, options: MergeOptions) ->
     if options.lora_merge_cache is None and any(
         "+" in str(m) for m in cfg.merge.referenced_models()
     ):
-        lora_cache = tempfile.TemporaryDirectory(prefix="mergekit-ext-lora-")
-        changes["lora_merge_cache"] = lora_cache.name
+        # mergekit merges each model+LoRA into a full-size copy first: inside the hidden
+        # partial output (same disk as OUT_DIR, removed with it on failure), not in $TMPDIR
+        lora_cache = os.path.join(out_dir, ".lora-merge-cache")
+        changes["lora_merge_cache"] = lora_cache
+        LOG.info("model+LoRA inputs: full-size merged copies go to %s (removed after)", lora_cache)
     try:
         run_merge(
             with_cached_snapshots(cfg.merge),
@@ -431,7 +451,7 @@ def _run_tensorwise(cfg: ExtMergeConfig, out_dir: str, options: MergeOptions) ->
         )
     finally:
         if lora_cache is not None:
-            lora_cache.cleanup()
+            shutil.rmtree(lora_cache, ignore_errors=True)
 
 
 def _run_layerwise(
@@ -516,6 +536,31 @@ def _describe_calibration(cfg: ExtMergeConfig, options: MergeOptions) -> list[st
             f"    {data.preview_line()}",
         ]
     return lines
+
+
+@contextlib.contextmanager
+def _plan_prints_its_warnings() -> Iterator[set[str]]:
+    """Hold back the planner's warnings while a dry run describes its plan; afterwards log
+    those the plan did not list itself (the caller adds the plan's lines to the yielded
+    set), so that each warning is printed once."""
+    held: list[logging.LogRecord] = []
+    listed: set[str] = set()
+
+    def hold(record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.WARNING:
+            held.append(record)
+            return False
+        return True
+
+    planner = logging.getLogger("mergekit_ext.executor.plan")
+    planner.addFilter(hold)
+    try:
+        yield listed
+    finally:
+        planner.removeFilter(hold)
+        for record in held:
+            if record.getMessage() not in listed:
+                planner.handle(record)
 
 
 def _describe_plan(

@@ -39,6 +39,8 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("mergekit_ext.reporting", 0),
     ("mergekit_ext.finite", 0),
     ("mergekit_ext.kl", 0),
+    ("mergekit_ext.console", 0),
+    ("mergekit_ext.offline", 0),
     ("mergekit_ext.memory_model", 0),
     ("mergekit_ext.resources", 0),
     ("mergekit_ext.output", 0),

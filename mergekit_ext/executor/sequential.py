@@ -63,6 +63,7 @@ from tqdm.auto import tqdm
 
 from mergekit_ext import finite, model_class
 from mergekit_ext.calibration.statistics import ActivationStatistics, flatten_tokens
+from mergekit_ext.console import phase
 from mergekit_ext.distributed import DistributedContext
 from mergekit_ext.errors import MergekitExtError, ModelInputError, TensorError
 from mergekit_ext.executor.checkpoint import HEAD_PREFIX, TAGALONG_FILES, build_skeleton
@@ -379,6 +380,7 @@ class SequentialExecutor:
                 self._copy_unloaded()
         self._collect_task_diagnostics()
         if self.writer is not None:
+            phase("writing the last checkpoint shard and the shard index")
             self.writer.finalize()
             self._write_support_files()
         result: dict[str, Any] = {

@@ -2,33 +2,20 @@
 
 from __future__ import annotations
 
-import functools
 import logging
-import traceback
 from collections.abc import Callable
 from typing import Any, Optional
 
 import click
 
-from mergekit_ext.errors import MergekitExtError
+from mergekit_ext.console import cli_errors
 from mergekit_ext.hub.http import hub_timeout_option
 
 LOG = logging.getLogger(__name__)
 
 
-def _user_errors(f: Callable[..., Any]) -> Callable[..., Any]:
-    """Print a :class:`MergekitExtError` on one line and exit 1 (traceback only with -v)."""
-
-    @functools.wraps(f)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return f(*args, **kwargs)
-        except MergekitExtError as e:
-            if kwargs.get("verbose"):
-                traceback.print_exc()
-            raise click.ClickException(" ".join(str(e).split())) from None
-
-    return wrapper
+# one error style with the other commands: `error: ...` on one line, the traceback with -v
+_user_errors = cli_errors(lambda kwargs: kwargs.get("verbose", 0))
 
 
 def publish_options(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -58,11 +45,6 @@ def publish_options(f: Callable[..., Any]) -> Callable[..., Any]:
     for option in reversed(options):
         f = option(f)
     return hub_timeout_option(f)
-
-
-def _setup_logging(verbose: int) -> None:
-    if verbose:
-        logging.basicConfig(level=logging.DEBUG if verbose > 1 else logging.INFO)
 
 
 @click.command("card")
@@ -123,7 +105,6 @@ def card_command(
     """
     from mergekit_ext.hub.card import keep_edited_card, load_eval_results, write_model_card
 
-    _setup_logging(verbose)
     _check_card_outputs(out_dir, [eval_path, template_dir], diagnose_config)
     if not force:  # refused before the (slow) diagnosis
         keep_edited_card(out_dir, force=False)
@@ -263,7 +244,6 @@ def publish_command(
     """
     from mergekit_ext.hub.publish import publish_folder
 
-    _setup_logging(verbose)
     result = publish_folder(
         out_dir,
         repo_id,

@@ -30,7 +30,6 @@ import json
 import logging
 import os
 import re
-import struct
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from typing import Any, Optional
 
 from mergekit_ext.errors import PublishError
 from mergekit_ext.hub.http import HUB_TIMEOUT_S, bounded_hub_requests
+from mergekit_ext.offline import hub_offline
 
 LOG = logging.getLogger(__name__)
 
@@ -98,33 +98,18 @@ def validate_repo_id(repo_id: str) -> None:
 def _safetensors_header(path: str) -> tuple[Optional[set[str]], Optional[str]]:
     """Tensor names of a safetensors file, or the reason it is unreadable or truncated.
 
-    Reads only the header (8-byte little-endian length + JSON) and compares the file size
-    with the end of the last tensor's data, so a partially written shard is caught without
-    loading any weights.
+    ``safetensors.safe_open`` reads only the header and refuses a file its header does not
+    cover exactly, so a partially written shard is caught without loading any weights.
     """
+    from safetensors import SafetensorError, safe_open
+
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as fp:
-            head = fp.read(8)
-            if len(head) < 8:
-                return None, "empty or truncated (no header)"
-            (header_len,) = struct.unpack("<Q", head)
-            if header_len <= 0 or 8 + header_len > size:
-                return None, "truncated (header longer than the file)"
-            header = json.loads(fp.read(header_len))
-    except (OSError, ValueError) as e:
+        with safe_open(path, framework="pt") as f:
+            return set(f.keys()), None
+    except OSError as e:
         return None, f"unreadable ({e})"
-    if not isinstance(header, dict):
-        return None, "invalid header"
-    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-    try:
-        data_end = max((int(v["data_offsets"][1]) for v in tensors.values()), default=0)
-    except (KeyError, TypeError, ValueError, IndexError):
-        return None, "invalid header (data_offsets)"
-    expected = 8 + header_len + data_end
-    if size != expected:
-        return None, f"truncated or corrupt ({size} bytes, the header describes {expected})"
-    return set(tensors), None
+    except SafetensorError as e:
+        return None, f"truncated or corrupt ({e})"
 
 
 def _check_weights(folder: str, label: str) -> list[str]:
@@ -243,18 +228,17 @@ def list_upload_files(out_dir: str) -> list[FolderFile]:
 
 
 def resolve_token(token: Optional[str]) -> tuple[Optional[str], str]:
-    """The token and where it came from (``--token``, ``HF_TOKEN`` or the cached login)."""
+    """The token and where it came from: ``--token``, else ``huggingface_hub.get_token()``
+    (``HF_TOKEN``, then the cached login, as every Hub client reads them)."""
     if token:
         return token, "--token"
-    from_env = (
-        os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN") or ""
-    ).strip()
-    if from_env:
-        return from_env, "HF_TOKEN"
     from huggingface_hub import get_token
 
     found = get_token()
-    return (found, "the cached login (hf auth login)") if found else (None, "")
+    if not found:
+        return None, ""
+    from_env = any(os.environ.get(v) for v in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"))
+    return found, "HF_TOKEN" if from_env else "the cached login (hf auth login)"
 
 
 def _scrub(text: str, token: Optional[str]) -> str:
@@ -762,11 +746,11 @@ def check_can_publish(
     options, offline mode, a token (``--token``, HF_TOKEN or a login) that the Hub accepts
     and that may write to the namespace (``whoami``), and ``--private`` on a public repo.
     Each Hub request gives up after ``timeout`` seconds without an answer."""
-    from huggingface_hub import HfApi, constants
+    from huggingface_hub import HfApi
 
     validate_repo_id(repo_id)
     _check_options(revision, create_pr)
-    if constants.is_offline_mode():
+    if hub_offline():
         raise PublishError(
             "--push-to-hub: HF_HUB_OFFLINE is set; unset it to publish, or drop --push-to-hub "
             "and run `mergekit-ext publish` later"
@@ -837,7 +821,7 @@ def publish_folder(
     upload that failed half-way. Every Hub request gives up after ``timeout`` seconds
     without an answer (:mod:`~mergekit_ext.hub.http`); each step is announced on stderr.
     """
-    from huggingface_hub import HfApi, constants
+    from huggingface_hub import HfApi
 
     validate_repo_id(repo_id)
     _check_options(revision, create_pr)
@@ -890,7 +874,7 @@ def publish_folder(
             resolved,
         )
 
-    if constants.is_offline_mode():
+    if hub_offline():
         raise PublishError("HF_HUB_OFFLINE is set: unset it to publish to the Hub")
     if not resolved:
         raise PublishError(

@@ -32,6 +32,7 @@ from mergekit_ext.calibration.sources.base import (
     _qualname,
     get_source,
 )
+from mergekit_ext.offline import hub_offline
 
 LOG = logging.getLogger(__name__)
 
@@ -180,13 +181,15 @@ def _load_dataset(*args: Any, **kwargs: Any) -> Any:
 
 
 def _hub_offline() -> bool:
-    from huggingface_hub import constants
+    """Offline for datasets: the Hub's answer (:func:`~mergekit_ext.offline.hub_offline`),
+    and also ``datasets``' own switch and a variable set after huggingface_hub was imported,
+    both of which ``datasets`` reads at call time."""
 
     def is_true(value: Optional[str]) -> bool:
         return value is not None and value.strip().upper() in {"1", "ON", "YES", "TRUE"}
 
     return (
-        bool(constants.HF_HUB_OFFLINE)
+        hub_offline()
         or is_true(os.environ.get("HF_HUB_OFFLINE"))
         or is_true(os.environ.get("HF_DATASETS_OFFLINE"))
     )

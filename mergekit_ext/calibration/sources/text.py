@@ -36,6 +36,9 @@ def _pad_batches(
     rows: list[list[int]], batch_size: int, pad_id: int
 ) -> list[dict[str, torch.Tensor]]:
     """Right-padded ``input_ids`` and ``attention_mask`` (int64), batch by batch, in order."""
+    # Hand-written rather than ``tokenizer.pad``: pre-tokenised calibration data (token ids
+    # read from a file) has no tokenizer, and one padding for both forms keeps their batches,
+    # and the calibration hash that rests on them, the same.
     batches = []
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
