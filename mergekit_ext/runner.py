@@ -30,13 +30,14 @@ from typing import Any, Optional
 
 from mergekit.options import MergeOptions
 
-from mergekit_ext import checks, completeness, diagnostics, finite, tokenization
+from mergekit_ext import checks, diagnostics, finite
 from mergekit_ext import distributed as dist_context
 from mergekit_ext.config import ExtMergeConfig
 from mergekit_ext.console import phase
 from mergekit_ext.errors import MergekitExtError, PublishError
 from mergekit_ext.methods.registry import ext_method_info
-from mergekit_ext.model_paths import (
+from mergekit_ext.models import completeness, tokenization
+from mergekit_ext.models.model_paths import (
     config_shapes,
     is_config_only,
     resolve_model_folder,

@@ -26,8 +26,11 @@ from safetensors.torch import load_file, save_file
 
 import mergekit_ext  # noqa: F401  (registers methods and architectures)
 from mergekit_ext import diagnostics
-from mergekit_ext.mergekit_definitions import register_architectures, registered_architectures
 from mergekit_ext.methods.ace import ace_merge_simple, ace_merge_tensor
+from mergekit_ext.models.mergekit_definitions import (
+    register_architectures,
+    registered_architectures,
+)
 
 SETS = [
     "tiny_llama_set",

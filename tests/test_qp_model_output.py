@@ -27,7 +27,6 @@ from mergekit_ext.config import parse_config
 from mergekit_ext.errors import ConfigError, NotSupportedError
 from mergekit_ext.executor import model_output as model_output_executor
 from mergekit_ext.executor import run_layerwise_merge
-from mergekit_ext.executor.checkpoint import ModelSource
 from mergekit_ext.methods import qp_projection as qp
 from mergekit_ext.methods.qp_model_output import (
     OutputNormalEquations,
@@ -35,6 +34,7 @@ from mergekit_ext.methods.qp_model_output import (
     output_design,
 )
 from mergekit_ext.methods.registry import ext_method_info
+from mergekit_ext.models.checkpoint import ModelSource
 from mergekit_ext.testing import WORDS
 
 OPTIONS = MergeOptions(quiet=True)

@@ -21,10 +21,10 @@ from mergekit.options import MergeOptions
 from mergekit_ext.config import ExtMergeConfig
 from mergekit_ext.distributed import DistributedContext
 from mergekit_ext.errors import MergekitExtError
-from mergekit_ext.executor.families import family_for, family_names
 from mergekit_ext.executor.plan import MemoryEstimate, MergePlan, build_plan
 from mergekit_ext.executor.sequential import SequentialExecutor, resolve_device
 from mergekit_ext.methods.layerwise import LayerwiseMethod
+from mergekit_ext.models.families import family_for, family_names
 
 
 def plan_layerwise_merge(

@@ -70,16 +70,6 @@ from mergekit_ext.calibration.sources import (
 from mergekit_ext.calibration.statistics import flatten_tokens
 from mergekit_ext.config import ExtMergeConfig, load_yaml
 from mergekit_ext.errors import CalibrationError, ConfigError, MergekitExtError, ModelInputError
-from mergekit_ext.executor.checkpoint import (
-    HEAD_PREFIX,
-    build_skeleton,
-    canonical_name,
-    has_tokenizer,
-    module_key_of,
-    open_model,
-    resolve_model_folder,
-)
-from mergekit_ext.executor.families import ModelFamily
 from mergekit_ext.executor.plan import Source, _expert_entries, _Opened
 from mergekit_ext.executor.sequential import (
     _BlockCallRecorder,
@@ -89,6 +79,16 @@ from mergekit_ext.executor.sequential import (
     _trim_heap,
 )
 from mergekit_ext.kl import kl_from_log_probs
+from mergekit_ext.models.checkpoint import (
+    HEAD_PREFIX,
+    build_skeleton,
+    canonical_name,
+    has_tokenizer,
+    module_key_of,
+    open_model,
+    resolve_model_folder,
+)
+from mergekit_ext.models.families import ModelFamily
 
 LOG = logging.getLogger(__name__)
 

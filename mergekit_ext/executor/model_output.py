@@ -43,8 +43,6 @@ from tqdm.auto import tqdm
 
 from mergekit_ext import finite
 from mergekit_ext.errors import MergekitExtError, ModelInputError, NotSupportedError
-from mergekit_ext.executor.checkpoint import HEAD_PREFIX, canonical_name
-from mergekit_ext.executor.families import ModelFamily
 from mergekit_ext.executor.plan import MergePlan, _numel
 from mergekit_ext.executor.sequential import (
     SequentialExecutor,
@@ -60,6 +58,8 @@ from mergekit_ext.memory_model import (
     available_memory_bytes,
 )
 from mergekit_ext.methods.layerwise import ModelOutputRequest
+from mergekit_ext.models.checkpoint import HEAD_PREFIX, canonical_name
+from mergekit_ext.models.families import ModelFamily
 
 LOG = logging.getLogger(__name__)
 

@@ -29,17 +29,17 @@ from mergekit_ext.calibration.sources import (
 )
 from mergekit_ext.config import ExtMergeConfig, ExtModelEntry
 from mergekit_ext.errors import CalibrationError, ConfigError, MergekitExtError, ModelInputError
-from mergekit_ext.executor.checkpoint import (
+from mergekit_ext.methods.layerwise import LayerwiseMethod, StatisticsRequest
+from mergekit_ext.methods.least_squares import AUTO_RIDGE
+from mergekit_ext.models.checkpoint import (
     HEAD_PREFIX,
     ModelSource,
     has_tokenizer,
     open_model,
     resolve_reference,
 )
-from mergekit_ext.executor.families import GroupSpec, ModelFamily
-from mergekit_ext.executor.lora import LoraModelSource, open_lora_expert
-from mergekit_ext.methods.layerwise import LayerwiseMethod, StatisticsRequest
-from mergekit_ext.methods.least_squares import AUTO_RIDGE
+from mergekit_ext.models.families import GroupSpec, ModelFamily
+from mergekit_ext.models.lora import LoraModelSource, open_lora_expert
 
 LOG = logging.getLogger(__name__)
 

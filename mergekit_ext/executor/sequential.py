@@ -61,13 +61,11 @@ from mergekit.io import TensorWriter
 from torch import nn
 from tqdm.auto import tqdm
 
-from mergekit_ext import finite, model_class
+from mergekit_ext import finite
 from mergekit_ext.calibration.statistics import ActivationStatistics, flatten_tokens
 from mergekit_ext.console import phase
 from mergekit_ext.distributed import DistributedContext
 from mergekit_ext.errors import MergekitExtError, ModelInputError, TensorError
-from mergekit_ext.executor.checkpoint import HEAD_PREFIX, TAGALONG_FILES, build_skeleton
-from mergekit_ext.executor.families import GroupSpec
 from mergekit_ext.executor.moe import (
     DOWN,
     GATE_UP,
@@ -84,7 +82,10 @@ from mergekit_ext.executor.plan import (
     safetensors_dtype,
 )
 from mergekit_ext.methods.layerwise import LinearGroup, SumReduction, TaskStatistics
-from mergekit_ext.model_paths import TOKENIZER_FILES
+from mergekit_ext.models import model_class
+from mergekit_ext.models.checkpoint import HEAD_PREFIX, TAGALONG_FILES, build_skeleton
+from mergekit_ext.models.families import GroupSpec
+from mergekit_ext.models.model_paths import TOKENIZER_FILES
 
 LOG = logging.getLogger(__name__)
 
