@@ -65,10 +65,8 @@ def run_layerwise_merge(
     if plan.request.model_output is not None:
         # Whole-model path (qp_projection objective: model_output): one process, memory
         # checked before any weight is read.
-        from mergekit_ext.executor.model_output import (
-            ModelOutputExecutor,
-            check_model_output_memory,
-        )
+        from mergekit_ext.executor.model_output import ModelOutputExecutor
+        from mergekit_ext.executor.model_output_checks import check_model_output_memory
 
         if distributed is not None and distributed.enabled:
             raise MergekitExtError(

@@ -70,18 +70,19 @@ from mergekit_ext.calibration.sources import (
 from mergekit_ext.calibration.statistics import flatten_tokens
 from mergekit_ext.config import ExtMergeConfig, load_yaml
 from mergekit_ext.errors import CalibrationError, ConfigError, MergekitExtError, ModelInputError
-from mergekit_ext.executor.plan import Source, _expert_entries, _Opened
-from mergekit_ext.executor.sequential import (
-    _BlockCallRecorder,
-    _buffers_to,
-    _CallSink,
-    _StopForward,
-    _trim_heap,
+from mergekit_ext.executor.blocks import (
+    BlockCall,
+    BlockCallRecorder,
+    CallSink,
+    StopForward,
+    run_block,
+    skeleton_on_device,
+    trim_heap,
 )
+from mergekit_ext.executor.plan import Source, _expert_entries, _Opened
 from mergekit_ext.kl import kl_from_log_probs
 from mergekit_ext.models.checkpoint import (
     HEAD_PREFIX,
-    build_skeleton,
     canonical_name,
     has_tokenizer,
     module_key_of,
@@ -611,8 +612,7 @@ class _Walker:
     def __init__(self, source: Source, family: ModelFamily, device: torch.device) -> None:
         self.source = source
         self.device = device
-        self.skeleton = build_skeleton(source.config)
-        _buffers_to(self.skeleton, device)
+        self.skeleton = skeleton_on_device(source.config, device)
         self.backbone_path = source.backbone_path
         self.backbone = (
             self.skeleton.get_submodule(self.backbone_path) if self.backbone_path else self.skeleton
@@ -621,9 +621,9 @@ class _Walker:
         self.block_list = self.backbone.get_submodule(self.layers_path)
         self.blocks: list[nn.Module] = list(self.block_list)
         last = len(self.blocks) - 1
-        self.sink = _CallSink(last=last)
+        self.sink = CallSink(last=last)
         wrap = family.wrap_block_output
-        self.recorders = [_BlockCallRecorder(i, self.sink, wrap) for i in range(len(self.blocks))]
+        self.recorders = [BlockCallRecorder(i, self.sink, wrap) for i in range(len(self.blocks))]
         self.replays = [_Replay(i, last, wrap) for i in range(len(self.blocks))]
         self._install(self.recorders)
         self.backbone_extra = {"use_cache": False} if _accepts_cache(self.backbone) else {}
@@ -654,7 +654,7 @@ class _Walker:
             torch.func.functional_call(
                 self.backbone, params, args=(), kwargs={**inputs, **self.backbone_extra}
             )
-        except _StopForward:
+        except StopForward:
             pass
         if self.sink.hidden is None or len(self.sink.calls) != len(self.blocks):
             raise MergekitExtError(
@@ -670,11 +670,10 @@ class _Walker:
         index: int,
         params: dict[str, torch.Tensor],
         hidden: torch.Tensor,
-        call: tuple[tuple[Any, ...], dict[str, Any]],
+        call: BlockCall,
     ) -> torch.Tensor:
-        args, kwargs = call
-        out = torch.func.functional_call(self.blocks[index], params, (hidden, *args), kwargs)
-        return out[0] if isinstance(out, tuple) else out
+        """Block ``index`` of this model with its tensors ``params`` (:func:`run_block`)."""
+        return run_block(self.blocks[index], params, hidden, call)
 
     def output(
         self,
@@ -691,14 +690,14 @@ class _Walker:
 
             def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
                 captured.append(args[0])
-                raise _StopForward
+                raise StopForward
 
             handle = self.skeleton.get_submodule(self.head_name).register_forward_pre_hook(hook)
         try:
             out = torch.func.functional_call(
                 self.skeleton, params, args=(), kwargs={**inputs, **self.model_extra}
             )
-        except _StopForward:
+        except StopForward:
             return captured[0].to(torch.float32)
         finally:
             if handle is not None:
@@ -889,7 +888,7 @@ class Diagnoser:
             for p in range(len(paths)):
                 err = 0.0 if p == 0 else relative_error(hidden[0], hidden[p], masks)
                 errors[p].append({"index": index, "relative_error": err})
-            _trim_heap()
+            trim_heap()
 
         outputs = self._outputs(expert, paths, inputs, masks, hidden)
         results: dict[int, dict[str, Any]] = {}

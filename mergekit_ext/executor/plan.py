@@ -29,6 +29,10 @@ from mergekit_ext.calibration.sources import (
 )
 from mergekit_ext.config import ExtMergeConfig, ExtModelEntry
 from mergekit_ext.errors import CalibrationError, ConfigError, MergekitExtError, ModelInputError
+from mergekit_ext.executor.model_output_checks import (
+    check_model_output_supported,
+    estimate_model_output_memory,
+)
 from mergekit_ext.methods.layerwise import LayerwiseMethod, StatisticsRequest
 from mergekit_ext.methods.least_squares import AUTO_RIDGE
 from mergekit_ext.models.checkpoint import (
@@ -265,8 +269,6 @@ class MergePlan:
                 "dry run only; download the *.safetensors files to merge"
             )
         if self.request.model_output is not None:
-            from mergekit_ext.executor.model_output import estimate_model_output_memory
-
             out = self.request.model_output
             lines += [
                 f"objective: model output (whole model in memory, one linear at a time; "
@@ -399,8 +401,6 @@ def build_plan(
     )
     family = base.family
     if request.model_output is not None:
-        from mergekit_ext.executor.model_output import check_model_output_supported
-
         check_model_output_supported(family, method.name, request.model_output)
     entries = _expert_entries(cfg)
     if not entries:
@@ -715,7 +715,7 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
         out_dtype = plan.out_dtype or safetensors_dtype(base.dtypes[name])
         out_bytes += size * out_dtype.itemsize
     writer = min(out_bytes, output_shard_bytes(plan.options)) if rank == 0 else 0
-    # Replayed linear outputs (executor._LinearOutputCache): up to four times the merged
+    # Replayed linear outputs (executor.blocks.LinearOutputCache): up to four times the merged
     # path's hidden states (a Llama block's q, k, v and o outputs), at least 256 MB.
     replay = 0
     if request.propagate:
