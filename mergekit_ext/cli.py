@@ -415,7 +415,7 @@ def diagnose_command(
     share the experts' passes. By default each task is measured on the examples of its
     calibration data that the merge did not read (docs/methods.md, "Diagnose").
     """
-    from mergekit_ext.executor.diagnose import diagnose, format_report, plot_block_errors
+    from mergekit_ext.diagnose import diagnose, format_report, plot_block_errors
 
     for plugin in plugins:
         _import_plugin(plugin)
@@ -471,7 +471,7 @@ def _check_diagnose_outputs(
 def write_diagnosis_json(result: dict[str, Any] | list[dict[str, Any]], path: str) -> None:
     import os
 
-    from mergekit_ext.executor.diagnose import jsonable
+    from mergekit_ext.diagnose import jsonable
 
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)

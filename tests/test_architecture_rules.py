@@ -59,6 +59,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     # 5: the runner and its one validation pass
     ("mergekit_ext.runner", 5),
     ("mergekit_ext.checks", 5),
+    ("mergekit_ext.diagnose", 5),  # the post-merge check: walks models with the executor's blocks
     # 6: the hub wing (only runner and cli above it reach it; what it reads: HUB_MAY_READ)
     ("mergekit_ext.hub", 6),
     # 7: the entry points
@@ -88,7 +89,7 @@ KNOWN_EXCEPTIONS: frozenset[tuple[str, str]] = frozenset(
         ("mergekit_ext.hub.card.render", "mergekit_ext.methods"),
         ("mergekit_ext.hub.commands", "mergekit_ext.checks"),
         ("mergekit_ext.hub.commands", "mergekit_ext.config"),
-        ("mergekit_ext.hub.commands", "mergekit_ext.executor.diagnose"),
+        ("mergekit_ext.hub.commands", "mergekit_ext.diagnose"),
         ("mergekit_ext.hub.publish", "mergekit_ext.config"),
     }
 )

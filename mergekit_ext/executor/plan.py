@@ -322,7 +322,7 @@ class MergePlan:
 # Resolution of the models
 
 
-class _Opened:
+class OpenedModels:
     """Opened checkpoints by folder, so LoRA experts on the same base share one index."""
 
     def __init__(self, cache_dir: Optional[str]) -> None:
@@ -349,7 +349,7 @@ class _Opened:
         return source, resolved.processing_folder
 
 
-def _expert_entries(cfg: ExtMergeConfig) -> list[tuple[ExtModelEntry, ModelReference]]:
+def expert_entries(cfg: ExtMergeConfig) -> list[tuple[ExtModelEntry, ModelReference]]:
     mk_models = cfg.merge.models or []
     if len(mk_models) != len(cfg.models):
         raise ConfigError(
@@ -393,7 +393,7 @@ def build_plan(
     parameters = method.parse(parameters)
     request = method.statistics_request(parameters)
     cache_dir = options.transformers_cache
-    opened = _Opened(cache_dir)
+    opened = OpenedModels(cache_dir)
 
     base_label = str(cfg.merge.base_model)
     base, base_data_path = opened.reference(
@@ -402,7 +402,7 @@ def build_plan(
     family = base.family
     if request.model_output is not None:
         check_model_output_supported(family, method.name, request.model_output)
-    entries = _expert_entries(cfg)
+    entries = expert_entries(cfg)
     if not entries:
         raise ConfigError(f"{method.name} needs at least one expert model besides the base model")
 
