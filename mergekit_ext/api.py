@@ -210,6 +210,6 @@ def run_merge(
         return MergeResult(path=None, plan="\n".join(plans) or None)
     if path is None:  # a rank other than 0 of a distributed merge: rank 0 writes
         return MergeResult(path=None)
-    from mergekit_ext import diagnostics
+    from mergekit_ext import merge_record
 
-    return MergeResult(path=path, diagnostics=diagnostics.load(path))
+    return MergeResult(path=path, diagnostics=merge_record.load(path))

@@ -250,10 +250,10 @@ def run_command(
         )
     if result is not None:
         click.echo(f"merged model written to {result}")
-        from mergekit_ext import diagnostics
+        from mergekit_ext import merge_record
         from mergekit_ext.resources import summary_line
 
-        line = summary_line(diagnostics.load(result).get("resources"))
+        line = summary_line(merge_record.load(result).get("resources"))
         if line:
             click.echo(line)
 

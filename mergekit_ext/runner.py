@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 from mergekit.options import MergeOptions
 
-from mergekit_ext import checks, diagnostics, finite
+from mergekit_ext import checks, finite, merge_record
 from mergekit_ext import distributed as dist_context
 from mergekit_ext.config import ExtMergeConfig
 from mergekit_ext.console import phase
@@ -167,7 +167,7 @@ def run_merge_config(
 
     with exclusive_output(target, out_path):
         validate(cfg, options, run)
-        recorder = diagnostics.DiagnosticsRecorder(
+        recorder = merge_record.DiagnosticsRecorder(
             cfg.method,
             parameters=cfg.parameters,
             seed=options.random_seed,
@@ -175,7 +175,7 @@ def run_merge_config(
             versions=_versions(),
         )
         with atomic_output_dir(target, overwrite=run.overwrite, shown=out_path) as tmp:
-            with diagnostics.recording(recorder), ResourceMeter() as meter:
+            with merge_record.recording(recorder), ResourceMeter() as meter:
                 if kind == "tensorwise":
                     _run_tensorwise(cfg, tmp, options)
                 elif kind == "layerwise":
@@ -213,7 +213,7 @@ def _run_distributed(
 ) -> Optional[str]:
     """:func:`run_merge_config` on one of several ranks of a layerwise merge."""
     if not ctx.is_writer:
-        recorder = diagnostics.DiagnosticsRecorder(cfg.method)
+        recorder = merge_record.DiagnosticsRecorder(cfg.method)
         try:
             validate(cfg, options, run)
         except Exception as e:
@@ -236,7 +236,7 @@ def _run_distributed(
         out_tokenizer = tokenization.plan_output_tokenizer(cfg.merge, options, cfg.method)
         with exclusive_output(target, out_path):
             validate(cfg, options, run)
-            recorder = diagnostics.DiagnosticsRecorder(
+            recorder = merge_record.DiagnosticsRecorder(
                 cfg.method,
                 parameters=cfg.parameters,
                 seed=options.random_seed,
@@ -246,7 +246,7 @@ def _run_distributed(
             with atomic_output_dir(target, overwrite=run.overwrite, shown=out_path) as tmp:
                 prologue = False
                 ctx.agree(None, "the checks")
-                with diagnostics.recording(recorder):
+                with merge_record.recording(recorder):
                     _run_layerwise(cfg, tmp, options, recorder, ctx)
                     merged = True
                     if out_tokenizer is not None:
@@ -335,7 +335,7 @@ def _write_metadata(
     target: str,
     options: MergeOptions,
     run: RunOptions,
-    recorder: diagnostics.DiagnosticsRecorder,
+    recorder: merge_record.DiagnosticsRecorder,
 ) -> None:
     """``mergekit_config.yml``, the diagnostics and the card, with no absolute local path.
 
@@ -459,7 +459,7 @@ def _run_layerwise(
     cfg: ExtMergeConfig,
     out_dir: Optional[str],
     options: MergeOptions,
-    recorder: diagnostics.DiagnosticsRecorder,
+    recorder: merge_record.DiagnosticsRecorder,
     ctx: Optional[dist_context.DistributedContext] = None,
 ) -> None:
     from mergekit_ext.executor import run_layerwise_merge
@@ -483,7 +483,7 @@ def _run_adaptation(
     out_dir: str,
     options: MergeOptions,
     run: RunOptions,
-    recorder: diagnostics.DiagnosticsRecorder,
+    recorder: merge_record.DiagnosticsRecorder,
     body_path: str,
 ) -> None:
     info = ext_method_info(cfg.method)
@@ -501,7 +501,7 @@ def _run_adaptation(
     _record_result(recorder, cfg.method, result)
 
 
-def _record_result(recorder: diagnostics.DiagnosticsRecorder, method: str, result: dict) -> None:
+def _record_result(recorder: merge_record.DiagnosticsRecorder, method: str, result: dict) -> None:
     result = dict(result or {})
     calibration = result.pop("calibration", None)
     if calibration:

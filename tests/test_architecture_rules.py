@@ -31,12 +31,12 @@ from benchmarks import merge_hashes
 PACKAGE_DIR = os.path.dirname(mergekit_ext.__file__)
 
 #: (module-name prefix, layer); the longest matching prefix wins. Lower numbers are lower layers:
-#: errors/diagnostics <- models <- calibration <- methods <- executor/adaptation <- runner <- cli.
+#: errors/merge_record <- models <- calibration <- methods <- executor/adaptation <- runner <- cli.
 LAYERS: tuple[tuple[str, int], ...] = (
-    # 0: errors, diagnostics and the other leaf utilities every layer may use
+    # 0: errors, the merge record and the other leaf utilities every layer may use
     ("mergekit_ext.errors", 0),
-    ("mergekit_ext.diagnostics", 0),
-    ("mergekit_ext.reporting", 0),
+    ("mergekit_ext.merge_record", 0),
+    ("mergekit_ext.plots", 0),
     ("mergekit_ext.finite", 0),
     ("mergekit_ext.kl", 0),
     ("mergekit_ext.console", 0),
@@ -245,7 +245,7 @@ def test_known_exceptions_are_still_needed():
     [
         ("mergekit_ext.calibration.sources.models", "mergekit_ext.models.model_paths", False),
         ("mergekit_ext.methods.layerwise", "mergekit_ext.calibration.statistics", False),
-        ("mergekit_ext.diagnostics", "mergekit_ext.methods.registry", True),
+        ("mergekit_ext.merge_record", "mergekit_ext.methods.registry", True),
         ("mergekit_ext.methods.qp_solve", "mergekit_ext.executor.plan", True),
     ],
 )

@@ -29,7 +29,7 @@ from mergekit_ext.cli import main
 from mergekit_ext.config import load_config
 from mergekit_ext.diagnose import diagnose, format_table, verdict
 from mergekit_ext.errors import ConfigError
-from mergekit_ext.reporting import as_float, block_error_figure
+from mergekit_ext.plots import as_float, block_error_figure
 
 SAMPLES = 6
 

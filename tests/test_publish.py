@@ -33,7 +33,7 @@ from hub_server import FakeHub, Fault, Token
 from mergekit.merge import run_merge
 from mergekit.options import MergeOptions
 
-from mergekit_ext import diagnostics
+from mergekit_ext import merge_record
 from mergekit_ext.config import parse_config
 from mergekit_ext.errors import PublishError
 from mergekit_ext.hub import publish as publish_mod
@@ -68,10 +68,10 @@ def merged(tiny_llama_set, tmp_path_factory: pytest.TempPathFactory) -> Path:
         f"merge_method: ace\nbase_model: {tiny_llama_set.base}\nmodels:\n{experts}dtype: float32\n"
     )
     cfg = parse_config(yaml_text)
-    recorder = diagnostics.DiagnosticsRecorder(
+    recorder = merge_record.DiagnosticsRecorder(
         "ace", parameters={}, seed=0, config_sha256=cfg.sha256
     )
-    with diagnostics.recording(recorder):
+    with merge_record.recording(recorder):
         run_merge(
             cfg.merge,
             str(out),

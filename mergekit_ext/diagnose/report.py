@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from mergekit_ext import diagnostics
+from mergekit_ext import merge_record
 
 
 def _cell(value: Optional[float], digits: int = 4) -> str:
@@ -105,12 +105,12 @@ def format_table(result: dict[str, Any]) -> str:
 def plot_block_errors(
     result: dict[str, Any] | Sequence[dict[str, Any]], images_dir: str, filename: str
 ) -> Any:
-    """The per-block error plot of a diagnosis (:func:`mergekit_ext.reporting.plot_block_errors`)."""
-    from mergekit_ext.reporting import plot_block_errors as plot
+    """The per-block error plot of a diagnosis (:func:`mergekit_ext.plots.plot_block_errors`)."""
+    from mergekit_ext.plots import plot_block_errors as plot
 
     return plot(result, images_dir, filename)
 
 
 def jsonable(value: Any) -> Any:
-    """NaN/Inf as strings (``"inf"``): the JSON stays standard and reporting reads them back."""
-    return diagnostics.jsonable(value)
+    """NaN/Inf as strings (``"inf"``): the JSON stays standard and plots.as_float reads them back."""
+    return merge_record.jsonable(value)

@@ -260,9 +260,9 @@ def _human(size: float) -> str:
 
 
 def _default_commit_message(out_dir: str) -> str:
-    from mergekit_ext import diagnostics
+    from mergekit_ext import merge_record
 
-    method = diagnostics.load(out_dir).get("method")
+    method = merge_record.load(out_dir).get("method")
     return (
         f"Upload model merged with mergekit-ext ({method})"
         if method
