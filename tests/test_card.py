@@ -37,6 +37,7 @@ from PIL import Image
 from safetensors.numpy import load_file
 
 from mergekit_ext import merge_record
+from mergekit_ext.cli_hub import card_command
 from mergekit_ext.config import parse_config
 from mergekit_ext.errors import ConfigError, MergekitExtError
 from mergekit_ext.hub import card as card_mod
@@ -46,7 +47,6 @@ from mergekit_ext.hub.card import (
     is_hub_model_id,
     write_model_card,
 )
-from mergekit_ext.hub.commands import card_command
 from mergekit_ext.methods.layerwise import LinearGroup, TaskStatistics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -34,11 +34,11 @@ from mergekit.merge import run_merge
 from mergekit.options import MergeOptions
 
 from mergekit_ext import merge_record
+from mergekit_ext.cli_hub import publish_command
 from mergekit_ext.config import parse_config
 from mergekit_ext.errors import PublishError
 from mergekit_ext.hub import publish as publish_mod
 from mergekit_ext.hub.card import render_card_for_repo, write_model_card
-from mergekit_ext.hub.commands import publish_command
 from mergekit_ext.hub.publish import check_complete, list_upload_files, publish_folder
 
 WRITE_TOKEN = "hf_WriteTokenForTests0123456789abcdef"

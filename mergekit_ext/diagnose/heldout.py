@@ -18,8 +18,8 @@ from mergekit_ext.calibration.sources import (
     NoUnusedCalibrationData,
     load_calibration,
 )
-from mergekit_ext.config import load_yaml
 from mergekit_ext.errors import CalibrationError, ConfigError
+from mergekit_ext.yaml_input import load_yaml
 
 if TYPE_CHECKING:
     from mergekit_ext.diagnose.diagnoser import DiagnosisTask

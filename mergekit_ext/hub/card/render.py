@@ -23,7 +23,7 @@ from mergekit_ext.errors import MergekitExtError
 from mergekit_ext.hub.card.evaluation import (
     eval_results_to_card,
 )
-from mergekit_ext.hub.card.inputs import (
+from mergekit_ext.merge_inputs import (
     README_FILENAME,
     _declared_license,
     _read_json,
@@ -326,7 +326,7 @@ def _parameters(cfg: Any, method: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _describe_method(name: str) -> dict[str, Any]:
-    from mergekit_ext.methods import describe_method
+    from mergekit_ext.methods.registry import describe_method
 
     try:
         return describe_method(name)
@@ -352,7 +352,7 @@ def _diagnostic_sections(
     The card never dispatches on a method's name: a registered method brings its own title,
     summary, plots and (optionally) template (``MethodInfo.report``).
     """
-    from mergekit_ext.methods import ext_method_info
+    from mergekit_ext.methods.registry import ext_method_info
 
     result = []
     for key in sorted(diag.get("sections") or {}):
