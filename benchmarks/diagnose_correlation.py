@@ -156,7 +156,7 @@ def _whole_model_forwards(cfg: Any, merged: str) -> float:
 
 def run_suite(name: str, args: argparse.Namespace, results_dir: str) -> Optional[dict[str, Any]]:
     from mergekit_ext.config import parse_config
-    from mergekit_ext.executor.diagnose import diagnose
+    from mergekit_ext.diagnose import diagnose
 
     suite_name, variant = SUITES[name]
     table_path = os.path.join(

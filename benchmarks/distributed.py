@@ -187,7 +187,7 @@ PROCESS_BASELINE = int(0.4e9)
 
 
 def _parameters(folder: str) -> int:
-    from mergekit_ext.model_paths import tensor_shapes
+    from mergekit_ext.models.model_paths import tensor_shapes
 
     total = 0
     for shape in tensor_shapes(folder).values():

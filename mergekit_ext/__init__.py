@@ -6,12 +6,12 @@ Importing this package registers every mergekit-ext method with mergekit's regis
 
 __version__ = "0.1.0"
 
-from mergekit_ext import (
-    mergekit_definitions as mergekit_definitions,  # noqa: E402,F401  (registers them)
-)
 from mergekit_ext import methods as methods  # noqa: E402  (registers the methods)
 from mergekit_ext.api import MergeResult, as_config, run_merge  # noqa: E402
 from mergekit_ext.config import ExtMergeConfig, load_config, parse_config  # noqa: E402
+from mergekit_ext.models import (  # noqa: E402
+    mergekit_definitions as mergekit_definitions,  # noqa: F401  (registers them)
+)
 from mergekit_ext.runner import RunOptions  # noqa: E402
 
 __all__ = [

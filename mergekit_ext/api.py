@@ -26,6 +26,7 @@ from mergekit.options import MergeOptions
 
 from mergekit_ext.config import ExtMergeConfig, load_config, parse_config
 from mergekit_ext.errors import ConfigError
+from mergekit_ext.hub.actions import HubActions
 from mergekit_ext.runner import RunOptions, run_merge_config
 
 ConfigLike = Union[str, "os.PathLike[str]", Mapping[str, Any], ExtMergeConfig, MergeConfiguration]
@@ -205,11 +206,13 @@ def run_merge(
     run = _run_options(run_options)
     cfg = as_config(config)
     plans: list[str] = []
-    path = run_merge_config(cfg, os.fspath(out_path), merge_options, run, show_plan=plans.append)
+    path = run_merge_config(
+        cfg, os.fspath(out_path), merge_options, run, hub=HubActions(), show_plan=plans.append
+    )
     if run.dry_run:
         return MergeResult(path=None, plan="\n".join(plans) or None)
     if path is None:  # a rank other than 0 of a distributed merge: rank 0 writes
         return MergeResult(path=None)
-    from mergekit_ext import diagnostics
+    from mergekit_ext import merge_record
 
-    return MergeResult(path=path, diagnostics=diagnostics.load(path))
+    return MergeResult(path=path, diagnostics=merge_record.load(path))

@@ -18,8 +18,8 @@ from typing import Any, Optional
 from mergekit_ext.config import ExtMergeConfig
 from mergekit_ext.errors import ConfigError, ModelInputError
 from mergekit_ext.methods.registry import all_method_names, ext_method_info
-from mergekit_ext.model_files import check_model_files, read_json_object, safetensors_header
-from mergekit_ext.model_paths import (
+from mergekit_ext.models.model_files import check_model_files, read_json_object, safetensors_header
+from mergekit_ext.models.model_paths import (
     PICKLE_PATTERNS,
     cached_snapshot,
     checkpoint_shapes,
@@ -54,7 +54,7 @@ def check_model_paths(cfg: ExtMergeConfig, allow_pickle: bool, dry_run: bool = F
     """Every input exists and holds a config and weights (safetensors; pickles if allowed).
 
     With ``dry_run`` a folder with only a ``config.json`` is accepted: its shapes come
-    from its transformers class (:func:`~mergekit_ext.model_paths.config_shapes`), so the
+    from its transformers class (:func:`~mergekit_ext.models.model_paths.config_shapes`), so the
     memory of a merge can be planned before the weights are downloaded.
     """
     weightless: list[str] = []
@@ -400,7 +400,7 @@ def check_checkpoint_classes(cfg: ExtMergeConfig) -> None:
     ``embeddings.position_ids``: every executor ignores them for merging) and refuses
     inputs whose tied weights cannot be merged (:func:`model_class.check_tied_weights`).
     """
-    from mergekit_ext import model_class
+    from mergekit_ext.models import model_class
 
     base_ref = str(cfg.merge.base_model) if cfg.merge.base_model else None
     seen: dict[str, model_class.TyingInput] = {}
@@ -425,7 +425,7 @@ def _tying_input(path: str) -> Any:
     """``path`` read by its own class: logs its unloaded tensors, returns its tying."""
     import transformers
 
-    from mergekit_ext import model_class
+    from mergekit_ext.models import model_class
 
     try:
         config = transformers.AutoConfig.from_pretrained(path)

@@ -27,10 +27,10 @@ import click
 from mergekit.options import MergeOptions, PrettyPrintHelp, add_merge_options
 
 import mergekit_ext
+from mergekit_ext.cli_hub import publish_options
 from mergekit_ext.config import load_config
 from mergekit_ext.console import cli_errors
 from mergekit_ext.errors import MergekitExtError, plugin_exit_error
-from mergekit_ext.hub.commands import publish_options
 from mergekit_ext.methods.registry import all_method_names, describe_method
 
 LOG = logging.getLogger(__name__)
@@ -188,6 +188,7 @@ def run_command(
     launch``) the W processes share one layerwise merge; only rank 0 writes.
     """
     from mergekit_ext import distributed
+    from mergekit_ext.hub.actions import HubActions
     from mergekit_ext.runner import RunOptions, check_distributable, run_merge_config
 
     merge_options.apply_global_options()
@@ -247,13 +248,14 @@ def run_command(
                 hub_timeout=hub_timeout,
                 plugins=plugins,
             ),
+            hub=HubActions(),
         )
     if result is not None:
         click.echo(f"merged model written to {result}")
-        from mergekit_ext import diagnostics
+        from mergekit_ext import merge_record
         from mergekit_ext.resources import summary_line
 
-        line = summary_line(diagnostics.load(result).get("resources"))
+        line = summary_line(merge_record.load(result).get("resources"))
         if line:
             click.echo(line)
 
@@ -415,7 +417,7 @@ def diagnose_command(
     share the experts' passes. By default each task is measured on the examples of its
     calibration data that the merge did not read (docs/methods.md, "Diagnose").
     """
-    from mergekit_ext.executor.diagnose import diagnose, format_report, plot_block_errors
+    from mergekit_ext.diagnose import diagnose, format_report, plot_block_errors
 
     for plugin in plugins:
         _import_plugin(plugin)
@@ -471,7 +473,7 @@ def _check_diagnose_outputs(
 def write_diagnosis_json(result: dict[str, Any] | list[dict[str, Any]], path: str) -> None:
     import os
 
-    from mergekit_ext.executor.diagnose import jsonable
+    from mergekit_ext.diagnose import jsonable
 
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
@@ -481,7 +483,7 @@ def write_diagnosis_json(result: dict[str, Any] | list[dict[str, Any]], path: st
 
 
 def _register_hub_commands() -> None:
-    from mergekit_ext.hub.commands import card_command, publish_command
+    from mergekit_ext.cli_hub import card_command, publish_command
 
     main.add_command(card_command, "card")
     main.add_command(publish_command, "publish")

@@ -19,12 +19,12 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import yaml
 from mergekit.config import MergeConfiguration
 from pydantic import ValidationError
 
 from mergekit_ext.calibration.config import CalibrationSpec, rename_deprecated_fields
 from mergekit_ext.errors import ConfigError
+from mergekit_ext.yaml_input import load_yaml
 
 LOG = logging.getLogger(__name__)
 
@@ -109,81 +109,6 @@ def _task_name(model: str) -> str:
     name = os.path.basename(os.path.abspath(path) if path in ("", ".", "..") else path)
     name = re.sub(r"[^A-Za-z0-9._-]", "_", name or "model")
     return name if name not in (".", "..") else "model"
-
-
-# A YAML alias shares its anchor's value; code that walks the parsed config (pydantic,
-# the card's path shortening) visits it once per alias, so nested aliases ("billion
-# laughs": 929 bytes, 10^9 values) hang whatever walks them. A real config, anchors and
-# all, is a few thousand values.
-MAX_YAML_VALUES = 100_000
-
-
-class _CountingLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that records the anchors its aliases name (for the error)."""
-
-    def __init__(self, stream: str) -> None:
-        super().__init__(stream)
-        self.alias_names: list[str] = []
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        if self.check_event(yaml.AliasEvent):
-            self.alias_names.append(self.peek_event().anchor)
-        return super().compose_node(parent, index)
-
-
-def _expanded_size(root: yaml.Node, limit: int) -> int:
-    """How many values ``root`` holds with every alias expanded, stopping past ``limit``."""
-    sizes: dict[int, int] = {}
-    active: set[int] = set()
-
-    def size(node: yaml.Node) -> int:
-        key = id(node)
-        if key in sizes:
-            return sizes[key]
-        if key in active:  # an alias to an enclosing anchor: an infinite value
-            return limit + 1
-        active.add(key)
-        total = 1
-        if isinstance(node, yaml.SequenceNode):
-            children: list[yaml.Node] = list(node.value)
-        elif isinstance(node, yaml.MappingNode):
-            children = [x for pair in node.value for x in pair]
-        else:
-            children = []
-        for child in children:
-            total += size(child)
-            if total > limit:
-                break
-        active.discard(key)
-        sizes[key] = total
-        return total
-
-    return size(root)
-
-
-def load_yaml(text: str, where: str) -> Any:
-    """``yaml.safe_load`` that refuses aliases expanding beyond :data:`MAX_YAML_VALUES`.
-
-    Every command reads its config through here (:func:`parse_config`), before any model
-    is looked at.
-    """
-    loader = _CountingLoader(text)
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            return None
-        if loader.alias_names and _expanded_size(node, MAX_YAML_VALUES) > MAX_YAML_VALUES:
-            names = ", ".join(f"*{n}" for n in dict.fromkeys(loader.alias_names))
-            raise ConfigError(
-                f"{where}: the YAML's aliases ({names}) expand to more than "
-                f"{MAX_YAML_VALUES:,} values (nested or recursive anchors); write the values "
-                "out, or use fewer levels of aliases"
-            )
-        return loader.construct_document(node)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{where}: invalid YAML: {e}".replace("\n", " ")) from e
-    finally:
-        loader.dispose()
 
 
 def parse_config(source_text: str, config_path: str = "<string>") -> ExtMergeConfig:

@@ -26,17 +26,18 @@ import os
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 from mergekit.options import MergeOptions
 
-from mergekit_ext import checks, completeness, diagnostics, finite, tokenization
+from mergekit_ext import checks, finite, merge_record
 from mergekit_ext import distributed as dist_context
 from mergekit_ext.config import ExtMergeConfig
 from mergekit_ext.console import phase
 from mergekit_ext.errors import MergekitExtError, PublishError
 from mergekit_ext.methods.registry import ext_method_info
-from mergekit_ext.model_paths import (
+from mergekit_ext.models import completeness, tokenization
+from mergekit_ext.models.model_paths import (
     config_shapes,
     is_config_only,
     resolve_model_folder,
@@ -69,7 +70,7 @@ class RunOptions:
     hub_private: bool = False
     hub_token: Optional[str] = None
     hub_timeout: Optional[float] = None  # --hub-timeout (default: hub.http.HUB_TIMEOUT_S)
-    # the rest of `publish`'s options (hub/commands.py::publish_options)
+    # the rest of `publish`'s options (cli_hub.py::publish_options)
     hub_make_private: bool = False
     hub_revision: Optional[str] = None
     hub_commit_message: Optional[str] = None
@@ -116,29 +117,47 @@ def check_distributable(cfg: ExtMergeConfig, world_size: int, planned: bool = Fa
         )
 
 
+class HubWing(Protocol):
+    """What a merge asks of the hub wing (``mergekit_ext/hub/``): the model card and the upload.
+
+    The runner sits below the hub (docs/architecture.md) and never imports it; the entry
+    points (``cli.py``, ``api.py``) pass :class:`mergekit_ext.hub.actions.HubActions`.
+    """
+
+    def check_can_publish(self, run: RunOptions) -> None:
+        """Refuse what ``publish`` would refuse (``--push-to-hub``), before anything merges."""
+
+    def write_model_card(self, folder: str, name: str, repo_id: Optional[str]) -> None:
+        """Write README.md into ``folder`` (the merge's own temporary folder)."""
+
+    def publish(self, out_path: str, run: RunOptions) -> str:
+        """Upload ``out_path`` to ``run.push_to_hub``; returns the URL."""
+
+
 def run_merge_config(
     cfg: ExtMergeConfig,
     out_path: str,
     options: MergeOptions,
     run: Optional[RunOptions] = None,
     *,
+    hub: HubWing,
     show_plan: Callable[[str], None] = print,
 ) -> Optional[str]:
     """Merge ``cfg`` into ``out_path``; returns the output folder (None for a dry run, and
     on ranks other than 0 of a distributed merge). A dry run hands its plan to
-    ``show_plan`` (printed by default)."""
+    ``show_plan`` (printed by default). ``hub`` writes the card and publishes."""
     run = run or RunOptions()
     ctx = dist_context.current()
     check_distributable(cfg, ctx.world_size)
     if ctx.enabled and not run.dry_run:
-        return _run_distributed(cfg, out_path, options, run, ctx)
+        return _run_distributed(cfg, out_path, options, run, ctx, hub)
     extra = [p for p in run.plugins if p.endswith(".py")]
     extra += [p for p in (options.lora_merge_cache, options.transformers_cache) if p]
     inputs = checks.local_input_paths(cfg, extra)
     target = resolve_output(out_path, inputs)
     check_replaceable(target, run.overwrite, out_path)
     if run.push_to_hub:
-        _check_can_push(run)
+        hub.check_can_publish(run)
     info = ext_method_info(cfg.method)
     kind = info.kind if info else "tensorwise"
     # mergekit's executor writes the tokenizer of tensor-wise merges itself.
@@ -166,7 +185,7 @@ def run_merge_config(
 
     with exclusive_output(target, out_path):
         validate(cfg, options, run)
-        recorder = diagnostics.DiagnosticsRecorder(
+        recorder = merge_record.DiagnosticsRecorder(
             cfg.method,
             parameters=cfg.parameters,
             seed=options.random_seed,
@@ -174,7 +193,7 @@ def run_merge_config(
             versions=_versions(),
         )
         with atomic_output_dir(target, overwrite=run.overwrite, shown=out_path) as tmp:
-            with diagnostics.recording(recorder), ResourceMeter() as meter:
+            with merge_record.recording(recorder), ResourceMeter() as meter:
                 if kind == "tensorwise":
                     _run_tensorwise(cfg, tmp, options)
                 elif kind == "layerwise":
@@ -197,9 +216,9 @@ def run_merge_config(
                 _check_complete(cfg, tmp, options)
             assert meter.usage is not None
             recorder.set_header("resources", meter.usage.to_json())
-            _write_metadata(cfg, tmp, target, options, run, recorder)
+            _write_metadata(cfg, tmp, target, options, run, recorder, hub)
     if run.push_to_hub:
-        _publish(out_path, run)
+        _publish(out_path, run, hub)
     return os.path.abspath(out_path)
 
 
@@ -209,10 +228,11 @@ def _run_distributed(
     options: MergeOptions,
     run: RunOptions,
     ctx: dist_context.DistributedContext,
+    hub: HubWing,
 ) -> Optional[str]:
     """:func:`run_merge_config` on one of several ranks of a layerwise merge."""
     if not ctx.is_writer:
-        recorder = diagnostics.DiagnosticsRecorder(cfg.method)
+        recorder = merge_record.DiagnosticsRecorder(cfg.method)
         try:
             validate(cfg, options, run)
         except Exception as e:
@@ -231,11 +251,11 @@ def _run_distributed(
         target = resolve_output(out_path, checks.local_input_paths(cfg, extra))
         check_replaceable(target, run.overwrite, out_path)
         if run.push_to_hub:
-            _check_can_push(run)
+            hub.check_can_publish(run)
         out_tokenizer = tokenization.plan_output_tokenizer(cfg.merge, options, cfg.method)
         with exclusive_output(target, out_path):
             validate(cfg, options, run)
-            recorder = diagnostics.DiagnosticsRecorder(
+            recorder = merge_record.DiagnosticsRecorder(
                 cfg.method,
                 parameters=cfg.parameters,
                 seed=options.random_seed,
@@ -245,7 +265,7 @@ def _run_distributed(
             with atomic_output_dir(target, overwrite=run.overwrite, shown=out_path) as tmp:
                 prologue = False
                 ctx.agree(None, "the checks")
-                with diagnostics.recording(recorder):
+                with merge_record.recording(recorder):
                     _run_layerwise(cfg, tmp, options, recorder, ctx)
                     merged = True
                     if out_tokenizer is not None:
@@ -259,7 +279,7 @@ def _run_distributed(
                         )
                 _check_finite(cfg, tmp)
                 _check_complete(cfg, tmp, options)
-                _write_metadata(cfg, tmp, target, options, run, recorder)
+                _write_metadata(cfg, tmp, target, options, run, recorder, hub)
     except BaseException as e:
         if prologue:
             ctx.agree(e, "the checks")
@@ -268,7 +288,7 @@ def _run_distributed(
         raise
     ctx.agree(None, "writing the output")
     if run.push_to_hub:
-        _publish(out_path, run)
+        _publish(out_path, run, hub)
     return os.path.abspath(out_path)
 
 
@@ -292,21 +312,6 @@ def _input_models(cfg: ExtMergeConfig) -> list[tuple[str, str]]:
             if os.path.isdir(path):
                 found.append((path, path))
     return found
-
-
-def _check_can_push(run: RunOptions) -> None:
-    """``--push-to-hub``: what ``publish`` would refuse, checked before anything merges."""
-    from mergekit_ext.hub.publish import check_can_publish
-
-    check_can_publish(
-        run.push_to_hub,
-        run.hub_token,
-        private=run.hub_private,
-        make_private=run.hub_make_private,
-        revision=run.hub_revision,
-        create_pr=run.hub_create_pr,
-        timeout=run.hub_timeout,
-    )
 
 
 def _check_finite(cfg: ExtMergeConfig, tmp: str) -> None:
@@ -334,15 +339,20 @@ def _write_metadata(
     target: str,
     options: MergeOptions,
     run: RunOptions,
-    recorder: diagnostics.DiagnosticsRecorder,
+    recorder: merge_record.DiagnosticsRecorder,
+    hub: HubWing,
 ) -> None:
     """``mergekit_config.yml``, the diagnostics and the card, with no absolute local path.
 
     The card reads the config as written (it looks up the inputs' licenses); the copy that
     stays, like every other published file, has the paths in their display form.
     """
-    from mergekit_ext.hub.card import input_records, local_path_redactor
-    from mergekit_ext.hub.card.inputs import dot_local_models, undot
+    from mergekit_ext.merge_inputs import (
+        dot_local_models,
+        input_records,
+        local_path_redactor,
+        undot,
+    )
 
     phase("writing mergekit_config.yml, the diagnostics and the model card")
 
@@ -361,31 +371,16 @@ def _write_metadata(
     )
     recorder.write(tmp, redact=redact)
     if options.write_model_card:
-        from mergekit_ext.hub.card import write_model_card
-
         _write_config_copy(cfg.source_text, tmp)
-        # the temporary folder is the merge's own: nothing of the user's to keep
-        write_model_card(tmp, name=os.path.basename(target), repo_id=run.push_to_hub, force=True)
+        hub.write_model_card(tmp, os.path.basename(target), run.push_to_hub)
     _write_config_copy(published, tmp)
 
 
-def _publish(out_path: str, run: RunOptions) -> None:
-    from mergekit_ext.hub.publish import publish_folder
-
+def _publish(out_path: str, run: RunOptions, hub: HubWing) -> None:
     assert run.push_to_hub is not None
     phase(f"publishing to {run.push_to_hub}")
     try:
-        url = publish_folder(
-            out_path,
-            run.push_to_hub,
-            private=run.hub_private,
-            make_private=run.hub_make_private,
-            revision=run.hub_revision,
-            commit_message=run.hub_commit_message,
-            create_pr=run.hub_create_pr,
-            token=run.hub_token,
-            timeout=run.hub_timeout,
-        )
+        url = hub.publish(out_path, run)
     except PublishError as e:
         raise PublishError(
             f"the merge succeeded and is kept at {out_path}, but publishing failed: {e} "
@@ -458,7 +453,7 @@ def _run_layerwise(
     cfg: ExtMergeConfig,
     out_dir: Optional[str],
     options: MergeOptions,
-    recorder: diagnostics.DiagnosticsRecorder,
+    recorder: merge_record.DiagnosticsRecorder,
     ctx: Optional[dist_context.DistributedContext] = None,
 ) -> None:
     from mergekit_ext.executor import run_layerwise_merge
@@ -482,7 +477,7 @@ def _run_adaptation(
     out_dir: str,
     options: MergeOptions,
     run: RunOptions,
-    recorder: diagnostics.DiagnosticsRecorder,
+    recorder: merge_record.DiagnosticsRecorder,
     body_path: str,
 ) -> None:
     info = ext_method_info(cfg.method)
@@ -500,7 +495,7 @@ def _run_adaptation(
     _record_result(recorder, cfg.method, result)
 
 
-def _record_result(recorder: diagnostics.DiagnosticsRecorder, method: str, result: dict) -> None:
+def _record_result(recorder: merge_record.DiagnosticsRecorder, method: str, result: dict) -> None:
     result = dict(result or {})
     calibration = result.pop("calibration", None)
     if calibration:

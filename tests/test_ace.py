@@ -18,7 +18,7 @@ import pytest
 import torch
 from mergekit.merge_methods import TensorGroup
 
-from mergekit_ext import diagnostics
+from mergekit_ext import merge_record
 from mergekit_ext.errors import TensorError
 from mergekit_ext.methods.ace import (
     ace_merge,
@@ -309,8 +309,8 @@ def _group(name: str, base: torch.Tensor, experts, vocabulary_axis=None) -> Tens
 
 def test_adapter_merges_linear_weights_with_ace_and_records_diagnostics() -> None:
     name = "model.layers.0.mlp.up_proj.weight"
-    recorder = diagnostics.DiagnosticsRecorder("ace")
-    with diagnostics.recording(recorder):
+    recorder = merge_record.DiagnosticsRecorder("ace")
+    with merge_record.recording(recorder):
         merged = ace_merge.merge_group(
             _group(name, W0, EXPERTS),
             eps=1.0,

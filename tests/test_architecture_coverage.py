@@ -35,9 +35,9 @@ from mergekit_ext.calibration.sources import load_calibration
 from mergekit_ext.config import parse_config
 from mergekit_ext.errors import ModelInputError
 from mergekit_ext.executor import plan_layerwise_merge, run_layerwise_merge
-from mergekit_ext.executor.checkpoint import ModelSource
-from mergekit_ext.executor.families.discovery import is_linear_like, is_transposed_linear
 from mergekit_ext.methods.registry import ext_method_info
+from mergekit_ext.models.checkpoint import ModelSource
+from mergekit_ext.models.families.discovery import is_linear_like, is_transposed_linear
 
 EXPECTED = tiny_architectures.EXPECTED
 METHODS = tiny_architectures.METHODS

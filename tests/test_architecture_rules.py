@@ -13,7 +13,7 @@
 Importing a package one is inside of (``from mergekit_ext import __version__``) is not an
 edge: Python has loaded every ancestor package before the module runs. Where today's code
 breaks a rule, the import is listed in :data:`KNOWN_EXCEPTIONS` so that this test passes and
-any new violation fails; each is to be removed by the restructuring step of issue #29.
+any new violation fails; each names the step of issue #29 that removes it.
 """
 
 from __future__ import annotations
@@ -31,12 +31,14 @@ from benchmarks import merge_hashes
 PACKAGE_DIR = os.path.dirname(mergekit_ext.__file__)
 
 #: (module-name prefix, layer); the longest matching prefix wins. Lower numbers are lower layers:
-#: errors/diagnostics <- models <- calibration <- methods <- executor/adaptation <- runner <- cli.
+#: errors/merge_record <- models <- calibration <- methods <- executor/adaptation <- runner <- cli.
 LAYERS: tuple[tuple[str, int], ...] = (
-    # 0: errors, diagnostics and the other leaf utilities every layer may use
+    # 0: errors, the merge record and the other leaf utilities every layer may use
     ("mergekit_ext.errors", 0),
-    ("mergekit_ext.diagnostics", 0),
-    ("mergekit_ext.reporting", 0),
+    ("mergekit_ext.merge_record", 0),
+    ("mergekit_ext.plots", 0),
+    ("mergekit_ext.merge_inputs", 0),
+    ("mergekit_ext.yaml_input", 0),
     ("mergekit_ext.finite", 0),
     ("mergekit_ext.kl", 0),
     ("mergekit_ext.console", 0),
@@ -46,17 +48,8 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("mergekit_ext.output", 0),
     ("mergekit_ext.distributed", 0),
     ("mergekit_ext.testing", 0),
-    # 1: everything that reads a model or checkpoint (the readers still inside executor/ are
-    #    models by what they do; issue #29 step 1 moves them to mergekit_ext/models/)
-    ("mergekit_ext.model_class", 1),
-    ("mergekit_ext.model_files", 1),
-    ("mergekit_ext.model_paths", 1),
-    ("mergekit_ext.tokenization", 1),
-    ("mergekit_ext.completeness", 1),
-    ("mergekit_ext.mergekit_definitions", 1),
-    ("mergekit_ext.executor.checkpoint", 1),
-    ("mergekit_ext.executor.lora", 1),
-    ("mergekit_ext.executor.families", 1),
+    # 1: everything that reads a model or checkpoint
+    ("mergekit_ext.models", 1),
     # 2: calibration data and the user's configuration
     ("mergekit_ext.calibration", 2),
     ("mergekit_ext.config", 2),
@@ -68,11 +61,13 @@ LAYERS: tuple[tuple[str, int], ...] = (
     # 5: the runner and its one validation pass
     ("mergekit_ext.runner", 5),
     ("mergekit_ext.checks", 5),
+    ("mergekit_ext.diagnose", 5),  # the post-merge check: walks models with the executor's blocks
     # 6: the hub wing (only runner and cli above it reach it; what it reads: HUB_MAY_READ)
     ("mergekit_ext.hub", 6),
     # 7: the entry points
     ("mergekit_ext.api", 7),
     ("mergekit_ext.cli", 7),
+    ("mergekit_ext.cli_hub", 7),  # the card and publish commands
     ("mergekit_ext.__main__", 7),
     ("mergekit_ext", 7),  # the package's __init__ (registers the methods, exports the API)
 )
@@ -80,25 +75,16 @@ LAYERS: tuple[tuple[str, int], ...] = (
 #: what hub/ may import besides itself: the lowest layer and the method registry
 HUB_MAY_READ = ("mergekit_ext.methods.registry",)
 
-#: (importer, imported) pairs that break a rule today. To be removed by issue #29 step 1
-#: (and the steps after it that the comments name); a new entry needs a reason here.
+#: (importer, imported) pairs that break a rule today; a new entry needs a reason here.
 KNOWN_EXCEPTIONS: frozenset[tuple[str, str]] = frozenset(
     {
-        # the runner writes the card and publishes after a merge (the hub wing sits above the
-        # runner by the hub rule); to be removed by issue #29 step 1
-        ("mergekit_ext.runner", "mergekit_ext.hub.card"),
-        ("mergekit_ext.runner", "mergekit_ext.hub.card.inputs"),
-        ("mergekit_ext.runner", "mergekit_ext.hub.publish"),
         # SyMerge's declaration (methods/) imports its implementation (adaptation/): SyMerge in
-        # one place; to be removed by issue #29 step 1
+        # one place; to be removed by issue #29's SyMerge step (branch house-kinds)
         ("mergekit_ext.methods.symerge", "mergekit_ext.adaptation.run"),
-        # hub reads more than diagnostics and the registry; to be removed by issue #29 step 1
+        # the card parses the config copy in the output folder (ExtMergeConfig: calibration
+        # per model, parameters); removing it means the entry points pass the parsed config
+        # through write_model_card / publish_folder (issue #29, after the structural step)
         ("mergekit_ext.hub.card.render", "mergekit_ext.config"),
-        ("mergekit_ext.hub.card.render", "mergekit_ext.methods"),
-        ("mergekit_ext.hub.commands", "mergekit_ext.checks"),
-        ("mergekit_ext.hub.commands", "mergekit_ext.config"),
-        ("mergekit_ext.hub.commands", "mergekit_ext.executor.diagnose"),
-        ("mergekit_ext.hub.publish", "mergekit_ext.config"),
     }
 )
 
@@ -251,9 +237,9 @@ def test_known_exceptions_are_still_needed():
 @pytest.mark.parametrize(
     "module, target, upward",
     [
-        ("mergekit_ext.calibration.sources.models", "mergekit_ext.model_paths", False),
+        ("mergekit_ext.calibration.sources.models", "mergekit_ext.models.model_paths", False),
         ("mergekit_ext.methods.layerwise", "mergekit_ext.calibration.statistics", False),
-        ("mergekit_ext.diagnostics", "mergekit_ext.methods.registry", True),
+        ("mergekit_ext.merge_record", "mergekit_ext.methods.registry", True),
         ("mergekit_ext.methods.qp_solve", "mergekit_ext.executor.plan", True),
     ],
 )

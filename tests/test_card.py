@@ -1,7 +1,7 @@
 """Model cards: templates per architecture, front matter, diagnostics summaries and plots.
 
 The ACE diagnostics come from real tiny merges (mergekit's ``run_merge`` inside
-``diagnostics.recording``); RegMean, Chain of Merges and QP records come from the methods'
+``merge_record.recording``); RegMean, Chain of Merges and QP records come from the methods'
 own ``merge_linear_group`` on random linear groups; SyMerge's section is built from the
 documented schema. Every test runs with sockets blocked: building a card must never touch
 the network.
@@ -36,7 +36,8 @@ from mergekit.options import MergeOptions
 from PIL import Image
 from safetensors.numpy import load_file
 
-from mergekit_ext import diagnostics
+from mergekit_ext import merge_record
+from mergekit_ext.cli_hub import card_command
 from mergekit_ext.config import parse_config
 from mergekit_ext.errors import ConfigError, MergekitExtError
 from mergekit_ext.hub import card as card_mod
@@ -46,7 +47,6 @@ from mergekit_ext.hub.card import (
     is_hub_model_id,
     write_model_card,
 )
-from mergekit_ext.hub.commands import card_command
 from mergekit_ext.methods.layerwise import LinearGroup, TaskStatistics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -75,14 +75,14 @@ def ace_merge(base: str, experts: list[str], out_dir: Path, *, extra_yaml: str =
         f"parameters:\n  gamma_threshold: 0.2\ndtype: float32\n{extra_yaml}"
     )
     cfg = parse_config(yaml_text)
-    recorder = diagnostics.DiagnosticsRecorder(
+    recorder = merge_record.DiagnosticsRecorder(
         cfg.method,
         parameters=cfg.parameters,
         seed=0,
         config_sha256=cfg.sha256,
         inputs=card_mod.input_records(cfg),  # as the runner records them
     )
-    with diagnostics.recording(recorder):
+    with merge_record.recording(recorder):
         run_merge(
             cfg.merge,
             str(out_dir),
@@ -169,7 +169,7 @@ def test_ace_llama_card_from_real_diagnostics(llama_merge: Path, tiny_llama_set)
     # The recorded γ are those of the checkpoints (independent numpy computation).
     base = load_file(os.path.join(tiny_llama_set.base, "model.safetensors"))
     experts = [load_file(os.path.join(e, "model.safetensors")) for e in tiny_llama_set.experts]
-    tensors = diagnostics.load(str(out))["sections"]["ace"]["tensors"]
+    tensors = merge_record.load(str(out))["sections"]["ace"]["tensors"]
     assert set(tensors) == linear_weight_names(base) and len(tensors) == 14
     gammas = {name: reference_gamma(base, experts, name) for name in tensors}
     for name, record in tensors.items():
@@ -191,7 +191,7 @@ def test_ace_llama_card_from_real_diagnostics(llama_merge: Path, tiny_llama_set)
     assert "| `gamma_threshold` | `0.2` | `0.3` |" in text
     assert "| `eps` | — | `0.01` |" in text
     assert "(default)" not in text and "Per-model parameters" not in text  # ACE has none
-    assert f"`{diagnostics.load(str(out))['config_sha256']}`" in text
+    assert f"`{merge_record.load(str(out))['config_sha256']}`" in text
     for pkg in ("mergekit-ext", "mergekit", "torch", "transformers"):
         assert f"| {pkg} | " in text
     assert "None: `ace` is data-free." in text
@@ -226,7 +226,7 @@ def test_ace_bert_classifier_uses_encoder_template(tiny_bert_classifier_set, tmp
     assert "predictions = outputs.logits.argmax(-1)" in text
     assert "No tokenizer was saved" not in text  # mergekit copied the tokenizer
     base = load_file(os.path.join(tiny_bert_classifier_set.base, "model.safetensors"))
-    tensors = diagnostics.load(str(out))["sections"]["ace"]["tensors"]
+    tensors = merge_record.load(str(out))["sections"]["ace"]["tensors"]
     assert set(tensors) == linear_weight_names(base)
     assert f"{len(tensors)} linear weights were merged" in text
     assert check_images(out, readme) == ["ace_gamma.png", "ace_normalization.png"]
@@ -393,7 +393,7 @@ def record_merge_metadata(out: Path, yaml_text: str) -> None:
     cfg = parse_config(yaml_text)
     redact = card_mod.local_path_redactor(cfg.raw)
     published = redact(yaml_text)
-    recorder = diagnostics.DiagnosticsRecorder(
+    recorder = merge_record.DiagnosticsRecorder(
         cfg.method,
         parameters=cfg.parameters,
         config_sha256=cfg.sha256,
@@ -439,7 +439,7 @@ def test_card_rebuilt_elsewhere_keeps_the_recorded_sources(
     text = Path(readme).read_text(encoding="utf-8")
     assert "| model | finetuned | `./local/finetuned` | local folder | apache-2.0 |" in text
     assert "(commit `0123456789ab`)" in text  # the cached commit the merge read
-    recorded = {r["model"]: r for r in diagnostics.load(str(out))["inputs"]}
+    recorded = {r["model"]: r for r in merge_record.load(str(out))["inputs"]}
     assert recorded["local/finetuned"]["source"] == "local"
     assert recorded["abs-expert"]["source"] == "local"  # the absolute path, shortened
     assert recorded["org-b/expert-one"]["source"] == "hub"
@@ -596,8 +596,8 @@ def test_data_aware_sections_summaries_and_plots(llama_merge: Path, tmp_path: Pa
         )[1]
         for g in groups
     ]
-    recorded = diagnostics.load(str(out))
-    recorder = diagnostics.DiagnosticsRecorder(
+    recorded = merge_record.load(str(out))
+    recorder = merge_record.DiagnosticsRecorder(
         "ace", parameters=recorded["parameters"], seed=0, config_sha256=recorded["config_sha256"]
     )
     recorder.section("ace").update(recorded["sections"]["ace"])

@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from PIL import Image
 
 from mergekit_ext.hub.card import write_model_card
-from mergekit_ext.hub.card.inputs import downloaded_hub_id
+from mergekit_ext.merge_inputs import downloaded_hub_id
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

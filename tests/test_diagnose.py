@@ -18,15 +18,15 @@ from PIL import Image
 from mergekit_ext.calibration.sources import load_calibration
 from mergekit_ext.cli import main
 from mergekit_ext.config import ExtMergeConfig, parse_config
-from mergekit_ext.errors import CalibrationError, ConfigError, ModelInputError
-from mergekit_ext.executor.checkpoint import ModelSource
-from mergekit_ext.executor.diagnose import (
+from mergekit_ext.diagnose import (
     chunked_kl_top1,
     diagnose,
     kl_and_agreement,
     plan_diagnosis,
 )
-from mergekit_ext.executor.lora import LoraModelSource
+from mergekit_ext.errors import CalibrationError, ConfigError, ModelInputError
+from mergekit_ext.models.checkpoint import ModelSource
+from mergekit_ext.models.lora import LoraModelSource
 
 TOL = 1e-5
 

@@ -17,7 +17,8 @@ import yaml
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-import mergekit_ext.executor.diagnose as diagnose_module
+import mergekit_ext.diagnose.diagnoser as diagnose_module
+import mergekit_ext.diagnose.heldout as heldout_module
 import mergekit_ext.executor.plan as plan_module
 from mergekit_ext.calibration.config import CalibrationSpec
 from mergekit_ext.calibration.sources import (
@@ -26,9 +27,9 @@ from mergekit_ext.calibration.sources import (
 )
 from mergekit_ext.cli import main
 from mergekit_ext.config import load_config
+from mergekit_ext.diagnose import diagnose, format_table, verdict
 from mergekit_ext.errors import ConfigError
-from mergekit_ext.executor.diagnose import diagnose, verdict
-from mergekit_ext.reporting import as_float, block_error_figure
+from mergekit_ext.plots import as_float, block_error_figure
 
 SAMPLES = 6
 
@@ -106,14 +107,14 @@ def merge(tiny_llama_set, tmp_path_factory):
 
 def _spy_diagnose_data(monkeypatch) -> dict[str, Any]:
     seen: dict[str, Any] = {}
-    original = diagnose_module.load_calibration
+    original = heldout_module.load_calibration
 
     def spy(spec, path, *, task, **kw):
         loaded = original(spec, path, task=task, **kw)
         seen[task] = loaded  # the last load of a task is what diagnose runs
         return loaded
 
-    monkeypatch.setattr(diagnose_module, "load_calibration", spy)
+    monkeypatch.setattr(heldout_module, "load_calibration", spy)
     return seen
 
 
@@ -187,7 +188,7 @@ def test_no_unused_example_falls_back_loudly(tiny_llama_set, tmp_path, caplog):
     assert result["evaluated_on"] == "mixed"
     assert "seen calibration data for task0" in result["verdict"]
     assert any("SEEN DATA" in r.getMessage() for r in caplog.records)
-    report = diagnose_module.format_table(result)
+    report = format_table(result)
     assert "SEEN DATA" in report
 
 

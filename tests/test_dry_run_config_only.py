@@ -17,7 +17,7 @@ import yaml
 from click.testing import CliRunner
 
 from mergekit_ext.cli import main
-from mergekit_ext.model_paths import config_shapes
+from mergekit_ext.models.model_paths import config_shapes
 from mergekit_ext.testing import WORDS, save_tiny_tokenizer
 
 LLAMA3_8B = dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8)

@@ -30,7 +30,6 @@ from mergekit_ext.calibration.sources import load_calibration
 from mergekit_ext.config import ExtMergeConfig, parse_config
 from mergekit_ext.errors import CalibrationError, ConfigError, MergekitExtError, ModelInputError
 from mergekit_ext.executor import plan_layerwise_merge, run_layerwise_merge
-from mergekit_ext.executor.checkpoint import ModelSource
 from mergekit_ext.executor.sequential import resolve_device
 from mergekit_ext.methods.layerwise import (
     LayerwiseMethod,
@@ -38,6 +37,7 @@ from mergekit_ext.methods.layerwise import (
     StatisticsRequest,
     TaskStatistics,
 )
+from mergekit_ext.models.checkpoint import ModelSource
 
 RIDGE = 1e-3
 

@@ -9,8 +9,8 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from mergekit_ext import model_class
 from mergekit_ext.errors import ModelInputError
+from mergekit_ext.models import model_class
 
 
 def _meta(model_type: str) -> torch.nn.Module:

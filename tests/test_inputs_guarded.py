@@ -107,7 +107,7 @@ def test_yaml_alias_bomb_is_refused_when_read(work):
 
 
 def test_yaml_ordinary_aliases_still_work(tmp_path):
-    from mergekit_ext.config import load_yaml
+    from mergekit_ext.yaml_input import load_yaml
 
     raw = load_yaml("p: &p {weight: 0.5}\nmodels: [{parameters: *p}, {parameters: *p}]\n", "x")
     assert raw["models"][1]["parameters"] == {"weight": 0.5}

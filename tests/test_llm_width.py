@@ -262,8 +262,8 @@ def test_mixed_rows_and_grams_and_full_w2_from_rows():
 
 def _plan(tokens: list[int], ridge, keep_rows: bool = True):
     shapes = {"layers.0.mlp.up_proj.weight": (64, 16), "layers.0.mlp.down_proj.weight": (16, 64)}
-    from mergekit_ext.executor.families import GroupSpec
     from mergekit_ext.executor.plan import BlockLayout
+    from mergekit_ext.models.families import GroupSpec
 
     block = BlockLayout(
         index=0,

@@ -19,7 +19,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from mergekit_ext import diagnostics
+from mergekit_ext import merge_record
 from mergekit_ext.api import run_merge
 from mergekit_ext.calibration.statistics import TaskStatistics
 from mergekit_ext.errors import TensorError
@@ -146,7 +146,7 @@ def test_old_rule_explodes_and_auto_stays_bounded(low_diversity, tmp_path):
     assert _held_out_agreement(str(old), s["experts"]) < base_agreement - 0.1
 
     # The diagnostics say what auto chose and why, per group
-    layers = diagnostics.load(str(new))["sections"]["chain_of_merges"]["layers"]
+    layers = merge_record.load(str(new))["sections"]["chain_of_merges"]["layers"]
     for layer in layers:
         assert layer["ridge_setting"] == "auto"
         assert layer["ridge"] == AUTO_RIDGE
@@ -195,7 +195,7 @@ def test_override_writes_and_warns(low_diversity, tmp_path, caplog):
         r.getMessage() for r in caplog.records if "outside the experts' range" in r.getMessage()
     ]
     assert warned and "reduce_non_diagonal" in warned[0] and "model.layers." in warned[0]
-    layers = diagnostics.load(str(out))["sections"]["chain_of_merges"]["layers"]
+    layers = merge_record.load(str(out))["sections"]["chain_of_merges"]["layers"]
     assert any(layer["guard"] == "allowed" for layer in layers)
     worst = max(layers, key=lambda layer: layer["max_norm_ratio"])
     assert worst["max_norm_ratio"] == pytest.approx(
@@ -288,7 +288,7 @@ def test_bf16_merge_records_the_written_error(low_diversity, tmp_path):
     run_merge(config, out, run_options=RunOptions())
     written = load_file(os.path.join(out, "model.safetensors"))
     assert written["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
-    record = diagnostics.load(str(out))["sections"]["regmean"]["layers"][0]
+    record = merge_record.load(str(out))["sections"]["regmean"]["layers"][0]
     assert record["layer"].startswith("model.layers.0.self_attn")
     names = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
     merged = torch.cat([written[n] for n in names]).double()
@@ -317,7 +317,7 @@ def test_qp_layer_objective_has_the_same_guard(low_diversity, tmp_path):
     s = low_diversity
     out = tmp_path / "qp"
     run_merge(_config(s, method="qp_projection"), out)
-    layers = diagnostics.load(str(out))["sections"]["qp_projection"]["layers"]
+    layers = merge_record.load(str(out))["sections"]["qp_projection"]["layers"]
     assert all(layer["guard"] == "ok" for layer in layers)
     worst = max(layers, key=lambda layer: layer["max_norm_ratio"])
     assert worst["max_norm_ratio"] == pytest.approx(
@@ -334,7 +334,7 @@ def test_qp_layer_objective_has_the_same_guard(low_diversity, tmp_path):
 
 def test_card_section_leads_with_the_worst_layer_and_keeps_inf_and_nan():
     from mergekit_ext.hub.card.render import _environment
-    from mergekit_ext.methods.reports.least_squares import summarize_layerwise
+    from mergekit_ext.methods.card_sections.least_squares import summarize_layerwise
 
     def layer(name, error, cond, ratio):
         return {

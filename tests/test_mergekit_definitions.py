@@ -25,9 +25,12 @@ from mergekit.options import MergeOptions
 from safetensors.torch import load_file, save_file
 
 import mergekit_ext  # noqa: F401  (registers methods and architectures)
-from mergekit_ext import diagnostics
-from mergekit_ext.mergekit_definitions import register_architectures, registered_architectures
+from mergekit_ext import merge_record
 from mergekit_ext.methods.ace import ace_merge_simple, ace_merge_tensor
+from mergekit_ext.models.mergekit_definitions import (
+    register_architectures,
+    registered_architectures,
+)
 
 SETS = [
     "tiny_llama_set",
@@ -169,8 +172,8 @@ def test_task_arithmetic_is_exact_for_every_tensor(tiny, tmp_path) -> None:
 def check_ace_merge(tiny, out: str, normalize: str) -> None:
     """Merge with ACE and compare every output tensor with the pure functions of ace.py."""
     params = {"eps": 0.01, "k_frac": 0.3, "gamma_threshold": 0.3, "normalize": normalize}
-    recorder = diagnostics.DiagnosticsRecorder("ace")
-    with diagnostics.recording(recorder):
+    recorder = merge_record.DiagnosticsRecorder("ace")
+    with merge_record.recording(recorder):
         merge(tiny, "ace", out, parameters=params)
     base = load_tensors(tiny.base)
     experts = [load_tensors(e) for e in tiny.experts]

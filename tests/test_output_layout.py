@@ -23,10 +23,10 @@ from safetensors.torch import save_file
 from tiny_models import VOCAB_SIZE, make_experts, save_tiny_tokenizer
 
 import mergekit_ext
-from mergekit_ext import completeness
 from mergekit_ext.errors import TensorError
 from mergekit_ext.methods.ace import ACEParameters, ace_merge_tensor
-from mergekit_ext.model_paths import tensor_shapes
+from mergekit_ext.models import completeness
+from mergekit_ext.models.model_paths import tensor_shapes
 from mergekit_ext.output import MARKER_FILE
 
 _COMMON = dict(

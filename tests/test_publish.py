@@ -33,12 +33,12 @@ from hub_server import FakeHub, Fault, Token
 from mergekit.merge import run_merge
 from mergekit.options import MergeOptions
 
-from mergekit_ext import diagnostics
+from mergekit_ext import merge_record
+from mergekit_ext.cli_hub import publish_command
 from mergekit_ext.config import parse_config
 from mergekit_ext.errors import PublishError
 from mergekit_ext.hub import publish as publish_mod
 from mergekit_ext.hub.card import render_card_for_repo, write_model_card
-from mergekit_ext.hub.commands import publish_command
 from mergekit_ext.hub.publish import check_complete, list_upload_files, publish_folder
 
 WRITE_TOKEN = "hf_WriteTokenForTests0123456789abcdef"
@@ -68,10 +68,10 @@ def merged(tiny_llama_set, tmp_path_factory: pytest.TempPathFactory) -> Path:
         f"merge_method: ace\nbase_model: {tiny_llama_set.base}\nmodels:\n{experts}dtype: float32\n"
     )
     cfg = parse_config(yaml_text)
-    recorder = diagnostics.DiagnosticsRecorder(
+    recorder = merge_record.DiagnosticsRecorder(
         "ace", parameters={}, seed=0, config_sha256=cfg.sha256
     )
-    with diagnostics.recording(recorder):
+    with merge_record.recording(recorder):
         run_merge(
             cfg.merge,
             str(out),

@@ -25,9 +25,7 @@ from mergekit_ext.calibration.sources import load_calibration
 from mergekit_ext.cli import main
 from mergekit_ext.config import parse_config
 from mergekit_ext.errors import ConfigError, NotSupportedError
-from mergekit_ext.executor import model_output as model_output_executor
-from mergekit_ext.executor import run_layerwise_merge
-from mergekit_ext.executor.checkpoint import ModelSource
+from mergekit_ext.executor import model_output_checks, run_layerwise_merge
 from mergekit_ext.methods import qp_projection as qp
 from mergekit_ext.methods.qp_model_output import (
     OutputNormalEquations,
@@ -35,6 +33,7 @@ from mergekit_ext.methods.qp_model_output import (
     output_design,
 )
 from mergekit_ext.methods.registry import ext_method_info
+from mergekit_ext.models.checkpoint import ModelSource
 from mergekit_ext.testing import WORDS
 
 OPTIONS = MergeOptions(quiet=True)
@@ -342,9 +341,9 @@ def test_causal_lm_and_too_little_memory_are_refused_before_any_weight_loads(
         _merge(cfg, tmp_path / "llama")
     assert isinstance(NotSupportedError("x"), NotImplementedError)
 
-    monkeypatch.setattr(model_output_executor, "available_memory_bytes", lambda device: 1000)
+    monkeypatch.setattr(model_output_checks, "available_memory_bytes", lambda device: 1000)
     cfg = _config(tiny_vit_set, vit_data, {"objective": "model_output"})
-    with pytest.raises(model_output_executor.ModelOutputMemoryError, match=r"merged_model .*GiB"):
+    with pytest.raises(model_output_checks.ModelOutputMemoryError, match=r"merged_model .*GiB"):
         _merge(cfg, tmp_path / "vit")
 
 

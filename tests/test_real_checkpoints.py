@@ -120,7 +120,7 @@ def _expert_tensors(paths) -> list[dict[str, torch.Tensor]]:
 
 
 def test_ace_packaged_base_with_transformers5_experts(minilm, tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="mergekit_ext.model_class")
+    caplog.set_level(logging.INFO, logger="mergekit_ext.models.model_class")
     out = _run(tmp_path, _minilm_config(minilm, "ace", minilm.bodies))
     merged = _check_minilm_output(out, minilm)
     # the buffer is recognised from BertModel itself, in one line for the base

@@ -125,7 +125,7 @@ def test_a_new_method_gets_its_card_section_through_its_report(tmp_path):
         register_method,
         tensorwise_method,
     )
-    from mergekit_ext.reporting import Plot, new_figure, save_figure
+    from mergekit_ext.plots import Plot, new_figure, save_figure
 
     class HookParameters(MethodParameters):
         strength: float = Field(2.0, ge=0, description="how strong")

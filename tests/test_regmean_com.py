@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from mergekit_ext import diagnostics
+from mergekit_ext import merge_record
 from mergekit_ext.errors import CalibrationError, ConfigError, TensorError
 from mergekit_ext.methods import least_squares as least_squares_module
 from mergekit_ext.methods.chain_of_merges import (
@@ -362,7 +362,7 @@ def test_diagnostics_values_and_json(data):
         w2, _ = covariate_shift_w2(stats_of(xm), stats_of(x))
         assert rec["covariate_shift_w2"] == pytest.approx(w2, rel=1e-9)
         assert rec["covariate_shift_w2"] > 0.1
-    json.dumps(diagnostics._jsonable(diag), allow_nan=False)
+    json.dumps(merge_record._jsonable(diag), allow_nan=False)
     # RegMean without merged-path statistics: no covariate shift.
     _, reg_diag = RegMeanMethod().merge_linear_group(make_group(xs, ws), {})
     assert all(t["covariate_shift_w2"] is None for t in reg_diag["tasks"].values())

@@ -19,7 +19,7 @@ from mergekit.merge_methods import TensorGroup
 from PIL import Image
 from safetensors.torch import load_file
 
-from mergekit_ext import diagnostics
+from mergekit_ext import merge_record
 from mergekit_ext.cli import main
 from mergekit_ext.errors import ConfigError, TensorError
 from mergekit_ext.methods import ext_method_info
@@ -262,9 +262,9 @@ def test_kernel_records_diagnostics_and_treats_other_tensors_as_asked() -> None:
     params = info.parse_parameters({"steps": 10, "lr": 1e-3})
     base = torch.randn(6, 4)
     experts = [base + 0.1 * torch.randn(6, 4) for _ in range(2)]
-    recorder = diagnostics.DiagnosticsRecorder("wudi")
+    recorder = merge_record.DiagnosticsRecorder("wudi")
     kernel = wudi_merge.merge_group
-    with diagnostics.recording(recorder):
+    with merge_record.recording(recorder):
         merged = kernel(_group("layers.0.q.weight", base, experts), steps=10, lr=1e-3)
         emb = kernel(_group("embed_tokens.weight", base, experts, vocabulary_axis=0), steps=10)
         norm = kernel(_group("layers.0.norm.weight", base[0], [e[0] for e in experts]), steps=10)

@@ -32,7 +32,7 @@ from mergekit_ext.memory_model import (  # noqa: F401  (re-exported: SyMerge's e
     activation_bytes,
     available_memory_bytes,
 )
-from mergekit_ext.model_paths import checkpoint_shapes
+from mergekit_ext.models.model_paths import checkpoint_shapes
 
 LOG = logging.getLogger(__name__)
 

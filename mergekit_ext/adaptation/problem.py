@@ -23,7 +23,7 @@ from torch.func import functional_call
 
 from mergekit_ext.adaptation.losses import OutputKind
 from mergekit_ext.adaptation.structure import TaskRoles, body_prefix, canonical_key, plan_roles
-from mergekit_ext.executor.lora import LowRankUpdate
+from mergekit_ext.models.lora import LowRankUpdate
 
 LOG = logging.getLogger(__name__)
 

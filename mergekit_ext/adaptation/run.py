@@ -20,7 +20,6 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from mergekit_ext import model_class, model_paths
 from mergekit_ext.adaptation import export, memory
 from mergekit_ext.adaptation.problem import (
     SyMergeProblem,
@@ -44,7 +43,8 @@ from mergekit_ext.adaptation.trainer import (
 )
 from mergekit_ext.config import ExtMergeConfig, ExtModelEntry
 from mergekit_ext.errors import CalibrationError, ConfigError, ModelInputError
-from mergekit_ext.executor.checkpoint import ResolvedReference, resolve_reference
+from mergekit_ext.models import model_class, model_paths
+from mergekit_ext.models.checkpoint import ResolvedReference, resolve_reference
 
 if TYPE_CHECKING:  # the parameters are declared in the method file, which imports this one
     from mergekit_ext.methods.symerge import SyMergeParameters
@@ -85,7 +85,7 @@ def _local_path(ref: str) -> str:
     path = paths[0]
     if os.path.isdir(path):
         return path
-    from mergekit_ext.model_paths import resolve_model_folder
+    from mergekit_ext.models.model_paths import resolve_model_folder
 
     return resolve_model_folder(path, what=f"model {ref}")
 
@@ -115,8 +115,8 @@ def _open_adapters(inputs: Sequence[ResolvedReference], base_path: str) -> list[
     """Each LoRA expert's adapter indexed against the base (None for a full checkpoint)."""
     if all(r.adapter is None for r in inputs):
         return [None] * len(inputs)
-    from mergekit_ext.executor.checkpoint import open_model
-    from mergekit_ext.executor.lora import open_lora_expert
+    from mergekit_ext.models.checkpoint import open_model
+    from mergekit_ext.models.lora import open_lora_expert
 
     base = open_model(base_path, base_path, None, what="symerge: base_model")
     return [
@@ -133,7 +133,7 @@ def _lora_updates(
     """A LoRA expert's changes by the base model's parameter names: each adapted weight's
     factors (:class:`LowRankUpdate`) and each tensor the adapter saves whole
     (``modules_to_save``, e.g. a classifier) as that tensor."""
-    from mergekit_ext.executor.checkpoint import module_key_of
+    from mergekit_ext.models.checkpoint import module_key_of
 
     updates: dict[str, Any] = {}
     for canonical in sorted({*source.deltas, *source.replacements}):
@@ -207,7 +207,7 @@ def untie_like(model: nn.Module, base_tied: Mapping[str, str]) -> None:
     An expert that ties ``lm_head`` to its embeddings runs with its embeddings as head; as
     a separate tensor (a copy of them) that head is a task vector against the base's own
     ``lm_head`` like any other. The base ties nothing the experts keep separate
-    (:func:`mergekit_ext.model_class.check_tied_weights` refuses that before loading).
+    (:func:`mergekit_ext.models.model_class.check_tied_weights` refuses that before loading).
     """
     untied = False
     for target, source in model_class.tied_weights(model).items():

@@ -21,10 +21,10 @@ from mergekit.options import MergeOptions
 from mergekit_ext.config import ExtMergeConfig
 from mergekit_ext.distributed import DistributedContext
 from mergekit_ext.errors import MergekitExtError
-from mergekit_ext.executor.families import family_for, family_names
 from mergekit_ext.executor.plan import MemoryEstimate, MergePlan, build_plan
 from mergekit_ext.executor.sequential import SequentialExecutor, resolve_device
 from mergekit_ext.methods.layerwise import LayerwiseMethod
+from mergekit_ext.models.families import family_for, family_names
 
 
 def plan_layerwise_merge(
@@ -65,10 +65,8 @@ def run_layerwise_merge(
     if plan.request.model_output is not None:
         # Whole-model path (qp_projection objective: model_output): one process, memory
         # checked before any weight is read.
-        from mergekit_ext.executor.model_output import (
-            ModelOutputExecutor,
-            check_model_output_memory,
-        )
+        from mergekit_ext.executor.model_output import ModelOutputExecutor
+        from mergekit_ext.executor.model_output_checks import check_model_output_memory
 
         if distributed is not None and distributed.enabled:
             raise MergekitExtError(

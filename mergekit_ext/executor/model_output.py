@@ -21,7 +21,7 @@ expert's own backbone, loaded one expert at a time at the start.
 
 Memory: the backbone twice (the merged model, and one expert's while its targets are
 computed), the targets, one batch's graph and vector-Jacobian products, the method's dense
-system (:func:`estimate_model_output_memory`); the merge refuses before loading a weight
+system (:func:`~mergekit_ext.executor.model_output_checks.estimate_model_output_memory`); the merge refuses before loading a weight
 when that exceeds the available memory. One process only.
 
 Causal LMs: the output is every position's next-token distribution, and the error against
@@ -43,133 +43,15 @@ from tqdm.auto import tqdm
 
 from mergekit_ext import finite
 from mergekit_ext.errors import MergekitExtError, ModelInputError, NotSupportedError
-from mergekit_ext.executor.checkpoint import HEAD_PREFIX, canonical_name
-from mergekit_ext.executor.families import ModelFamily
-from mergekit_ext.executor.plan import MergePlan, _numel
-from mergekit_ext.executor.sequential import (
-    SequentialExecutor,
-    _group_name,
-    _oriented,
-    _TaskState,
-)
+from mergekit_ext.executor.blocks import TaskState, group_name, orient
+from mergekit_ext.executor.model_output_checks import VJP_CHUNK
+from mergekit_ext.executor.plan import MergePlan
+from mergekit_ext.executor.sequential import SequentialExecutor
 from mergekit_ext.kl import kl_from_log_probs
-from mergekit_ext.memory_model import (
-    GIB,
-    MemoryParts,
-    activation_bytes,
-    available_memory_bytes,
-)
 from mergekit_ext.methods.layerwise import ModelOutputRequest
+from mergekit_ext.models.checkpoint import HEAD_PREFIX, canonical_name
 
 LOG = logging.getLogger(__name__)
-
-# Sketch rows whose vector-Jacobian products run as one batched backward pass.
-_VJP_CHUNK = 32
-
-
-class ModelOutputMemoryError(MergekitExtError):
-    """The whole-model path would not fit the available memory."""
-
-
-def check_model_output_supported(
-    family: ModelFamily, method: str, request: ModelOutputRequest
-) -> None:
-    """Refuse what the whole-model path does not implement, before anything loads."""
-    if family.fused_experts:
-        raise NotSupportedError(
-            f"{method}: objective: model_output does not fit mixture-of-experts experts "
-            f"({family.name}): the whole-model fit walks linear layers one at a time and the "
-            "routed experts are one 3-D tensor per block; use objective: layer_output (each "
-            "expert solved on the tokens routed to it), regmean or chain_of_merges"
-        )
-    if family.causal_lm and request.sketch_rows == 0:
-        raise NotSupportedError(
-            f"{method}: output_sketch: 0 (every output coordinate) is not available for causal "
-            f"language models ({family.name} family): it would take one backward pass per "
-            "vocabulary entry; use output_sketch >= 1 (next tokens sampled per position)"
-        )
-
-
-# ------------------------------------------------------------------------------------------
-# Memory
-
-
-class ModelOutputMemory(MemoryParts):
-    """The whole-model path's peak memory by part."""
-
-
-def _output_width(plan: MergePlan, tokens: str, positions: int) -> int:
-    return plan.hidden_size * (1 if tokens == "first" else positions)
-
-
-def estimate_model_output_memory(plan: MergePlan) -> ModelOutputMemory:
-    """Peak bytes of the whole-model path, from the plan (checkpoint headers, data).
-
-    - ``merged_model``, ``expert_model``: the backbone in float32, twice (the merged model,
-      and one expert's while its targets are computed);
-    - ``targets``: every task's expert outputs (float32);
-    - ``batch_graph``: one batch's forward graph (Korthikanti et al. 2022, as SyMerge's
-      estimate) and its vector-Jacobian products (``P x B x T x m``, float32 and float64);
-    - ``solve``: the widest linear's base, updates and dense ``mK x mK`` system (float64:
-      the sums, the regularised copy and the factorisation/eigenvalue work, ≈ 4 copies).
-    """
-    request = plan.request.model_output
-    assert request is not None
-    base = plan.base
-    backbone = sum(_numel(s) for n, s in base.shapes.items() if not n.startswith(HEAD_PREFIX))
-    k = len(plan.experts)
-    widest = (0, 0)  # (out, in) of the linear with the largest m
-    for block in plan.blocks[:1]:
-        for group in block.groups:
-            for module in group.modules:
-                widest = max(widest, block.linear_shape(group, module, base.shapes))
-    out_dim, in_dim = widest
-    samples = positions = batch = 0
-    for e in plan.experts:
-        if e.data is None:
-            continue
-        for b in e.data.batches:
-            key = "input_ids" if "input_ids" in b else "pixel_values"
-            samples += int(b[key].shape[0])
-            batch = max(batch, int(b[key].shape[0]))
-        positions = max(positions, int(e.data.num_tokens / max(e.data.num_samples, 1)) + 1)
-    causal = plan.family.causal_lm
-    config = base.config.to_dict()
-    if causal:  # every position's next-token log-probabilities; P sampled rows + the gradient
-        width = positions * int(config.get("vocab_size") or 32000)
-        rows = request.sketch_rows + 1
-    else:
-        width = _output_width(plan, request.tokens, positions)
-        rows = request.sketch_rows or width
-    graph = activation_bytes(config, positions, batch, causal_lm=causal)
-    vjp = min(rows, _VJP_CHUNK) * batch * positions * max(out_dim, plan.hidden_size) * 4 * 3
-    design = batch * rows * out_dim * k * 8 * 2
-    parts = {
-        "merged_model": 4 * backbone,
-        "expert_model": 4 * backbone,
-        "targets": 4 * samples * width,
-        "batch_graph": graph + vjp + design,
-        "solve": 8 * ((k + 1) * out_dim * in_dim + 4 * (out_dim * k) ** 2),
-    }
-    return ModelOutputMemory(parts)
-
-
-def check_model_output_memory(plan: MergePlan, device: torch.device) -> ModelOutputMemory:
-    """Refuse when the estimate exceeds the memory available on ``device``."""
-    estimate = estimate_model_output_memory(plan)
-    available = available_memory_bytes(str(device))
-    if estimate.total > available:
-        raise ModelOutputMemoryError(
-            f"{plan.method.name} with the model-output objective holds the whole model: it "
-            f"needs about {estimate.describe()} on {device} but only {available / GIB:.2f} GiB "
-            "is available; use fewer calibration samples, a smaller output_sketch, another "
-            "device (--device cuda), or objective: layer_output (streamed block by block)"
-        )
-    LOG.info(
-        "model-output memory estimate %s; %.2f GiB available", estimate.describe(), available / GIB
-    )
-    return estimate
-
 
 # ------------------------------------------------------------------------------------------
 # The executor
@@ -496,7 +378,7 @@ class ModelOutputExecutor(SequentialExecutor):
         return targets
 
     @staticmethod
-    def _sample_weight(state: _TaskState) -> float:
+    def _sample_weight(state: TaskState) -> float:
         samples = sum(int(next(iter(inputs.values())).shape[0]) for inputs in state.inputs)
         if samples == 0:
             raise ModelInputError(f"task {state.name}: no calibration samples")
@@ -552,16 +434,16 @@ class ModelOutputExecutor(SequentialExecutor):
     @staticmethod
     def _output_grads(out: torch.Tensor, eps: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """``[P, *eps.shape]``: ``∂(s_p · f)/∂ε`` for every sketch row, in batched backward
-        passes of up to ``_VJP_CHUNK`` rows (``is_grads_batched``)."""
+        passes of up to ``VJP_CHUNK`` rows (``is_grads_batched``)."""
         grads = []
         count = rows.shape[0]
-        for start in range(0, count, _VJP_CHUNK):
-            chunk = rows[start : start + _VJP_CHUNK].to(out.dtype)
+        for start in range(0, count, VJP_CHUNK):
+            chunk = rows[start : start + VJP_CHUNK].to(out.dtype)
             (grad,) = torch.autograd.grad(
                 out,
                 eps,
                 grad_outputs=chunk,
-                retain_graph=start + _VJP_CHUNK < count,
+                retain_graph=start + VJP_CHUNK < count,
                 is_grads_batched=True,
             )
             grads.append(grad.detach())
@@ -616,8 +498,8 @@ class ModelOutputExecutor(SequentialExecutor):
         flip = module in group.transposed  # a Conv1D: the fit takes out x in
         fit = self.method.model_output_fit(
             name,
-            _oriented(base, flip),
-            [_oriented(w, flip) for w in experts],
+            orient(base, flip),
+            [orient(w, flip) for w in experts],
             [s.name for s in self.states],
             self.parameters,
         )
@@ -644,12 +526,12 @@ class ModelOutputExecutor(SequentialExecutor):
                     fit.add_batch(x, grads[:-1], sketched, weight, error_grad=grads[-1])
                 del x, grads
         merged, diagnostics = fit.solve()
-        merged = _oriented(merged, flip)
+        merged = orient(merged, flip)
         self._check_merged(name, merged, base.shape)
         diagnostics["output_error_before"] = error_before
         self.params[canonical] = self._write(canonical, merged)
         record = {
-            "layer": _group_name([name], group.label),
+            "layer": group_name([name], group.label),
             "block": block.index,
             "group": group.label,
             "weights": {name: diagnostics},

@@ -1,7 +1,7 @@
 """Routed-expert statistics and per-expert least-squares merges of mixture-of-experts blocks.
 
 The sequential executor calls this for an experts module (a group with ``experts=True``,
-:mod:`mergekit_ext.executor.families.discovery`); docs/methods.md, "Mixture-of-experts
+:mod:`mergekit_ext.models.families.discovery`); docs/methods.md, "Mixture-of-experts
 blocks", states the choices.
 
 transformers 5 holds the routed experts of Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 in

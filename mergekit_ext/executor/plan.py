@@ -29,17 +29,21 @@ from mergekit_ext.calibration.sources import (
 )
 from mergekit_ext.config import ExtMergeConfig, ExtModelEntry
 from mergekit_ext.errors import CalibrationError, ConfigError, MergekitExtError, ModelInputError
-from mergekit_ext.executor.checkpoint import (
+from mergekit_ext.executor.model_output_checks import (
+    check_model_output_supported,
+    estimate_model_output_memory,
+)
+from mergekit_ext.methods.layerwise import LayerwiseMethod, StatisticsRequest
+from mergekit_ext.methods.least_squares import AUTO_RIDGE
+from mergekit_ext.models.checkpoint import (
     HEAD_PREFIX,
     ModelSource,
     has_tokenizer,
     open_model,
     resolve_reference,
 )
-from mergekit_ext.executor.families import GroupSpec, ModelFamily
-from mergekit_ext.executor.lora import LoraModelSource, open_lora_expert
-from mergekit_ext.methods.layerwise import LayerwiseMethod, StatisticsRequest
-from mergekit_ext.methods.least_squares import AUTO_RIDGE
+from mergekit_ext.models.families import GroupSpec, ModelFamily
+from mergekit_ext.models.lora import LoraModelSource, open_lora_expert
 
 LOG = logging.getLogger(__name__)
 
@@ -265,8 +269,6 @@ class MergePlan:
                 "dry run only; download the *.safetensors files to merge"
             )
         if self.request.model_output is not None:
-            from mergekit_ext.executor.model_output import estimate_model_output_memory
-
             out = self.request.model_output
             lines += [
                 f"objective: model output (whole model in memory, one linear at a time; "
@@ -320,7 +322,7 @@ class MergePlan:
 # Resolution of the models
 
 
-class _Opened:
+class OpenedModels:
     """Opened checkpoints by folder, so LoRA experts on the same base share one index."""
 
     def __init__(self, cache_dir: Optional[str]) -> None:
@@ -347,7 +349,7 @@ class _Opened:
         return source, resolved.processing_folder
 
 
-def _expert_entries(cfg: ExtMergeConfig) -> list[tuple[ExtModelEntry, ModelReference]]:
+def expert_entries(cfg: ExtMergeConfig) -> list[tuple[ExtModelEntry, ModelReference]]:
     mk_models = cfg.merge.models or []
     if len(mk_models) != len(cfg.models):
         raise ConfigError(
@@ -391,7 +393,7 @@ def build_plan(
     parameters = method.parse(parameters)
     request = method.statistics_request(parameters)
     cache_dir = options.transformers_cache
-    opened = _Opened(cache_dir)
+    opened = OpenedModels(cache_dir)
 
     base_label = str(cfg.merge.base_model)
     base, base_data_path = opened.reference(
@@ -399,10 +401,8 @@ def build_plan(
     )
     family = base.family
     if request.model_output is not None:
-        from mergekit_ext.executor.model_output import check_model_output_supported
-
         check_model_output_supported(family, method.name, request.model_output)
-    entries = _expert_entries(cfg)
+    entries = expert_entries(cfg)
     if not entries:
         raise ConfigError(f"{method.name} needs at least one expert model besides the base model")
 
@@ -715,7 +715,7 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
         out_dtype = plan.out_dtype or safetensors_dtype(base.dtypes[name])
         out_bytes += size * out_dtype.itemsize
     writer = min(out_bytes, output_shard_bytes(plan.options)) if rank == 0 else 0
-    # Replayed linear outputs (executor._LinearOutputCache): up to four times the merged
+    # Replayed linear outputs (executor.blocks.LinearOutputCache): up to four times the merged
     # path's hidden states (a Llama block's q, k, v and o outputs), at least 256 MB.
     replay = 0
     if request.propagate:

@@ -52,8 +52,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
@@ -61,13 +60,23 @@ from mergekit.io import TensorWriter
 from torch import nn
 from tqdm.auto import tqdm
 
-from mergekit_ext import finite, model_class
+from mergekit_ext import finite
 from mergekit_ext.calibration.statistics import ActivationStatistics, flatten_tokens
 from mergekit_ext.console import phase
 from mergekit_ext.distributed import DistributedContext
 from mergekit_ext.errors import MergekitExtError, ModelInputError, TensorError
-from mergekit_ext.executor.checkpoint import HEAD_PREFIX, TAGALONG_FILES, build_skeleton
-from mergekit_ext.executor.families import GroupSpec
+from mergekit_ext.executor.blocks import (
+    BlockCallRecorder,
+    CallSink,
+    LinearOutputCache,
+    StopForward,
+    TaskState,
+    group_name,
+    orient,
+    run_block,
+    skeleton_on_device,
+    trim_heap,
+)
 from mergekit_ext.executor.moe import (
     DOWN,
     GATE_UP,
@@ -84,127 +93,12 @@ from mergekit_ext.executor.plan import (
     safetensors_dtype,
 )
 from mergekit_ext.methods.layerwise import LinearGroup, SumReduction, TaskStatistics
-from mergekit_ext.model_paths import TOKENIZER_FILES
+from mergekit_ext.models import model_class
+from mergekit_ext.models.checkpoint import HEAD_PREFIX, TAGALONG_FILES
+from mergekit_ext.models.families import GroupSpec
+from mergekit_ext.models.model_paths import TOKENIZER_FILES
 
 LOG = logging.getLogger(__name__)
-
-
-class _StopForward(Exception):
-    """Ends a forward pass once the wanted input has been captured."""
-
-
-@dataclass
-class _CallSink:
-    """What the block stand-ins record during one embeddings pass."""
-
-    last: int
-    hidden: Optional[torch.Tensor] = None
-    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = field(default_factory=list)
-
-    def reset(self) -> None:
-        self.hidden = None
-        self.calls = []
-
-
-class _BlockCallRecorder(nn.Module):
-    """Stands in for block ``index``: records its call arguments and passes the hidden states
-    on, shaped as the block returns its result (``wrap``: a tensor, or a tuple)."""
-
-    def __init__(
-        self, index: int, sink: _CallSink, wrap: Optional[Callable[[torch.Tensor], Any]] = None
-    ) -> None:
-        super().__init__()
-        self.index = index
-        self.sink = sink
-        self.wrap = wrap
-
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if self.index == 0:
-            self.sink.hidden = hidden_states
-        self.sink.calls.append((args, kwargs))
-        if self.index == self.sink.last:
-            raise _StopForward
-        return self.wrap(hidden_states) if self.wrap is not None else hidden_states
-
-
-class _LinearOutputCache:
-    """Replays the outputs of a block's already merged linears on the merged path.
-
-    Within a block the merged path re-runs the block from its input once per group (a
-    group's input needs every earlier group merged) and once more for the block's output.
-    The outputs of the earlier groups' linears do not change between those passes: their
-    weights are final and their inputs depend only on still earlier, final groups. So the
-    first pass after a group is merged records its linears' outputs and later passes replay
-    them: each linear of the block runs once per task and batch, not once per later group.
-    Outputs are recorded in forward order while they fit in ``budget_bytes`` (later ones
-    are simply recomputed, which gives the same values); they are dropped when the block
-    ends.
-    """
-
-    def __init__(self, block: nn.Module, budget_bytes: int) -> None:
-        self.block = block
-        self.budget_bytes = budget_bytes
-        self.recorded_bytes = 0
-        self.outputs: dict[tuple[str, int, int, int], torch.Tensor] = {}
-        self._key: tuple[int, int] = (-1, -1)
-        self._calls: dict[str, int] = {}
-        self._covered: list[nn.Module] = []
-        self._names: set[str] = set()
-
-    def begin(self, task: int, batch: int) -> None:
-        """The next forward pass runs ``task``'s batch ``batch``."""
-        self._key = (task, batch)
-        self._calls = {}
-
-    def cover(self, module_names: Sequence[str]) -> None:
-        """Record (then replay) the outputs of these modules of the block from now on."""
-        for name in module_names:
-            if name in self._names:
-                continue
-            module = self.block.get_submodule(name)
-            module.forward = self._replaying(name, module.forward)  # type: ignore[method-assign]
-            self._covered.append(module)
-            self._names.add(name)
-
-    def _replaying(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            call = self._calls.get(name, 0)  # a module called twice in one pass: two entries
-            self._calls[name] = call + 1
-            key = (name, *self._key, call)
-            output = self.outputs.get(key)
-            if output is None:
-                output = original(*args, **kwargs)
-                if not isinstance(output, torch.Tensor):
-                    return output  # a router's routing tuple: recomputed, never recorded
-                size = output.numel() * output.element_size()
-                if self.recorded_bytes + size <= self.budget_bytes:
-                    self.outputs[key] = output
-                    self.recorded_bytes += size
-            return output
-
-        return forward
-
-    def close(self) -> None:
-        """Restore the modules' own forward and drop the recorded outputs."""
-        for module in self._covered:
-            del module.forward  # the instance attribute; the class's forward is back
-        self._covered.clear()
-        self._names.clear()
-        self.outputs.clear()
-        self.recorded_bytes = 0
-
-
-@dataclass
-class _TaskState:
-    """One task's calibration batches and their hidden states at the current block."""
-
-    name: str
-    index: int  # the task's position in the config (its owner is index mod W)
-    inputs: list[dict[str, Any]]  # backbone forward kwargs per batch, on the device
-    masks: list[Optional[torch.Tensor]]  # [B, T] token masks (None: every position)
-    calls: list[list[tuple[tuple[Any, ...], dict[str, Any]]]] = field(default_factory=list)
-    expert_hidden: Optional[list[torch.Tensor]] = None
-    merged_hidden: Optional[list[torch.Tensor]] = None
 
 
 def resolve_device(device: Optional[str]) -> torch.device:
@@ -222,36 +116,6 @@ def resolve_device(device: Optional[str]) -> torch.device:
         raise MergekitExtError(f"unknown device {name!r}: use cpu, cuda or auto") from e
 
 
-def _buffers_to(module: nn.Module, device: torch.device) -> None:
-    """Move the real (non-meta) buffers of a meta-parameter skeleton to ``device``."""
-    for sub in module.modules():
-        for name, buf in list(sub._buffers.items()):
-            if buf is not None and buf.device.type != "meta":
-                sub._buffers[name] = buf.to(device)
-
-
-_LIBC: Any = None
-
-
-def _trim_heap() -> None:
-    """Give freed heap memory back to the OS (glibc ``malloc_trim``; a no-op elsewhere).
-
-    Blocks allocate and free the same large tensors over and over; without this, glibc
-    keeps the freed pages and the process's RSS grows block after block.
-    """
-    global _LIBC
-    if _LIBC is None:
-        try:
-            import ctypes
-
-            _LIBC = ctypes.CDLL("libc.so.6")
-            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
-        except (OSError, AttributeError):
-            _LIBC = False
-    if _LIBC:
-        _LIBC.malloc_trim(0)
-
-
 def _on(stats: TaskStatistics, device: Any) -> TaskStatistics:
     """``stats`` with its tensors on ``device`` (CPU to travel between ranks)."""
 
@@ -267,25 +131,6 @@ def _on(stats: TaskStatistics, device: Any) -> TaskStatistics:
         rows=move(stats.rows),
         row_batches=stats.row_batches,
     )
-
-
-def _oriented(tensor: torch.Tensor, flip: bool) -> torch.Tensor:
-    """A linear weight as the methods take it (``out x in``) from a ``Conv1D``'s ``in x out``
-    (and back: the transpose is its own inverse)."""
-    return tensor.t() if flip else tensor
-
-
-def _group_name(output_names: Sequence[str], label: str) -> str:
-    stems = [n[: -len(".weight")] if n.endswith(".weight") else n for n in output_names]
-    if len(stems) == 1:
-        return stems[0]
-    parts = [s.split(".") for s in stems]
-    common: list[str] = []
-    for pieces in zip(*parts):
-        if len(set(pieces)) != 1:
-            break
-        common.append(pieces[0])
-    return ".".join([*common, label])
 
 
 class SequentialExecutor:
@@ -316,15 +161,14 @@ class SequentialExecutor:
 
         # Our own skeleton of the base class: its block list gets the call recorders, the
         # real block modules are kept aside and run with functional_call.
-        skeleton = build_skeleton(plan.base.config)
-        _buffers_to(skeleton, device)
+        skeleton = skeleton_on_device(plan.base.config, device)
         path = plan.base.backbone_path
         self.backbone = skeleton.get_submodule(path) if path else skeleton
         block_list = self.backbone.get_submodule(plan.layers_path)
         self.blocks: list[nn.Module] = list(block_list)
-        self.sink = _CallSink(last=len(self.blocks) - 1)
+        self.sink = CallSink(last=len(self.blocks) - 1)
         for i in range(len(self.blocks)):
-            block_list[i] = _BlockCallRecorder(i, self.sink, plan.family.wrap_block_output)
+            block_list[i] = BlockCallRecorder(i, self.sink, plan.family.wrap_block_output)
         signature = inspect.signature(self.backbone.forward).parameters
         self.extra_inputs: dict[str, Any] = {"use_cache": False} if "use_cache" in signature else {}
 
@@ -346,7 +190,7 @@ class SequentialExecutor:
             for name, labels in plan.expert_only.items()
         ]
         self._mask: Optional[torch.Tensor] = None
-        self.states: list[_TaskState] = []
+        self.states: list[TaskState] = []
         # block index -> experts (of an experts module) that took the fallback merge
         self.experts_without_tokens: dict[int, dict[str, Any]] = {}
         if self.dist.enabled and any(g.experts for b in plan.blocks for g in b.groups):
@@ -521,10 +365,10 @@ class SequentialExecutor:
                 )
                 mask = self.family.token_mask(batch)
                 masks.append(mask.to(self.device).bool() if mask is not None else None)
-            self.states.append(_TaskState(e.task, k, inputs, masks))
+            self.states.append(TaskState(e.task, k, inputs, masks))
 
     def _embed(
-        self, params: dict[str, torch.Tensor], state: _TaskState
+        self, params: dict[str, torch.Tensor], state: TaskState
     ) -> tuple[list[torch.Tensor], list[list[tuple[tuple[Any, ...], dict[str, Any]]]]]:
         """Run the backbone up to its first block; the block inputs and every block's call."""
         hidden, calls = [], []
@@ -534,7 +378,7 @@ class SequentialExecutor:
                 torch.func.functional_call(
                     self.backbone, params, args=(), kwargs={**inputs, **self.extra_inputs}
                 )
-            except _StopForward:
+            except StopForward:
                 pass
             else:  # pragma: no cover - every supported backbone calls its blocks
                 raise MergekitExtError(
@@ -590,15 +434,13 @@ class SequentialExecutor:
         hidden: torch.Tensor,
         call: tuple[tuple[Any, ...], dict[str, Any]],
     ) -> torch.Tensor:
-        args, kwargs = call
-        out = torch.func.functional_call(self.blocks[index], params, (hidden, *args), kwargs)
-        return out[0] if isinstance(out, tuple) else out
+        return run_block(self.blocks[index], params, hidden, call)
 
     def _input_hook(self, accumulator: ActivationStatistics, stop: bool):
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             accumulator.update(flatten_tokens(args[0], self._mask))
             if stop:
-                raise _StopForward
+                raise StopForward
 
         return hook
 
@@ -628,7 +470,7 @@ class SequentialExecutor:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             accumulator.update(module, own, routed_call(args, kwargs), self._mask)
             if stop:
-                raise _StopForward
+                raise StopForward
 
         return hook
 
@@ -705,7 +547,7 @@ class SequentialExecutor:
         block: BlockLayout,
         group: GroupSpec,
         params: dict[str, torch.Tensor],
-        replay: _LinearOutputCache,
+        replay: LinearOutputCache,
     ) -> list[TaskStatistics]:
         """The group's input on each task's merged path; the forward stops at the group."""
         module = self.blocks[block.index].get_submodule(group.modules[0])
@@ -728,7 +570,7 @@ class SequentialExecutor:
                     replay.begin(t, b)
                     try:
                         self._run_block(block.index, params, hidden, state.calls[b][block.index])
-                    except _StopForward:
+                    except StopForward:
                         continue
                     raise MergekitExtError(  # pragma: no cover - the group is in the block
                         f"block {block.index} ran without calling {group.modules[0]}"
@@ -763,7 +605,7 @@ class SequentialExecutor:
                 progress.set_postfix_str(f"block {block.index + 1}/{n}: expert paths")
             expert_stats = self._expert_path_statistics(block, expert_blocks)
 
-        replay = _LinearOutputCache(self.blocks[block.index], self.plan.memory.replay)
+        replay = LinearOutputCache(self.blocks[block.index], self.plan.memory.replay)
         try:
             self._merge_groups(
                 block, base_block, expert_blocks, merged, expert_stats, replay, progress
@@ -794,7 +636,7 @@ class SequentialExecutor:
         expert_blocks: list[dict[str, torch.Tensor]],
         merged: dict[str, torch.Tensor],
         expert_stats: Optional[dict[str, list[TaskStatistics]]],
-        replay: _LinearOutputCache,
+        replay: LinearOutputCache,
         progress: Any,
     ) -> None:
         """Merge the block's linear groups in forward order (into ``merged``, and written)."""
@@ -829,12 +671,12 @@ class SequentialExecutor:
             # Conv1D weights (in x out) reach the method as out x in, and go back as stored.
             flip = {n_: m in group.transposed for n_, m in zip(names, group.modules)}
             linear_group = LinearGroup(
-                name=_group_name(names, group.label),
+                name=group_name(names, group.label),
                 weights=names,
-                base={n_: _oriented(base_block[c], flip[n_]) for n_, c in zip(names, canonical)},
+                base={n_: orient(base_block[c], flip[n_]) for n_, c in zip(names, canonical)},
                 experts=[
                     {
-                        n_: _oriented(expert_blocks[s.index][c], flip[n_])
+                        n_: orient(expert_blocks[s.index][c], flip[n_])
                         for n_, c in zip(names, canonical)
                     }
                     for s in self.states
@@ -869,7 +711,7 @@ class SequentialExecutor:
             del linear_group, result, merged_stats
             if expert_stats is not None:
                 del expert_stats[group.label]  # each group's statistics are used once
-            _trim_heap()
+            trim_heap()
 
     def _merge_experts_group(
         self,
@@ -916,7 +758,7 @@ class SequentialExecutor:
             merged[gate_up] = self._write(gate_up, first.gate_up)
             local = len(block.prefix)
             params = {name[local:]: merged.get(name, base_block[name]) for name in block.tensors}
-            replay = _LinearOutputCache(self.blocks[block.index], 0)  # nothing recorded
+            replay = LinearOutputCache(self.blocks[block.index], 0)  # nothing recorded
             try:
                 again = self._merged_path_statistics(block, group, params, replay)
             finally:
@@ -949,7 +791,7 @@ class SequentialExecutor:
             "count": len(result.without_tokens),
             "experts": result.without_tokens,
         }
-        _trim_heap()
+        trim_heap()
 
     def _as_stored(
         self, group: LinearGroup, result: dict[str, torch.Tensor], flip: dict[str, bool]
@@ -1060,7 +902,7 @@ class SequentialExecutor:
             if not self.writes:
                 diagnostics = {}
         if reduction is not None:
-            oriented = {n_: _oriented(w, flip.get(n_, False)) for n_, w in shared.items()}
+            oriented = {n_: orient(w, flip.get(n_, False)) for n_, w in shared.items()}
             tasks = reduction.task_diagnostics(local, oriented)
             if tasks:
                 self.task_diagnostics[len(self.layer_diagnostics)] = tasks
@@ -1106,7 +948,7 @@ class SequentialExecutor:
         merged_stats: list[Optional[TaskStatistics]] = [None] * k_all
         experts = [
             {
-                n_: _oriented(w[c], flip.get(n_, False))
+                n_: orient(w[c], flip.get(n_, False))
                 for n_, c in zip(local.weights, canonical)
                 if c in w
             }
@@ -1136,7 +978,7 @@ class SequentialExecutor:
         self.base.release()
         for e in self.experts:
             e.source.release()
-        _trim_heap()
+        trim_heap()
 
     # ---------------------------------------------------------------------------------
     # After the blocks

@@ -3,7 +3,10 @@
 - :func:`write_model_card` (``hub/card.py``): README.md with metadata, diagnostics and plots,
   offline; templates in ``hub/templates/`` (also ``model_cards/`` in a source checkout).
 - :func:`publish_folder` (``hub/publish.py``): checks and uploads a folder in one commit.
-- ``card`` and ``publish`` click commands (``hub/commands.py``).
+- :class:`~mergekit_ext.hub.actions.HubActions` (``hub/actions.py``): the card and the upload
+  of a merge, handed to the runner by the entry points.
+- the ``card`` and ``publish`` click commands live with the entry points
+  (``mergekit_ext/cli_hub.py``).
 
 Imports are lazy so that ``import mergekit_ext`` does not pull in matplotlib.
 """

@@ -260,9 +260,9 @@ def _human(size: float) -> str:
 
 
 def _default_commit_message(out_dir: str) -> str:
-    from mergekit_ext import diagnostics
+    from mergekit_ext import merge_record
 
-    method = diagnostics.load(out_dir).get("method")
+    method = merge_record.load(out_dir).get("method")
     return (
         f"Upload model merged with mergekit-ext ({method})"
         if method
@@ -333,9 +333,9 @@ _VERBATIM = ("tokenizer*", "vocab*", "merges.txt", "special_tokens_map.json",
 def _redactor(out_dir: str) -> Any:
     """The redactor of ``run`` (:func:`~mergekit_ext.hub.card.local_path_redactor`) for the
     config in ``out_dir``: the config's paths as written, then every other absolute path."""
-    from mergekit_ext.config import load_yaml
     from mergekit_ext.errors import MergekitExtError
     from mergekit_ext.hub.card import CONFIG_FILENAME, local_path_redactor
+    from mergekit_ext.yaml_input import load_yaml
 
     raw: Any = None
     config = Path(out_dir, CONFIG_FILENAME)

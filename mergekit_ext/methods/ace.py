@@ -18,8 +18,9 @@ from mergekit.merge_methods import TensorGroup
 from mergekit.merge_methods.base import BasePolicy, InputContract, OptionalTensorPolicy
 from pydantic import Field
 
-from mergekit_ext import diagnostics
+from mergekit_ext import merge_record
 from mergekit_ext.errors import TensorError
+from mergekit_ext.methods.card_sections.ace import plot_ace, summarize_ace
 from mergekit_ext.methods.parameters import MethodParameters
 from mergekit_ext.methods.registry import (
     MethodInfo,
@@ -27,7 +28,6 @@ from mergekit_ext.methods.registry import (
     register_method,
     tensorwise_method,
 )
-from mergekit_ext.methods.reports.ace import plot_ace, summarize_ace
 
 NormalizeMode = Literal["auto", "always", "never"]
 HeterogeneityRule = Literal["paper", "scale_invariant"]
@@ -300,7 +300,7 @@ def ace_kernel(group: TensorGroup, parameters: ACEParameters) -> torch.Tensor:
         spread_threshold=parameters.spread_threshold,
         name=name,
     )
-    diagnostics.record_item("ace", "tensors", name, diag.as_dict())
+    merge_record.record_item("ace", "tensors", name, diag.as_dict())
     return merged
 
 

@@ -43,6 +43,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
+from mergekit_ext.methods.card_sections.least_squares import least_squares_report
 from mergekit_ext.methods.layerwise import (
     LayerwiseMethod,
     LinearGroup,
@@ -60,7 +61,6 @@ from mergekit_ext.methods.registry import (
     data_aware_method,
     register_method,
 )
-from mergekit_ext.methods.reports.least_squares import least_squares_report
 
 LOG = logging.getLogger(__name__)
 

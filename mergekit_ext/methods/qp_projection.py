@@ -60,6 +60,7 @@ import torch
 from pydantic import Field, field_validator, model_validator
 
 from mergekit_ext.errors import TensorError
+from mergekit_ext.methods.card_sections.qp import plot_qp, summarize_qp
 from mergekit_ext.methods.guard import expert_norms, guard_group, max_norm_ratio_field, norm_ratios
 from mergekit_ext.methods.layerwise import (
     LayerwiseMethod,
@@ -110,7 +111,6 @@ from mergekit_ext.methods.registry import (
     data_aware_method,
     register_method,
 )
-from mergekit_ext.methods.reports.qp import plot_qp, summarize_qp
 
 LOG = logging.getLogger(__name__)
 

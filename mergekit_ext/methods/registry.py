@@ -40,7 +40,7 @@ class MethodReport:
     - ``summarize(section, parameters)``: the method's diagnostics section (the JSON) and its
       typed parameters → the numbers the template shows;
     - ``plot(section, images_dir, parameters)``: draws the figures into ``images_dir`` and
-      returns their :class:`~mergekit_ext.reporting.Plot` records (None: no plots);
+      returns their :class:`~mergekit_ext.plots.Plot` records (None: no plots);
     - ``template``: ``model_cards/sections/<template>.md.j2`` renders the summary; None shows
       it as a plain table of its top-level numbers, so a new method needs no template.
     """

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from mergekit_ext.methods.card_sections.least_squares import least_squares_report
 from mergekit_ext.methods.layerwise import LayerwiseMethod, LinearGroup, StatisticsRequest
 from mergekit_ext.methods.least_squares import (
     LeastSquaresReduction,
@@ -23,7 +24,6 @@ from mergekit_ext.methods.registry import (
     data_aware_method,
     register_method,
 )
-from mergekit_ext.methods.reports.least_squares import least_squares_report
 
 
 class RegMeanMethod(LayerwiseMethod):

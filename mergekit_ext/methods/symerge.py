@@ -30,6 +30,7 @@ from pydantic import Field
 
 from mergekit_ext.adaptation import run
 from mergekit_ext.config import ExtMergeConfig
+from mergekit_ext.methods.card_sections.symerge import plot_symerge, summarize_symerge
 from mergekit_ext.methods.parameters import MethodParameters
 from mergekit_ext.methods.registry import (
     MethodInfo,
@@ -37,7 +38,6 @@ from mergekit_ext.methods.registry import (
     data_aware_method,
     register_method,
 )
-from mergekit_ext.methods.reports.symerge import plot_symerge, summarize_symerge
 
 
 class SyMergeParameters(MethodParameters):

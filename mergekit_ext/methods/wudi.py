@@ -42,7 +42,7 @@ from mergekit.merge_methods import TensorGroup
 from mergekit.merge_methods.base import BasePolicy, InputContract, OptionalTensorPolicy
 from pydantic import Field
 
-from mergekit_ext import diagnostics
+from mergekit_ext import merge_record
 from mergekit_ext.errors import TensorError
 from mergekit_ext.methods.ace import check_tensor_inputs, is_linear_weight, mean_task_vector_merge
 from mergekit_ext.methods.parameters import MethodParameters
@@ -52,7 +52,7 @@ from mergekit_ext.methods.registry import (
     register_method,
     tensorwise_method,
 )
-from mergekit_ext.reporting import (
+from mergekit_ext.plots import (
     Plot,
     as_float,
     finite,
@@ -388,7 +388,7 @@ def wudi_kernel(group: TensorGroup, parameters: WUDIParameters) -> torch.Tensor:
         name=name,
     )
     LOG.debug("wudi %s: loss %.4g → %.4g", name, diag.initial_loss, diag.final_loss)
-    diagnostics.record_item("wudi", "tensors", name, diag.as_dict())
+    merge_record.record_item("wudi", "tensors", name, diag.as_dict())
     return merged
 
 

@@ -81,7 +81,7 @@ def detect_modality(model_path: str) -> Modality:
 def _load_tokenizer(model_path: str, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
-    from mergekit_ext.model_paths import is_config_only
+    from mergekit_ext.models.model_paths import is_config_only
 
     folder = _model_folder(model_path)
     if is_config_only(folder) and not _has_tokenizer_files(folder):

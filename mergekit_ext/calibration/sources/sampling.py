@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mergekit_ext.diagnostics import jsonable
 from mergekit_ext.errors import CalibrationError
+from mergekit_ext.merge_record import jsonable
 
 if TYPE_CHECKING:
     pass
@@ -81,5 +81,5 @@ class _Hasher:
 
 def _jsonable(value: Any) -> Any:
     """Plain, key-sorted JSON values (other objects as ``str``), NaN/inf by the project's rule
-    (:func:`mergekit_ext.diagnostics.jsonable`)."""
+    (:func:`mergekit_ext.merge_record.jsonable`)."""
     return jsonable(json.loads(json.dumps(value, sort_keys=True, default=str)))

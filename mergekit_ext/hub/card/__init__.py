@@ -25,19 +25,6 @@ from mergekit_ext.hub.card.evaluation import (
     eval_results_to_card,
     load_eval_results,
 )
-from mergekit_ext.hub.card.inputs import (
-    README_FILENAME,
-    ArchitectureInfo,
-    InputModel,
-    LicenseDecision,
-    architecture_info,
-    collect_inputs,
-    decide_license,
-    display_path,
-    input_records,
-    is_hub_model_id,
-    local_path_redactor,
-)
 from mergekit_ext.hub.card.render import (
     BACKUP_SUFFIX,
     CONFIG_FILENAME,
@@ -54,6 +41,19 @@ from mergekit_ext.hub.card.render import (
     render_card_for_repo,
     render_model_card,
     write_model_card,
+)
+from mergekit_ext.merge_inputs import (
+    README_FILENAME,
+    ArchitectureInfo,
+    InputModel,
+    LicenseDecision,
+    architecture_info,
+    collect_inputs,
+    decide_license,
+    display_path,
+    input_records,
+    is_hub_model_id,
+    local_path_redactor,
 )
 
 __all__ = [

@@ -18,12 +18,12 @@ import jinja2
 import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from mergekit_ext import diagnostics as diagnostics_mod
+from mergekit_ext import merge_record
 from mergekit_ext.errors import MergekitExtError
 from mergekit_ext.hub.card.evaluation import (
     eval_results_to_card,
 )
-from mergekit_ext.hub.card.inputs import (
+from mergekit_ext.merge_inputs import (
     README_FILENAME,
     _declared_license,
     _read_json,
@@ -35,7 +35,7 @@ from mergekit_ext.hub.card.inputs import (
     dot_local_models,
     undot,
 )
-from mergekit_ext.reporting import IMAGES_DIR
+from mergekit_ext.plots import IMAGES_DIR
 
 LOG = logging.getLogger(__name__)
 
@@ -326,7 +326,7 @@ def _parameters(cfg: Any, method: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _describe_method(name: str) -> dict[str, Any]:
-    from mergekit_ext.methods import describe_method
+    from mergekit_ext.methods.registry import describe_method
 
     try:
         return describe_method(name)
@@ -352,7 +352,7 @@ def _diagnostic_sections(
     The card never dispatches on a method's name: a registered method brings its own title,
     summary, plots and (optionally) template (``MethodInfo.report``).
     """
-    from mergekit_ext.methods import ext_method_info
+    from mergekit_ext.methods.registry import ext_method_info
 
     result = []
     for key in sorted(diag.get("sections") or {}):
@@ -393,7 +393,7 @@ def _diagnose_section(
     result: Mapping[str, Any], images_dir: str, render_images: bool
 ) -> dict[str, Any]:
     """The card's view of a ``mergekit-ext diagnose`` result (its JSON, as a mapping)."""
-    from mergekit_ext.reporting import as_float, plot_block_errors
+    from mergekit_ext.plots import as_float, plot_block_errors
 
     rows = []
     base = ((result.get("references") or {}).get("base") or {}).get("tasks") or {}
@@ -561,7 +561,7 @@ def build_card_context(
     model_config = _read_json(os.path.join(out_dir, "config.json"))
     if model_config is None:
         raise MergekitExtError(f"{out_dir} has no readable config.json: re-run the merge")
-    diag = diagnostics_mod.load(out_dir)
+    diag = merge_record.load(out_dir)
     arch = architecture_info(model_config)
     model_name = _model_name(out_dir, name, repo_id)
     method = _describe_method(cfg.method)

@@ -33,9 +33,9 @@ from typing import Optional
 import torch
 import transformers
 
-from mergekit_ext import model_class
 from mergekit_ext.errors import TensorError
-from mergekit_ext.model_paths import tensor_shapes
+from mergekit_ext.models import model_class
+from mergekit_ext.models.model_paths import tensor_shapes
 
 LOG = logging.getLogger(__name__)
 

@@ -102,7 +102,7 @@ def check_index(
     tensors from outside the model folder without a word: refused, naming the entry.
     Symlinked shards (the Hugging Face cache) are fine: only the name is judged. With
     ``require_shards`` every shard it names must exist (a folder without any weights is
-    planned from its config, see :func:`~mergekit_ext.model_paths.is_config_only`).
+    planned from its config, see :func:`~mergekit_ext.models.model_paths.is_config_only`).
     """
     path = os.path.join(folder, index_file)
     index = read_json_object(path, what)

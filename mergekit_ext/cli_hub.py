@@ -157,7 +157,7 @@ def _diagnose(out_dir: str, config_path: str, device: str) -> dict[str, Any]:
     import os
 
     from mergekit_ext.config import load_config
-    from mergekit_ext.executor.diagnose import diagnose, format_table, jsonable
+    from mergekit_ext.diagnose import diagnose, format_table, jsonable
     from mergekit_ext.hub.card import DIAGNOSE_FILENAME, display_path
 
     result = diagnose(load_config(config_path), out_dir, device=device)

@@ -13,7 +13,7 @@ import re
 from typing import Any, Optional
 
 from mergekit_ext.errors import ModelInputError
-from mergekit_ext.model_files import read_json_object, safetensors_header
+from mergekit_ext.models.model_files import read_json_object, safetensors_header
 from mergekit_ext.offline import hub_offline
 
 LOG = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ def _config_shapes(
     import torch
     import transformers
 
-    from mergekit_ext import model_class
+    from mergekit_ext.models import model_class
 
     path = os.path.dirname(config_file)
     try:

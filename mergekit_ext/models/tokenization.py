@@ -21,7 +21,7 @@ from mergekit.config import MergeConfiguration
 from mergekit.options import MergeOptions
 
 from mergekit_ext.errors import ConfigError
-from mergekit_ext.model_paths import TOKENIZER_FILES
+from mergekit_ext.models.model_paths import TOKENIZER_FILES
 
 LOG = logging.getLogger(__name__)
 

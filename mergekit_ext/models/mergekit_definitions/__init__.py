@@ -42,7 +42,7 @@ from mergekit.architecture.json_definitions import (
     JsonModuleArchitecture,
 )
 
-from mergekit_ext.mergekit_definitions.checkpoint_layout import (
+from mergekit_ext.models.mergekit_definitions.checkpoint_layout import (
     checkpoint_layout_architectures,
 )
 

@@ -62,7 +62,7 @@ def jsonable(value: Any) -> Any:
 
     The project's one JSON sanitiser (diagnostics, ``diagnose`` results, calibration settings).
     JSON has no NaN or infinity: they become the strings ``"nan"``, ``"inf"`` and ``"-inf"``
-    (``reporting.as_float`` reads them back), so a measured NaN is not confused with a value
+    (``plots.as_float`` reads them back), so a measured NaN is not confused with a value
     that was not measured (``null``).
 
     Args:

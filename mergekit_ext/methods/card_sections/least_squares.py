@@ -9,7 +9,7 @@ from functools import partial
 from typing import Any
 
 from mergekit_ext.methods.registry import MethodReport
-from mergekit_ext.reporting import (
+from mergekit_ext.plots import (
     Plot,
     as_float,
     finite,

@@ -1,4 +1,6 @@
-"""What a model card says about the merge's inputs: architecture, sources (local or Hub), licences."""
+"""The merge's inputs: where each came from (local folder or Hub, commit), how its path shows,
+its architecture and licence. The runner records them in the diagnostics when it merges; the
+model card (:mod:`mergekit_ext.hub.card`) reads them."""
 
 from __future__ import annotations
 

@@ -32,12 +32,12 @@ from mergekit.io import LazyTensorLoader, ShardedTensorIndex
 from safetensors import safe_open
 from torch import nn
 
-from mergekit_ext import model_class
 from mergekit_ext.errors import ModelInputError
-from mergekit_ext.executor.families import ModelFamily
-from mergekit_ext.model_files import check_model_files, read_json_object
-from mergekit_ext.model_paths import config_shapes, is_config_only
-from mergekit_ext.model_paths import resolve_model_folder as resolve_model_folder
+from mergekit_ext.models import model_class
+from mergekit_ext.models.families import ModelFamily
+from mergekit_ext.models.model_files import check_model_files, read_json_object
+from mergekit_ext.models.model_paths import config_shapes, is_config_only
+from mergekit_ext.models.model_paths import resolve_model_folder as resolve_model_folder
 
 LOG = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def rename_to_module_keys(
 ) -> dict[str, str]:
     """``{checkpoint key: module key}`` by transformers' own load-time renaming; the keys
     transformers fuses at load time are refused unless ``allow_fused`` (then absent: see
-    :func:`mergekit_ext.model_class.fused_module_keys`)."""
+    :func:`mergekit_ext.models.model_class.fused_module_keys`)."""
     fused = model_class.fused_keys(model, checkpoint_keys)
     if fused and not allow_fused:
         key, converter = next(iter(fused.items()))
@@ -207,7 +207,7 @@ def read_config(path: str, what: str) -> transformers.PretrainedConfig:
 
 def _header_shapes(path: str, what: str) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
     """Checkpoint key -> shape and dtype, from the safetensors headers only (a folder with
-    only a ``config.json``: from its class, :func:`~mergekit_ext.model_paths.config_shapes`)."""
+    only a ``config.json``: from its class, :func:`~mergekit_ext.models.model_paths.config_shapes`)."""
     if is_config_only(path):
         return config_shapes(path)
     check_model_files(path, what)  # corrupt files, index entries outside the folder
@@ -233,7 +233,7 @@ def _header_shapes(path: str, what: str) -> tuple[dict[str, tuple[int, ...]], di
 
 def open_model(label: str, path: str, family: Optional[ModelFamily], *, what: str) -> ModelSource:
     """Index a full checkpoint folder: config, skeleton, canonical names and shapes."""
-    from mergekit_ext.executor.families import discover_family, family_for
+    from mergekit_ext.models.families import discover_family, family_for
 
     config = read_config(path, what)
     arch = (getattr(config, "architectures", None) or [""])[0]

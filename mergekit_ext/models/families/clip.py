@@ -12,7 +12,7 @@ data by giving it as a text model of its own. Vision-only checkpoints
 
 from __future__ import annotations
 
-from mergekit_ext.executor.families import ModelFamily, register_family
+from mergekit_ext.models.families import ModelFamily, register_family
 
 
 @register_family

@@ -9,7 +9,7 @@ so a tensor-wise merge wrote the fused layout, merged the fused tensors as one 3
 (ACE fell back to a plain mean), and for DeepSeek-V3 wrote no routed expert at all.
 
 :class:`CheckpointLayoutModule` lists, for a model's config, exactly the tensors
-``save_pretrained`` of its class writes (:func:`mergekit_ext.model_class.saved_state_dict`,
+``save_pretrained`` of its class writes (:func:`mergekit_ext.models.model_class.saved_state_dict`,
 on the meta device): mergekit then reads each per-expert matrix under its checkpoint name,
 merges it as the matrix it is, and writes it under that name. The module's metadata comes
 from the class too: the input/output embeddings' vocabulary axis, and the class's tied
@@ -36,7 +36,7 @@ from mergekit.architecture.base import (
 from pydantic import BaseModel
 from transformers import PretrainedConfig
 
-from mergekit_ext import model_class
+from mergekit_ext.models import model_class
 
 LOG = logging.getLogger(__name__)
 

@@ -58,145 +58,47 @@ from typing import Any, Literal, Optional
 import torch
 from torch import nn
 
-from mergekit_ext import diagnostics
 from mergekit_ext.calibration.config import CalibrationSpec
 from mergekit_ext.calibration.sources import (
     CalibrationData,
-    NoUnusedCalibrationData,
     check_calibration,
     check_tokenizers_match,
-    load_calibration,
 )
 from mergekit_ext.calibration.statistics import flatten_tokens
-from mergekit_ext.config import ExtMergeConfig, load_yaml
+from mergekit_ext.config import ExtMergeConfig
+from mergekit_ext.diagnose.agreement import chunked_kl_top1, kl_and_agreement
+from mergekit_ext.diagnose.heldout import (
+    DataMode,
+    evaluation_spec,
+    load_evaluation_data,
+    parse_heldout,
+)
+from mergekit_ext.diagnose.verdict import compare_with_references, evaluated_on
 from mergekit_ext.errors import CalibrationError, ConfigError, MergekitExtError, ModelInputError
-from mergekit_ext.executor.checkpoint import (
+from mergekit_ext.executor.blocks import (
+    BlockCall,
+    BlockCallRecorder,
+    CallSink,
+    StopForward,
+    run_block,
+    skeleton_on_device,
+    trim_heap,
+)
+from mergekit_ext.executor.plan import OpenedModels, Source, expert_entries
+from mergekit_ext.models.checkpoint import (
     HEAD_PREFIX,
-    build_skeleton,
     canonical_name,
     has_tokenizer,
     module_key_of,
     open_model,
     resolve_model_folder,
 )
-from mergekit_ext.executor.families import ModelFamily
-from mergekit_ext.executor.plan import Source, _expert_entries, _Opened
-from mergekit_ext.executor.sequential import (
-    _BlockCallRecorder,
-    _buffers_to,
-    _CallSink,
-    _StopForward,
-    _trim_heap,
-)
-from mergekit_ext.kl import kl_from_log_probs
+from mergekit_ext.models.families import ModelFamily
 
 LOG = logging.getLogger(__name__)
 
 OutputKind = Literal["next_token", "class", "none"]
 Role = Literal["merge", "base", "expert"]
-DataMode = Literal["heldout", "calibration"]
-
-# Elements of one logits chunk (rows x vocabulary slice) in chunked_kl_top1: 2M float64
-# values = 16 MB per array, a handful of arrays alive at once.
-LOGIT_CHUNK_ELEMENTS = 2**21
-
-
-# ------------------------------------------------------------------------------------------
-# Output agreement: pure tensor functions
-
-
-def kl_and_agreement(
-    reference_logits: torch.Tensor, logits: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row ``KL(softmax(reference) ‖ softmax(logits))`` and argmax agreement, float64.
-
-    Args:
-        reference_logits: ``[N, C]`` logits of the expert.
-        logits: ``[N, C]`` logits of the merged model.
-
-    Returns:
-        ``(kl [N] float64, agree [N] bool)``; ``KL = Σ_c p_c (log p_c − log q_c)``.
-    """
-    log_p = torch.log_softmax(reference_logits.double(), dim=-1)
-    log_q = torch.log_softmax(logits.double(), dim=-1)
-    kl = kl_from_log_probs(log_p, log_q)
-    agree = reference_logits.argmax(-1) == logits.argmax(-1)
-    return kl, agree
-
-
-def chunked_kl_top1(
-    reference_hidden: torch.Tensor,
-    reference_weight: torch.Tensor,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    reference_bias: Optional[torch.Tensor] = None,
-    bias: Optional[torch.Tensor] = None,
-    chunk_elements: int = LOGIT_CHUNK_ELEMENTS,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """KL and top-1 agreement of two LM heads without materializing ``[N, V]`` logits.
-
-    With ``z = h_ref W_refᵀ + b_ref`` and ``y = h W ᵀ + b`` (rows: positions, columns: the
-    vocabulary) and ``log Z = logsumexp``::
-
-        KL(softmax z ‖ softmax y) = Σ_v p_v (z_v − y_v) − log Z_z + log Z_y,
-        Σ_v p_v (z_v − y_v) = Σ_v e^{z_v − m} (z_v − y_v) / Σ_v e^{z_v − m}
-
-    for any shift ``m``. The vocabulary is walked in slices; the running maximum ``m`` of
-    each row and the two sums are rescaled by ``e^{m_old − m_new}`` when it grows (the
-    online softmax of Milakov & Gimelshein, 2018). The argmax keeps the first maximum, as
-    ``torch.argmax``. Products in float32 (the weights' compute dtype), sums in float64.
-
-    Args:
-        reference_hidden / hidden: ``[N, D]`` inputs of the expert's / merged model's head.
-        reference_weight / weight: ``[V, D]`` head weights; ``*_bias``: ``[V]`` or None.
-        chunk_elements: at most this many logits (N x slice) per slice.
-
-    Returns:
-        ``(kl [N] float64, agree [N] bool)``.
-    """
-    n, vocab = reference_hidden.shape[0], reference_weight.shape[0]
-    device = reference_hidden.device
-    step = max(1, min(vocab, chunk_elements // max(n, 1)))
-    neg_inf = torch.full((n,), -math.inf, dtype=torch.float64, device=device)
-    m_ref, m_new = neg_inf.clone(), neg_inf.clone()
-    s_ref = torch.zeros(n, dtype=torch.float64, device=device)
-    s_new = torch.zeros_like(s_ref)
-    cross = torch.zeros_like(s_ref)  # Σ e^{z − m_ref} (z − y)
-    best_ref, best_new = neg_inf.clone(), neg_inf.clone()
-    arg_ref = torch.zeros(n, dtype=torch.long, device=device)
-    arg_new = torch.zeros_like(arg_ref)
-    for start in range(0, vocab, step):
-        stop = min(vocab, start + step)
-        z = reference_hidden @ reference_weight[start:stop].T
-        y = hidden @ weight[start:stop].T
-        if reference_bias is not None:
-            z = z + reference_bias[start:stop]
-        if bias is not None:
-            y = y + bias[start:stop]
-        z, y = z.double(), y.double()
-        z_max, z_arg = z.max(-1)
-        y_max, y_arg = y.max(-1)
-        grown = torch.maximum(m_ref, z_max)
-        scale = torch.exp(m_ref - grown)
-        e = torch.exp(z - grown[:, None])
-        s_ref = s_ref * scale + e.sum(-1)
-        cross = cross * scale + (e * (z - y)).sum(-1)
-        m_ref = grown
-        grown = torch.maximum(m_new, y_max)
-        s_new = s_new * torch.exp(m_new - grown) + torch.exp(y - grown[:, None]).sum(-1)
-        m_new = grown
-        better = z_max > best_ref
-        best_ref = torch.where(better, z_max, best_ref)
-        arg_ref = torch.where(better, z_arg + start, arg_ref)
-        better = y_max > best_new
-        best_new = torch.where(better, y_max, best_new)
-        arg_new = torch.where(better, y_arg + start, arg_new)
-        del z, y, e
-    log_z_ref = m_ref + torch.log(s_ref)
-    log_z_new = m_new + torch.log(s_new)
-    kl = cross / s_ref - log_z_ref + log_z_new
-    return kl, arg_ref == arg_new
-
 
 # ------------------------------------------------------------------------------------------
 # The plan: everything checked before a weight loads
@@ -240,137 +142,6 @@ class DiagnosisPlan:
     @property
     def compared(self) -> list[MergedModel]:
         return [*self.merged, *self.references]
-
-
-# ------------------------------------------------------------------------------------------
-# Held-out data
-
-
-def parse_heldout(values: Sequence[str]) -> dict[Optional[str], dict[str, Any]]:
-    """``--heldout`` values as calibration-style mappings by task (``None``: every task).
-
-    Each value is one of
-
-    - ``PATH``: a data file or folder, read like ``calibration: {path: PATH}``;
-    - ``TASK=PATH``: the same, for one task;
-    - ``FILE.yml`` / ``FILE.yaml`` or an inline mapping ``{split: validation, samples: 64}``:
-      ``calibration:`` fields for every task, and per task under ``tasks: {NAME: {...}}``.
-
-    Unset fields come from the task's calibration (``max_length``, ``field``, ...; the data
-    fields only when the mapping names no data, e.g. ``{split: validation}``).
-    """
-    out: dict[Optional[str], dict[str, Any]] = {}
-
-    def add(task: Optional[str], mapping: Any, where: str) -> None:
-        if not isinstance(mapping, dict):
-            raise ConfigError(f"--heldout {where}: expected a mapping of calibration fields")
-        try:
-            CalibrationSpec.model_validate(mapping)
-        except ValueError as e:
-            first = str(e).splitlines()[1:3]
-            raise ConfigError(f"--heldout {where}: {' '.join(x.strip() for x in first)}") from None
-        out.setdefault(task, {}).update(mapping)
-
-    for value in values:
-        text = value.strip()
-        if text.startswith("{") or text.lower().endswith((".yml", ".yaml")):
-            if text.startswith("{"):
-                mapping = load_yaml(text, f"--heldout {value}")
-            else:
-                if not os.path.isfile(text):
-                    raise ConfigError(f"--heldout {value}: no such file")
-                with open(text, encoding="utf-8") as fp:
-                    mapping = load_yaml(fp.read(), text) or {}
-            if not isinstance(mapping, dict):
-                raise ConfigError(f"--heldout {value}: expected a mapping of calibration fields")
-            per_task = mapping.pop("tasks", None) or {}
-            if mapping:
-                add(None, mapping, value)
-            if not isinstance(per_task, dict):
-                raise ConfigError(f"--heldout {value}: `tasks:` must map task names to fields")
-            for task, fields in per_task.items():
-                add(str(task), fields, f"{value} (task {task})")
-        elif "=" in text and not os.path.exists(text):
-            task, path = text.split("=", 1)
-            add(task.strip(), {"path": path.strip()}, value)
-        else:
-            add(None, {"path": text}, value)
-    return out
-
-
-def _evaluation_spec(
-    task: DiagnosisTask, heldout: dict[Optional[str], dict[str, Any]]
-) -> CalibrationSpec:
-    """The task's ``--heldout`` mapping over its calibration (or the calibration itself)."""
-    fields = {**heldout.get(None, {}), **heldout.get(task.name, {})}
-    if not fields:
-        return task.calibration
-    return CalibrationSpec.model_validate(fields).merged_with(task.calibration)
-
-
-def _load_evaluation_data(
-    task: DiagnosisTask,
-    merge_specs: Sequence[CalibrationSpec],
-    mode: DataMode,
-    modality: str,
-    trust_remote_code: bool,
-) -> None:
-    """Load the task's evaluation data and describe it in ``task.data_info``."""
-
-    def load(spec: CalibrationSpec, exclude: Sequence[CalibrationSpec]) -> CalibrationData:
-        return load_calibration(
-            spec,
-            task.data_path,
-            task=task.name,
-            modality=modality,
-            trust_remote_code=trust_remote_code,
-            exclude=exclude,
-        )
-
-    given = task.evaluation is not None
-    spec = task.evaluation or task.calibration
-    fallback: Optional[str] = None
-    if mode == "calibration":
-        data = load(task.calibration, ())
-    else:
-        try:
-            data = load(spec, merge_specs)
-        except NoUnusedCalibrationData as e:
-            fallback = str(e)
-            data = load(task.calibration, ())
-    if not data.batches:
-        raise CalibrationError(f"model {task.label} (task {task.name!r}): no evaluation batches")
-    heldout = mode == "heldout" and fallback is None
-    amount = f"{data.num_samples} samples, {data.num_tokens} tokens of {data.source}"
-    if heldout and given:
-        note = f"held-out data (--heldout): {amount}"
-        if data.rows_excluded:
-            note += f", leaving out the {data.rows_excluded} examples the merge read"
-    elif heldout:
-        note = f"held-out data: {amount} that the merge did not read (it read {data.rows_excluded})"
-    elif fallback is not None:
-        note = (
-            f"SEEN DATA: no example of {spec.describe()} is left that the merge did not read, "
-            f"so this task is measured on its calibration data ({amount}); its numbers flatter "
-            "the merge. Give held-out data with --heldout"
-        )
-        LOG.warning("task %s: %s", task.name, note)
-    else:
-        note = (
-            f"calibration data (--calibration-data): {amount}, all read by the merge; "
-            "the numbers flatter the merge"
-        )
-    task.data = data
-    task.data_info = {
-        "kind": "held-out" if heldout else "calibration",
-        "heldout": heldout,
-        "source": data.source,
-        "samples": data.num_samples,
-        "tokens": data.num_tokens,
-        "sha256": data.sha256,
-        "excluded_examples": data.rows_excluded,
-        "note": note,
-    }
 
 
 def _output_kind(skeleton: nn.Module) -> OutputKind:
@@ -480,7 +251,7 @@ def plan_diagnosis(
     if not cfg.models or cfg.raw.get("slices") or cfg.raw.get("modules"):
         raise no_list
     try:
-        entries = _expert_entries(cfg)
+        entries = expert_entries(cfg)
     except ConfigError:
         raise no_list from None
     if not entries:
@@ -488,7 +259,7 @@ def plan_diagnosis(
             "the config lists no expert besides the base model; diagnose compares the merged "
             "model with each entry of `models:`"
         )
-    opened = _Opened(cache_dir)
+    opened = OpenedModels(cache_dir)
     merged: list[MergedModel] = []
     for path in merged_dirs:
         folder = resolve_model_folder(path, what=f"merged model {path}", cache_dir=cache_dir)
@@ -526,7 +297,7 @@ def plan_diagnosis(
             _check_same_body(m, task, family)
         check_calibration(spec, task=entry.name, modality=family.modality)
         if data == "heldout" and heldout_fields:
-            task.evaluation = _evaluation_spec(task, heldout_fields)
+            task.evaluation = evaluation_spec(task, heldout_fields)
             if not task.evaluation.has_data:
                 raise ConfigError(f"--heldout gives task {entry.name!r} no data")
             check_calibration(task.evaluation, task=entry.name, modality=family.modality)
@@ -560,7 +331,7 @@ def plan_diagnosis(
         # every spec the merge loaded: a held-out example is read by none of them
         merge_specs = [s for e in cfg.models if (s := cfg.calibration_for(e)) is not None]
         for t in tasks:
-            _load_evaluation_data(t, merge_specs, data, family.modality, trust_remote_code)
+            load_evaluation_data(t, merge_specs, data, family.modality, trust_remote_code)
     return DiagnosisPlan(
         family=family,
         merged=merged,
@@ -611,8 +382,7 @@ class _Walker:
     def __init__(self, source: Source, family: ModelFamily, device: torch.device) -> None:
         self.source = source
         self.device = device
-        self.skeleton = build_skeleton(source.config)
-        _buffers_to(self.skeleton, device)
+        self.skeleton = skeleton_on_device(source.config, device)
         self.backbone_path = source.backbone_path
         self.backbone = (
             self.skeleton.get_submodule(self.backbone_path) if self.backbone_path else self.skeleton
@@ -621,9 +391,9 @@ class _Walker:
         self.block_list = self.backbone.get_submodule(self.layers_path)
         self.blocks: list[nn.Module] = list(self.block_list)
         last = len(self.blocks) - 1
-        self.sink = _CallSink(last=last)
+        self.sink = CallSink(last=last)
         wrap = family.wrap_block_output
-        self.recorders = [_BlockCallRecorder(i, self.sink, wrap) for i in range(len(self.blocks))]
+        self.recorders = [BlockCallRecorder(i, self.sink, wrap) for i in range(len(self.blocks))]
         self.replays = [_Replay(i, last, wrap) for i in range(len(self.blocks))]
         self._install(self.recorders)
         self.backbone_extra = {"use_cache": False} if _accepts_cache(self.backbone) else {}
@@ -654,7 +424,7 @@ class _Walker:
             torch.func.functional_call(
                 self.backbone, params, args=(), kwargs={**inputs, **self.backbone_extra}
             )
-        except _StopForward:
+        except StopForward:
             pass
         if self.sink.hidden is None or len(self.sink.calls) != len(self.blocks):
             raise MergekitExtError(
@@ -670,11 +440,10 @@ class _Walker:
         index: int,
         params: dict[str, torch.Tensor],
         hidden: torch.Tensor,
-        call: tuple[tuple[Any, ...], dict[str, Any]],
+        call: BlockCall,
     ) -> torch.Tensor:
-        args, kwargs = call
-        out = torch.func.functional_call(self.blocks[index], params, (hidden, *args), kwargs)
-        return out[0] if isinstance(out, tuple) else out
+        """Block ``index`` of this model with its tensors ``params`` (:func:`run_block`)."""
+        return run_block(self.blocks[index], params, hidden, call)
 
     def output(
         self,
@@ -691,14 +460,14 @@ class _Walker:
 
             def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
                 captured.append(args[0])
-                raise _StopForward
+                raise StopForward
 
             handle = self.skeleton.get_submodule(self.head_name).register_forward_pre_hook(hook)
         try:
             out = torch.func.functional_call(
                 self.skeleton, params, args=(), kwargs={**inputs, **self.model_extra}
             )
-        except _StopForward:
+        except StopForward:
             return captured[0].to(torch.float32)
         finally:
             if handle is not None:
@@ -831,7 +600,7 @@ class Diagnoser:
         for model, row in zip(self.plan.merged, rows):
             result = {"merged": model.label, "family": self.family.name, **row}
             result["data"] = data
-            result["evaluated_on"] = _evaluated_on(data)
+            result["evaluated_on"] = evaluated_on(data)
             result["references"] = references
             result.update(compare_with_references(result))
             results.append(result)
@@ -889,7 +658,7 @@ class Diagnoser:
             for p in range(len(paths)):
                 err = 0.0 if p == 0 else relative_error(hidden[0], hidden[p], masks)
                 errors[p].append({"index": index, "relative_error": err})
-            _trim_heap()
+            trim_heap()
 
         outputs = self._outputs(expert, paths, inputs, masks, hidden)
         results: dict[int, dict[str, Any]] = {}
@@ -1041,163 +810,6 @@ def summarize(tasks: dict[str, dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-# ------------------------------------------------------------------------------------------
-# The verdict
-
-
-def _evaluated_on(data: dict[str, dict[str, Any]]) -> str:
-    kinds = {d.get("kind") for d in data.values()}
-    return kinds.pop() if len(kinds) == 1 else "mixed"
-
-
-def _measure(result: dict[str, Any]) -> str:
-    """``kl`` when every task has an output KL, else ``last_block_error`` (models without a head)."""
-    return "kl" if all(t.get("kl") is not None for t in result["tasks"].values()) else "lbe"
-
-
-def _task_value(task: dict[str, Any], measure: str) -> Optional[float]:
-    if measure == "kl":
-        return task.get("kl")
-    return task["blocks"][-1]["relative_error"] if task.get("blocks") else None
-
-
-def _mean_value(row: dict[str, Any], measure: str) -> Optional[float]:
-    return row.get("mean_kl" if measure == "kl" else "mean_last_block_error")
-
-
-def _ratio(base: Optional[float], merged: Optional[float]) -> Optional[float]:
-    """``base / merged``: inf when the merged model is exact and the base is not."""
-    if base is None or merged is None:
-        return None
-    if math.isnan(base) or math.isnan(merged):
-        return math.nan
-    merged = max(merged, 0.0)  # a KL of -1e-17 is float rounding of 0
-    if merged == 0.0:
-        return math.inf if base > 0.0 else math.nan
-    return base / merged
-
-
-def _fmt(value: Optional[float]) -> str:
-    if value is None:
-        return "—"
-    if not math.isfinite(value):
-        return str(value)
-    return f"{value:.3g}"
-
-
-def compare_with_references(result: dict[str, Any]) -> dict[str, Any]:
-    """``base_ratio``, the tasks where the merged model is worse than the base and its verdict.
-
-    ``base_ratio`` = M(base) / M(merged), M the mean over the tasks t of the mean
-    KL(expert_t ‖ model) on task t's evaluation data (the mean last-block relative error for
-    models without a head); > 1: the merged model is that many times closer to the experts
-    than the unmerged base model is (``docs/methods.md``, "Diagnose").
-    """
-    measure = _measure(result)
-    refs = result.get("references") or {}
-    base = refs.get("base")
-    merged_value = _mean_value(result, measure)
-    base_value = _mean_value(base, measure) if base else None
-    worse: list[str] = []
-    if base:
-        for name, task in result["tasks"].items():
-            mine, theirs = _task_value(task, measure), _task_value(base["tasks"][name], measure)
-            if mine is not None and theirs is not None and not mine <= theirs:
-                worse.append(name)
-    closer_experts = []
-    for task_name, row in (refs.get("experts") or {}).items():
-        value = _mean_value(row, measure)
-        if value is not None and merged_value is not None and value <= merged_value:
-            closer_experts.append((task_name, value))
-    out = {
-        "base_ratio": _ratio(base_value, merged_value),
-        "ratio_measure": "mean_kl" if measure == "kl" else "mean_last_block_error",
-        "worse_than_base_on": worse,
-    }
-    out["verdict"] = verdict(
-        out["base_ratio"],
-        merged_value,
-        base_value,
-        measure,
-        result.get("evaluated_on", "calibration"),
-        result.get("data") or {},
-        worse,
-        closer_experts,
-        skipped=bool(refs.get("skipped")),
-    )
-    return out
-
-
-def verdict(
-    ratio: Optional[float],
-    merged_value: Optional[float],
-    base_value: Optional[float],
-    measure: str,
-    evaluated_on: str,
-    data: dict[str, dict[str, Any]],
-    worse_tasks: Sequence[str] = (),
-    closer_experts: Sequence[tuple[str, float]] = (),
-    skipped: bool = False,
-) -> str:
-    """One line in plain words, after the model's name: is it worth publishing, against the
-    base model.
-
-    Args:
-        ratio: ``base_ratio`` (see :func:`compare_with_references`); None without a base.
-        merged_value / base_value: the two means the ratio divides.
-        measure: ``kl`` or ``lbe`` (last-block error).
-        evaluated_on: ``held-out``, ``calibration`` or ``mixed``.
-        data: per task, the evaluation data's description (``kind``).
-        worse_tasks: tasks where the merged model is farther from the expert than the base.
-        closer_experts: ``(task, mean)`` of the experts that, alone, are at least as close to
-            all the experts as the merged model.
-        skipped: the reference rows were not measured (``--no-references``).
-
-    Returns:
-        The verdict, e.g. "keeps 2.2× more of the experts' behaviour than the base model on
-        held-out data (...)" or "is worse than the base model on held-out data (...): do not
-        publish".
-    """
-    seen = [name for name, d in data.items() if d.get("kind") != "held-out"]
-    where = {
-        "held-out": "on held-out data",
-        "calibration": "on the calibration data the merge read, which flatters it",
-    }.get(evaluated_on, f"on held-out data (on seen calibration data for {', '.join(seen)})")
-    what = "mean KL to the experts" if measure == "kl" else "mean last-block error"
-    if merged_value is None:
-        return "has no output or block measured: no verdict"
-    if not math.isfinite(merged_value):
-        return f"is broken: its {what} is {merged_value} {where}: do not publish"
-    numbers = f"{what} {_fmt(merged_value)}"
-    if skipped:
-        return f"has a {numbers} {where}; reference rows skipped, so no comparison with the base"
-    if base_value is None or ratio is None:
-        return f"has a {numbers} {where}; the config names no base model to compare with"
-    numbers += f" vs the base model's {_fmt(base_value)}"
-    if math.isnan(ratio):
-        text = f"cannot be compared with the base model {where} ({numbers})"
-    elif ratio < 1.0:
-        text = f"is worse than the base model {where} ({numbers}): do not publish"
-    elif ratio == 1.0:
-        text = f"is no better than the base model {where} ({numbers}): do not publish"
-    elif math.isinf(ratio):
-        text = f"matches the experts exactly {where} ({numbers})"
-    else:
-        times = f"{ratio:.1f}" if ratio >= 1.1 else f"{ratio:.2f}"
-        text = (
-            f"keeps {times}× more of the experts' behaviour than the base model {where} ({numbers})"
-        )
-        if worse_tasks:
-            text += f"; but worse than the base model on {', '.join(worse_tasks)}"
-    if closer_experts and (ratio is None or ratio >= 1.0):
-        task, value = min(closer_experts, key=lambda e: e[1])
-        text += (
-            f"; the {task} expert alone is as close to all the experts ({what} "
-            f"{_fmt(value)}): the merge adds nothing over it"
-        )
-    return text
-
-
 def diagnose(
     cfg: ExtMergeConfig,
     merged_dirs: Sequence[str] | str,
@@ -1236,114 +848,3 @@ def diagnose(
         r["seconds"] = seconds
         r["config"] = os.path.basename(cfg.path) if cfg.path else None
     return results[0] if single else results
-
-
-# ------------------------------------------------------------------------------------------
-# Presenting a result
-
-
-def _cell(value: Optional[float], digits: int = 4) -> str:
-    if value is None:
-        return "—"
-    if not math.isfinite(value):
-        return str(value)
-    return f"{value:.{digits}f}"
-
-
-def _head_words(t: dict[str, Any]) -> str:
-    if t.get("itself"):
-        return "the expert itself"
-    if t["head"] == "expert":
-        return "expert's head on this body"
-    return "own" if t["output"] else "no head (blocks only)"
-
-
-def _model_rows(label: str, row: dict[str, Any]) -> list[tuple[str, ...]]:
-    rows = []
-    for name, t in row["tasks"].items():
-        worst = t.get("worst_block")
-        last = t["blocks"][-1]["relative_error"] if t["blocks"] else None
-        rows.append(
-            (
-                label,
-                name,
-                _cell(t["agreement"]),
-                _cell(t["kl"], 5),
-                f"{worst['index']} ({_cell(worst['relative_error'])})" if worst else "—",
-                _cell(last),
-                _head_words(t),
-            )
-        )
-        label = ""
-    if len(row["tasks"]) > 1:
-        rows.append(
-            (
-                label,
-                "mean",
-                _cell(row.get("mean_agreement")),
-                _cell(row.get("mean_kl"), 5),
-                "",
-                _cell(row.get("mean_last_block_error")),
-                "",
-            )
-        )
-    return rows
-
-
-def format_report(results: Sequence[dict[str, Any]]) -> str:
-    """The terminal report of one or more merged models: which data, a table with the merged
-    models and the reference rows (base model, each expert alone), and each verdict."""
-    if not results:
-        return ""
-    first = results[0]
-    lines = ["Evaluation data:"]
-    for name, d in (first.get("data") or {}).items():
-        lines.append(f"  {name}: {d['note']}")
-    table = [("model", "task", "agreement", "KL", "worst block (rel. error)", "last block", "head")]
-    for r in results:
-        table += _model_rows(f"{r['merged']} (merged)", r)
-    refs = first.get("references") or {}
-    if refs.get("base"):
-        table += _model_rows(f"{refs['base']['model']} (base)", refs["base"])
-    for task, row in (refs.get("experts") or {}).items():
-        table += _model_rows(f"{row['model']} (expert {task} alone)", row)
-    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
-    body = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
-    body.insert(1, "  ".join("-" * w for w in widths))
-    lines += body
-    lines.append("KL: mean KL(expert ‖ model) on the task's data; agreement: top-1 / argmax.")
-    for r in results:
-        for name, t in r["tasks"].items():
-            if t["expert_tensors_used"]:
-                lines.append(
-                    f"{name}: {r['merged']} has no {', '.join(t['expert_tensors_used'])} of "
-                    "this task; the expert's own was used on the merged body"
-                )
-    lines.append("Verdict:")
-    for r in results:
-        ratio = r.get("base_ratio")
-        lines.append(f"  {r['merged']} {r.get('verdict', '')}")
-        if ratio is not None:
-            lines.append(
-                f"    base_ratio {_cell(ratio, 3)} (base model's {r['ratio_measure']} / this model's)"
-            )
-    return "\n".join(lines)
-
-
-def format_table(result: dict[str, Any]) -> str:
-    """The terminal report of one merged model (:func:`format_report`)."""
-    return format_report([result])
-
-
-def plot_block_errors(
-    result: dict[str, Any] | Sequence[dict[str, Any]], images_dir: str, filename: str
-) -> Any:
-    """The per-block error plot of a diagnosis (:func:`mergekit_ext.reporting.plot_block_errors`)."""
-    from mergekit_ext.reporting import plot_block_errors as plot
-
-    return plot(result, images_dir, filename)
-
-
-def jsonable(value: Any) -> Any:
-    """NaN/Inf as strings (``"inf"``): the JSON stays standard and reporting reads them back."""
-    return diagnostics.jsonable(value)

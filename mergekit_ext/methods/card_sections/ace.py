@@ -6,7 +6,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from mergekit_ext.reporting import (
+from mergekit_ext.plots import (
     Plot,
     as_float,
     finite,

@@ -42,7 +42,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from mergekit_ext.errors import ModelInputError
-from mergekit_ext.executor.families import GroupSpec, ModelFamily
+from mergekit_ext.models.families import GroupSpec, ModelFamily
 
 LOG = logging.getLogger(__name__)
 

@@ -98,7 +98,7 @@ class ModelFamily:
 
     def discover(self, model: nn.Module, config: Any) -> ModelFamily:
         """Fill in, from ``model`` (the class built on the meta device), what is not declared."""
-        from mergekit_ext.executor.families.discovery import discover_structure
+        from mergekit_ext.models.families.discovery import discover_structure
 
         discover_structure(self, model, config)
         return self
@@ -134,7 +134,7 @@ class ModelFamily:
 
     def groups(self, block: nn.Module) -> tuple[GroupSpec, ...]:
         if self._discovered_groups is not None and not self.group_layouts:
-            from mergekit_ext.executor.families.discovery import block_signature
+            from mergekit_ext.models.families.discovery import block_signature
 
             found = self._discovered_groups.get(block_signature(block))
             if found is None:
@@ -247,7 +247,7 @@ def discover_family(model: nn.Module, config: Any) -> ModelFamily:
 
 
 def _load_builtin() -> None:
-    from mergekit_ext.executor.families import clip  # noqa: F401
+    from mergekit_ext.models.families import clip  # noqa: F401
 
 
 __all__ = [

@@ -28,13 +28,13 @@ import torch
 from safetensors import safe_open
 
 from mergekit_ext.errors import ModelInputError
-from mergekit_ext.executor.checkpoint import (
+from mergekit_ext.models.checkpoint import (
     ModelSource,
     canonical_name,
     compute_tensor,
     rename_to_module_keys,
 )
-from mergekit_ext.model_files import read_json_object, safetensors_header
+from mergekit_ext.models.model_files import read_json_object, safetensors_header
 
 LOG = logging.getLogger(__name__)
 
@@ -354,6 +354,6 @@ def open_lora_expert(
 
 
 def _module_key(base: ModelSource, canonical: str) -> str:
-    from mergekit_ext.executor.checkpoint import module_key_of
+    from mergekit_ext.models.checkpoint import module_key_of
 
     return module_key_of(canonical, base.backbone_path)

@@ -1,0 +1,51 @@
+"""The hub wing's part of a merge, which the entry points hand to the runner.
+
+:class:`HubActions` implements :class:`mergekit_ext.runner.HubWing`: the runner sits below
+the hub (docs/architecture.md) and calls these without importing the hub; ``cli.py`` and
+``api.py`` pass an instance to :func:`mergekit_ext.runner.run_merge_config`. ``run`` is the
+runner's ``RunOptions`` (its ``push_to_hub`` and ``hub_*`` fields).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+
+class HubActions:
+    """Model card and upload through :mod:`mergekit_ext.hub.card` and :mod:`~mergekit_ext.hub.publish`."""
+
+    def check_can_publish(self, run: Any) -> None:
+        """``--push-to-hub``: what ``publish`` would refuse, checked before anything merges."""
+        from mergekit_ext.hub.publish import check_can_publish
+
+        check_can_publish(
+            run.push_to_hub,
+            run.hub_token,
+            private=run.hub_private,
+            make_private=run.hub_make_private,
+            revision=run.hub_revision,
+            create_pr=run.hub_create_pr,
+            timeout=run.hub_timeout,
+        )
+
+    def write_model_card(self, folder: str, name: str, repo_id: Optional[str]) -> None:
+        """README.md into the merge's temporary folder (nothing of the user's to keep)."""
+        from mergekit_ext.hub.card import write_model_card
+
+        write_model_card(folder, name=name, repo_id=repo_id, force=True)
+
+    def publish(self, out_path: str, run: Any) -> str:
+        """Upload ``out_path`` to ``run.push_to_hub`` in one commit; returns the URL."""
+        from mergekit_ext.hub.publish import publish_folder
+
+        return publish_folder(
+            out_path,
+            run.push_to_hub,
+            private=run.hub_private,
+            make_private=run.hub_make_private,
+            revision=run.hub_revision,
+            commit_message=run.hub_commit_message,
+            create_pr=run.hub_create_pr,
+            token=run.hub_token,
+            timeout=run.hub_timeout,
+        )
