@@ -8,6 +8,7 @@ from pydantic import ValidationError
 
 from mergekit_ext.errors import ConfigError, MergekitExtError
 from mergekit_ext.methods import ext_methods
+from mergekit_ext.methods.kinds import TENSORWISE, Layerwise
 from mergekit_ext.methods.parameters import MethodParameters, describe_allowed
 from mergekit_ext.methods.registry import describe_method
 
@@ -20,8 +21,8 @@ def test_every_method_is_registered_with_mergekit_and_with_us():
     for info in ext_methods():
         assert issubclass(info.parameters_model, MethodParameters)
         assert mk_methods.get(info.name).spec.name == info.name
-        if info.kind != "tensorwise":  # the executor's object uses the same declaration
-            assert getattr(info.implementation, "parameters_model", None) in (
+        if isinstance(info.kind, Layerwise):  # the executor's object uses the same declaration
+            assert getattr(info.kind.method, "parameters_model", None) in (
                 None,
                 info.parameters_model,
             )
@@ -141,7 +142,7 @@ def test_a_new_method_gets_its_card_section_through_its_report(tmp_path):
     info = MethodInfo(
         name="registry_test_hook",
         pretty_name="Hook test",
-        kind="tensorwise",
+        kind=TENSORWISE,
         needs_calibration=False,
         paper="",
         paper_url="",

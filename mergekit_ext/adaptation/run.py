@@ -583,14 +583,15 @@ def merge_body(
     from mergekit.options import MergeOptions
 
     from mergekit_ext.executor import run_layerwise_merge
-    from mergekit_ext.methods.registry import ext_method_info
+    from mergekit_ext.methods.kinds import Layerwise
+    from mergekit_ext.methods.registry import method_kind
 
-    info = ext_method_info(p.body)
-    assert info is not None and info.implementation is not None
+    kind = method_kind(p.body)
+    assert isinstance(kind, Layerwise), f"body {p.body} is not a layer-wise method"
     LOG.info("symerge: merging the body with %s first", p.body)
     with tempfile.TemporaryDirectory(prefix="symerge-body-") as folder:
         run_layerwise_merge(
-            cfg, folder, MergeOptions(), info.implementation, dict(p.body_parameters), device=device
+            cfg, folder, MergeOptions(), kind.method, dict(p.body_parameters), device=device
         )
         return free_parameters(_load(base_cls, folder, device))
 

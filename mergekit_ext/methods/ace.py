@@ -20,6 +20,7 @@ from pydantic import Field
 
 from mergekit_ext import diagnostics
 from mergekit_ext.errors import TensorError
+from mergekit_ext.methods.kinds import TENSORWISE
 from mergekit_ext.methods.parameters import MethodParameters
 from mergekit_ext.methods.registry import (
     MethodInfo,
@@ -307,7 +308,7 @@ def ace_kernel(group: TensorGroup, parameters: ACEParameters) -> torch.Tensor:
 INFO = MethodInfo(
     name="ace",
     pretty_name="ACE (Adaptive Covariance Estimation)",
-    kind="tensorwise",
+    kind=TENSORWISE,
     needs_calibration=False,
     paper="Data-Free Model Merging with Adaptive Covariance Estimation (CVPR 2026)",
     paper_url="https://arxiv.org/abs/2603.02945",

@@ -43,6 +43,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
+from mergekit_ext.methods.kinds import Layerwise
 from mergekit_ext.methods.layerwise import (
     LayerwiseMethod,
     LinearGroup,
@@ -157,12 +158,11 @@ class ChainOfMergesMethod(LayerwiseMethod):
 INFO = MethodInfo(
     name="chain_of_merges",
     pretty_name="Chain of Merges (CoM)",
-    kind="layerwise",
+    kind=Layerwise(ChainOfMergesMethod()),
     needs_calibration=True,
     paper='"Rethinking Layer-wise Model Merging through Chain of Merges" (NeurIPS 2026)',
     paper_url="https://arxiv.org/abs/2508.21421",
     parameters_model=ChainOfMergesParameters,
-    implementation=ChainOfMergesMethod(),
     report=least_squares_report("chain_of_merges", "Chain of Merges"),
 )
 

@@ -61,6 +61,7 @@ from pydantic import Field, field_validator, model_validator
 
 from mergekit_ext.errors import TensorError
 from mergekit_ext.methods.guard import expert_norms, guard_group, max_norm_ratio_field, norm_ratios
+from mergekit_ext.methods.kinds import Layerwise
 from mergekit_ext.methods.layerwise import (
     LayerwiseMethod,
     LinearGroup,
@@ -353,12 +354,11 @@ class QPProjectionMethod(LayerwiseMethod):
 INFO = MethodInfo(
     name="qp_projection",
     pretty_name="QP / output-space projection",
-    kind="layerwise",
+    kind=Layerwise(QPProjectionMethod()),
     needs_calibration=True,
     paper="Model Merging by Output-Space Projection (Evans, Etheridge, Roberts, Tanner, 2026)",
     paper_url="https://arxiv.org/abs/2605.29101",
     parameters_model=QPParameters,
-    implementation=QPProjectionMethod(),
     report=MethodReport(
         "QP output-space projection", summarize_qp, plot_qp, template="qp_projection"
     ),

@@ -30,6 +30,7 @@ from pydantic import Field
 
 from mergekit_ext.adaptation import run
 from mergekit_ext.config import ExtMergeConfig
+from mergekit_ext.methods.kinds import Adaptation
 from mergekit_ext.methods.parameters import MethodParameters
 from mergekit_ext.methods.registry import (
     MethodInfo,
@@ -133,12 +134,11 @@ def run_symerge(cfg: ExtMergeConfig, out_dir: str, parameters: Any, **options: A
 INFO = MethodInfo(
     name="symerge",
     pretty_name="SyMerge (test-time adaptation)",
-    kind="adaptation",
+    kind=Adaptation(run_symerge),
     needs_calibration=True,
     paper="From Non-Interference to Synergistic Merging via Single-Layer Adaptation (ICML 2026)",
     paper_url="https://arxiv.org/abs/2412.19098",
     parameters_model=SyMergeParameters,
-    implementation=run_symerge,
     report=MethodReport("SyMerge", summarize_symerge, plot_symerge, template="symerge"),
 )
 

@@ -45,6 +45,7 @@ from pydantic import Field
 from mergekit_ext import diagnostics
 from mergekit_ext.errors import TensorError
 from mergekit_ext.methods.ace import check_tensor_inputs, is_linear_weight, mean_task_vector_merge
+from mergekit_ext.methods.kinds import TENSORWISE
 from mergekit_ext.methods.parameters import MethodParameters
 from mergekit_ext.methods.registry import (
     MethodInfo,
@@ -487,7 +488,7 @@ def _natural_key(name: str) -> list[Any]:
 INFO = MethodInfo(
     name="wudi",
     pretty_name="WUDI-Merging",
-    kind="tensorwise",
+    kind=TENSORWISE,
     needs_calibration=False,
     paper="Whoever Started the Interference Should End It: Guiding Data-Free Model Merging "
     "via Task Vectors (ICML 2025)",
