@@ -6,6 +6,7 @@ Importing this package registers every mergekit-ext method with mergekit's regis
 
 __version__ = "0.1.0"
 
+from mergekit_ext import adaptation as adaptation  # noqa: E402,F401  (registers SyMerge)
 from mergekit_ext import (
     mergekit_definitions as mergekit_definitions,  # noqa: E402,F401  (registers them)
 )

@@ -89,9 +89,6 @@ KNOWN_EXCEPTIONS: frozenset[tuple[str, str]] = frozenset(
         ("mergekit_ext.runner", "mergekit_ext.hub.card"),
         ("mergekit_ext.runner", "mergekit_ext.hub.card.inputs"),
         ("mergekit_ext.runner", "mergekit_ext.hub.publish"),
-        # SyMerge's declaration (methods/) imports its implementation (adaptation/): SyMerge in
-        # one place; to be removed by issue #29 step 1
-        ("mergekit_ext.methods.symerge", "mergekit_ext.adaptation.run"),
         # hub reads more than diagnostics and the registry; to be removed by issue #29 step 1
         ("mergekit_ext.hub.card.render", "mergekit_ext.config"),
         ("mergekit_ext.hub.card.render", "mergekit_ext.methods"),

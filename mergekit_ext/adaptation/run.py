@@ -1,8 +1,8 @@
 """SyMerge's orchestration: inputs, memory check, models, adaptation, saving.
 
-The method file (:mod:`mergekit_ext.methods.symerge`) declares the parameters and registers
-the method; this module does the work it describes (``docs/methods.md``, section SyMerge).
-Every function takes the already validated ``SyMergeParameters``.
+The method's declaration (:mod:`mergekit_ext.adaptation.symerge`) registers the method and
+:mod:`~mergekit_ext.adaptation.parameters` declares its parameters; this module does the work they describe (``docs/methods.md``,
+section SyMerge). Every function takes the already validated ``SyMergeParameters``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -22,6 +22,7 @@ from torch.func import functional_call
 
 from mergekit_ext import model_class, model_paths
 from mergekit_ext.adaptation import export, memory
+from mergekit_ext.adaptation.parameters import SyMergeParameters
 from mergekit_ext.adaptation.problem import (
     SyMergeProblem,
     build_problem,
@@ -45,9 +46,6 @@ from mergekit_ext.adaptation.trainer import (
 from mergekit_ext.config import ExtMergeConfig, ExtModelEntry
 from mergekit_ext.errors import CalibrationError, ConfigError, ModelInputError
 from mergekit_ext.executor.checkpoint import ResolvedReference, resolve_reference
-
-if TYPE_CHECKING:  # the parameters are declared in the method file, which imports this one
-    from mergekit_ext.methods.symerge import SyMergeParameters
 
 LOG = logging.getLogger(__name__)
 
