@@ -39,7 +39,14 @@ import torch
 
 from mergekit_ext.errors import TensorError
 from mergekit_ext.methods import qp_solve as qp
-from mergekit_ext.methods.layerwise import ModelOutputFit
+from mergekit_ext.methods.layerwise import (
+    LayerwiseMethod,
+    LinearGroup,
+    ModelOutputFit,
+    ModelOutputRequest,
+    StatisticsRequest,
+)
+from mergekit_ext.methods.qp_parameters import QPModelOutputParameters
 
 LOG = logging.getLogger(__name__)
 
@@ -211,3 +218,50 @@ class QPModelOutputFit(ModelOutputFit):
         }
         diagnostics.update(qp.box_diagnostics(solution))
         return merged, diagnostics
+
+
+class QPModelOutputMethod(LayerwiseMethod):
+    """QP with the model-output objective: the executor's whole-model path
+    (``StatisticsRequest.model_output``) feeds one :class:`QPModelOutputFit` per linear."""
+
+    name = "qp_projection"
+    parameters_model = QPModelOutputParameters
+
+    def statistics_request(self, parameters: Any) -> StatisticsRequest:
+        resolved = self.parse(parameters)
+        return StatisticsRequest(
+            propagate=False,
+            expert_path=False,
+            model_output=ModelOutputRequest(
+                sketch_rows=resolved.output_sketch,
+                tokens=resolved.output_tokens,
+                seed=resolved.output_seed,
+            ),
+        )
+
+    def model_output_fit(
+        self,
+        name: str,
+        base: torch.Tensor,
+        experts: Sequence[torch.Tensor],
+        task_names: Sequence[str],
+        parameters: Any,
+    ) -> ModelOutputFit:
+        resolved = self.parse(parameters)
+        return QPModelOutputFit(
+            name,
+            base,
+            experts,
+            task_names,
+            ridge=resolved.ridge,
+            prior=resolved.prior,
+            bounds=resolved.bounds,
+        )
+
+    def merge_linear_group(
+        self, group: LinearGroup, parameters: Any
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        raise TensorError(
+            f"qp_projection with objective: model_output fits {group.name} to the model's "
+            "output; the executor must run its whole-model path (statistics_request)"
+        )
