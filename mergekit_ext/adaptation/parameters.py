@@ -27,8 +27,7 @@ class SyMergeParameters(MethodParameters):
         gt=0.0,
         allow_inf_nan=False,
         description="Adam learning rate for the task layers; null: 1e-4 for a causal LM's block "
-        "task layer (at 1e-2 the LM suite's last blocks diverged: -66% of the gain kept; at 1e-4 "
-        "81.7%), lr otherwise",
+        "task layer (a last block diverges at lr's 1e-2), lr otherwise",
     )
     epochs: int = Field(
         100,

@@ -266,13 +266,12 @@ class ACEParameters(MethodParameters):
         description="paper: normalize when γ = Var(log τ)/Mean(log τ)² > gamma_threshold (depends "
         "on the task vectors' absolute size) | scale_invariant: when Var(log τ) > spread_threshold",
     )
-    # 0.1 chosen on the benchmark's text and LM suites (benchmarks/results/sweep_*_ace_heterogeneity)
+    # the default's evidence: docs/methods.md, section ACE
     spread_threshold: float = Field(
         0.1,
         ge=0.0,
         allow_inf_nan=False,
-        description="threshold of the scale-invariant rule on Var_k(log ‖Δ_k‖²) (0.1: chosen "
-        "on the benchmark's text and LM suites)",
+        description="threshold of the scale-invariant rule on Var_k(log ‖Δ_k‖²)",
     )
     normalize: NormalizeMode = Field(
         "auto", description="auto | always | never: override the γ test"

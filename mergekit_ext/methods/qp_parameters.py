@@ -149,7 +149,8 @@ class QPParameters(QPModelOutputParameters, QPLayerOutputParameters):
         """
         if isinstance(values, QPSharedParameters):
             return values
-        objective = QPSharedParameters.parse(values, method).objective
+        # every value against its own declaration first (type, range), whichever objective
+        objective = super().parse(values, method).objective
         model = OBJECTIVE_PARAMETERS[objective]
         given = {k: v for k, v in (values or {}).items() if v is not None}
         foreign = [

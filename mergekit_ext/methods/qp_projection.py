@@ -1,53 +1,27 @@
-"""QP / output-space projection merging.
+"""QP / output-space projection merging, the method as registered.
 
 "Model Merging by Output-Space Projection", Evans, Etheridge, Roberts, Tanner,
 arXiv 2605.29101 (2026), https://arxiv.org/abs/2605.29101. No public reference code; the
-computation follows ``docs/methods.md`` (section "QP / output-space projection").
+computation follows ``docs/methods.md``, section "QP / output-space projection" (the
+objective, its normal equations per output direction, the bases, the ridge and its prior,
+the box; and "Why a lower J did not give a better merge" for the defaults).
 
-Notation (PyTorch ``y = W x``, ``W`` is ``out x in``): ``W_0`` the base weight, ``W_k``
-expert k's, ``Δ_k = W_k − W_0`` its task vector (the *updates*), ``K`` experts. Task ``t``
-has calibration inputs ``x_j`` (``j ∈ t``, ``N_t`` of them) and residual
-``b_j = (W_0 − W_t) x_j = R_t x_j`` (base output minus the expert's output), ``R_t = W_0 − W_t``.
+Notation (PyTorch ``y = W x``, ``W`` is ``out x in``): ``W_0`` the base weight, ``Δ_k = W_k −
+W_0`` expert k's task vector; the merged update is ``δ(d) = Σ_k U diag(d_k) Uᵀ Δ_k`` with ``U``
+an orthonormal output basis and ``d`` stored as ``[R, K]``.
 
-The merged update is ``δ(d) = Σ_k U diag(d_k) Uᵀ Δ_k`` with ``U = [u_1 … u_R]`` an orthonormal
-basis of the output space and ``d_k ∈ R^R`` one coefficient per task and basis direction. We
-store ``d`` as an ``[R, K]`` tensor, ``d[r, k] = (d_k)_r``. The objective, with each task's
-samples weighted by ``1/N_t`` so that tasks count equally, is
+Two implementations over the shared solve (``qp_solve.py``), chosen by ``objective``
+(:data:`IMPLEMENTATIONS`, parameters in ``qp_parameters.py``):
 
-    J(d) = Σ_t (1/N_t) Σ_{j∈t} ‖δ(d) x_j + b_j‖².
+- :class:`QPLayerOutputMethod` (``layer_output``, default): each linear fitted to its own
+  output on the per-task input Grams, block by block. The expert of task t is expert t, so
+  the residual map is ``R_t = −Δ_t``; with ``propagate`` the Grams are those of the inputs
+  along the already merged path;
+- :class:`~mergekit_ext.methods.qp_model_output.QPModelOutputMethod` (``model_output``):
+  each linear fitted to the model's output (``docs/methods.md``, "The model-output
+  objective").
 
-Everything in it is a function of the per-task *mean* Grams ``G_t = (1/N_t) Σ_{j∈t} x_j x_jᵀ``
-(``TaskStatistics.gram``), so no activations are kept. Because ``U`` is orthonormal,
-``‖v‖² = Σ_r (u_rᵀ v)²`` and ``u_rᵀ δ(d) = Σ_k (d_k)_r u_rᵀ Δ_k``, so J separates by direction::
-
-    J(d) = Σ_r Σ_j w_j (a_jᵀ d_r + c_j)²,   a_jk = u_rᵀ Δ_k x_j,  c_j = u_rᵀ b_j,  w_j = 1/N_t(j)
-
-and with ``Σ_j w_j x_j x_jᵀ`` restricted to task t equal to ``G_t``:
-
-    N_r[k, l] = Σ_j w_j a_jk a_jl = Σ_t u_rᵀ Δ_k G_t Δ_lᵀ u_r = u_rᵀ Δ_k G Δ_lᵀ u_r,  G = Σ_t G_t
-    −h_r[k]   = Σ_j w_j a_jk c_j  = Σ_t u_rᵀ Δ_k G_t R_tᵀ u_r
-    e_r       = Σ_j w_j c_j²      = Σ_t u_rᵀ R_t G_t R_tᵀ u_r = u_rᵀ S u_r
-    J(d)      = Σ_r (d_rᵀ N_r d_r − 2 d_rᵀ h_r + e_r)
-    J(0)      = Σ_r e_r = tr S = Σ_t tr(R_t G_t R_tᵀ),   S = Σ_t R_t G_t R_tᵀ
-
-(``S`` is the residual energy matrix ``Σ_j w_j b_j b_jᵀ``.) The minimiser of
-``J(d) + μ‖d − p·1‖²`` solves the K×K normal equations ``(N_r + μI) d_r = h_r + μp·1`` for every
-direction r at once (batched); with a box ``lo ≤ d ≤ hi`` it is a K-variable QP per direction,
-solved by a batched projected Newton method. The prior ``p`` (parameter ``prior``) is 1 by
-default, task arithmetic at λ = 1: the experts' updates act alike on every task's inputs, so in
-an output basis the columns ``a_jk`` are nearly collinear and the plain minimiser is close to
-``d = 1/K`` (the experts' mean), a worse merge than λ = 1 on the benchmarks
-(``docs/methods.md``, "Why a lower J did not give a better merge").
-
-Bases (``basis``): ``diagonal`` (``U = I``: d_k masks output rows, the paper's diagonal-mask
-QP) and ``residual_eigen`` (``U`` = eigenvectors of ``S`` in descending eigenvalue order, the
-paper's optimal basis). Task arithmetic ``d_k = λ·1`` is a feasible point in every basis
-(``δ = λ Σ_k Δ_k``); its J is reported next to ``J(d*)``.
-
-In the method, the expert of task t is expert t, so ``R_t = −Δ_t``; the pure functions also
-accept separate residual maps (e.g. trimmed task vectors as updates, full experts as targets).
-With ``propagate`` the ``x_j`` are the inputs along the already merged path and the residuals
-``(W_0 − W_t) x_j`` are recomputed on them (``docs/methods.md``), i.e. ``G_t`` is the merged-path Gram.
+The pure QP functions are re-exported from ``qp_solve`` (``qp_projection.solve_qp`` etc.).
 """
 
 from __future__ import annotations
@@ -76,8 +50,7 @@ from mergekit_ext.methods.qp_parameters import (
     QPSharedParameters,
 )
 
-# The shared QP math lives in qp_solve (both objectives use it); re-exported here so
-# ``qp_projection.solve_qp`` etc. keep working.
+# The shared QP math lives in qp_solve (both objectives use it); re-exported here.
 from mergekit_ext.methods.qp_solve import (
     BASES,
     FALLBACKS,

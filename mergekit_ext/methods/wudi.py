@@ -10,13 +10,9 @@ vector ``τ`` minimises, by Adam from ``τ = Σ_k τ_k``,
 
     L(τ) = Σ_k ‖(τ − τ_k) τ_kᵀ‖²_F / ‖τ_k‖²_F.
 
-Derivation of what is computed here. With ``D_k = τ − τ_k`` and ``G_k = τ_kᵀ τ_k``
-(``in x in``), ``‖D_k τ_kᵀ‖²_F = tr(D_k τ_kᵀ τ_k D_kᵀ) = tr(D_k G_k D_kᵀ)``, so with
-``n_k = ‖τ_k‖²_F``
-
-    L(τ) = tr(τ A τᵀ) − 2 ⟨τ, B⟩ + c,
-    A = Σ_k G_k / n_k,   B = Σ_k τ_k G_k / n_k,   c = Σ_k ‖G_k‖²_F / n_k,
-    ∇L(τ) = 2 (τ A − B).
+The closed form computed here, ``L(τ) = tr(τ A τᵀ) − 2 ⟨τ, B⟩ + c`` with
+``A = Σ_k G_k / n_k``, ``B = Σ_k τ_k G_k / n_k`` (``G_k = τ_kᵀ τ_k``, ``n_k = ‖τ_k‖²_F``) and
+``∇L(τ) = 2 (τ A − B)``, is derived in ``docs/methods.md`` (section WUDI).
 
 The authors' code forms the ``K x out x out`` products ``(τ − τ_k) τ_kᵀ`` and
 back-propagates through them at every step; the gradient above is the same quantity (up to
