@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import mergekit.merge_methods as mk_methods
 import pytest
 from pydantic import ValidationError
@@ -26,6 +28,16 @@ def test_every_method_is_registered_with_mergekit_and_with_us():
                 None,
                 info.parameters_model,
             )
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_descriptions_say_what_a_parameter_does_not_what_it_scored(name):
+    """Benchmark numbers and sweeps stay in docs/methods.md and benchmarks/results (issue #29)."""
+    info = next(i for i in ext_methods() if i.name == name)
+    for doc in info.parameters:
+        assert not re.search(r"\d%|\bsuites?\b|\bsweep|\bbenchmark", doc.description), (
+            f"{name}.{doc.name}: {doc.description}"
+        )
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

@@ -429,7 +429,7 @@ def test_registration():
     docs = {p.name: p.description for p in com.parameters}
     # user-facing text never speaks of internal process
     assert not any("provisional" in d.lower() or "METHODS.md" in d for d in docs.values())
-    assert "sweep" in docs["reduce_non_diagonal"]
+    assert "off-diagonal shrink" in docs["reduce_non_diagonal"]  # why 1: docs/methods.md
     assert "2212.09849" in ext_method_info("regmean").paper_url
 
 
