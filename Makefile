@@ -42,10 +42,10 @@ demo-tiny: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/mergekit-ext run examples/tiny/chain_of_merges.yml out/tiny-com --overwrite
 
 bench-smoke: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/python -m benchmarks.run --suite all --smoke --out out/bench-smoke
+	HF_HUB_OFFLINE=1 $(BIN)/python -m benchmarks.suites.run --suite all --smoke --out out/bench-smoke
 
 bench: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/python -m benchmarks.run --suite all --out benchmarks/results
+	HF_HUB_OFFLINE=1 $(BIN)/python -m benchmarks.suites.run --suite all --out benchmarks/results
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

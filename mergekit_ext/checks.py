@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from mergekit_ext.config import ExtMergeConfig
 from mergekit_ext.errors import ConfigError, ModelInputError
-from mergekit_ext.methods.registry import all_method_names, ext_method_info
+from mergekit_ext.methods.registry import all_method_names, ext_method_info, method_kind
 from mergekit_ext.models.model_files import check_model_files, read_json_object, safetensors_header
 from mergekit_ext.models.model_paths import (
     PICKLE_PATTERNS,
@@ -262,13 +262,13 @@ def check_models_list(cfg: ExtMergeConfig) -> None:
     ``slices:`` / ``modules:`` (frankenmerges, per-module layer ranges) stack or pick layers
     one tensor at a time, which only mergekit's tensor-wise methods do.
     """
-    info = ext_method_info(cfg.method)
-    if info is None or info.kind == "tensorwise":
+    kind = method_kind(cfg.method)
+    if not kind.data_aware:
         return
     for key in ("slices", "modules"):
         if cfg.raw.get(key):
             raise ConfigError(
-                f"`{key}:` is not supported by {cfg.method} ({info.kind} method): it merges "
+                f"`{key}:` is not supported by {cfg.method} ({kind.name} method): it merges "
                 "whole models listed under `models:` (with `base_model:`). Write the models "
                 f"as a `models:` list, or use a tensor-wise method (linear, slerp, ties, "
                 f"passthrough, ...) for a {key}-based merge"

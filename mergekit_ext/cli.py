@@ -349,6 +349,8 @@ def methods_command(name: Optional[str], as_json: bool, verbose: int) -> None:
                 scope += f", in {p['allowed']}"
             desc = f" — {p['description']}" if p["description"] else ""
             click.echo(f"    {p['name']} ({default}{scope}){desc}")
+        if d["source"] == "mergekit-ext":  # the numbers behind the defaults live there
+            click.echo("    equations, why the defaults, benchmark results: docs/methods.md")
 
 
 @main.command("diagnose")

@@ -2,9 +2,9 @@
 
 ``cli.run`` → :func:`run_merge_config`: check ``OUT_DIR`` (never an input, the current or
 home directory; ``--overwrite`` only of a mergekit-ext output) and ``--push-to-hub`` → lock
-``OUT_DIR`` → validate everything (method, paths, shapes, parameters, calibration) → pick the executor by the method's kind (mergekit's own planner
-for tensor-local methods, our sequential executor for layerwise methods, the adaptation
-loop for SyMerge) → write weights, ``mergekit_config.yml``, the diagnostics JSON and the
+``OUT_DIR`` → validate everything (method, paths, shapes, parameters, calibration) → pick the executor by the type of the method's kind (``methods/kinds.py``:
+mergekit's own planner for tensor-wise methods, our sequential executor for layer-wise
+methods, the adaptation loop for SyMerge) → write weights, ``mergekit_config.yml``, the diagnostics JSON and the
 model card into a temporary folder → check every written tensor for NaN/Inf, and that the
 checkpoint is complete and in the base's layout (``completeness``) → rename it into place.
 
@@ -35,7 +35,9 @@ from mergekit_ext import distributed as dist_context
 from mergekit_ext.config import ExtMergeConfig
 from mergekit_ext.console import phase
 from mergekit_ext.errors import MergekitExtError, PublishError
-from mergekit_ext.methods.registry import ext_method_info
+from mergekit_ext.methods.kinds import Adaptation, Layerwise, MethodKind
+from mergekit_ext.methods.layerwise import LayerwiseMethod
+from mergekit_ext.methods.registry import method_kind
 from mergekit_ext.models import completeness, tokenization
 from mergekit_ext.models.model_paths import (
     config_shapes,
@@ -82,8 +84,7 @@ def validate(cfg: ExtMergeConfig, options: MergeOptions, run: RunOptions) -> lis
     """All checks that need no weights; returns the warnings."""
     checks.check_method(cfg.method)
     checks.check_parameter_values(cfg)  # pure config: before any path is looked at
-    info = ext_method_info(cfg.method)
-    data_aware = info is not None and info.kind != "tensorwise"
+    data_aware = method_kind(cfg.method).data_aware
     checks.check_models_list(cfg)
     checks.check_model_paths(cfg, allow_pickle=run.allow_pickle, dry_run=run.dry_run)
     warnings = checks.check_adapters(cfg)  # before mergekit/PEFT or the executor open one
@@ -101,17 +102,15 @@ def check_distributable(cfg: ExtMergeConfig, world_size: int, planned: bool = Fa
     (``planned``: asked by ``--dry-run --world-size``, not by a launcher)."""
     if world_size <= 1:
         return
-    info = ext_method_info(cfg.method)
-    kind = info.kind if info else "tensorwise"
-    if kind != "layerwise":
-        what = "mergekit's tensor-wise methods" if kind == "tensorwise" else "SyMerge"
+    why = method_kind(cfg.method).single_process
+    if why is not None:
         if planned:
             raise MergekitExtError(
-                f"{cfg.method} runs in a single process ({what} are not distributed): "
+                f"{cfg.method} runs in a single process ({why}): "
                 f"--world-size {world_size} cannot plan it; drop --world-size"
             )
         raise MergekitExtError(
-            f"{cfg.method} runs in a single process ({what} are not distributed); launch it "
+            f"{cfg.method} runs in a single process ({why}); launch it "
             f"without torchrun/accelerate (WORLD_SIZE is {world_size}), e.g. `mergekit-ext run "
             "CONFIG OUT`"
         )
@@ -158,13 +157,12 @@ def run_merge_config(
     check_replaceable(target, run.overwrite, out_path)
     if run.push_to_hub:
         hub.check_can_publish(run)
-    info = ext_method_info(cfg.method)
-    kind = info.kind if info else "tensorwise"
+    kind = method_kind(cfg.method)
     # mergekit's executor writes the tokenizer of tensor-wise merges itself.
     out_tokenizer = (
-        None
-        if kind == "tensorwise"
-        else tokenization.plan_output_tokenizer(cfg.merge, options, cfg.method)
+        tokenization.plan_output_tokenizer(cfg.merge, options, cfg.method)
+        if kind.data_aware
+        else None
     )
 
     if run.dry_run:
@@ -194,15 +192,7 @@ def run_merge_config(
         )
         with atomic_output_dir(target, overwrite=run.overwrite, shown=out_path) as tmp:
             with merge_record.recording(recorder), ResourceMeter() as meter:
-                if kind == "tensorwise":
-                    _run_tensorwise(cfg, tmp, options)
-                elif kind == "layerwise":
-                    _run_layerwise(cfg, tmp, options, recorder)
-                elif kind == "adaptation":
-                    body = _adapter_body_path(out_path)
-                    _run_adaptation(cfg, tmp, options, run, recorder, body_path=body)
-                else:  # pragma: no cover - registry guarantees the kinds
-                    raise MergekitExtError(f"unknown method kind {kind!r}")
+                _execute(kind, cfg, tmp, options, run, recorder, out_path)
                 if out_tokenizer is not None:
                     phase("writing the output tokenizer")
                     tokenization.write_output_tokenizer(
@@ -239,7 +229,7 @@ def _run_distributed(
             ctx.agree(e, "the checks")
             raise
         ctx.agree(None, "the checks")
-        _run_layerwise(cfg, None, options, recorder, ctx)
+        _run_layerwise(_layerwise(cfg), cfg, None, options, recorder, ctx)
         ctx.agree(None, "writing the output")
         return None
 
@@ -266,7 +256,7 @@ def _run_distributed(
                 prologue = False
                 ctx.agree(None, "the checks")
                 with merge_record.recording(recorder):
-                    _run_layerwise(cfg, tmp, options, recorder, ctx)
+                    _run_layerwise(_layerwise(cfg), cfg, tmp, options, recorder, ctx)
                     merged = True
                     if out_tokenizer is not None:
                         phase("writing the output tokenizer")
@@ -449,7 +439,34 @@ def _run_tensorwise(cfg: ExtMergeConfig, out_dir: str, options: MergeOptions) ->
             shutil.rmtree(lora_cache, ignore_errors=True)
 
 
+def _execute(
+    kind: MethodKind,
+    cfg: ExtMergeConfig,
+    out_dir: str,
+    options: MergeOptions,
+    run: RunOptions,
+    recorder: merge_record.DiagnosticsRecorder,
+    out_path: str,
+) -> None:
+    """Run the merge on the executor of ``kind``'s type (the one place that chooses)."""
+    if isinstance(kind, Layerwise):
+        _run_layerwise(kind.method, cfg, out_dir, options, recorder)
+    elif isinstance(kind, Adaptation):
+        body = _adapter_body_path(out_path)
+        _run_adaptation(kind, cfg, out_dir, options, run, recorder, body_path=body)
+    else:
+        _run_tensorwise(cfg, out_dir, options)
+
+
+def _layerwise(cfg: ExtMergeConfig) -> LayerwiseMethod:
+    """The LayerwiseMethod of a distributed merge (``check_distributable`` let only those in)."""
+    kind = method_kind(cfg.method)
+    assert isinstance(kind, Layerwise), f"{cfg.method} is not a layer-wise method"
+    return kind.method
+
+
 def _run_layerwise(
+    method: LayerwiseMethod,
     cfg: ExtMergeConfig,
     out_dir: Optional[str],
     options: MergeOptions,
@@ -458,13 +475,11 @@ def _run_layerwise(
 ) -> None:
     from mergekit_ext.executor import run_layerwise_merge
 
-    info = ext_method_info(cfg.method)
-    assert info is not None and info.implementation is not None
     result = run_layerwise_merge(
         cfg,
         out_dir,
         options,
-        info.implementation,
+        method,
         cfg.parameters,
         device=options.device or "cpu",
         distributed=ctx,
@@ -473,6 +488,7 @@ def _run_layerwise(
 
 
 def _run_adaptation(
+    kind: Adaptation,
     cfg: ExtMergeConfig,
     out_dir: str,
     options: MergeOptions,
@@ -480,9 +496,7 @@ def _run_adaptation(
     recorder: merge_record.DiagnosticsRecorder,
     body_path: str,
 ) -> None:
-    info = ext_method_info(cfg.method)
-    assert info is not None and info.implementation is not None
-    result = info.implementation(
+    result = kind.run(
         cfg,
         out_dir,
         cfg.parameters,
@@ -559,25 +573,23 @@ def _plan_prints_its_warnings() -> Iterator[set[str]]:
 
 
 def _describe_plan(
-    cfg: ExtMergeConfig, options: MergeOptions, kind: str, world_size: int = 1
+    cfg: ExtMergeConfig, options: MergeOptions, kind: MethodKind, world_size: int = 1
 ) -> str:
-    if kind == "layerwise":
+    if isinstance(kind, Layerwise):  # the sequential executor's own plan
         from mergekit_ext.executor import plan_layerwise_merge
 
-        info = ext_method_info(cfg.method)
-        assert info is not None
-        plan = plan_layerwise_merge(cfg, options, info.implementation, cfg.parameters)
+        plan = plan_layerwise_merge(cfg, options, kind.method, cfg.parameters)
         if world_size > 1:
             dist_context.check_tasks(world_size, len(plan.experts))  # the run's own rule
             return plan.describe() + "\n" + plan.describe_ranks(world_size)
         return plan.describe()
     lines = [
-        f"method: {cfg.method} ({kind})",
+        f"method: {cfg.method} ({kind.name})",
         f"base_model: {cfg.merge.base_model}",
         "models:",
         *[f"  - {m}" for m in cfg.merge.referenced_models()],
     ]
-    if kind == "adaptation":
+    if kind.data_aware:
         lines += _describe_calibration(cfg, options)
     sizes = []
     for ref in cfg.merge.referenced_models():

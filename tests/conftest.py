@@ -8,8 +8,10 @@ test session, under a ``tmp_path_factory`` folder, the first time a test asks fo
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -49,6 +51,32 @@ def _build_set(
     base = build(str(root / "base"))
     experts = tiny_models.make_experts(base, [str(root / f"expert{i}") for i in range(NUM_EXPERTS)])
     return TinySet(name=name, architecture=architecture, base=base, experts=tuple(experts))
+
+
+@pytest.fixture(scope="session")
+def llama_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[str]]:
+    """A tiny Llama base and two small experts (scale 0.05, seed 3): (base, [expert, expert]).
+
+    Read-only; a test that changes the models works on copies (:func:`user_work`)."""
+    root = tmp_path_factory.mktemp("llama_pair")
+    base = tiny_models.make_tiny_llama(str(root / "base"), seed=0)
+    experts = tiny_models.make_experts(
+        base, [str(root / f"e{i}") for i in range(2)], scale=0.05, seed=3
+    )
+    return base, experts
+
+
+@pytest.fixture
+def user_work(llama_pair: tuple[str, list[str]], tmp_path: Path) -> Path:
+    """A user's working folder ``work/`` with copies of :func:`llama_pair` under ``m/``
+    (``m/base``, ``m/expert_a``, ``m/expert_b``), free to change or corrupt."""
+    base, experts = llama_pair
+    work = tmp_path / "work"
+    (work / "m").mkdir(parents=True)
+    shutil.copytree(base, work / "m" / "base")
+    shutil.copytree(experts[0], work / "m" / "expert_a")
+    shutil.copytree(experts[1], work / "m" / "expert_b")
+    return work
 
 
 @pytest.fixture(scope="session")

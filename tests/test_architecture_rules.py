@@ -78,9 +78,6 @@ HUB_MAY_READ = ("mergekit_ext.methods.registry",)
 #: (importer, imported) pairs that break a rule today; a new entry needs a reason here.
 KNOWN_EXCEPTIONS: frozenset[tuple[str, str]] = frozenset(
     {
-        # SyMerge's declaration (methods/) imports its implementation (adaptation/): SyMerge in
-        # one place; to be removed by issue #29's SyMerge step (branch house-kinds)
-        ("mergekit_ext.methods.symerge", "mergekit_ext.adaptation.run"),
         # the card parses the config copy in the output folder (ExtMergeConfig: calibration
         # per model, parameters); removing it means the entry points pass the parsed config
         # through write_model_card / publish_folder (issue #29, after the structural step)

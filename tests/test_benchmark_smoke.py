@@ -1,6 +1,6 @@
 """The offline benchmark: building blocks checked on their own, then one ``--smoke`` run.
 
-The smoke run (``python -m benchmarks.run --suite all --smoke``) uses the real data shipped in the
+The smoke run (``python -m benchmarks.suites.run --suite all --smoke``) uses the real data shipped in the
 ``bench`` extra's packages (and Debian's dataset-fashion-mnist), the real all-MiniLM-L6-v2
 cut to one layer, a tiny random Llama (tests/tiny_models.py) for the LM suite and a tiny
 ViT pretrained for a few steps; every code path of the full benchmark runs, merges
@@ -20,9 +20,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from benchmarks.cache import cached_build, recipe_hash
-from benchmarks.merging import ROWS, build_config, rows_for
-from benchmarks.report import markdown_table, normalized_scores
+from benchmarks.suites.cache import cached_build, recipe_hash
+from benchmarks.suites.merging import ROWS, build_config, rows_for
+from benchmarks.suites.report import markdown_table, normalized_scores
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -101,7 +101,7 @@ def test_build_config_rows():
 
 def test_task_splits_are_fixed_and_disjoint():
     _require_bench_data()
-    from benchmarks.tasks import load_task
+    from benchmarks.suites.tasks import load_task
 
     bbc = load_task("bbc_news")
     assert (len(bbc.train_inputs), len(bbc.test_inputs)) == (1781, 444)
@@ -122,7 +122,7 @@ def test_smoke_run_all_suites(tmp_path):
     cache, out = tmp_path / "cache", tmp_path / "results"
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.run", "--suite", "all",
+        [sys.executable, "-m", "benchmarks.suites.run", "--suite", "all",
          "--smoke", "--keep-merges", "--cache-dir", str(cache), "--out", str(out)],
         capture_output=True, text=True, timeout=900, env=env, cwd=REPO_ROOT,
     )  # fmt: skip
@@ -188,7 +188,7 @@ def test_smoke_scoring_paths_agree(tmp_path):
     from PIL import Image
     from transformers import AutoImageProcessor
 
-    from benchmarks.vision_suite import VisionSuite, to_pixel_values
+    from benchmarks.suites.vision_suite import VisionSuite, to_pixel_values
 
     suite = VisionSuite(str(tmp_path), smoke=True, tasks=("digits",))
     expert = suite.expert("full", "digits")
@@ -208,20 +208,20 @@ def test_smoke_scoring_paths_agree(tmp_path):
 
 
 def test_adding_rows_keeps_earlier_rows_of_the_same_table(tmp_path):
-    from benchmarks.run import _earlier_rows, _ordered
+    from benchmarks.suites.run import _earlier_rows, _ordered
 
     settings = {"steps": 3}
     previous = {
         "settings": settings,
         "tasks": ["a"],
         "rows": [{"key": k, "status": "ok"} for k in ("pretrained", "expert", "linear", "ace")],
-        "commands": ["python benchmarks/run.py --suite text"],
+        "commands": ["python benchmarks/suites/run.py --suite text"],
     }
     path = tmp_path / "text_full.json"
     path.write_text(json.dumps(previous))
     result = {"settings": settings, "tasks": ["a"]}
     kept, commands = _earlier_rows(str(path), result, rows_for(["ace", "regmean"]))
-    assert commands == ["python benchmarks/run.py --suite text"]
+    assert commands == ["python benchmarks/suites/run.py --suite text"]
     assert [r["key"] for r in kept] == ["linear"]  # ace is redone, references are recomputed
     current = [{"key": k} for k in ("regmean", "expert", "pretrained", "ace")]
     assert [r["key"] for r in _ordered(current, kept)] == [
@@ -231,7 +231,7 @@ def test_adding_rows_keeps_earlier_rows_of_the_same_table(tmp_path):
 
 
 def test_sweep_rows_set_the_parameter_and_keep_the_rest():
-    from benchmarks.sweep import sweep_rows
+    from benchmarks.suites.sweep import sweep_rows
 
     rows = sweep_rows(rows_for(["regmean", "com_propagate"]), "reduce_non_diagonal", [0.5, 1.0])
     assert [r.key for r in rows] == [
@@ -253,8 +253,8 @@ def test_sweep_rows_set_the_parameter_and_keep_the_rest():
 def test_committed_results_record_each_rows_method_and_parameters():
     import glob
 
-    from benchmarks.backfill_recipes import method_row
-    from benchmarks.merging import REFERENCE_ROWS, config_from_recipe
+    from benchmarks.suites.backfill_recipes import method_row
+    from benchmarks.suites.merging import REFERENCE_ROWS, config_from_recipe
 
     experts = {"t1": "/e/1", "t2": "/e/2"}
     cal = {t: {"path": f"/c/{t}.jsonl"} for t in experts}
@@ -277,7 +277,7 @@ def test_committed_results_record_each_rows_method_and_parameters():
 
 
 def test_select_rows_by_method_key_or_exact_row():
-    from benchmarks.run import select_rows
+    from benchmarks.suites.run import select_rows
 
     assert [r.key for r in select_rows(["symerge"], smoke=False)] == [
         "symerge",
@@ -292,7 +292,7 @@ def test_select_rows_by_method_key_or_exact_row():
 
 
 def test_sweep_settings_set_several_parameters_per_row():
-    from benchmarks.sweep import sweep_settings
+    from benchmarks.suites.sweep import sweep_settings
 
     rows = sweep_settings(rows_for(["qp_diagonal"]), [{}, {"prior": 1.0, "ridge": 10.0}])
     assert [r.key for r in rows] == [
@@ -306,7 +306,7 @@ def test_sweep_settings_set_several_parameters_per_row():
 
 
 def test_merge_rows_needs_the_same_reference_scores():
-    from benchmarks.merge_rows import merge_rows
+    from benchmarks.suites.merge_rows import merge_rows
 
     def table(pretrained: float, rows: list[dict]) -> dict:
         meta = {"suite": "lm", "variant": "lora", "metric": "loss", "settings": {}, "tasks": ["a"]}
@@ -325,8 +325,8 @@ def test_merge_rows_needs_the_same_reference_scores():
 
 
 def test_ace_normalization_share_reads_each_rows_diagnostics(tmp_path):
-    from benchmarks.ace_normalization_share import DIAGNOSTICS, share_rows, statistic_line
-    from benchmarks.sweep import sweep_settings
+    from benchmarks.probes.ace_normalization_share import DIAGNOSTICS, share_rows, statistic_line
+    from benchmarks.suites.sweep import sweep_settings
 
     rows = sweep_settings(rows_for(["ace"]), [{}, {"normalize": "always"}])
     merges = {}

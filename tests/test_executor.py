@@ -31,6 +31,7 @@ from mergekit_ext.config import ExtMergeConfig, parse_config
 from mergekit_ext.errors import CalibrationError, ConfigError, MergekitExtError, ModelInputError
 from mergekit_ext.executor import plan_layerwise_merge, run_layerwise_merge
 from mergekit_ext.executor.sequential import resolve_device
+from mergekit_ext.methods.kinds import Layerwise
 from mergekit_ext.methods.layerwise import (
     LayerwiseMethod,
     LinearGroup,
@@ -615,7 +616,7 @@ def test_registered_methods_run(method_name, tiny_llama_set, data_dir, tmp_path)
     from mergekit_ext.methods.registry import ext_method_info
 
     info = ext_method_info(method_name)
-    assert info is not None and info.kind == "layerwise", f"{method_name} is not registered"
+    assert info is not None and isinstance(info.kind, Layerwise), f"{method_name} is not registered"
     cfg = _config(
         method_name,
         tiny_llama_set.base,

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 import mergekit_ext
-from mergekit_ext.testing import make_experts, make_tiny_llama
+from mergekit_ext.testing import make_tiny_llama
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(mergekit_ext.__file__)))
 
@@ -48,23 +48,10 @@ def _cli(*args: str, cwd, timeout: float = 120, **env: str) -> tuple[int, str, f
     return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("guarded_models")
-    base = make_tiny_llama(str(root / "base"), seed=0)
-    experts = make_experts(base, [str(root / f"e{i}") for i in range(2)], scale=0.05, seed=3)
-    return base, experts
-
-
 @pytest.fixture
-def work(models, tmp_path):
+def work(user_work):
     """Copies of the models under m/ (free to corrupt) and a ``ties`` YAML over them."""
-    base, experts = models
-    w = tmp_path / "work"
-    (w / "m").mkdir(parents=True)
-    shutil.copytree(base, w / "m" / "base")
-    shutil.copytree(experts[0], w / "m" / "expert_a")
-    shutil.copytree(experts[1], w / "m" / "expert_b")
+    w = user_work
     (w / "data.jsonl").write_text(json.dumps({"text": "hello world"}) + "\n")
     _write_yaml(w / "ties.yml", "ties", ["m/expert_a", "m/expert_b"])
     return w
@@ -511,9 +498,9 @@ def _wider_llama(path: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def adapters(models, tmp_path_factory):
+def adapters(llama_pair, tmp_path_factory):
     """Adapters on the base itself, on a copy of it elsewhere, on a deeper and a wider model."""
-    base, _ = models
+    base, _ = llama_pair
     root = tmp_path_factory.mktemp("adapters")
     copy = shutil.copytree(base, root / "base_copy")
     deep = make_tiny_llama(str(root / "deep"), seed=0, layers=4)

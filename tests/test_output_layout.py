@@ -2,8 +2,8 @@
 completeness).
 
 Tiny random Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 checkpoints (hidden 64, 2 layers,
-4 experts) are built here from transformers' config classes; transformers 5 saves their
-experts per expert (``experts.0.w1.weight``) although it holds them fused in memory. A
+4 experts; ``tests/tiny_architectures.py``) come from transformers' config classes;
+transformers 5 saves their experts per expert (``experts.0.w1.weight``) although it holds them fused in memory. A
 tensor-wise merge (mergekit's ``ties``, our ``ace``) must write the same tensors as the base
 checkpoint, merge each expert matrix as a matrix, and give a model transformers loads with
 no missing key. The completeness check itself must stop a merge that lost a tensor.
@@ -15,6 +15,7 @@ import json
 import os
 
 import pytest
+import tiny_architectures
 import torch
 import transformers
 from mergekit.io.tensor_writer import TensorWriter
@@ -41,66 +42,10 @@ _COMMON = dict(
     bos_token_id=4,
     eos_token_id=5,
 )
-MOE = {
-    "mixtral": (
-        transformers.MixtralConfig,
-        transformers.MixtralForCausalLM,
-        dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
-    ),
-    "qwen2_moe": (
-        transformers.Qwen2MoeConfig,
-        transformers.Qwen2MoeForCausalLM,
-        dict(
-            intermediate_size=64,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=32,
-            num_experts=4,
-            num_experts_per_tok=2,
-        ),
-    ),
-    "qwen3_moe": (
-        transformers.Qwen3MoeConfig,
-        transformers.Qwen3MoeForCausalLM,
-        dict(
-            intermediate_size=64,
-            moe_intermediate_size=32,
-            num_experts=4,
-            num_experts_per_tok=2,
-            head_dim=16,
-        ),
-    ),
-    # layer 0 dense, layer 1 routed + shared experts (the layer whose experts went missing)
-    "deepseek_v3": (
-        transformers.DeepseekV3Config,
-        transformers.DeepseekV3ForCausalLM,
-        dict(
-            intermediate_size=64,
-            moe_intermediate_size=32,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            n_shared_experts=1,
-            first_k_dense_replace=1,
-            n_group=1,
-            topk_group=1,
-            kv_lora_rank=16,
-            q_lora_rank=32,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=8,
-            v_head_dim=16,
-        ),
-    ),
-}
+# the mixture-of-experts types of tests/tiny_architectures.py (deepseek_v3: layer 0 dense,
+# layer 1 routed + shared experts, the layer whose experts went missing)
+MOE = ("deepseek_v3", "mixtral", "qwen2_moe", "qwen3_moe")
 EXPERT_MARKER = ".experts."  # routed experts: ``experts.N.`` on disk, never a shared expert's
-
-
-def make_tiny_moe(path: str, model_type: str, seed: int = 0) -> str:
-    """A tiny random MoE causal LM of ``model_type``, saved by ``save_pretrained``."""
-    config_cls, model_cls, extra = MOE[model_type]
-    torch.manual_seed(seed)
-    model = model_cls(config_cls(**_COMMON, **extra))
-    model.save_pretrained(path)
-    save_tiny_tokenizer(path)
-    return path
 
 
 def load_all(folder: str) -> dict[str, torch.Tensor]:
@@ -139,7 +84,7 @@ def assert_loads_cleanly(folder: str) -> None:
 @pytest.fixture(scope="module", params=sorted(MOE))
 def moe_set(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
-    base = make_tiny_moe(str(root / "base"), request.param)
+    base = tiny_architectures.build(request.param, str(root / "base"))
     experts = make_experts(base, [str(root / f"expert{i}") for i in range(2)])
     return request.param, base, experts
 

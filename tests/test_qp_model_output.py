@@ -71,6 +71,29 @@ def test_the_option_and_its_parameters_are_validated(parameters, words):
         qp.QPParameters.parse(parameters, "qp_projection")
 
 
+def test_each_objective_has_its_own_parameters_and_implementation():
+    """``objective`` chooses one of two implementations, each with its own parameter model; a
+    parameter only the other objective reads is refused naming it and both objectives, and
+    one given at its default (which changes nothing) is accepted."""
+    layer = qp.QPParameters.parse({"basis": "residual_eigen"}, "qp_projection")
+    model = qp.QPParameters.parse(
+        {"objective": "model_output", "output_sketch": 4, "basis": "diagonal", "propagate": True},
+        "qp_projection",
+    )
+    assert type(layer) is qp.QPLayerOutputParameters and layer.basis == "residual_eigen"
+    assert type(model) is qp.QPModelOutputParameters and model.output_sketch == 4
+    assert not hasattr(model, "basis") and not hasattr(layer, "output_sketch")
+    method = ext_method_info("qp_projection").kind.method
+    assert isinstance(method.implementation_for(layer), qp.QPLayerOutputMethod)
+    assert isinstance(method.implementation_for(model), qp.QPModelOutputMethod)
+    with pytest.raises(ConfigError, match=r"statistics_dtype = 'float32'.*objective: layer_output"):
+        qp.QPParameters.parse(
+            {"objective": "model_output", "statistics_dtype": "float32"}, "qp_projection"
+        )
+    with pytest.raises(ConfigError, match=r"output_seed = 3.*objective: model_output"):
+        qp.QPParameters.parse({"output_seed": 3}, "qp_projection")
+
+
 def test_model_output_defaults_and_request():
     method = ext_method_info("qp_projection").implementation
     default = method.parse({})

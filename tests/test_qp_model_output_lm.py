@@ -219,9 +219,9 @@ def test_mergekit_ext_run_on_llama_with_a_tied_head(tiny_llama_set, llama_texts,
 def test_probe_fits_only_the_first_linears_and_tabulates_each_variant(
     tiny_llama_set, llama_texts, tmp_path
 ):
-    """``benchmarks.qp_model_output_probe``: the first N linears are fitted (the rest stay at
+    """``benchmarks.probes.qp_model_output_probe``: the first N linears are fitted (the rest stay at
     the base), one row each per variant, with the exact error before each."""
-    from benchmarks.qp_model_output_probe import main as probe
+    from benchmarks.probes.qp_model_output_probe import main as probe
 
     config = {
         "merge_method": "qp_projection",
@@ -243,4 +243,4 @@ def test_probe_fits_only_the_first_linears_and_tabulates_each_variant(
     box = [line for line in out.read_text().splitlines() if line.startswith("| box")]
     cells = [r.strip("| ").split(" | ") for r in box[:3]]
     assert all(0.0 <= float(c[3]) and float(c[5]) <= 1.0 for c in cells)
-    assert "Command: `python -m benchmarks.qp_model_output_probe" in out.read_text()
+    assert "Command: `python -m benchmarks.probes.qp_model_output_probe" in out.read_text()

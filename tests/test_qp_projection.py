@@ -13,6 +13,7 @@ import torch
 
 from mergekit_ext.errors import ConfigError, TensorError
 from mergekit_ext.methods import qp_projection as qp
+from mergekit_ext.methods.kinds import Layerwise
 from mergekit_ext.methods.layerwise import LinearGroup, StatisticsRequest, TaskStatistics
 from mergekit_ext.methods.registry import describe_method, ext_method_info
 
@@ -491,7 +492,7 @@ def test_method_with_bounds_stays_in_box_and_falls_back_on_other_tensors():
 
 def test_registered_with_mergekit_and_mergekit_ext():
     info = ext_method_info("qp_projection")
-    assert info is not None and info.kind == "layerwise" and info.needs_calibration
+    assert info is not None and isinstance(info.kind, Layerwise) and info.needs_calibration
     described = describe_method("qp_projection")
     assert {p["name"] for p in described["parameters"]} >= {
         "basis",

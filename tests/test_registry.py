@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
 import mergekit.merge_methods as mk_methods
 import pytest
 from pydantic import ValidationError
 
 from mergekit_ext.errors import ConfigError, MergekitExtError
 from mergekit_ext.methods import ext_methods
+from mergekit_ext.methods.kinds import TENSORWISE, Layerwise
 from mergekit_ext.methods.parameters import MethodParameters, describe_allowed
 from mergekit_ext.methods.registry import describe_method
 
@@ -20,11 +23,21 @@ def test_every_method_is_registered_with_mergekit_and_with_us():
     for info in ext_methods():
         assert issubclass(info.parameters_model, MethodParameters)
         assert mk_methods.get(info.name).spec.name == info.name
-        if info.kind != "tensorwise":  # the executor's object uses the same declaration
-            assert getattr(info.implementation, "parameters_model", None) in (
+        if isinstance(info.kind, Layerwise):  # the executor's object uses the same declaration
+            assert getattr(info.kind.method, "parameters_model", None) in (
                 None,
                 info.parameters_model,
             )
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_descriptions_say_what_a_parameter_does_not_what_it_scored(name):
+    """Benchmark numbers and sweeps stay in docs/methods.md and benchmarks/results (issue #29)."""
+    info = next(i for i in ext_methods() if i.name == name)
+    for doc in info.parameters:
+        assert not re.search(r"\d%|\bsuites?\b|\bsweep|\bbenchmark", doc.description), (
+            f"{name}.{doc.name}: {doc.description}"
+        )
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -141,7 +154,7 @@ def test_a_new_method_gets_its_card_section_through_its_report(tmp_path):
     info = MethodInfo(
         name="registry_test_hook",
         pretty_name="Hook test",
-        kind="tensorwise",
+        kind=TENSORWISE,
         needs_calibration=False,
         paper="",
         paper_url="",

@@ -15,6 +15,7 @@ from mergekit_ext.methods.chain_of_merges import (
     ChainOfMergesMethod,
     correlation_task_weight,
 )
+from mergekit_ext.methods.kinds import Layerwise
 from mergekit_ext.methods.layerwise import LinearGroup, StatisticsRequest, TaskStatistics
 from mergekit_ext.methods.least_squares import (
     FULL_COVARIANCE_W2_MAX_DIM,
@@ -410,8 +411,8 @@ def test_fallback_merge_other():
 def test_registration():
     for name, cls in (("regmean", RegMeanMethod), ("chain_of_merges", ChainOfMergesMethod)):
         info = ext_method_info(name)
-        assert info is not None and info.kind == "layerwise" and info.needs_calibration
-        assert isinstance(info.implementation, cls)
+        assert info is not None and isinstance(info.kind, Layerwise) and info.needs_calibration
+        assert isinstance(info.kind.method, cls)
     com = ext_method_info("chain_of_merges")
     defaults = {p.name: p.default for p in com.parameters}
     assert defaults == {
@@ -428,7 +429,7 @@ def test_registration():
     docs = {p.name: p.description for p in com.parameters}
     # user-facing text never speaks of internal process
     assert not any("provisional" in d.lower() or "METHODS.md" in d for d in docs.values())
-    assert "sweep" in docs["reduce_non_diagonal"]
+    assert "off-diagonal shrink" in docs["reduce_non_diagonal"]  # why 1: docs/methods.md
     assert "2212.09849" in ext_method_info("regmean").paper_url
 
 

@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 
 import mergekit_ext
 from mergekit_ext.cli import main
-from mergekit_ext.testing import WORDS, make_experts, make_tiny_llama
+from mergekit_ext.testing import WORDS, make_tiny_llama
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(mergekit_ext.__file__)))
 
@@ -54,23 +54,10 @@ finite.check_output_finite = _paused
 """
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("safety_models")
-    base = make_tiny_llama(str(root / "base"), seed=0)
-    experts = make_experts(base, [str(root / f"e{i}") for i in range(2)], scale=0.05, seed=3)
-    return base, experts
-
-
 @pytest.fixture
-def work(models, tmp_path):
+def work(user_work):
     """A user's working folder: models under m/, calibration data, notes, a plugin, the YAML."""
-    base, experts = models
-    w = tmp_path / "work"
-    (w / "m").mkdir(parents=True)
-    shutil.copytree(base, w / "m" / "base")
-    shutil.copytree(experts[0], w / "m" / "expert_a")
-    shutil.copytree(experts[1], w / "m" / "expert_b")
+    w = user_work
     (w / "data").mkdir()
     (w / "data" / "texts.jsonl").write_text(json.dumps({"text": "hello world"}) + "\n")
     (w / "notes").mkdir()
@@ -343,9 +330,9 @@ def _with_nan(src: str, dst, tensor: str) -> str:
 
 
 @pytest.mark.parametrize("serialization", [[], ["--no-safe-serialization"]], ids=["st", "bin"])
-def test_nan_through_mergekit_method_is_caught_and_traced(models, tmp_path, serialization):
+def test_nan_through_mergekit_method_is_caught_and_traced(llama_pair, tmp_path, serialization):
     """Also with ``--no-safe-serialization`` (pytorch_model.bin) (issue #28, 5)."""
-    base, experts = models
+    base, experts = llama_pair
     bad = _with_nan(experts[0], tmp_path / "bad", "model.layers.1.mlp.up_proj.weight")
     config = {
         "merge_method": "ties",
@@ -441,8 +428,8 @@ def test_empty_models_list(tmp_path):
     assert "Exactly one of" not in result.output
 
 
-def test_layer_count_mismatch_names_models(models, tmp_path):
-    base, experts = models
+def test_layer_count_mismatch_names_models(llama_pair, tmp_path):
+    base, experts = llama_pair
     deep = make_tiny_llama(str(tmp_path / "deep"), seed=1, layers=3)
     config = {
         "merge_method": "ace",
@@ -458,8 +445,8 @@ def test_layer_count_mismatch_names_models(models, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_differing_tokenizers_warn(models, tmp_path, caplog):
-    base, experts = models
+def test_differing_tokenizers_warn(llama_pair, tmp_path, caplog):
+    base, experts = llama_pair
     other = tmp_path / "other"
     shutil.copytree(experts[0], other)
     tok = other / "tokenizer.json"
@@ -540,7 +527,7 @@ def test_ace_parameters_are_checked_before_anything_loads(work, monkeypatch, par
 # --------------------------------------------- 10. local calibration files: no network
 
 
-def test_local_calibration_files_make_no_network_call(models, tmp_path, monkeypatch):
+def test_local_calibration_files_make_no_network_call(llama_pair, tmp_path, monkeypatch):
     import socket
 
     import datasets
@@ -549,7 +536,7 @@ def test_local_calibration_files_make_no_network_call(models, tmp_path, monkeypa
     from mergekit_ext.calibration.config import CalibrationSpec
     from mergekit_ext.calibration.sources import load_calibration
 
-    base, _ = models
+    base, _ = llama_pair
     # As with HF_HUB_OFFLINE unset: datasets would ping the Hub for its download counts.
     monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)

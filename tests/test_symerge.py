@@ -25,6 +25,7 @@ from mergekit_ext.adaptation.losses import (
     kl_to_teacher,
     self_labelling_loss,
 )
+from mergekit_ext.adaptation.parameters import SyMergeParameters
 from mergekit_ext.adaptation.run import (
     BLOCK_TASK_LAYER_LR,
     adapt_session,
@@ -33,6 +34,7 @@ from mergekit_ext.adaptation.run import (
     save_symerge,
     task_layers_are_lm_blocks,
 )
+from mergekit_ext.adaptation.symerge import run_symerge
 from mergekit_ext.adaptation.trainer import (
     AdaptationSettings,
     adapt,
@@ -43,7 +45,6 @@ from mergekit_ext.adaptation.trainer import (
 )
 from mergekit_ext.config import parse_config
 from mergekit_ext.errors import ConfigError, ModelInputError
-from mergekit_ext.methods.symerge import SyMergeParameters, run_symerge
 
 TASKS = {"sentiment": ["good", "bad"], "animal": ["dog", "cat", "bird"], "weather": ["rain", "sun"]}
 MARKERS = {w for labels in TASKS.values() for w in labels}

@@ -23,11 +23,11 @@ from mergekit_ext.adaptation.losses import (
     kl_to_top_k_teacher,
     top_k_log_probs,
 )
+from mergekit_ext.adaptation.parameters import SyMergeParameters
 from mergekit_ext.adaptation.problem import causal_lm_split
 from mergekit_ext.adaptation.run import adapt_session, prepare_symerge
 from mergekit_ext.adaptation.trainer import causal_lm_chunked_loss, task_loss, teacher_outputs
 from mergekit_ext.config import parse_config
-from mergekit_ext.methods.symerge import SyMergeParameters
 
 V = 50
 

@@ -18,10 +18,10 @@ import torch
 import transformers
 
 from mergekit_ext.adaptation import memory
+from mergekit_ext.adaptation.parameters import SyMergeParameters
 from mergekit_ext.adaptation.run import adapt_session, prepare_symerge
 from mergekit_ext.config import parse_config
 from mergekit_ext.errors import ModelInputError
-from mergekit_ext.methods.symerge import SyMergeParameters
 from mergekit_ext.models.lora import LowRankUpdate
 
 LLAMA_TARGETS = ["q_proj", "v_proj", "gate_proj", "down_proj"]

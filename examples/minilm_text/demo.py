@@ -4,7 +4,7 @@
 
 1. Builds (first run, a few minutes on a 2-core CPU) or reuses the benchmark's text experts:
    all-MiniLM-L6-v2 fine-tuned on BBC news topics, tweet sentiment and fine-food reviews,
-   each with its own head (``benchmarks/text_suite.py``; everything ships in pip packages).
+   each with its own head (``benchmarks/suites/text_suite.py``; everything ships in pip packages).
 2. Fills the paths into ``merge.yaml`` (next to this script) and merges the three bodies
    with ``mergekit-ext run`` in a subprocess.
 3. Prints each task's test accuracy of the merged body (with the task's own head) next to
@@ -28,9 +28,9 @@ import yaml
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO_ROOT)
 
-from benchmarks.cache import default_cache_dir  # noqa: E402
-from benchmarks.merging import run_merge_process  # noqa: E402
-from benchmarks.text_suite import TextSuite  # noqa: E402
+from benchmarks.suites.cache import default_cache_dir  # noqa: E402
+from benchmarks.suites.merging import run_merge_process  # noqa: E402
+from benchmarks.suites.text_suite import TextSuite  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LOG = logging.getLogger("demo")

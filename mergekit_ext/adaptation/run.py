@@ -1,8 +1,8 @@
 """SyMerge's orchestration: inputs, memory check, models, adaptation, saving.
 
-The method file (:mod:`mergekit_ext.methods.symerge`) declares the parameters and registers
-the method; this module does the work it describes (``docs/methods.md``, section SyMerge).
-Every function takes the already validated ``SyMergeParameters``.
+The method's declaration (:mod:`mergekit_ext.adaptation.symerge`) registers the method and
+:mod:`~mergekit_ext.adaptation.parameters` declares its parameters; this module does the work they describe (``docs/methods.md``,
+section SyMerge). Every function takes the already validated ``SyMergeParameters``.
 """
 
 from __future__ import annotations
@@ -14,13 +14,14 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
 from mergekit_ext.adaptation import export, memory
+from mergekit_ext.adaptation.parameters import SyMergeParameters
 from mergekit_ext.adaptation.problem import (
     SyMergeProblem,
     build_problem,
@@ -45,9 +46,6 @@ from mergekit_ext.config import ExtMergeConfig, ExtModelEntry
 from mergekit_ext.errors import CalibrationError, ConfigError, ModelInputError
 from mergekit_ext.models import model_class, model_paths
 from mergekit_ext.models.checkpoint import ResolvedReference, resolve_reference
-
-if TYPE_CHECKING:  # the parameters are declared in the method file, which imports this one
-    from mergekit_ext.methods.symerge import SyMergeParameters
 
 LOG = logging.getLogger(__name__)
 
@@ -583,14 +581,15 @@ def merge_body(
     from mergekit.options import MergeOptions
 
     from mergekit_ext.executor import run_layerwise_merge
-    from mergekit_ext.methods.registry import ext_method_info
+    from mergekit_ext.methods.kinds import Layerwise
+    from mergekit_ext.methods.registry import method_kind
 
-    info = ext_method_info(p.body)
-    assert info is not None and info.implementation is not None
+    kind = method_kind(p.body)
+    assert isinstance(kind, Layerwise), f"body {p.body} is not a layer-wise method"
     LOG.info("symerge: merging the body with %s first", p.body)
     with tempfile.TemporaryDirectory(prefix="symerge-body-") as folder:
         run_layerwise_merge(
-            cfg, folder, MergeOptions(), info.implementation, dict(p.body_parameters), device=device
+            cfg, folder, MergeOptions(), kind.method, dict(p.body_parameters), device=device
         )
         return free_parameters(_load(base_cls, folder, device))
 

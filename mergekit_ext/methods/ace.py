@@ -21,6 +21,7 @@ from pydantic import Field
 from mergekit_ext import merge_record
 from mergekit_ext.errors import TensorError
 from mergekit_ext.methods.card_sections.ace import plot_ace, summarize_ace
+from mergekit_ext.methods.kinds import TENSORWISE
 from mergekit_ext.methods.parameters import MethodParameters
 from mergekit_ext.methods.registry import (
     MethodInfo,
@@ -265,13 +266,12 @@ class ACEParameters(MethodParameters):
         description="paper: normalize when γ = Var(log τ)/Mean(log τ)² > gamma_threshold (depends "
         "on the task vectors' absolute size) | scale_invariant: when Var(log τ) > spread_threshold",
     )
-    # 0.1 chosen on the benchmark's text and LM suites (benchmarks/results/sweep_*_ace_heterogeneity)
+    # the default's evidence: docs/methods.md, section ACE
     spread_threshold: float = Field(
         0.1,
         ge=0.0,
         allow_inf_nan=False,
-        description="threshold of the scale-invariant rule on Var_k(log ‖Δ_k‖²) (0.1: chosen "
-        "on the benchmark's text and LM suites)",
+        description="threshold of the scale-invariant rule on Var_k(log ‖Δ_k‖²)",
     )
     normalize: NormalizeMode = Field(
         "auto", description="auto | always | never: override the γ test"
@@ -307,7 +307,7 @@ def ace_kernel(group: TensorGroup, parameters: ACEParameters) -> torch.Tensor:
 INFO = MethodInfo(
     name="ace",
     pretty_name="ACE (Adaptive Covariance Estimation)",
-    kind="tensorwise",
+    kind=TENSORWISE,
     needs_calibration=False,
     paper="Data-Free Model Merging with Adaptive Covariance Estimation (CVPR 2026)",
     paper_url="https://arxiv.org/abs/2603.02945",

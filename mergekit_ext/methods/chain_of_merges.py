@@ -16,9 +16,8 @@ behind its own switch so that the paper's ablation can be run (``docs/methods.md
 All three off (``propagate: false, normalize: false, task_weighting: uniform``) is RegMean
 with the same ``reduce_non_diagonal``/``ridge``/``solver``. Regularisation: the paper's
 "Tikhonov, ridge coefficient 0.95, Moore–Penrose pseudo-inverse" is read as RegMean's
-off-diagonal shrink α (``reduce_non_diagonal``) with a pseudo-inverse solve. Our sweep over
-α ∈ {0.5, 0.8, 0.9, 0.95, 1.0} (``benchmarks/sweep.py``) found α = 1 (no shrink) best on
-all three benchmark suites, so that is the default; ``ridge`` adds
+off-diagonal shrink α (``reduce_non_diagonal``) with a pseudo-inverse solve; the default is
+α = 1 (no shrink; why: ``docs/methods.md``, section "RegMean"); ``ridge`` adds
 ``ridge · mean(diag) · I`` on top (default ``auto``: 1e-2 where the system solved is
 ill-conditioned or rank-deficient, with the span solve where a group has fewer calibration
 tokens than inputs, exactly 0 where it is well conditioned; ``docs/methods.md``, "ridge: auto").
@@ -44,6 +43,7 @@ import torch
 from pydantic import Field
 
 from mergekit_ext.methods.card_sections.least_squares import least_squares_report
+from mergekit_ext.methods.kinds import Layerwise
 from mergekit_ext.methods.layerwise import (
     LayerwiseMethod,
     LinearGroup,
@@ -85,25 +85,23 @@ def _correlation_weight_of(stats: TaskStatistics) -> float:
 
 
 class ChainOfMergesParameters(RegMeanParameters):
-    """CoM's parameters: RegMean's plus the three ablation switches."""
+    """CoM's parameters: RegMean's plus the three ablation switches (their defaults, and what
+    each did on the benchmark suites: ``docs/methods.md``, section "Chain of Merges")."""
 
     propagate: bool = Field(
         True,
         description="Grams from each task's data run through the already merged layers (removes "
-        "the merging covariate shift); false uses each expert's own forward pass like RegMean "
-        "(on, at α = 0.95: +0.3 / +3.8 / +16.3 points normalized over RegMean on the text / LM "
-        "/ vision suites)",
+        "the merging covariate shift); false uses each expert's own forward pass like RegMean",
     )
     normalize: bool = Field(
         False,
         description="form the Grams from unit-L2-norm input vectors (correlation-like, better "
-        "conditioned); off: it lowered the LM suite's score (89.5% -> 88.4%) and was within "
-        "0.1 point on text and vision",
+        "conditioned)",
     )
     task_weighting: TaskWeighting = Field(
         "uniform",
         description="uniform (ω_k = 1) | correlation (ω_k = Σ_{p<q} |G_k[p,q]| of the layer's "
-        "normalized Gram); uniform: correlation weighting did not help on the LM and text suites",
+        "normalized Gram)",
     )
 
 
@@ -157,12 +155,11 @@ class ChainOfMergesMethod(LayerwiseMethod):
 INFO = MethodInfo(
     name="chain_of_merges",
     pretty_name="Chain of Merges (CoM)",
-    kind="layerwise",
+    kind=Layerwise(ChainOfMergesMethod()),
     needs_calibration=True,
     paper='"Rethinking Layer-wise Model Merging through Chain of Merges" (NeurIPS 2026)',
     paper_url="https://arxiv.org/abs/2508.21421",
     parameters_model=ChainOfMergesParameters,
-    implementation=ChainOfMergesMethod(),
     report=least_squares_report("chain_of_merges", "Chain of Merges"),
 )
 

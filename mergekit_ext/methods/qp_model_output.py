@@ -1,31 +1,19 @@
 """QP projection with the paper's model-output objective (``objective: model_output``).
 
-arXiv 2605.29101 states the QP at the *model's output*: ``J(d) = Σ_j w_j ‖A_j d + b_j‖²``
-with ``b_j = f(x_j) − f_t(x_j)``, the error of the model merged so far against task t's
-expert on sample j, and ``A_j`` the linearised effect of each masked update on the output,
-recomputed after each merged linear. ``qp_projection``'s default objective fits each linear
-to its own output instead (``qp_projection.py``).
+arXiv 2605.29101 states the QP at the *model's output*: each linear's coefficients ``d``
+(diagonal basis, ``δ(d) = Σ_k diag(d_k) Δ_k``) minimise ``J(d) = Σ_j w_j ‖A_j d + b_j‖²``,
+``b_j`` the error of the model merged so far against task t's expert on sample j and ``A_j``
+the linearised effect of each masked update on the output, recomputed after each merged
+linear (``docs/methods.md``, "The model-output objective", has the derivation, the sketch and
+the costs). ``qp_projection``'s default objective fits each linear to its own output instead
+(``qp_projection.py``).
 
-Derivation, diagonal basis (``δ(d) = Σ_k diag(d_k) Δ_k``, d_k masks output rows). Let ``z``
-(``T x m``) be the linear's output on sample j and ``ε`` a perturbation of it; the model's
-output is ``f(z + ε)``. Changing the weight by δ changes z by ``δ x_τ`` at token τ, so to
-first order
-
-    f(W_0 + δ) − f(W_0) = Σ_τ ∂f/∂z_τ · δ x_τ = Σ_{r,k} d[r,k] Σ_τ ∂f/∂z_τ[r] (Δ_k x_τ)[r].
-
-Column ``(r, k)`` of ``A_j`` is ``Σ_τ g_τ[r] (Δ_k x_τ)[r]`` with ``g = ∂f/∂ε``: one
-vector-Jacobian product per output coordinate o gives row o of ``A_j`` for every column
-(``g_o = ∂f_o/∂ε``). With a sketch ``S`` (``P x O``, Gaussian, ``E[SᵀS] = I``) the P
-products ``∂(s_p · f)/∂ε`` give ``S A_j`` and the residual becomes ``S b_j``: an unbiased
-estimate of J at P instead of O backward passes. ``w_j = 1/N_t``: each task counts once.
-
-Unlike the layer objective, the Jacobian mixes output rows, so J does not separate by
-direction: it is one dense quadratic in the ``m·K`` coefficients,
-``J(d) = dᵀ N d − 2 dᵀ h + e`` with ``N = Σ_j w_j A_jᵀ A_j``, ``h = −Σ_j w_j A_jᵀ b_j`` and
-``e = Σ_j w_j ‖b_j‖²`` (``J(0)``, the error with the linear at the base). It is handed to
-``qp_projection``'s solver as a batch of one ``mK x mK`` system (:func:`~mergekit_ext.
-methods.qp_projection.solve_qp`: the same relative ridge, prior and box), so ``d`` is the
-flattened ``[m, K]`` coefficient matrix, column ``r·K + k``.
+Here: the sketched design rows ``S A_j`` from the executor's vector-Jacobian products
+(:func:`output_design`, ``[B, P, m·K]``, column ``r·K + k``), their float64 running sums
+(:class:`OutputNormalEquations`: one dense ``mK x mK`` quadratic, as J does not separate by
+direction), the solve by ``qp_solve`` (:class:`QPModelOutputFit`: the same relative ridge,
+prior and box as the layer objective) and the implementation the executor calls
+(:class:`QPModelOutputMethod`).
 """
 
 from __future__ import annotations
@@ -39,7 +27,14 @@ import torch
 
 from mergekit_ext.errors import TensorError
 from mergekit_ext.methods import qp_solve as qp
-from mergekit_ext.methods.layerwise import ModelOutputFit
+from mergekit_ext.methods.layerwise import (
+    LayerwiseMethod,
+    LinearGroup,
+    ModelOutputFit,
+    ModelOutputRequest,
+    StatisticsRequest,
+)
+from mergekit_ext.methods.qp_parameters import QPModelOutputParameters
 
 LOG = logging.getLogger(__name__)
 
@@ -211,3 +206,50 @@ class QPModelOutputFit(ModelOutputFit):
         }
         diagnostics.update(qp.box_diagnostics(solution))
         return merged, diagnostics
+
+
+class QPModelOutputMethod(LayerwiseMethod):
+    """QP with the model-output objective: the executor's whole-model path
+    (``StatisticsRequest.model_output``) feeds one :class:`QPModelOutputFit` per linear."""
+
+    name = "qp_projection"
+    parameters_model = QPModelOutputParameters
+
+    def statistics_request(self, parameters: Any) -> StatisticsRequest:
+        resolved = self.parse(parameters)
+        return StatisticsRequest(
+            propagate=False,
+            expert_path=False,
+            model_output=ModelOutputRequest(
+                sketch_rows=resolved.output_sketch,
+                tokens=resolved.output_tokens,
+                seed=resolved.output_seed,
+            ),
+        )
+
+    def model_output_fit(
+        self,
+        name: str,
+        base: torch.Tensor,
+        experts: Sequence[torch.Tensor],
+        task_names: Sequence[str],
+        parameters: Any,
+    ) -> ModelOutputFit:
+        resolved = self.parse(parameters)
+        return QPModelOutputFit(
+            name,
+            base,
+            experts,
+            task_names,
+            ridge=resolved.ridge,
+            prior=resolved.prior,
+            bounds=resolved.bounds,
+        )
+
+    def merge_linear_group(
+        self, group: LinearGroup, parameters: Any
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        raise TensorError(
+            f"qp_projection with objective: model_output fits {group.name} to the model's "
+            "output; the executor must run its whole-model path (statistics_request)"
+        )

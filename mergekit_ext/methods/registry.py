@@ -2,7 +2,8 @@
 
 mergekit knows a method by its :class:`~mergekit.merge_methods.MergeMethodSpec` (name,
 parameters). We also need to know whether a method needs calibration data, which
-executor runs it, and which paper it implements; :class:`MethodInfo` holds that.
+executor runs it (its kind, ``methods/kinds.py``), and which paper it implements;
+:class:`MethodInfo` holds that.
 
 Adding a method: one new module in ``mergekit_ext/methods/`` that declares its parameters
 (one :class:`~mergekit_ext.methods.parameters.MethodParameters` model), builds a
@@ -16,20 +17,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 import mergekit.merge_methods as mk_methods
 import torch
 from mergekit.merge_methods.base import MergeMethod
 
+from mergekit_ext.methods.kinds import TENSORWISE, MethodKind
 from mergekit_ext.methods.parameters import MethodParameters, ParameterDoc
 
 LOG = logging.getLogger(__name__)
-
-# "tensorwise": mergekit's planner/executor runs it one tensor at a time.
-# "layerwise": mergekit-ext's sequential executor runs it block by block with calibration data.
-# "adaptation": test-time adaptation over whole models (SyMerge).
-MethodKind = Literal["tensorwise", "layerwise", "adaptation"]
 
 
 @dataclass(frozen=True)
@@ -55,16 +52,22 @@ class MethodReport:
 class MethodInfo:
     name: str
     pretty_name: str
+    # How it runs: Tensorwise(), Layerwise(its LayerwiseMethod) or Adaptation(its run)
+    # (methods/kinds.py); the runner picks the executor by the kind's type.
     kind: MethodKind
     needs_calibration: bool
     paper: str
     paper_url: str
     # The one declaration of the method's parameters (see methods/parameters.py).
     parameters_model: type[MethodParameters] = MethodParameters
-    # For layerwise/adaptation methods: the object the executor calls (see methods/layerwise.py).
-    implementation: Optional[Any] = None
     # Its model-card section and plots (None: the card lists the section without a summary).
     report: Optional[MethodReport] = None
+
+    @property
+    def implementation(self) -> Any:
+        """The object the executor calls: a layer-wise kind's ``method``, an adaptation kind's
+        ``run``, None for a tensor-wise method (read-only, for callers of the field this was)."""
+        return getattr(self.kind, "method", None) or getattr(self.kind, "run", None)
 
     @property
     def parameters(self) -> tuple[ParameterDoc, ...]:
@@ -99,6 +102,12 @@ def register_method(info: MethodInfo, mergekit_method: MergeMethod) -> None:
 def ext_method_info(name: str) -> Optional[MethodInfo]:
     """mergekit-ext's metadata for ``name``, or None for mergekit's own methods."""
     return _INFOS.get(name)
+
+
+def method_kind(name: str) -> MethodKind:
+    """How method ``name`` runs; mergekit's own methods are tensor-wise."""
+    info = _INFOS.get(name)
+    return info.kind if info is not None else TENSORWISE
 
 
 def ext_methods() -> tuple[MethodInfo, ...]:
@@ -144,7 +153,7 @@ def describe_method(name: str) -> dict[str, Any]:
         "name": name,
         "pretty_name": (info.pretty_name if info else mk.spec.pretty_name) or name,
         "source": "mergekit-ext" if info else "mergekit",
-        "kind": info.kind if info else "tensorwise",
+        "kind": method_kind(name).name,
         "needs_calibration": bool(info and info.needs_calibration),
         "needs_base_model": mk.spec.contract.base.value == "required",
         "paper": (info.paper if info else "") or "",

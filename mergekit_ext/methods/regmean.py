@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from mergekit_ext.methods.card_sections.least_squares import least_squares_report
+from mergekit_ext.methods.kinds import Layerwise
 from mergekit_ext.methods.layerwise import LayerwiseMethod, LinearGroup, StatisticsRequest
 from mergekit_ext.methods.least_squares import (
     LeastSquaresReduction,
@@ -73,12 +74,11 @@ class RegMeanMethod(LayerwiseMethod):
 INFO = MethodInfo(
     name="regmean",
     pretty_name="RegMean",
-    kind="layerwise",
+    kind=Layerwise(RegMeanMethod()),
     needs_calibration=True,
     paper='Jin et al., "Dataless Knowledge Fusion by Merging Weights of Language Models", ICLR 2023',
     paper_url="https://arxiv.org/abs/2212.09849",
     parameters_model=RegMeanParameters,
-    implementation=RegMeanMethod(),
     report=least_squares_report("regmean", "RegMean"),
 )
 

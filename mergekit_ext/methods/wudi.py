@@ -10,13 +10,9 @@ vector ``τ`` minimises, by Adam from ``τ = Σ_k τ_k``,
 
     L(τ) = Σ_k ‖(τ − τ_k) τ_kᵀ‖²_F / ‖τ_k‖²_F.
 
-Derivation of what is computed here. With ``D_k = τ − τ_k`` and ``G_k = τ_kᵀ τ_k``
-(``in x in``), ``‖D_k τ_kᵀ‖²_F = tr(D_k τ_kᵀ τ_k D_kᵀ) = tr(D_k G_k D_kᵀ)``, so with
-``n_k = ‖τ_k‖²_F``
-
-    L(τ) = tr(τ A τᵀ) − 2 ⟨τ, B⟩ + c,
-    A = Σ_k G_k / n_k,   B = Σ_k τ_k G_k / n_k,   c = Σ_k ‖G_k‖²_F / n_k,
-    ∇L(τ) = 2 (τ A − B).
+The closed form computed here, ``L(τ) = tr(τ A τᵀ) − 2 ⟨τ, B⟩ + c`` with
+``A = Σ_k G_k / n_k``, ``B = Σ_k τ_k G_k / n_k`` (``G_k = τ_kᵀ τ_k``, ``n_k = ‖τ_k‖²_F``) and
+``∇L(τ) = 2 (τ A − B)``, is derived in ``docs/methods.md`` (section WUDI).
 
 The authors' code forms the ``K x out x out`` products ``(τ − τ_k) τ_kᵀ`` and
 back-propagates through them at every step; the gradient above is the same quantity (up to
@@ -45,6 +41,7 @@ from pydantic import Field
 from mergekit_ext import merge_record
 from mergekit_ext.errors import TensorError
 from mergekit_ext.methods.ace import check_tensor_inputs, is_linear_weight, mean_task_vector_merge
+from mergekit_ext.methods.kinds import TENSORWISE
 from mergekit_ext.methods.parameters import MethodParameters
 from mergekit_ext.methods.registry import (
     MethodInfo,
@@ -487,7 +484,7 @@ def _natural_key(name: str) -> list[Any]:
 INFO = MethodInfo(
     name="wudi",
     pretty_name="WUDI-Merging",
-    kind="tensorwise",
+    kind=TENSORWISE,
     needs_calibration=False,
     paper="Whoever Started the Interference Should End It: Guiding Data-Free Model Merging "
     "via Task Vectors (ICML 2025)",

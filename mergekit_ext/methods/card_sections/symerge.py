@@ -28,7 +28,7 @@ def summarize_symerge(section: Mapping[str, Any], parameters: Any = None) -> dic
     rows = []
     for k, task in enumerate(tasks):
         curve = [as_float(v) for v in agreement.get(task) or []]
-        # lambda is K x P: one row per task (see methods/symerge.py)
+        # lambda is K x P: one row per task (see adaptation/symerge.py)
         row = lam[k] if k < len(lam) and isinstance(lam[k], (list, tuple)) else []
         column = [as_float(v) for v in row]
         rows.append(

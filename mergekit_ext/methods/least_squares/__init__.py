@@ -31,7 +31,6 @@ from mergekit_ext.methods.least_squares.measures import (
     shift_covariance,
 )
 from mergekit_ext.methods.least_squares.parameters import (
-    ALPHA_EVIDENCE,
     RegMeanParameters,
 )
 from mergekit_ext.methods.least_squares.reduction import (
@@ -60,7 +59,6 @@ from mergekit_ext.methods.least_squares.solve import (
 )
 
 __all__ = [
-    "ALPHA_EVIDENCE",
     "AUTO_RIDGE",
     "AUTO_RIDGE_MAX_CONDITION",
     "EXACT_CONDITION_MAX_DIM",

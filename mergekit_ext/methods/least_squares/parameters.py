@@ -28,23 +28,16 @@ LOG = logging.getLogger(__name__)
 # --------------------------------------------------------------------------------------
 
 
-# The sweep behind reduce_non_diagonal's default (benchmarks/sweep.py; README, "Benchmark results")
-ALPHA_EVIDENCE = (
-    " (default chosen by a sweep over 0.5, 0.8, 0.9, 0.95, 1.0: best for chain_of_merges and "
-    "regmean on the text and vision suites, equal or better than 0.95 on the text-LoRA and LM "
-    'suites; docs/methods.md, section "RegMean")'
-)
-
-
 class RegMeanParameters(MethodParameters):
-    """RegMean's parameters, shared by every least-squares method (``docs/methods.md``)."""
+    """RegMean's parameters, shared by every least-squares method (``docs/methods.md``, section
+    "RegMean", which also has the sweep behind ``reduce_non_diagonal``'s default)."""
 
     reduce_non_diagonal: float = Field(
         1.0,
         ge=0.0,
         le=1.0,
         description="α of the off-diagonal shrink G̃ = α G + (1 − α) diag(G); 1 keeps the Gram, "
-        "0 gives a per-column average weighted by diag(G)" + ALPHA_EVIDENCE,
+        "0 gives a per-column average weighted by diag(G)",
     )
     ridge: Union[Literal["auto"], Annotated[float, Field(ge=0.0, allow_inf_nan=False)]] = Field(
         "auto",

@@ -1,6 +1,6 @@
 """Sweep one parameter of some merge methods on a benchmark suite, in one run.
 
-    python -m benchmarks.sweep --suite text --variant full \\
+    python -m benchmarks.suites.sweep --suite text --variant full \\
         --methods regmean chain_of_merges --param reduce_non_diagonal \\
         --values 0.5 0.8 0.9 0.95 1.0 --threads 1
 
@@ -12,7 +12,7 @@ chosen; the committed tables are the evidence.
 Without ``--param``, each value is a YAML mapping of several parameters set together (one
 row per (row, mapping)), and ``--name`` names the table ``sweep_<suite>_<variant>_<name>``:
 
-    python -m benchmarks.sweep --suite vision --methods qp_diagonal --name qp \
+    python -m benchmarks.suites.sweep --suite vision --methods qp_diagonal --name qp \
         --values '{}' '{prior: 1, ridge: 1}' '{bounds: [0, 1]}' --threads 1
 """
 
@@ -28,11 +28,11 @@ from typing import Any, Optional
 
 import yaml
 
-from benchmarks.cache import default_cache_dir
-from benchmarks.merging import MethodRow
-from benchmarks.run import SUITES, configure_process, make_suite, run_variant, select_rows
+from benchmarks.suites.cache import default_cache_dir
+from benchmarks.suites.merging import MethodRow
+from benchmarks.suites.run import SUITES, configure_process, make_suite, run_variant, select_rows
 
-LOG = logging.getLogger("benchmarks.sweep")
+LOG = logging.getLogger("benchmarks.suites.sweep")
 
 
 def sweep_rows(rows: list[MethodRow], param: str, values: list[Any]) -> list[MethodRow]:

@@ -3,12 +3,12 @@
 ``ridge: auto`` (docs/methods.md, "ridge: auto") leaves a least-squares group unregularised
 when the condition number of ``Σ_k G_k`` is at most 1e6. This script runs the LM suite's base
 (SmolLM2-135M-Instruct, all 30 blocks, float32) on the LM suite's calibration texts (64 per
-task, 64 tokens, three tasks, as ``benchmarks/lm_suite.py`` builds them) and reports, per
+task, 64 tokens, three tasks, as ``benchmarks/suites/lm_suite.py`` builds them) and reports, per
 linear group kind, the condition number of the base model's ``Σ_k G_k`` (each task's mean
 Gram of the group's inputs, float64): the expert-path Grams of RegMean up to the experts'
 small LoRA updates. It does not merge.
 
-    python -m benchmarks.lm_suite_conditioning [--cache-dir DIR] [--out benchmarks/results]
+    python -m benchmarks.probes.lm_suite_conditioning [--cache-dir DIR] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any, Optional
 
 import torch
 
-from benchmarks.cache import default_cache_dir
-from benchmarks.lm_suite import LMSuite
+from benchmarks.suites.cache import default_cache_dir
+from benchmarks.suites.lm_suite import LMSuite
 
 LIMIT = 1e6
 GROUPS = {
@@ -93,7 +93,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     lines = [
         "# LM suite: condition numbers of the calibration Grams (base model)",
         "",
-        f"Command: `python -m benchmarks.lm_suite_conditioning {' '.join(argv or sys.argv[1:])}`",
+        f"Command: `python -m benchmarks.probes.lm_suite_conditioning {' '.join(argv or sys.argv[1:])}`",
         "",
         f"{len(rows)} linear groups (30 blocks x 4); above {LIMIT:g} (where `ridge: auto` "
         f"regularises): {len(over)}.",

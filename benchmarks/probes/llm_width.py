@@ -36,7 +36,7 @@ import tempfile
 import time
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SIZE: dict[str, int] = dict(
     hidden_size=4096,
@@ -62,7 +62,7 @@ def _build(folder: str, experts: int) -> None:
     from safetensors.torch import save_file
     from transformers import LlamaForCausalLM
 
-    from benchmarks.executor_memory import _llama_config, _tensor
+    from benchmarks.probes.executor_memory import _llama_config, _tensor
 
     config = _llama_config(SIZE)
     config.dtype = "bfloat16"
@@ -224,7 +224,7 @@ def _child(method: str, folder: str, experts: int, out: str, threads: int) -> No
 
 def _run_child(method: str, folder: str, experts: int, threads: int) -> dict[str, Any]:
     out = tempfile.mkdtemp(prefix="llm-width-out-", dir=os.path.dirname(folder))
-    cmd = [sys.executable, "-m", "benchmarks.llm_width", "--child", method]
+    cmd = [sys.executable, "-m", "benchmarks.probes.llm_width", "--child", method]
     cmd += ["--models-dir", folder, "--experts", str(experts), "--threads", str(threads)]
     cmd += ["--out", out]
     env = {
@@ -234,7 +234,7 @@ def _run_child(method: str, folder: str, experts: int, threads: int) -> dict[str
         "OMP_NUM_THREADS": str(threads),
         "MKL_NUM_THREADS": str(threads),
     }
-    from benchmarks.executor_memory import run_polled
+    from benchmarks.probes.executor_memory import run_polled
 
     try:
         returncode, output, errors, polled = run_polled(cmd, env, 0.2)
@@ -444,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         [
             sys.executable,
             "-c",
-            f"from benchmarks.llm_width import _build; _build({folder!r}, {max(args.experts)})",
+            f"from benchmarks.probes.llm_width import _build; _build({folder!r}, {max(args.experts)})",
         ],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": ROOT},

@@ -29,8 +29,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from benchmarks.cache import cached_build, recipe_hash
-from benchmarks.suite_base import (
+from benchmarks.suites.cache import cached_build, recipe_hash
+from benchmarks.suites.suite_base import (
     Expert,
     Suite,
     memoized,

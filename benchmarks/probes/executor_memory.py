@@ -34,7 +34,7 @@ import time
 import zlib
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 NUM_EXPERTS = 3
 SIZES: dict[str, dict[str, int]] = {
@@ -131,7 +131,7 @@ def _build_models(folder: str, size: dict[str, int]) -> dict[str, Any]:
 
 
 def build(cache_dir: str, size_name: str) -> tuple[str, dict[str, Any]]:
-    from benchmarks.cache import cached_build
+    from benchmarks.suites.cache import cached_build
 
     size = SIZES[size_name]
     folder = os.path.join(cache_dir, f"executor_memory_{size_name}")
@@ -249,7 +249,7 @@ def _timed(method: Any, timings: dict[str, float]) -> Any:
 
 
 def _self_command() -> list[str]:
-    return [sys.executable, "-m", "benchmarks.executor_memory"]
+    return [sys.executable, "-m", "benchmarks.probes.executor_memory"]
 
 
 def _run_json(cmd: list[str], env_extra: dict[str, str]) -> dict[str, Any]:
@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     import shutil
     import tempfile
 
-    from benchmarks.cache import default_cache_dir
+    from benchmarks.suites.cache import default_cache_dir
 
     size_name = "small" if args.small else "probe" if args.probe else "full"
     # Built in a subprocess: a child inherits its parent's peak RSS (ru_maxrss) at fork, so

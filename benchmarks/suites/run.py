@@ -1,6 +1,6 @@
 """Offline merging benchmark on real pretrained models and real data shipped in packages.
 
-    python -m benchmarks.run --suite text|lm|vision|all [--methods ROW ...] [--smoke]
+    python -m benchmarks.suites.run --suite text|lm|vision|all [--methods ROW ...] [--smoke]
                              [--cache-dir DIR] [--out benchmarks/results]
 
 For each suite (and variant: the text suite has ``full`` and ``lora`` experts) it builds
@@ -9,7 +9,7 @@ each expert alone (the ceiling), merges the experts with every method row throug
 ``mergekit-ext run`` in a subprocess, scores the merge, and writes one table per suite and
 variant as Markdown, JSON and a bar chart (PNG) into ``--out``.
 
-Rows (``--methods``, row keys or method names): see ``benchmarks/merging.py``'s ``ROWS``.
+Rows (``--methods``, row keys or method names): see ``benchmarks/suites/merging.py``'s ``ROWS``.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import sys
 import time
 from typing import Any, Optional
 
-from benchmarks.cache import default_cache_dir
-from benchmarks.merging import (
+from benchmarks.suites.cache import default_cache_dir
+from benchmarks.suites.merging import (
     REFERENCE_ROWS,
     ROW_KEYS,
     ROWS,
@@ -37,8 +37,8 @@ from benchmarks.merging import (
     rows_for,
     run_merge_process,
 )
-from benchmarks.report import environment_versions, mean, normalized_scores, write_reports
-from benchmarks.suite_base import Expert, Suite
+from benchmarks.suites.report import environment_versions, mean, normalized_scores, write_reports
+from benchmarks.suites.suite_base import Expert, Suite
 
 LOG = logging.getLogger("benchmarks")
 
@@ -48,15 +48,15 @@ SMOKE_VARIANTS = {"text": ("full",)}  # smoke: one text variant keeps it within 
 
 def make_suite(name: str, cache_dir: str, smoke: bool) -> Suite:
     if name == "text":
-        from benchmarks.text_suite import TextSuite
+        from benchmarks.suites.text_suite import TextSuite
 
         return TextSuite(cache_dir, smoke)
     if name == "lm":
-        from benchmarks.lm_suite import LMSuite
+        from benchmarks.suites.lm_suite import LMSuite
 
         return LMSuite(cache_dir, smoke)
     if name == "vision":
-        from benchmarks.vision_suite import VisionSuite
+        from benchmarks.suites.vision_suite import VisionSuite
 
         return VisionSuite(cache_dir, smoke)
     raise ValueError(f"unknown suite {name!r}; use one of {SUITES} or all")

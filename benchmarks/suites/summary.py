@@ -1,6 +1,6 @@
 """One table across suites: each method's average normalized score per results table.
 
-    python -m benchmarks.summary [--results benchmarks/results] [--out benchmarks/results/summary.md]
+    python -m benchmarks.suites.summary [--results benchmarks/results] [--out benchmarks/results/summary.md]
 
 Reads the ``<suite>_<variant>.json`` tables written by ``run.py`` (sweeps are left out) and
 prints a Markdown table: one row per method row, one column per table, the average
@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Any, Optional
 
-from benchmarks.merging import REFERENCE_ROWS, ROW_KEYS
+from benchmarks.suites.merging import REFERENCE_ROWS, ROW_KEYS
 
 TABLE_ORDER = ("text_full", "text_lora", "lm_lora", "vision_full")
 
@@ -69,7 +69,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         with open(args.out, "w", encoding="utf-8") as fp:
             fp.write(
                 "Average normalized score (%) per method and results table "
-                "(`python -m benchmarks.summary`).\n\n" + text
+                "(`python -m benchmarks.suites.summary`).\n\n" + text
             )
     return 0
 

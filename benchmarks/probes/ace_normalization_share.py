@@ -1,10 +1,10 @@
 """How often each ACE heterogeneity rule normalizes: the share of linear weights, per suite.
 
-    python -m benchmarks.ace_normalization_share --suites text lm vision --threads 1 \\
+    python -m benchmarks.probes.ace_normalization_share --suites text lm vision --threads 1 \\
         [--out benchmarks/results/ace_normalization_share.md]
 
 Reads the per-tensor diagnostics (``sections.ace.tensors``: ``normalized``, ``gamma``,
-``log_energy_spread``) of the ACE rows' merges that ``python -m benchmarks.run --methods ace
+``log_energy_spread``) of the ACE rows' merges that ``python -m benchmarks.suites.run --methods ace
 --keep-merges`` left in the cache (``<cache>/full/<suite>/runs/<variant>/<row>/merged``) and
 merges a row whose merge is not there (the same config and command as ``run.py``, not
 scored). For each suite and ACE row it reports the share of the linear weights that merge
@@ -21,12 +21,12 @@ import statistics
 import sys
 from typing import Any, Optional
 
-from benchmarks.cache import default_cache_dir
-from benchmarks.merging import ROWS, MethodRow, build_config, run_merge_process
-from benchmarks.report import environment_versions
-from benchmarks.run import SUITES, configure_process, make_suite
+from benchmarks.suites.cache import default_cache_dir
+from benchmarks.suites.merging import ROWS, MethodRow, build_config, run_merge_process
+from benchmarks.suites.report import environment_versions
+from benchmarks.suites.run import SUITES, configure_process, make_suite
 
-LOG = logging.getLogger("benchmarks.ace_normalization_share")
+LOG = logging.getLogger("benchmarks.probes.ace_normalization_share")
 DIAGNOSTICS = "mergekit_ext_diagnostics.json"
 
 
@@ -96,7 +96,7 @@ def report(lines: list[str], stats: list[str], command: str) -> str:
             f"Command: `{command}`",
             f"Versions: {versions}. Read from each merge's `{DIAGNOSTICS}` "
             "(`sections.ace.tensors[*].normalized`); the merges are the benchmark rows' "
-            "(`benchmarks/merging.py`), on the cached experts of each suite.",
+            "(`benchmarks/suites/merging.py`), on the cached experts of each suite.",
             "",
             "| table | row | parameters | normalized / linear weights | share |",
             "|---|---|---|---|---|",
@@ -132,7 +132,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             merges = {row.key: kept_or_new_merge(suite, variant, row) for row in rows}
             lines += share_rows(table, rows, merges)
             stats.append(statistic_line(table, merges[rows[0].key]))
-    command = "python -m benchmarks.ace_normalization_share " + " ".join(
+    command = "python -m benchmarks.probes.ace_normalization_share " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )
     text = report(lines, stats, command)

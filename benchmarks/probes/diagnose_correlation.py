@@ -1,14 +1,14 @@
 """Does ``mergekit-ext diagnose`` predict how good a merge is, without any test data?
 
-    python -m benchmarks.diagnose_correlation [--suites lm text_full text_lora]
+    python -m benchmarks.probes.diagnose_correlation [--suites lm text_full text_lora]
         [--rows ROW ...] [--calibration-samples N] [--threads 1] [--cache-dir DIR]
         [--out benchmarks/results]
 
 For each suite (and expert variant) it takes the method rows of the committed benchmark
 table (``benchmarks/results/<suite>_<variant>.json``: the measured per-task scores and the
 normalized score of each row), builds or reuses the base, the experts and each row's merged
-model through the benchmark's own cache (``benchmarks/cache.py``; the merge runs as
-``mergekit-ext run`` exactly as ``benchmarks/run.py`` runs it, and the merged folder is
+model through the benchmark's own cache (``benchmarks/suites/cache.py``; the merge runs as
+``mergekit-ext run`` exactly as ``benchmarks/suites/run.py`` runs it, and the merged folder is
 kept under ``<cache>/.../runs/<variant>/<row>/merged``), then diagnoses every merged model
 against the experts on the tasks' calibration data (training texts, never test texts), in
 one pass per task that shares the experts' forwards between the rows. It reports, per
@@ -39,12 +39,12 @@ from typing import Any, Optional
 
 import yaml
 
-from benchmarks.cache import default_cache_dir
-from benchmarks.merging import config_from_recipe, run_merge_process
-from benchmarks.report import environment_versions
-from benchmarks.run import configure_process, make_suite
+from benchmarks.suites.cache import default_cache_dir
+from benchmarks.suites.merging import config_from_recipe, run_merge_process
+from benchmarks.suites.report import environment_versions
+from benchmarks.suites.run import configure_process, make_suite
 
-LOG = logging.getLogger("benchmarks.diagnose_correlation")
+LOG = logging.getLogger("benchmarks.probes.diagnose_correlation")
 
 SUITES = {"lm": ("lm", "lora"), "text_full": ("text", "full"), "text_lora": ("text", "lora")}
 # SyMerge writes one model per task (no single merged folder to diagnose); the others are
@@ -101,7 +101,7 @@ def _diagnose_config(suite: Any, variant: str, samples: int) -> dict[str, Any]:
 
 
 def _merged_folder(suite: Any, variant: str, row: dict[str, Any], base: str) -> Optional[str]:
-    """The row's merged model, merged (as benchmarks/run.py does) when it is not cached."""
+    """The row's merged model, merged (as benchmarks/suites/run.py does) when it is not cached."""
     work = os.path.join(suite.root, "runs", variant, row["key"])
     merged = os.path.join(work, "merged")
     recipe = {k: row[k] for k in ("merge_method", "parameters", "model_parameters", "base_model")}
@@ -112,7 +112,7 @@ def _merged_folder(suite: Any, variant: str, row: dict[str, Any], base: str) -> 
         with open(marker, encoding="utf-8") as fp:
             if json.load(fp) == recipe:
                 return merged
-    from benchmarks.merging import needs_calibration
+    from benchmarks.suites.merging import needs_calibration
 
     experts = {t: suite.expert(variant, t).body for t in suite.tasks}
     calibration = (
@@ -337,7 +337,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     args.deadline = time.time() + 60 * args.deadline_minutes if args.deadline_minutes else None
     configure_process(args.threads)
-    command = "python -m benchmarks.diagnose_correlation " + " ".join(sys.argv[1:])
+    command = "python -m benchmarks.probes.diagnose_correlation " + " ".join(sys.argv[1:])
     done = []
     for name in args.suites:
         result = run_suite(name, args, args.results)

@@ -14,7 +14,7 @@ agreement with the expert, averaged over the two experts, for the base model, TI
 of Merges (before: ``ridge: 0`` with the result guard off, what ``ridge: auto`` resolved to
 before issue #27 for groups with at least as many tokens as inputs; after: the defaults).
 
-    python -m benchmarks.low_diversity_calibration [--work-dir DIR] [--out benchmarks/results]
+    python -m benchmarks.probes.low_diversity_calibration [--work-dir DIR] [--out benchmarks/results]
 
 Writes ``low_diversity_calibration.md`` (the table, this command in its header) under
 ``--out`` and the raw rows as ``low_diversity_calibration.json`` under ``--work-dir``.
@@ -35,7 +35,7 @@ from typing import Any, Optional
 import torch
 
 LOG = logging.getLogger(__name__)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 LAYERS = 4
 RANK = 8
@@ -57,7 +57,7 @@ def _smollm_base(folder: str) -> str:
     """The first ``LAYERS`` blocks of SmolLM2-135M-Instruct as a bf16 safetensors folder."""
     import transformers
 
-    from benchmarks.lm_suite import smollm_gguf
+    from benchmarks.suites.lm_suite import smollm_gguf
 
     if os.path.isfile(os.path.join(folder, "config.json")):
         return folder
@@ -324,7 +324,9 @@ def main(argv: Optional[list[str]] = None) -> None:
                 )
         score(label, out, seconds, note)
 
-    command = "python -m benchmarks.low_diversity_calibration " + " ".join(argv or sys.argv[1:])
+    command = "python -m benchmarks.probes.low_diversity_calibration " + " ".join(
+        argv or sys.argv[1:]
+    )
     lines = [
         "# Least-squares merges on low-diversity chat calibration (issue #27)",
         "",

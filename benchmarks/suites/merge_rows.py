@@ -1,9 +1,9 @@
 """Add rows of a fresh run's table to the committed table of the same suite and settings.
 
-    python -m benchmarks.merge_rows benchmarks/results/vision_full.json /tmp/out/vision_full.json \\
+    python -m benchmarks.suites.merge_rows benchmarks/results/vision_full.json /tmp/out/vision_full.json \\
         --rows symerge_com_body symerge_default
 
-A fresh run (``python -m benchmarks.run --methods ...``) scores the reference rows again; they
+A fresh run (``python -m benchmarks.suites.run --methods ...``) scores the reference rows again; they
 must equal the committed ones (same models, data and scoring), otherwise the rows are not
 comparable and nothing is written. ``--tolerance R`` accepts reference scores within a
 relative R instead: the same models scored with another torch thread count differ in the
@@ -19,9 +19,9 @@ import json
 import os
 import sys
 
-from benchmarks.merging import REFERENCE_ROWS
-from benchmarks.report import write_reports
-from benchmarks.run import _ordered
+from benchmarks.suites.merging import REFERENCE_ROWS
+from benchmarks.suites.report import write_reports
+from benchmarks.suites.run import _ordered
 
 
 def _scores_match(old: dict | None, new: dict | None, tolerance: float) -> bool:

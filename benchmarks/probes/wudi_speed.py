@@ -11,8 +11,8 @@ for full-rank task vectors and for LoRA-like ones (rank ``--lora-rank`` each), a
 largest difference between the two results. Wall times on a shared machine include other
 jobs; the CPU times (``process_time``, one thread) are this process's own. Usage::
 
-    OMP_NUM_THREADS=1 python -m benchmarks.wudi_speed            # 384 x 384, K=3, 1000 steps
-    OMP_NUM_THREADS=1 python -m benchmarks.wudi_speed --out 1536 --in 384 --steps 300
+    OMP_NUM_THREADS=1 python -m benchmarks.probes.wudi_speed            # 384 x 384, K=3, 1000 steps
+    OMP_NUM_THREADS=1 python -m benchmarks.probes.wudi_speed --out 1536 --in 384 --steps 300
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What every benchmark suite provides, and the training loop they share.
 
 A suite owns a base model, one expert per (variant, task), the calibration files of its
-tasks and a scorer. The harness (``benchmarks/run.py``) asks it for those and runs the
+tasks and a scorer. The harness (``benchmarks/suites/run.py``) asks it for those and runs the
 merges; it never knows how a suite trains or scores.
 """
 
@@ -20,7 +20,7 @@ from typing import Any, Literal, Optional
 import numpy as np
 import torch
 
-from benchmarks.tasks import TaskData, load_task
+from benchmarks.suites.tasks import TaskData, load_task
 
 LOG = logging.getLogger(__name__)
 

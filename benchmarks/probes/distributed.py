@@ -1,6 +1,6 @@
 """Wall time and peak RSS per rank of one Chain of Merges merge on W = 1 and W = 2 processes.
 
-The synthetic Llama of ``benchmarks/executor_memory.py`` (0.43B parameters at full size:
+The synthetic Llama of ``benchmarks/probes/executor_memory.py`` (0.43B parameters at full size:
 hidden 1024, intermediate 3584, 24 blocks, vocab 32000, float32) with K = 4 experts and 32
 random calibration sequences of 128 tokens per task, merged with CoM's defaults:
 
@@ -13,12 +13,12 @@ time (from the start of ``mergekit-ext run`` to its end, the imports excluded) a
 ``ru_maxrss``. The two outputs are compared tensor by tensor. Target: W = 2 wall time at
 most 0.65x that of W = 1 (which needs two idle cores).
 
-    python -m benchmarks.distributed            # full size (~0.43B, K = 4): long on 2 cores
-    python -m benchmarks.distributed --probe    # full widths, 4 blocks
-    python -m benchmarks.distributed --small    # a quick check
-    python -m benchmarks.distributed --llm-width [DIR]   # memory probe at Llama-3-8B widths
+    python -m benchmarks.probes.distributed            # full size (~0.43B, K = 4): long on 2 cores
+    python -m benchmarks.probes.distributed --probe    # full widths, 4 blocks
+    python -m benchmarks.probes.distributed --small    # a quick check
+    python -m benchmarks.probes.distributed --llm-width [DIR]   # memory probe at Llama-3-8B widths
 
-``--llm-width``: the two-block Llama-3-8B-width model of ``benchmarks/llm_width.py`` (bf16,
+``--llm-width``: the two-block Llama-3-8B-width model of ``benchmarks/probes/llm_width.py`` (bf16,
 built there under DIR, default its ``--models-dir``) with K = 4 experts: peak RSS per rank for
 W = 1 and W = 2 next to the plan's estimate for that rank (``--dry-run``'s numbers).
 """
@@ -37,9 +37,9 @@ import tempfile
 import time
 from typing import Any
 
-from benchmarks.executor_memory import SIZES, _llama_config, _tensor
+from benchmarks.probes.executor_memory import SIZES, _llama_config, _tensor
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NUM_EXPERTS = 4
 
 
@@ -74,7 +74,7 @@ def _build_models(folder: str, size: dict[str, int]) -> dict[str, Any]:
 
 
 def build(cache_dir: str, size_name: str) -> tuple[str, dict[str, Any]]:
-    from benchmarks.cache import cached_build
+    from benchmarks.suites.cache import cached_build
 
     size = SIZES[size_name]
     folder = os.path.join(cache_dir, f"distributed_{size_name}")
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         const="",
         default=None,
         metavar="DIR",
-        help="memory probe at Llama-3-8B widths (benchmarks/llm_width.py's model, K = 4)",
+        help="memory probe at Llama-3-8B widths (benchmarks/probes/llm_width.py's model, K = 4)",
     )
     parser.add_argument("--child", nargs=2, metavar=("CONFIG", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         _child(*args.child)
         return 0
 
-    from benchmarks.cache import default_cache_dir
+    from benchmarks.suites.cache import default_cache_dir
 
     estimates: dict[tuple[int, int], int] = {}
     if args.llm_width is not None:
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         folder, record = build(args.cache or default_cache_dir(), size_name)
         config = _config(folder, size)
     work = tempfile.mkdtemp(prefix="distributed-bench-")
-    me = ["-m", "benchmarks.distributed", "--child", config]
+    me = ["-m", "benchmarks.probes.distributed", "--child", config]
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     try:
         one_out, two_out = os.path.join(work, "w1"), os.path.join(work, "w2")

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.cache import cached_build
-from benchmarks.suite_base import (
+from benchmarks.suites.cache import cached_build
+from benchmarks.suites.suite_base import (
     Expert,
     Suite,
     memoized,
@@ -31,8 +31,8 @@ from benchmarks.suite_base import (
     train_loop,
     write_marker,
 )
-from benchmarks.tasks import IMAGE_SIZE
-from benchmarks.text_suite import load_head, save_head
+from benchmarks.suites.tasks import IMAGE_SIZE
+from benchmarks.suites.text_suite import load_head, save_head
 
 LOG = logging.getLogger(__name__)
 
