@@ -173,7 +173,11 @@ def _block_linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 
 def _input_grams(model, modules, batches) -> dict[str, torch.Tensor]:
-    """``(1/N) Σ x xᵀ`` of each module's input over the non-padding tokens, float64."""
+    """``(1/N) Σ x xᵀ`` of each module's input over the non-padding tokens, float64.
+
+    A call on a table instead of the tokens (DeBERTa-v3's ``query_proj``/``key_proj`` on the
+    relative position embeddings ``[1, R, D]``) adds every row of it, once per forward call,
+    and its rows count in ``N`` (docs/methods.md, "Relative position tables")."""
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
     mask: list[Any] = [None]
@@ -185,6 +189,8 @@ def _input_grams(model, modules, batches) -> dict[str, torch.Tensor]:
                 rows = x.reshape(-1, x.shape[-1])
             elif x.dim() == 2:  # a MoE router reads the tokens flattened to [B·T, D]
                 rows = x[mask[0].reshape(-1).bool()]
+            elif tuple(x.shape[:2]) != tuple(mask[0].shape):  # a table: all of its rows
+                rows = x.reshape(-1, x.shape[-1])
             else:
                 rows = x[mask[0].bool()]
             sums[name] = sums.get(name, 0) + rows.T @ rows
@@ -207,7 +213,7 @@ def _input_grams(model, modules, batches) -> dict[str, torch.Tensor]:
     return {n: sums[n] / counts[n] for n in modules}
 
 
-@pytest.mark.parametrize("model_type", ["gemma2", "phi3", "gpt2", "bert"])
+@pytest.mark.parametrize("model_type", ["gemma2", "phi3", "gpt2", "bert", "deberta-v2"])
 def test_regmean_equals_whole_model_reference(model_type, checkpoints, data, tmp_path):
     """Per linear: ``W = (Σ_k W_k G_k)(Σ_k G_k)⁻¹`` with ``G_k`` from expert k's own forward
     passes (hooks on each whole expert model), to 1e-4 in the relative data-norm error
@@ -547,3 +553,27 @@ def test_moe_model_output_objective_is_refused_before_weights(checkpoints, data,
     monkeypatch.setattr(ModelSource, "load", no_weights)
     with pytest.raises(NotSupportedError, match="mixture-of-experts.*layer_output"):
         plan_layerwise_merge(cfg, OPTIONS, _method("qp_projection"), cfg.parameters)
+
+
+def test_deberta_relative_attention_groups(checkpoints, data):
+    """DeBERTa-v3's relative attention: ``query_proj`` and ``key_proj`` read the tokens and
+    the relative-position table (one group, ``reads`` in call order), ``value_proj`` the
+    tokens only; the table's tensors are pre-block tensors (fallback merge)."""
+    base, experts = checkpoints("deberta-v2")
+    plan = plan_layerwise_merge(
+        _config("regmean", base, experts, data["text"]), OPTIONS, _method("regmean"), {}
+    )
+    groups = {g.label: g for g in plan.blocks[0].groups}
+    assert list(groups) == [
+        "query_key",
+        "value_proj",
+        "attention_output",
+        "intermediate",
+        "output",
+    ]
+    assert groups["query_key"].modules == ("attention.self.query_proj", "attention.self.key_proj")
+    assert groups["query_key"].reads == ("tokens", "table")
+    assert groups["value_proj"].reads == ()
+    assert {"encoder.rel_embeddings.weight", "encoder.LayerNorm.weight"} <= {
+        n.split("deberta.", 1)[-1] for n in plan.pre_block
+    }

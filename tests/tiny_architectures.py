@@ -163,6 +163,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         "DebertaV2ForSequenceClassification",
         "text",
         "bert",
+        title="deberta-v2 (DeBERTa-v3's relative attention)",
     ),
     "deberta-v2-absolute": Architecture(
         _encoder("DebertaV2Config", relative_attention=False, position_biased_input=True),
@@ -299,6 +300,7 @@ EXPECTED: dict[str, str | None] = {
             "falcon",
             "bert",
             "roberta",
+            "deberta-v2",
             "deberta-v2-absolute",
             "vit",
             "clip",
@@ -309,15 +311,10 @@ EXPECTED: dict[str, str | None] = {
             "deepseek_v3",
         )
     },  # fmt: skip
-    "deberta-v2": r"attention\.self\.query_proj .*reads a tensor of shape \[1, 16, 64\], not one "
-    r"row per token",
     "t5": r"is an encoder-decoder model",
 }
 
 _WHY = {
-    "deberta-v2": "refused: the relative-position attention (DeBERTa-v3's `share_att_key`) "
-    "runs `query_proj`/`key_proj` on the relative position embeddings as well as on the "
-    "tokens, so their input statistics are not the calibration tokens'",
     "t5": "refused: encoder-decoder; the decoder's cross-attention reads the merged "
     "encoder's output, which the one-stack block walk does not carry",
 }
@@ -334,7 +331,8 @@ def coverage_markdown() -> str:
         "Tiny random checkpoints (hidden 64, 2 layers) of each model type, a base and two "
         "experts, merged through `mergekit-ext run` with calibration data. ✓: the merge "
         "loads with transformers and gives finite outputs (RegMean also equals a "
-        "whole-model closed-form reference for gemma2, phi3, gpt2, bert and, per routed "
+        "whole-model closed-form reference for gemma2, phi3, gpt2, bert, deberta-v2 "
+        "(relative attention) and, per routed "
         "expert, mixtral). Refused: the "
         "plan stops before any weight loads, saying why; `ties`, `ace` (tensor-wise) and "
         "`symerge` are the alternatives it names. Blocks and linear groups are discovered "

@@ -59,6 +59,7 @@ from typing import Any, Optional
 import torch
 from mergekit.io import TensorWriter
 from torch import nn
+from torch.utils._pytree import tree_flatten
 from tqdm.auto import tqdm
 
 from mergekit_ext import finite, model_class
@@ -203,8 +204,32 @@ class _TaskState:
     inputs: list[dict[str, Any]]  # backbone forward kwargs per batch, on the device
     masks: list[Optional[torch.Tensor]]  # [B, T] token masks (None: every position)
     calls: list[list[tuple[tuple[Any, ...], dict[str, Any]]]] = field(default_factory=list)
+    # the expert path's own block arguments where they differ from ``calls`` (the merged
+    # path's): a table computed from pre-block weights (DeBERTa's relative embeddings)
+    expert_calls: Optional[list[list[tuple[tuple[Any, ...], dict[str, Any]]]]] = None
     expert_hidden: Optional[list[torch.Tensor]] = None
     merged_hidden: Optional[list[torch.Tensor]] = None
+
+
+def _same_calls(a: Any, b: Any) -> bool:
+    """Whether two embeddings passes handed the blocks the same arguments (tensors equal)."""
+    leaves_a, spec_a = tree_flatten(a)
+    leaves_b, spec_b = tree_flatten(b)
+    if spec_a != spec_b:
+        return False
+    for x, y in zip(leaves_a, leaves_b):
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            return False
+        if isinstance(x, torch.Tensor):
+            if x is not y and (x.shape != y.shape or not torch.equal(x, y)):
+                return False
+        else:
+            try:
+                if x is not y and bool(x != y):
+                    return False
+            except Exception:  # an object without a usable comparison: assume it differs
+                return False
+    return True
 
 
 def resolve_device(device: Optional[str]) -> torch.device:
@@ -575,6 +600,8 @@ class SequentialExecutor:
                 state.expert_hidden, calls = self._embed(own, state)
                 if not state.calls:
                     state.calls = calls
+                elif not _same_calls(state.calls, calls):
+                    state.expert_calls = calls
                 del own, calls
                 e.source.release()
             if not state.calls:  # neither path asked for: the block arguments are still needed
@@ -594,10 +621,24 @@ class SequentialExecutor:
         out = torch.func.functional_call(self.blocks[index], params, (hidden, *args), kwargs)
         return out[0] if isinstance(out, tuple) else out
 
-    def _input_hook(self, accumulator: ActivationStatistics, stop: bool):
+    def _input_hook(
+        self, accumulator: ActivationStatistics, stop: bool, reads: tuple[str, ...] = ()
+    ):
+        """A pre-hook adding the module's input rows: the non-padding tokens, or for a
+        ``"table"`` call (``GroupSpec.reads``) every row of the table, once per call
+        (docs/methods.md, "Relative position tables"). ``stop``: end the forward after the
+        module's last call of the pass."""
+        calls = [0]
+
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-            accumulator.update(flatten_tokens(args[0], self._mask))
-            if stop:
+            kind = reads[calls[0] % len(reads)] if reads else "tokens"
+            calls[0] += 1
+            x = args[0]
+            if kind == "table":
+                accumulator.update(x.reshape(-1, x.shape[-1]))
+            else:
+                accumulator.update(flatten_tokens(x, self._mask))
+            if stop and (not reads or calls[0] % len(reads) == 0):
                 raise _StopForward
 
         return hook
@@ -675,7 +716,7 @@ class SequentialExecutor:
             }
             handles = [
                 module.get_submodule(g.modules[0]).register_forward_pre_hook(
-                    self._input_hook(accumulators[g.label], stop=False)
+                    self._input_hook(accumulators[g.label], stop=False, reads=g.reads)
                     if not g.experts
                     else self._experts_hook(accumulators[g.label], g, params, stop=False),
                     with_kwargs=g.experts,
@@ -687,8 +728,9 @@ class SequentialExecutor:
                 outputs = []
                 for b, hidden in enumerate(state.expert_hidden):
                     self._mask = state.masks[b]
+                    calls = state.expert_calls or state.calls
                     outputs.append(
-                        self._run_block(block.index, params, hidden, state.calls[b][block.index])
+                        self._run_block(block.index, params, hidden, calls[b][block.index])
                     )
                 state.expert_hidden = outputs
             finally:
@@ -720,7 +762,9 @@ class SequentialExecutor:
                 accumulator = self._new_accumulator(
                     self._group_width(block, group), expert_path=False
                 )
-                handle = module.register_forward_pre_hook(self._input_hook(accumulator, stop=True))
+                handle = module.register_forward_pre_hook(
+                    self._input_hook(accumulator, stop=True, reads=group.reads)
+                )
             try:
                 assert state.merged_hidden is not None
                 for b, hidden in enumerate(state.merged_hidden):
