@@ -141,7 +141,7 @@ def test_merges_or_refuses(model_type, method, checkpoints, data, tmp_path, monk
         monkeypatch.setattr(ModelSource, "load", no_weights)
         with pytest.raises(ModelInputError, match=refusal) as raised:
             plan_layerwise_merge(cfg, OPTIONS, _method(method), cfg.parameters)
-        assert "ties" in str(raised.value) and "symerge" in str(raised.value)
+        assert all(f"{m}" in str(raised.value) for m in ("ties", "ace", "symerge"))
         return
     out = str(tmp_path / "out")
     result = run_layerwise_merge(cfg, out, OPTIONS, _method(method), cfg.parameters)
@@ -577,3 +577,44 @@ def test_deberta_relative_attention_groups(checkpoints, data):
     assert {"encoder.rel_embeddings.weight", "encoder.LayerNorm.weight"} <= {
         n.split("deberta.", 1)[-1] for n in plan.pre_block
     }
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_t5_refused_by_the_cli_before_any_weight(method, checkpoints, data, tmp_path, monkeypatch):
+    """``mergekit-ext run`` on T5 (encoder-decoder): exit 1 before any weight is read, saying
+    why (the decoder's cross-attention reads the merged encoder's output) and what works
+    instead (ties, ace, symerge); nothing is written."""
+    import re
+
+    from click.testing import CliRunner
+
+    from mergekit_ext.cli import main
+
+    base, experts = checkpoints("t5")
+    merge = {
+        "merge_method": method,
+        "base_model": base,
+        "models": [
+            {"model": e, "name": f"task{k}", "calibration": {"path": d, "samples": SAMPLES}}
+            for k, (e, d) in enumerate(zip(experts, data["text"]))
+        ],
+    }
+    config = tmp_path / "merge.yml"
+    config.write_text(yaml.safe_dump(merge))
+
+    def no_weights(*args, **kwargs):  # pragma: no cover - the refusal comes first
+        raise AssertionError("a weight was read before the refusal")
+
+    reads = []
+    monkeypatch.setattr(ModelSource, "load", no_weights)
+    monkeypatch.setattr(
+        "safetensors.torch.load_file", lambda *a, **k: reads.append(a) or no_weights()
+    )
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["run", str(config), str(out)])
+    assert result.exit_code == 1, result.output
+    message = " ".join(result.output.split())
+    assert "encoder-decoder" in message and "cross-attention" in message
+    for alternative in ("ties", "ace", "symerge"):
+        assert re.search(rf"\b{alternative}\b", message), message
+    assert not out.exists() and not reads
