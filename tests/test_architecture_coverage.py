@@ -618,3 +618,58 @@ def test_t5_refused_by_the_cli_before_any_weight(method, checkpoints, data, tmp_
     for alternative in ("ties", "ace", "symerge"):
         assert re.search(rf"\b{alternative}\b", message), message
     assert not out.exists() and not reads
+
+
+def _statistics_bytes(stats: Any) -> int:
+    """Bytes of every tensor in a block's statistics (TaskStatistics, per-expert tuples)."""
+    if stats is None:
+        return 0
+    if isinstance(stats, dict):
+        return sum(_statistics_bytes(v) for v in stats.values())
+    if isinstance(stats, (list, tuple)):
+        return sum(_statistics_bytes(v) for v in stats)
+    return sum(
+        t.numel() * t.element_size() for t in vars(stats).values() if isinstance(t, torch.Tensor)
+    )
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "deepseek_v3"])
+def test_moe_memory_plan_counts_routed_statistics(
+    model_type, checkpoints, data, tmp_path, monkeypatch
+):
+    """The plan's statistics estimate for a MoE model (E · (H² + I²) per experts module and
+    task, the largest block layout: DeepSeek-V3's first block is dense) is the bytes of the
+    statistics the executor actually holds for a block, within 10% (the estimate counts the
+    Grams, not the mean vectors); the same from config.json alone."""
+    from mergekit_ext.executor.sequential import SequentialExecutor
+
+    base, experts = checkpoints(model_type)
+    cfg = _config("regmean", base, experts, data["text"])
+    method = _method("regmean")
+    plan = plan_layerwise_merge(cfg, OPTIONS, method, cfg.parameters)
+    held: list[int] = []
+    original = SequentialExecutor._expert_path_statistics
+
+    def measured(self, block, expert_blocks):
+        stats = original(self, block, expert_blocks)
+        held.append(_statistics_bytes(stats))
+        return stats
+
+    monkeypatch.setattr(SequentialExecutor, "_expert_path_statistics", measured)
+    run_layerwise_merge(cfg, str(tmp_path / "out"), OPTIONS, method, cfg.parameters)
+    assert len(held) == 2
+    estimate = plan.memory.statistics
+    assert 0.9 <= estimate / max(held) <= 1.1, (estimate, held)
+    # config.json (and tokenizer) only: the same estimate from the class's shapes
+    folders = []
+    for i, source in enumerate([base, *experts]):
+        folder = tmp_path / f"m{i}"
+        folder.mkdir()
+        for f in os.listdir(source):
+            if not f.endswith(".safetensors"):
+                shutil.copy(os.path.join(source, f), folder / f)
+        folders.append(str(folder))
+    weightless = plan_layerwise_merge(
+        _config("regmean", folders[0], folders[1:], data["text"]), OPTIONS, method, {}
+    )
+    assert weightless.weightless and weightless.memory.statistics == estimate
