@@ -673,3 +673,98 @@ def test_moe_memory_plan_counts_routed_statistics(
         _config("regmean", folders[0], folders[1:], data["text"]), OPTIONS, method, {}
     )
     assert weightless.weightless and weightless.memory.statistics == estimate
+
+
+# ------------------------------------------------------------------------------------------
+# diagnose and QP's model-output objective over the supported types (issue #30 item 6)
+
+SUPPORTED = [t for t, refusal in EXPECTED.items() if refusal is None]
+MODEL_OUTPUT_REFUSED = tiny_architectures.MODEL_OUTPUT_REFUSED
+
+
+@pytest.mark.parametrize("model_type", SUPPORTED)
+def test_diagnose_every_supported_type(model_type, checkpoints, data, tmp_path):
+    """``diagnose`` on a RegMean merge of each supported type: every block of the walked
+    stack gets a finite, nonzero relative error against each expert, and the output
+    measures (KL, agreement) are finite where the model has a head."""
+    import math
+
+    from mergekit_ext.executor.diagnose import diagnose
+
+    arch = tiny_architectures.ARCHITECTURES[model_type]
+    base, experts = checkpoints(model_type)
+    cfg = _config("regmean", base, experts, data[arch.modality])
+    out = str(tmp_path / "out")
+    run_layerwise_merge(cfg, out, OPTIONS, _method("regmean"), cfg.parameters)
+    result = diagnose(cfg, out, data="calibration", references=False)
+    assert set(result["tasks"]) == {"task0", "task1"}
+    for name, task in result["tasks"].items():
+        errors = [b["relative_error"] for b in task["blocks"]]
+        assert len(errors) == tiny_architectures.LAYERS, (name, task["blocks"])
+        assert all(math.isfinite(e) and e > 0 for e in errors), (name, errors)
+        for measure in ("kl", "agreement"):
+            value = task.get(measure)
+            assert value is None or math.isfinite(value), (name, measure, value)
+
+
+MODEL_OUTPUT_TYPES = tiny_architectures.MODEL_OUTPUT_TYPES
+
+
+@pytest.mark.parametrize("model_type", MODEL_OUTPUT_TYPES)
+def test_model_output_objective_across_types(model_type, checkpoints, data, tmp_path):
+    """QP with ``objective: model_output`` on a type of each structure: the merge loads with
+    transformers, gives finite outputs, and its output error is finite; the types of
+    ``MODEL_OUTPUT_REFUSED`` are refused while planning, saying why."""
+    import math
+
+    from mergekit_ext.errors import NotSupportedError
+
+    arch = tiny_architectures.ARCHITECTURES[model_type]
+    base, experts = checkpoints(model_type)
+    cfg = _config(
+        "qp_projection",
+        base,
+        experts,
+        data[arch.modality],
+        objective="model_output",
+        output_sketch=2,
+    )
+    out = str(tmp_path / "out")
+    method = _method("qp_projection")
+    refusal = MODEL_OUTPUT_REFUSED.get(model_type)
+    if refusal is not None:
+        with pytest.raises(NotSupportedError, match=refusal):
+            plan_layerwise_merge(cfg, OPTIONS, method, cfg.parameters)
+        return
+    result = run_layerwise_merge(cfg, out, OPTIONS, method, cfg.parameters)
+    summary = result["model_output"]
+    assert math.isfinite(summary["output_error_final"])
+    assert len(result["layers"]) >= 2 * 3
+    model = getattr(transformers, arch.model_class).from_pretrained(out, dtype=torch.float32)
+    batch = load_calibration(
+        cfg.calibration_for(cfg.models[0]), base, task="task0", modality=arch.modality
+    ).batches[0]
+    with torch.no_grad():
+        assert torch.isfinite(tiny_architectures.outputs(model.eval(), batch)).all()
+
+
+def test_next_token_log_probs_with_a_head_bias(checkpoints, data):
+    """Phi's output embedding has a bias: the model-output objective's next-token
+    log-probabilities are those of transformers' PhiForCausalLM."""
+    from mergekit_ext.executor.model_output import next_token_log_probs
+
+    base, experts = checkpoints("phi")
+    model = transformers.PhiForCausalLM.from_pretrained(experts[0], dtype=torch.float32).eval()
+    with torch.no_grad():
+        model.lm_head.bias.normal_(0, 1, generator=torch.Generator().manual_seed(0))
+    cfg = _config("regmean", base, experts, data["text"])
+    batch = load_calibration(
+        cfg.calibration_for(cfg.models[0]), base, task="task0", modality="text"
+    ).batches[0]
+    with torch.no_grad():
+        out = model(**batch, output_hidden_states=True)
+        hidden = out.hidden_states[-1]
+        got = next_token_log_probs(hidden, model.lm_head.weight, model.lm_head.bias)
+        unbiased = next_token_log_probs(hidden, model.lm_head.weight)
+    torch.testing.assert_close(got, torch.log_softmax(out.logits, dim=-1), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(unbiased, got, atol=1e-3)

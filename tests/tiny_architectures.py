@@ -314,6 +314,20 @@ EXPECTED: dict[str, str | None] = {
     "t5": r"is an encoder-decoder model",
 }
 
+# QP's ``objective: model_output``, checked on one type per structural feature (standard
+# decoder, soft-capped/sliding attention, parallel block with a head bias, fused
+# projections, Conv1D, fused query_key_value, encoders, a relative-position table, images,
+# two towers, routed experts) to keep the test near 20 s; every supported type passed it once.
+MODEL_OUTPUT_TYPES = [
+    "llama", "gemma2", "phi", "phi3", "gpt2", "gpt_neox", "falcon", "bert",
+    "deberta-v2", "deberta-v2-absolute", "vit", "clip", "mixtral",
+]  # fmt: skip
+# model type -> the refusal (a regex) of the model-output objective, raised while planning
+MODEL_OUTPUT_REFUSED = {
+    **{t: "mixture-of-experts" for t in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")},
+    "deberta-v2": r"query_proj.*relative position table",
+}
+
 _WHY = {
     "t5": "refused: encoder-decoder; the decoder's cross-attention reads the merged "
     "encoder's output, which the one-stack block walk does not carry",
@@ -338,19 +352,36 @@ def coverage_markdown() -> str:
         "`symerge` are the alternatives it names. Blocks and linear groups are discovered "
         'from the model itself (docs/methods.md, "Model structure").',
         "",
-        "| model type | class | " + " | ".join(f"`{m}`" for m in METHODS) + " |",
-        "|---|---|" + "---|" * len(METHODS),
+        "| model type | class | "
+        + " | ".join(f"`{m}`" for m in METHODS)
+        + " | `diagnose` | `qp_projection` `objective: model_output` |",
+        "|---|---|" + "---|" * (len(METHODS) + 2),
     ]
     for model_type, refusal in EXPECTED.items():
         arch = ARCHITECTURES[model_type]
         cell = "✓" if refusal is None else "refused"
+        if refusal is not None or model_type in MODEL_OUTPUT_REFUSED:
+            output = "refused"
+        else:
+            output = "✓" if model_type in MODEL_OUTPUT_TYPES else "(✓)"
         row = f"| {arch.title or model_type} | {arch.model_class} | "
-        lines.append(row + " | ".join([cell] * len(METHODS)) + " |")
+        lines.append(
+            row + " | ".join([cell] * len(METHODS)) + f" | {cell if refusal is None else '—'}"
+            f" | {output} |"
+        )
     lines += ["", "Refusals:", ""]
     lines += [f"- **{t}**: {why}." for t, why in _WHY.items()]
     lines += [
+        "- **`objective: model_output`**: mixture-of-experts experts modules (the fit perturbs "
+        "one linear module's output; the experts are one 3-D tensor per block) and DeBERTa-v3's "
+        "`query_proj`/`key_proj` (their table output is shared by the batch's samples, the fit "
+        "needs each sample's Jacobian); docs/methods.md says what lifting each costs.",
         "",
-        "`qp_projection` is checked with its default `objective: layer_output`.",
+        "`qp_projection` in the method columns is checked with its default `objective: "
+        "layer_output`. `diagnose` runs on a RegMean merge of each supported type (every block "
+        "compared with each expert). `objective: model_output`: ✓ checked by the test on one "
+        "type per structure; (✓) passed when the test covered every supported type, not in "
+        "the per-commit subset; refused while planning, saying why.",
         "",
     ]
     return "\n".join(lines)

@@ -103,6 +103,13 @@ class ModelFamily:
     # Discovered linear groups by block signature (see :func:`.discovery.block_signature`).
     _discovered_groups: Optional[dict[Any, tuple[GroupSpec, ...]]] = None
 
+    @property
+    def table_readers(self) -> tuple[str, ...]:
+        """The discovered linears that also read a table handed to every block (DeBERTa-v3's
+        ``query_proj``/``key_proj``; ``GroupSpec.reads``), block-relative paths."""
+        groups = (self._discovered_groups or {}).values()
+        return tuple(sorted({m for gs in groups for g in gs if g.reads for m in g.modules}))
+
     def discover(self, model: nn.Module, config: Any) -> ModelFamily:
         """Fill in, from ``model`` (the class built on the meta device), what is not declared."""
         from mergekit_ext.executor.families.discovery import discover_structure
