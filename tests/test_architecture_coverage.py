@@ -768,3 +768,46 @@ def test_next_token_log_probs_with_a_head_bias(checkpoints, data):
         unbiased = next_token_log_probs(hidden, model.lm_head.weight)
     torch.testing.assert_close(got, torch.log_softmax(out.logits, dim=-1), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(unbiased, got, atol=1e-3)
+
+
+def test_deberta_expert_path_reads_each_experts_own_table(checkpoints, data, tmp_path, monkeypatch):
+    """Chain of Merges on DeBERTa-v3: the merged path runs the merged relative-position
+    table, and the expert path each expert's own (``LayerNorm_k(rel_embeddings_k)``): the
+    expert-path statistics of ``query_key`` in every block equal those of hooks on the whole
+    expert model (tokens and table rows)."""
+    from mergekit_ext.executor.sequential import SequentialExecutor
+
+    arch = tiny_architectures.ARCHITECTURES["deberta-v2"]
+    base, experts = checkpoints("deberta-v2")
+    cfg = _config("chain_of_merges", base, experts, data["text"])
+    captured: dict[int, list[Any]] = {}
+    original = SequentialExecutor._expert_path_statistics
+
+    def capture(self, block, expert_blocks):
+        stats = original(self, block, expert_blocks)
+        assert all(s.expert_calls is not None for s in self.states)  # tables differ
+        captured[block.index] = list(stats["query_key"])
+        return stats
+
+    monkeypatch.setattr(SequentialExecutor, "_expert_path_statistics", capture)
+    out = str(tmp_path / "out")
+    run_layerwise_merge(cfg, out, OPTIONS, _method("chain_of_merges"), cfg.parameters)
+    assert sorted(captured) == [0, 1]
+    cls = getattr(transformers, arch.model_class)
+    for k, path in enumerate(experts):
+        model = cls.from_pretrained(path, dtype=torch.float32).eval()
+        batches = load_calibration(
+            cfg.calibration_for(cfg.models[k]), path, task=f"task{k}", modality="text"
+        ).batches
+        names = {f"deberta.encoder.layer.{i}.attention.self.query_proj": i for i in range(2)}
+        modules = {n: model.get_submodule(n) for n in names}
+        reference = _input_grams(model, modules, batches)
+        for name, i in names.items():
+            got = captured[i][k]
+            expected = reference[name]
+            if got.gram is not None:
+                torch.testing.assert_close(got.gram.double(), expected, rtol=1e-4, atol=1e-6)
+            else:
+                torch.testing.assert_close(
+                    got.second_moment.double(), torch.diagonal(expected), rtol=1e-4, atol=1e-6
+                )
