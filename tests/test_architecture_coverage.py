@@ -574,6 +574,10 @@ def test_deberta_relative_attention_groups(checkpoints, data):
     assert groups["query_key"].modules == ("attention.self.query_proj", "attention.self.key_proj")
     assert groups["query_key"].reads == ("tokens", "table")
     assert groups["value_proj"].reads == ()
+    assert (
+        "query_key: attention.self.query_proj, attention.self.key_proj (each forward reads: "
+        "tokens, table)" in plan.describe()
+    )
     assert {"encoder.rel_embeddings.weight", "encoder.LayerNorm.weight"} <= {
         n.split("deberta.", 1)[-1] for n in plan.pre_block
     }

@@ -228,7 +228,8 @@ class MergePlan:
             f"{len(groups)} linear groups per block in forward order:",
         ]
         for g in groups:
-            lines.append(f"  - {g.label}: {', '.join(g.modules)}")
+            reads = f" (each forward reads: {', '.join(g.reads)})" if g.reads else ""
+            lines.append(f"  - {g.label}: {', '.join(g.modules)}{reads}")
         lines.append(
             f"statistics: expert path {'yes' if self.request.expert_path else 'no'}, "
             f"merged path (propagate) {'yes' if self.request.propagate else 'no'}, "
