@@ -141,7 +141,7 @@ def test_merges_or_refuses(model_type, method, checkpoints, data, tmp_path, monk
         monkeypatch.setattr(ModelSource, "load", no_weights)
         with pytest.raises(ModelInputError, match=refusal) as raised:
             plan_layerwise_merge(cfg, OPTIONS, _method(method), cfg.parameters)
-        assert "ties" in str(raised.value) and "symerge" in str(raised.value)
+        assert all(f"{m}" in str(raised.value) for m in ("ties", "ace", "symerge"))
         return
     out = str(tmp_path / "out")
     result = run_layerwise_merge(cfg, out, OPTIONS, _method(method), cfg.parameters)
@@ -173,7 +173,11 @@ def _block_linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 
 def _input_grams(model, modules, batches) -> dict[str, torch.Tensor]:
-    """``(1/N) Σ x xᵀ`` of each module's input over the non-padding tokens, float64."""
+    """``(1/N) Σ x xᵀ`` of each module's input over the non-padding tokens, float64.
+
+    A call on a table instead of the tokens (DeBERTa-v3's ``query_proj``/``key_proj`` on the
+    relative position embeddings ``[1, R, D]``) adds every row of it, once per forward call,
+    and its rows count in ``N`` (docs/methods.md, "Relative position tables")."""
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
     mask: list[Any] = [None]
@@ -185,6 +189,8 @@ def _input_grams(model, modules, batches) -> dict[str, torch.Tensor]:
                 rows = x.reshape(-1, x.shape[-1])
             elif x.dim() == 2:  # a MoE router reads the tokens flattened to [B·T, D]
                 rows = x[mask[0].reshape(-1).bool()]
+            elif tuple(x.shape[:2]) != tuple(mask[0].shape):  # a table: all of its rows
+                rows = x.reshape(-1, x.shape[-1])
             else:
                 rows = x[mask[0].bool()]
             sums[name] = sums.get(name, 0) + rows.T @ rows
@@ -207,7 +213,7 @@ def _input_grams(model, modules, batches) -> dict[str, torch.Tensor]:
     return {n: sums[n] / counts[n] for n in modules}
 
 
-@pytest.mark.parametrize("model_type", ["gemma2", "phi3", "gpt2", "bert"])
+@pytest.mark.parametrize("model_type", ["gemma2", "phi3", "gpt2", "bert", "deberta-v2"])
 def test_regmean_equals_whole_model_reference(model_type, checkpoints, data, tmp_path):
     """Per linear: ``W = (Σ_k W_k G_k)(Σ_k G_k)⁻¹`` with ``G_k`` from expert k's own forward
     passes (hooks on each whole expert model), to 1e-4 in the relative data-norm error
@@ -547,3 +553,265 @@ def test_moe_model_output_objective_is_refused_before_weights(checkpoints, data,
     monkeypatch.setattr(ModelSource, "load", no_weights)
     with pytest.raises(NotSupportedError, match="mixture-of-experts.*layer_output"):
         plan_layerwise_merge(cfg, OPTIONS, _method("qp_projection"), cfg.parameters)
+
+
+def test_deberta_relative_attention_groups(checkpoints, data):
+    """DeBERTa-v3's relative attention: ``query_proj`` and ``key_proj`` read the tokens and
+    the relative-position table (one group, ``reads`` in call order), ``value_proj`` the
+    tokens only; the table's tensors are pre-block tensors (fallback merge)."""
+    base, experts = checkpoints("deberta-v2")
+    plan = plan_layerwise_merge(
+        _config("regmean", base, experts, data["text"]), OPTIONS, _method("regmean"), {}
+    )
+    groups = {g.label: g for g in plan.blocks[0].groups}
+    assert list(groups) == [
+        "query_key",
+        "value_proj",
+        "attention_output",
+        "intermediate",
+        "output",
+    ]
+    assert groups["query_key"].modules == ("attention.self.query_proj", "attention.self.key_proj")
+    assert groups["query_key"].reads == ("tokens", "table")
+    assert groups["value_proj"].reads == ()
+    assert (
+        "query_key: attention.self.query_proj, attention.self.key_proj (each forward reads: "
+        "tokens, table)" in plan.describe()
+    )
+    assert {"encoder.rel_embeddings.weight", "encoder.LayerNorm.weight"} <= {
+        n.split("deberta.", 1)[-1] for n in plan.pre_block
+    }
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_t5_refused_by_the_cli_before_any_weight(method, checkpoints, data, tmp_path, monkeypatch):
+    """``mergekit-ext run`` on T5 (encoder-decoder): exit 1 before any weight is read, saying
+    why (the decoder's cross-attention reads the merged encoder's output) and what works
+    instead (ties, ace, symerge); nothing is written."""
+    import re
+
+    from click.testing import CliRunner
+
+    from mergekit_ext.cli import main
+
+    base, experts = checkpoints("t5")
+    merge = {
+        "merge_method": method,
+        "base_model": base,
+        "models": [
+            {"model": e, "name": f"task{k}", "calibration": {"path": d, "samples": SAMPLES}}
+            for k, (e, d) in enumerate(zip(experts, data["text"]))
+        ],
+    }
+    config = tmp_path / "merge.yml"
+    config.write_text(yaml.safe_dump(merge))
+
+    def no_weights(*args, **kwargs):  # pragma: no cover - the refusal comes first
+        raise AssertionError("a weight was read before the refusal")
+
+    reads = []
+    monkeypatch.setattr(ModelSource, "load", no_weights)
+    monkeypatch.setattr(
+        "safetensors.torch.load_file", lambda *a, **k: reads.append(a) or no_weights()
+    )
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["run", str(config), str(out)])
+    assert result.exit_code == 1, result.output
+    message = " ".join(result.output.split())
+    assert "encoder-decoder" in message and "cross-attention" in message
+    for alternative in ("ties", "ace", "symerge"):
+        assert re.search(rf"\b{alternative}\b", message), message
+    assert not out.exists() and not reads
+
+
+def _statistics_bytes(stats: Any) -> int:
+    """Bytes of every tensor in a block's statistics (TaskStatistics, per-expert tuples)."""
+    if stats is None:
+        return 0
+    if isinstance(stats, dict):
+        return sum(_statistics_bytes(v) for v in stats.values())
+    if isinstance(stats, (list, tuple)):
+        return sum(_statistics_bytes(v) for v in stats)
+    return sum(
+        t.numel() * t.element_size() for t in vars(stats).values() if isinstance(t, torch.Tensor)
+    )
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "deepseek_v3"])
+def test_moe_memory_plan_counts_routed_statistics(
+    model_type, checkpoints, data, tmp_path, monkeypatch
+):
+    """The plan's statistics estimate for a MoE model (E · (H² + I²) per experts module and
+    task, the largest block layout: DeepSeek-V3's first block is dense) is the bytes of the
+    statistics the executor actually holds for a block, within 10% (the estimate counts the
+    Grams, not the mean vectors); the same from config.json alone."""
+    from mergekit_ext.executor.sequential import SequentialExecutor
+
+    base, experts = checkpoints(model_type)
+    cfg = _config("regmean", base, experts, data["text"])
+    method = _method("regmean")
+    plan = plan_layerwise_merge(cfg, OPTIONS, method, cfg.parameters)
+    held: list[int] = []
+    original = SequentialExecutor._expert_path_statistics
+
+    def measured(self, block, expert_blocks):
+        stats = original(self, block, expert_blocks)
+        held.append(_statistics_bytes(stats))
+        return stats
+
+    monkeypatch.setattr(SequentialExecutor, "_expert_path_statistics", measured)
+    run_layerwise_merge(cfg, str(tmp_path / "out"), OPTIONS, method, cfg.parameters)
+    assert len(held) == 2
+    estimate = plan.memory.statistics
+    assert 0.9 <= estimate / max(held) <= 1.1, (estimate, held)
+    # config.json (and tokenizer) only: the same estimate from the class's shapes
+    folders = []
+    for i, source in enumerate([base, *experts]):
+        folder = tmp_path / f"m{i}"
+        folder.mkdir()
+        for f in os.listdir(source):
+            if not f.endswith(".safetensors"):
+                shutil.copy(os.path.join(source, f), folder / f)
+        folders.append(str(folder))
+    weightless = plan_layerwise_merge(
+        _config("regmean", folders[0], folders[1:], data["text"]), OPTIONS, method, {}
+    )
+    assert weightless.weightless and weightless.memory.statistics == estimate
+
+
+# ------------------------------------------------------------------------------------------
+# diagnose and QP's model-output objective over the supported types (issue #30 item 6)
+
+SUPPORTED = [t for t, refusal in EXPECTED.items() if refusal is None]
+MODEL_OUTPUT_REFUSED = tiny_architectures.MODEL_OUTPUT_REFUSED
+
+
+@pytest.mark.parametrize("model_type", SUPPORTED)
+def test_diagnose_every_supported_type(model_type, checkpoints, data, tmp_path):
+    """``diagnose`` on a RegMean merge of each supported type: every block of the walked
+    stack gets a finite, nonzero relative error against each expert, and the output
+    measures (KL, agreement) are finite where the model has a head."""
+    import math
+
+    from mergekit_ext.executor.diagnose import diagnose
+
+    arch = tiny_architectures.ARCHITECTURES[model_type]
+    base, experts = checkpoints(model_type)
+    cfg = _config("regmean", base, experts, data[arch.modality])
+    out = str(tmp_path / "out")
+    run_layerwise_merge(cfg, out, OPTIONS, _method("regmean"), cfg.parameters)
+    result = diagnose(cfg, out, data="calibration", references=False)
+    assert set(result["tasks"]) == {"task0", "task1"}
+    for name, task in result["tasks"].items():
+        errors = [b["relative_error"] for b in task["blocks"]]
+        assert len(errors) == tiny_architectures.LAYERS, (name, task["blocks"])
+        assert all(math.isfinite(e) and e > 0 for e in errors), (name, errors)
+        for measure in ("kl", "agreement"):
+            value = task.get(measure)
+            assert value is None or math.isfinite(value), (name, measure, value)
+
+
+MODEL_OUTPUT_TYPES = tiny_architectures.MODEL_OUTPUT_TYPES
+
+
+@pytest.mark.parametrize("model_type", MODEL_OUTPUT_TYPES)
+def test_model_output_objective_across_types(model_type, checkpoints, data, tmp_path):
+    """QP with ``objective: model_output`` on a type of each structure: the merge loads with
+    transformers, gives finite outputs, and its output error is finite; the types of
+    ``MODEL_OUTPUT_REFUSED`` are refused while planning, saying why."""
+    import math
+
+    from mergekit_ext.errors import NotSupportedError
+
+    arch = tiny_architectures.ARCHITECTURES[model_type]
+    base, experts = checkpoints(model_type)
+    cfg = _config(
+        "qp_projection",
+        base,
+        experts,
+        data[arch.modality],
+        objective="model_output",
+        output_sketch=2,
+    )
+    out = str(tmp_path / "out")
+    method = _method("qp_projection")
+    refusal = MODEL_OUTPUT_REFUSED.get(model_type)
+    if refusal is not None:
+        with pytest.raises(NotSupportedError, match=refusal):
+            plan_layerwise_merge(cfg, OPTIONS, method, cfg.parameters)
+        return
+    result = run_layerwise_merge(cfg, out, OPTIONS, method, cfg.parameters)
+    summary = result["model_output"]
+    assert math.isfinite(summary["output_error_final"])
+    assert len(result["layers"]) >= 2 * 3
+    model = getattr(transformers, arch.model_class).from_pretrained(out, dtype=torch.float32)
+    batch = load_calibration(
+        cfg.calibration_for(cfg.models[0]), base, task="task0", modality=arch.modality
+    ).batches[0]
+    with torch.no_grad():
+        assert torch.isfinite(tiny_architectures.outputs(model.eval(), batch)).all()
+
+
+def test_next_token_log_probs_with_a_head_bias(checkpoints, data):
+    """Phi's output embedding has a bias: the model-output objective's next-token
+    log-probabilities are those of transformers' PhiForCausalLM."""
+    from mergekit_ext.executor.model_output import next_token_log_probs
+
+    base, experts = checkpoints("phi")
+    model = transformers.PhiForCausalLM.from_pretrained(experts[0], dtype=torch.float32).eval()
+    with torch.no_grad():
+        model.lm_head.bias.normal_(0, 1, generator=torch.Generator().manual_seed(0))
+    cfg = _config("regmean", base, experts, data["text"])
+    batch = load_calibration(
+        cfg.calibration_for(cfg.models[0]), base, task="task0", modality="text"
+    ).batches[0]
+    with torch.no_grad():
+        out = model(**batch, output_hidden_states=True)
+        hidden = out.hidden_states[-1]
+        got = next_token_log_probs(hidden, model.lm_head.weight, model.lm_head.bias)
+        unbiased = next_token_log_probs(hidden, model.lm_head.weight)
+    torch.testing.assert_close(got, torch.log_softmax(out.logits, dim=-1), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(unbiased, got, atol=1e-3)
+
+
+def test_deberta_expert_path_reads_each_experts_own_table(checkpoints, data, tmp_path, monkeypatch):
+    """Chain of Merges on DeBERTa-v3: the merged path runs the merged relative-position
+    table, and the expert path each expert's own (``LayerNorm_k(rel_embeddings_k)``): the
+    expert-path statistics of ``query_key`` in every block equal those of hooks on the whole
+    expert model (tokens and table rows)."""
+    from mergekit_ext.executor.sequential import SequentialExecutor
+
+    arch = tiny_architectures.ARCHITECTURES["deberta-v2"]
+    base, experts = checkpoints("deberta-v2")
+    cfg = _config("chain_of_merges", base, experts, data["text"])
+    captured: dict[int, list[Any]] = {}
+    original = SequentialExecutor._expert_path_statistics
+
+    def capture(self, block, expert_blocks):
+        stats = original(self, block, expert_blocks)
+        assert all(s.expert_calls is not None for s in self.states)  # tables differ
+        captured[block.index] = list(stats["query_key"])
+        return stats
+
+    monkeypatch.setattr(SequentialExecutor, "_expert_path_statistics", capture)
+    out = str(tmp_path / "out")
+    run_layerwise_merge(cfg, out, OPTIONS, _method("chain_of_merges"), cfg.parameters)
+    assert sorted(captured) == [0, 1]
+    cls = getattr(transformers, arch.model_class)
+    for k, path in enumerate(experts):
+        model = cls.from_pretrained(path, dtype=torch.float32).eval()
+        batches = load_calibration(
+            cfg.calibration_for(cfg.models[k]), path, task=f"task{k}", modality="text"
+        ).batches
+        names = {f"deberta.encoder.layer.{i}.attention.self.query_proj": i for i in range(2)}
+        modules = {n: model.get_submodule(n) for n in names}
+        reference = _input_grams(model, modules, batches)
+        for name, i in names.items():
+            got = captured[i][k]
+            expected = reference[name]
+            if got.gram is not None:
+                torch.testing.assert_close(got.gram.double(), expected, rtol=1e-4, atol=1e-6)
+            else:
+                torch.testing.assert_close(
+                    got.second_moment.double(), torch.diagonal(expected), rtol=1e-4, atol=1e-6
+                )

@@ -49,7 +49,72 @@ def test_a_tensor_written_as_held_is_its_own_piece() -> None:
     shape = meta.state_dict()[key].shape
     index = model_class.fused_pieces(meta, key, shape)
     assert list(index) == [key]
-    assert torch.equal(index[key].reshape(-1), torch.arange(shape.numel()))
+    assert index[key] == model_class.PieceView(tuple(shape), (shape[1], 1), 0)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "deepseek_v3"])
+def test_views_and_the_position_map_give_the_same_bytes(model_type) -> None:
+    """The strided views and the position map (the fallback, transformers' conversion run on
+    each element's flat position) gather and split a fused tensor identically."""
+    meta = _meta(model_type)
+    for key, t in meta.state_dict().items():
+        if t.dim() != 3:
+            continue
+        tensor = torch.randn(tuple(t.shape), generator=torch.Generator().manual_seed(0))
+        views = model_class.fused_pieces(meta, key, t.shape)
+        positions = model_class._position_map(meta, key, t.shape)
+        assert list(views) == list(positions)
+        assert all(isinstance(v, model_class.PieceView) for v in views.values())
+        by_view = model_class.split_fused(tensor, views)
+        by_position = model_class.split_fused(tensor, positions)
+        for k in views:
+            assert torch.equal(by_view[k], by_position[k]) and by_view[k].is_contiguous()
+        assert torch.equal(model_class.gather_fused(by_view, views, t.shape), tensor)
+        assert torch.equal(model_class.gather_fused(by_view.get, positions, t.shape), tensor)
+
+
+def test_a_conversion_that_copies_falls_back_to_the_position_map(monkeypatch) -> None:
+    """Pieces that are new tensors the views cannot follow (here: ``v + 0``, not a copy by
+    ``contiguous``/``clone``): located by their elements' positions instead."""
+    import transformers.core_model_loading as loading
+
+    meta = _meta("mixtral")
+    key = "model.layers.0.mlp.experts.down_proj"
+    shape = meta.state_dict()[key].shape
+    original = loading.revert_weight_conversion
+    monkeypatch.setattr(
+        loading,
+        "revert_weight_conversion",
+        lambda m, sd: {k: v + 0 for k, v in original(m, sd).items()},
+    )
+    index = model_class.fused_pieces(meta, key, shape)
+    assert all(isinstance(v, torch.Tensor) for v in index.values())
+    tensor = torch.randn(tuple(shape))
+    assert torch.equal(
+        model_class.gather_fused(model_class.split_fused(tensor, index), index, shape), tensor
+    )
+
+
+def test_mixtral_8x7b_experts_are_located_without_an_index_map() -> None:
+    """Mixtral-8x7B's fused experts (gate_up [8, 28672, 4096], down [8, 4096, 14336]: an
+    int64 map of gate_up alone would take 7.5 GB): located as views, with no tensor of
+    their size; the process's peak memory grows by less than 64 MB."""
+    import resource
+
+    meta = _meta("mixtral")  # the conversion is per layer and shape-agnostic
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    for key, shape, piece in (
+        ("model.layers.0.mlp.experts.gate_up_proj", (8, 28672, 4096), (14336, 4096)),
+        ("model.layers.0.mlp.experts.down_proj", (8, 4096, 14336), (4096, 14336)),
+    ):
+        index = model_class.fused_pieces(meta, key, shape)
+        assert len(index) == 8 * (2 if "gate_up" in key else 1)
+        assert all(isinstance(v, model_class.PieceView) for v in index.values())
+        assert {v.size for v in index.values()} == {piece}
+        offsets = sorted(v.offset for v in index.values())
+        assert offsets == [i * 14336 * 4096 for i in range(len(index))]
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert grown < 64 * 1024, f"peak memory grew by {grown} KiB"
 
 
 def test_a_conversion_that_is_not_a_rearrangement_is_refused(monkeypatch) -> None:

@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from mergekit_ext.models.checkpoint import build_skeleton
 
@@ -145,8 +146,32 @@ class TaskState:
     inputs: list[dict[str, Any]]  # backbone forward kwargs per batch, on the device
     masks: list[Optional[torch.Tensor]]  # [B, T] token masks (None: every position)
     calls: list[list[tuple[tuple[Any, ...], dict[str, Any]]]] = field(default_factory=list)
+    # the expert path's own block arguments where they differ from ``calls`` (the merged
+    # path's): a table computed from pre-block weights (DeBERTa's relative embeddings)
+    expert_calls: Optional[list[list[tuple[tuple[Any, ...], dict[str, Any]]]]] = None
     expert_hidden: Optional[list[torch.Tensor]] = None
     merged_hidden: Optional[list[torch.Tensor]] = None
+
+
+def same_calls(a: Any, b: Any) -> bool:
+    """Whether two embeddings passes handed the blocks the same arguments (tensors equal)."""
+    leaves_a, spec_a = tree_flatten(a)
+    leaves_b, spec_b = tree_flatten(b)
+    if spec_a != spec_b:
+        return False
+    for x, y in zip(leaves_a, leaves_b):
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            return False
+        if isinstance(x, torch.Tensor):
+            if x is not y and (x.shape != y.shape or not torch.equal(x, y)):
+                return False
+        else:
+            try:
+                if x is not y and bool(x != y):
+                    return False
+            except Exception:  # an object without a usable comparison: assume it differs
+                return False
+    return True
 
 
 def buffers_to(module: nn.Module, device: torch.device) -> None:

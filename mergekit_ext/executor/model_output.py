@@ -42,7 +42,7 @@ import torch
 from tqdm.auto import tqdm
 
 from mergekit_ext import finite
-from mergekit_ext.errors import MergekitExtError, ModelInputError, NotSupportedError
+from mergekit_ext.errors import MergekitExtError, ModelInputError
 from mergekit_ext.executor.blocks import TaskState, group_name, orient
 from mergekit_ext.executor.model_output_checks import VJP_CHUNK
 from mergekit_ext.executor.plan import MergePlan
@@ -89,24 +89,34 @@ def output_sketch(
 
 def output_head_name(source: Any) -> str:
     """Canonical name of the output embedding (``@lm_head.weight``) of a causal LM's source."""
+    return _output_head_names(source)[0]
+
+
+def _output_head_names(source: Any) -> tuple[str, Optional[str]]:
     skeleton = source.skeleton
     head = skeleton.get_output_embeddings()
     if head is None:
         raise ModelInputError(f"{source.label}: its class has no output embedding (lm_head)")
-    if getattr(head, "bias", None) is not None:
-        raise NotSupportedError(
-            f"{source.label}: its output embedding has a bias, which the model-output "
-            "objective does not handle; use objective: layer_output"
-        )
     for name, module in skeleton.named_modules():
         if module is head:
-            return canonical_name(f"{name}.weight", source.backbone_path)
+            bias = (
+                canonical_name(f"{name}.bias", source.backbone_path)
+                if getattr(head, "bias", None) is not None
+                else None
+            )
+            return canonical_name(f"{name}.weight", source.backbone_path), bias
     raise ModelInputError(f"{source.label}: its output embedding is not a named module")
 
 
-def next_token_log_probs(hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-    """``log softmax(h Wᵀ)`` (``[B, T, V]``, float32) from the last hidden state."""
-    return torch.log_softmax(hidden.to(torch.float32) @ head.to(torch.float32).T, dim=-1)
+def next_token_log_probs(
+    hidden: torch.Tensor, head: torch.Tensor, bias: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """``log softmax(h Wᵀ + b)`` (``[B, T, V]``, float32) from the last hidden state (``b``:
+    the output embedding's bias, Phi's, or None)."""
+    logits = hidden.to(torch.float32) @ head.to(torch.float32).T
+    if bias is not None:
+        logits = logits + bias.to(torch.float32)
+    return torch.log_softmax(logits, dim=-1)
 
 
 def next_token_sketch(
@@ -117,6 +127,7 @@ def next_token_sketch(
     rows: int,
     seed: int,
     log_p: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The per-token KL's Gauss-Newton form, sketched by sampled next tokens.
 
@@ -140,13 +151,15 @@ def next_token_sketch(
         rows: sampled tokens per position (P).
         seed: the sampling seed.
         log_p: :func:`next_token_log_probs` of ``hidden`` when the caller has it already.
+        bias: the output embedding's bias (it moves the logits, not their gradient at the
+            hidden state), or None.
 
     Returns:
         ``residual`` ``[B, P]`` (float64), the backward rows at the hidden state
         ``[P, B, T, h]`` and the KL's gradient there ``[B, T, h]`` (float32).
     """
     if log_p is None:
-        log_p = next_token_log_probs(hidden, head)
+        log_p = next_token_log_probs(hidden, head, bias)
     batch, tokens, vocab = log_p.shape
     probs = log_p.exp()
     generator = torch.Generator().manual_seed(seed)
@@ -195,8 +208,11 @@ class ModelOutputExecutor(SequentialExecutor):
         for i, block in enumerate(self.blocks):
             block_list[i] = block
         self.params: dict[str, torch.Tensor] = {}
-        self.head_name = output_head_name(plan.base) if self.causal_lm else None
+        self.head_name, self.head_bias_name = (
+            _output_head_names(plan.base) if self.causal_lm else (None, None)
+        )
         self.head: Optional[torch.Tensor] = None  # the merged output embedding (causal LMs)
+        self.head_bias: Optional[torch.Tensor] = None  # its merged bias (Phi), if any
 
     # ---------------------------------------------------------------------------------
 
@@ -210,6 +226,8 @@ class ModelOutputExecutor(SequentialExecutor):
             self._drop_absent_modules()
             if self.causal_lm:
                 self.head = self._head_of(heads, self.params)
+                if self.head_bias_name is not None:
+                    self.head_bias = heads[self.head_bias_name]
             del heads
             targets = self._targets()
             initial = self._output_error(targets)
@@ -318,16 +336,26 @@ class ModelOutputExecutor(SequentialExecutor):
             "the next-token logits"
         )
 
-    def _expert_head(self, k: int, own: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Expert ``k``'s output embedding (its own head, the tensor it ties, or the base's)."""
+    def _expert_head(
+        self, k: int, own: Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Expert ``k``'s output embedding (its own head, the tensor it ties, or the base's)
+        and its bias (its own or the base's; None without one)."""
         assert self.head_name is not None
         source = self.experts[k].source
+        bias = None
+        if self.head_bias_name is not None:
+            bias = (
+                source.load(self.head_bias_name, self.device)
+                if source.has(self.head_bias_name)
+                else self.base.load(self.head_bias_name, self.device)
+            )
         if source.has(self.head_name):
-            return source.load(self.head_name, self.device)
+            return source.load(self.head_name, self.device), bias
         tied = source.tied.get(self.head_name) or self.base.tied.get(self.head_name)
         if tied is not None and tied in own:
-            return own[tied]
-        return self.base.load(self.head_name, self.device)
+            return own[tied], bias
+        return self.base.load(self.head_name, self.device), bias
 
     # ---------------------------------------------------------------------------------
     # Forward passes
@@ -367,11 +395,11 @@ class ModelOutputExecutor(SequentialExecutor):
         targets = []
         for state in self.states:
             own = self._expert_params(state.index)
-            head = self._expert_head(state.index, own) if self.causal_lm else None
+            head, bias = self._expert_head(state.index, own) if self.causal_lm else (None, None)
             outputs = []
             for inputs, mask in zip(state.inputs, state.masks):
                 out = self._output(own, inputs, mask)
-                outputs.append(out if head is None else next_token_log_probs(out, head))
+                outputs.append(out if head is None else next_token_log_probs(out, head, bias))
             targets.append(outputs)
             del own, head
             self._release()
@@ -392,7 +420,9 @@ class ModelOutputExecutor(SequentialExecutor):
         if not self.causal_lm:
             return float((out.detach() - target).double().pow(2).sum())
         assert self.head is not None
-        return next_token_kl(next_token_log_probs(out.detach(), self.head), target, mask)
+        return next_token_kl(
+            next_token_log_probs(out.detach(), self.head, self.head_bias), target, mask
+        )
 
     def _output_error(self, targets: list[list[torch.Tensor]]) -> float:
         """``Σ_t (1/N_t) Σ_j error_j`` of the model as it is now (exact; :meth:`_error`)."""
@@ -474,9 +504,16 @@ class ModelOutputExecutor(SequentialExecutor):
             return sketched, rows, None, float(residual.pow(2).sum())
         assert self.head is not None
         hidden = out.detach()
-        log_p = next_token_log_probs(hidden, self.head)
+        log_p = next_token_log_probs(hidden, self.head, self.head_bias)
         sketched, rows, error_grad = next_token_sketch(
-            hidden, target, self.head, mask, self.output_request.sketch_rows, seed, log_p
+            hidden,
+            target,
+            self.head,
+            mask,
+            self.output_request.sketch_rows,
+            seed,
+            log_p,
+            self.head_bias,
         )
         return sketched, rows, error_grad, next_token_kl(log_p, target, mask)
 

@@ -48,6 +48,15 @@ def check_model_output_supported(
             "routed experts are one 3-D tensor per block; use objective: layer_output (each "
             "expert solved on the tokens routed to it), regmean or chain_of_merges"
         )
+    if family.table_readers:
+        raise NotSupportedError(
+            f"{method}: objective: model_output does not fit {', '.join(family.table_readers)} "
+            f"({family.name}): each also reads the relative position table that every block "
+            "shares (DeBERTa-v3's relative attention), whose perturbation mixes the samples of "
+            "a batch, and the model-output fit needs each sample's own Jacobian; use "
+            "objective: layer_output, regmean or chain_of_merges (docs/methods.md, "
+            "'Relative position tables')"
+        )
     if family.causal_lm and request.sketch_rows == 0:
         raise NotSupportedError(
             f"{method}: output_sketch: 0 (every output coordinate) is not available for causal "

@@ -232,7 +232,8 @@ class MergePlan:
             f"{len(groups)} linear groups per block in forward order:",
         ]
         for g in groups:
-            lines.append(f"  - {g.label}: {', '.join(g.modules)}")
+            reads = f" (each forward reads: {', '.join(g.reads)})" if g.reads else ""
+            lines.append(f"  - {g.label}: {', '.join(g.modules)}{reads}")
         lines.append(
             f"statistics: expert path {'yes' if self.request.expert_path else 'no'}, "
             f"merged path (propagate) {'yes' if self.request.propagate else 'no'}, "
@@ -626,9 +627,37 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
     largest_gram = 0  # several processes, gathered: one group's statistics of one task
     largest_sums = 0  # several processes: numerator + system of the widest group (float64)
     gathered_span = 0  # several processes, rank 0: the other tasks' rows and weights of a group
-    if plan.blocks:
-        b = plan.blocks[0]
+    # one block of each distinct layout (DeepSeek-V3: dense blocks, then MoE blocks)
+    layouts: dict[Any, BlockLayout] = {}
+    for b in plan.blocks:
+        key = (
+            b.groups,
+            tuple(base.shapes[t] for g in b.groups for t in b.group_tensors(g)),
+        )
+        layouts.setdefault(key, b)
+    for b in layouts.values():
+        block_grams = 0  # expert path, one task: every group's statistics of this block
         for g in b.groups:
+            if g.experts:
+                # per expert and task: the gate_up input Gram (H x H) and the down input
+                # Gram (I x I), routed statistics (never rows, no normalized Gram)
+                experts_n, rows, width = (int(d) for d in base.shapes[b.group_tensors(g)[0]])
+                inner = rows // 2
+                per_task = experts_n * (width * width + inner * inner) * itemsize
+                block_grams += per_task
+                largest_gram = max(largest_gram, per_task)
+                linears = ((width, 2 * inner), (inner, width))  # (in, out) of each expert's
+                largest_sums = max(largest_sums, *((o * w + w * w + w + 1) * 8 for w, o in linears))
+                merged_stats = k * per_task if request.propagate else 0
+                if several and gathers:
+                    solve = (
+                        max(_solve_bytes(w, o, k_all, None) for w, o in linears) if rank == 0 else 0
+                    )
+                else:
+                    solve = max(_solve_bytes(w, o, k, None) for w, o in linears)
+                if merged_stats + solve > sum(group_peak):
+                    group_peak = (merged_stats, solve)
+                continue
             width = b.group_width(g, base.shapes)
             out = sum(b.linear_shape(g, m, base.shapes)[0] for m in g.modules)
             largest_sums = max(largest_sums, (out * width + width * width + width + 1) * 8)
@@ -658,9 +687,9 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
             merged_stats = raw + k * normalized if request.propagate else 0
             if request.propagate:  # the expert path is a reference: no normalized Gram
                 limit = request.reference_gram_max_dim
-                grams_per_task += gram if limit is None or width <= limit else width * 16
+                block_grams += gram if limit is None or width <= limit else width * 16
             else:
-                grams_per_task += (raw // k if k else 0) + normalized
+                block_grams += (raw // k if k else 0) + normalized
             # The dense solve of a task that kept its rows forms its Gram from them (float64)
             formed = (
                 sum(width * width * 8 for n in per_task if n < width)
@@ -688,6 +717,7 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
                 solve = _solve_bytes(width, out, k, tokens if span else None) + formed
             if merged_stats + solve > sum(group_peak):
                 group_peak = (merged_stats, solve)
+        grams_per_task = max(grams_per_task, block_grams)
     statistics = (k * grams_per_task if request.expert_path else 0) + group_peak[0]
     activations = 0
     for e in (plan.experts[i] for i in own):

@@ -74,6 +74,7 @@ from mergekit_ext.executor.blocks import (
     group_name,
     orient,
     run_block,
+    same_calls,
     skeleton_on_device,
     trim_heap,
 )
@@ -419,6 +420,8 @@ class SequentialExecutor:
                 state.expert_hidden, calls = self._embed(own, state)
                 if not state.calls:
                     state.calls = calls
+                elif not same_calls(state.calls, calls):
+                    state.expert_calls = calls
                 del own, calls
                 e.source.release()
             if not state.calls:  # neither path asked for: the block arguments are still needed
@@ -436,10 +439,24 @@ class SequentialExecutor:
     ) -> torch.Tensor:
         return run_block(self.blocks[index], params, hidden, call)
 
-    def _input_hook(self, accumulator: ActivationStatistics, stop: bool):
+    def _input_hook(
+        self, accumulator: ActivationStatistics, stop: bool, reads: tuple[str, ...] = ()
+    ):
+        """A pre-hook adding the module's input rows: the non-padding tokens, or for a
+        ``"table"`` call (``GroupSpec.reads``) every row of the table, once per call
+        (docs/methods.md, "Relative position tables"). ``stop``: end the forward after the
+        module's last call of the pass."""
+        calls = [0]
+
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-            accumulator.update(flatten_tokens(args[0], self._mask))
-            if stop:
+            kind = reads[calls[0] % len(reads)] if reads else "tokens"
+            calls[0] += 1
+            x = args[0]
+            if kind == "table":
+                accumulator.update(x.reshape(-1, x.shape[-1]))
+            else:
+                accumulator.update(flatten_tokens(x, self._mask))
+            if stop and (not reads or calls[0] % len(reads) == 0):
                 raise StopForward
 
         return hook
@@ -517,7 +534,7 @@ class SequentialExecutor:
             }
             handles = [
                 module.get_submodule(g.modules[0]).register_forward_pre_hook(
-                    self._input_hook(accumulators[g.label], stop=False)
+                    self._input_hook(accumulators[g.label], stop=False, reads=g.reads)
                     if not g.experts
                     else self._experts_hook(accumulators[g.label], g, params, stop=False),
                     with_kwargs=g.experts,
@@ -529,8 +546,9 @@ class SequentialExecutor:
                 outputs = []
                 for b, hidden in enumerate(state.expert_hidden):
                     self._mask = state.masks[b]
+                    calls = state.expert_calls or state.calls
                     outputs.append(
-                        self._run_block(block.index, params, hidden, state.calls[b][block.index])
+                        self._run_block(block.index, params, hidden, calls[b][block.index])
                     )
                 state.expert_hidden = outputs
             finally:
@@ -562,7 +580,9 @@ class SequentialExecutor:
                 accumulator = self._new_accumulator(
                     self._group_width(block, group), expert_path=False
                 )
-                handle = module.register_forward_pre_hook(self._input_hook(accumulator, stop=True))
+                handle = module.register_forward_pre_hook(
+                    self._input_hook(accumulator, stop=True, reads=group.reads)
+                )
             try:
                 assert state.merged_hidden is not None
                 for b, hidden in enumerate(state.merged_hidden):

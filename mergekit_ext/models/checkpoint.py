@@ -160,14 +160,16 @@ class ModelSource:
         return compute_tensor(tensor, device)
 
     def _read_fused(self, canonical: str, device: torch.device | str) -> torch.Tensor:
-        """A fused tensor gathered from its pieces by the class's own conversion's index map
-        (transient: an int64 map the size of the tensor, dropped after the read)."""
-        assert self._loader is not None
+        """A fused tensor gathered from its pieces, one piece read at a time, where the
+        class's own conversion puts them (strided views: no index map)."""
+        loader = self._loader
+        assert loader is not None
         module_key = self.checkpoint_key[canonical]
         shape = self.shapes[canonical]
         index = model_class.fused_pieces(self.skeleton, module_key, shape)
-        pieces = {k: compute_tensor(self._loader.get_tensor(k), device) for k in index}
-        return model_class.gather_fused(pieces, index, shape)
+        return model_class.gather_fused(
+            lambda key: compute_tensor(loader.get_tensor(key), device), index, shape
+        )
 
     def read_checkpoint_key(self, key: str) -> torch.Tensor:
         """One tensor as stored (dtype and all), by checkpoint key, on the CPU."""

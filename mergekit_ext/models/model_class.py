@@ -18,9 +18,9 @@ Comparing tensor names across inputs would call such models incompatible; they a
   checkpoint names (Mixtral's per-expert ``block_sparse_moe.experts.N.w1.weight``, not the
   fused ``mlp.experts.gate_up_proj`` the class holds in memory).
 - :func:`fused_pieces`: where each checkpoint tensor of one fused in-memory tensor sits in
-  it (an index map from transformers' own reverted conversion), so a fused tensor is
-  gathered from its checkpoint pieces and a merged one split back into them
-  (:func:`gather_fused`, :func:`split_fused`).
+  it (strided views found by transformers' own reverted conversion run on a meta tensor),
+  so a fused tensor is gathered from its checkpoint pieces and a merged one split back into
+  them (:func:`gather_fused`, :func:`split_fused`).
 
 Nothing here reads a weight: configs, safetensors headers and a model built on the meta
 device only.
@@ -29,13 +29,14 @@ device only.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import transformers
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from mergekit_ext.errors import ModelInputError
 
@@ -87,15 +88,56 @@ def saved_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return dict(revert_weight_conversion(model, state))
 
 
-def fused_pieces(
-    model: nn.Module, module_key: str, shape: Sequence[int]
-) -> dict[str, torch.Tensor]:
+@dataclass(frozen=True)
+class PieceView:
+    """Where one checkpoint piece sits in its fused tensor: a strided view of it (sizes,
+    strides and offset in elements of the contiguous fused tensor), so nothing the size of
+    the fused tensor is built to read or write it."""
+
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    def of(self, fused: torch.Tensor) -> torch.Tensor:
+        """The piece as a view of ``fused`` (contiguous, of the fused shape)."""
+        return fused.as_strided(self.size, self.stride, fused.storage_offset() + self.offset)
+
+    @property
+    def compact(self) -> bool:
+        """Whether the view covers ``[offset, offset + numel)`` exactly, each element once
+        (its dimensions, ordered by stride, are a contiguous layout, possibly permuted)."""
+        step = 1
+        for stride, size in sorted((st, s) for s, st in zip(self.size, self.stride) if s != 1):
+            if stride != step:
+                return False
+            step *= size
+        return True
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.size:
+            n *= int(s)
+        return n
+
+
+# Piece locations: a strided view (the usual case) or, where the conversion copies, an int64
+# map of flat positions the size of the piece.
+Piece = Union[PieceView, torch.Tensor]
+
+
+def fused_pieces(model: nn.Module, module_key: str, shape: Sequence[int]) -> dict[str, Piece]:
     """Where each checkpoint tensor of the fused in-memory tensor ``module_key`` sits in it.
 
     transformers' own reverted conversion (the one ``save_pretrained`` applies) is run on a
-    tensor holding each element's flat position, so whatever it does (stack per-expert
-    matrices, concatenate ``w1``/``w3``, transpose) the result says, per checkpoint key, which
-    element of the fused tensor each of its elements is. Nothing is re-implemented.
+    meta tensor of ``shape`` (no memory): its pieces come back as views of it (unbind,
+    chunk, transpose), whose sizes, strides and offsets say where each piece's elements sit
+    in the fused tensor (:class:`PieceView`). The meta input is itself a view at a nonzero
+    offset of a larger meta tensor, so a piece the conversion copied (offset 0) cannot pass
+    for a view. When the pieces are not views that tile the tensor exactly, the conversion
+    is run on a tensor holding each element's flat position instead (an int64 map the size
+    of the fused tensor; docs/methods.md, "Mixture-of-experts blocks"). Nothing of the
+    layout is re-implemented.
 
     Args:
         model: the class on the meta device (:func:`meta_model`).
@@ -104,18 +146,146 @@ def fused_pieces(
         shape: its shape.
 
     Returns:
-        ``{checkpoint key: int64 tensor of the piece's shape}`` of flat positions; one entry
-        ``{module_key: arange}`` when the class writes the tensor as it holds it.
+        ``{checkpoint key: PieceView or int64 tensor of flat positions}``; one entry for
+        ``module_key`` itself when the class writes the tensor as it holds it.
 
     Raises:
         ModelInputError: the conversion does more than move elements (every element must
             land in exactly one piece, once).
     """
+    views = _piece_views(model, module_key, shape)
+    if views is not None:
+        return dict(views)
+    LOG.info(
+        "%s: the checkpoint pieces are not views of the fused tensor; mapping its %s "
+        "elements by position (a transient int64 map)",
+        module_key,
+        _numel(shape),
+    )
+    return dict(_position_map(model, module_key, shape))
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+# Where the meta tensors of :func:`_piece_views` sit in their (meta, memoryless) storages:
+# the fused tensor and each copy the conversion makes get disjoint offset ranges far above
+# any tensor's size, so a tensor the conversion builds otherwise (offset below its size)
+# is never taken for a view of them.
+_REGION = 2**44
+
+
+class _CopyTracker(TorchFunctionMode):
+    """During the reverted conversion on meta: each whole copy (``contiguous``, ``clone``)
+    of a tensor that is a known strided view of the fused tensor comes back as a meta tensor
+    in a region of its own, remembered with the strided map it copies."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        super().__init__()
+        # region start -> (shape of the tensor there, its map in the fused tensor)
+        self.regions: dict[int, tuple[tuple[int, ...], PieceView]] = {}
+        self.fused = self._place(shape, PieceView(shape, _contiguous_strides(shape), 0))
+
+    def _place(self, shape: tuple[int, ...], view: PieceView) -> torch.Tensor:
+        start = _REGION * (len(self.regions) + 1)
+        self.regions[start] = (shape, view)
+        storage = torch.empty(start + _numel(shape), device="meta")
+        return storage[start:].view(shape)
+
+    def resolve(self, t: torch.Tensor) -> Optional[PieceView]:
+        """``t`` as a strided view of the fused tensor, or None (not one of the tracked
+        tensors, or a view the maps do not compose for)."""
+        start = (int(t.storage_offset()) // _REGION) * _REGION
+        if start not in self.regions:
+            return None
+        shape, view = self.regions[start]
+        local = int(t.storage_offset()) - start
+        strides = _contiguous_strides(shape)
+        origin = []  # the view's first element as an index of ``shape``
+        for stride in strides:
+            origin.append(local // stride)
+            local %= stride
+        out_stride = []
+        used: set[int] = set()
+        for size, stride in zip(t.shape, t.stride()):
+            if size == 1:
+                out_stride.append(0)
+                continue
+            # the dimension of ``shape`` whose contiguous stride divides ``stride`` and
+            # whose index stays in range along this dimension of the view
+            dim = next(
+                (d for d, st in enumerate(strides) if st <= stride and stride % st == 0), None
+            )
+            if dim is None or dim in used:
+                return None
+            step = stride // strides[dim]
+            if origin[dim] + (size - 1) * step >= shape[dim]:
+                return None
+            used.add(dim)
+            out_stride.append(step * view.stride[dim])
+        offset = view.offset + sum(i * st for i, st in zip(origin, view.stride))
+        return PieceView(tuple(int(d) for d in t.shape), tuple(out_stride), offset)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.contiguous, torch.Tensor.clone, torch.clone) and args:
+            x = args[0]
+            if func is torch.Tensor.contiguous and x.is_contiguous():
+                return x
+            view = self.resolve(x)
+            if view is not None:
+                return self._place(tuple(int(d) for d in x.shape), view)
+        return func(*args, **kwargs)
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    out, step = [], 1
+    for d in reversed(shape):
+        out.append(step)
+        step *= int(d)
+    return tuple(reversed(out))
+
+
+def _piece_views(
+    model: nn.Module, module_key: str, shape: Sequence[int]
+) -> Optional[dict[str, PieceView]]:
+    """The pieces as strided views of the fused tensor, or None when they are not views
+    that tile it exactly (each element in one piece, once)."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    numel = 1
-    for n in shape:
-        numel *= int(n)
+    tracker = _CopyTracker(tuple(int(d) for d in shape))
+    try:
+        with tracker:
+            reverted = dict(revert_weight_conversion(model, {module_key: tracker.fused}))
+    except Exception as e:  # a conversion that needs real data: the position map decides
+        LOG.debug("%s: the reverted conversion does not run on meta (%s)", module_key, e)
+        return None
+    views: dict[str, PieceView] = {}
+    for key, piece in reverted.items():
+        view = tracker.resolve(piece)
+        if view is None or not view.compact:
+            return None
+        views[key] = view
+    ranges = sorted((v.offset, v.offset + v.numel) for v in views.values())
+    end = 0
+    for lo, hi in ranges:
+        if lo != end:
+            return None  # a gap or an overlap
+        end = hi
+    return views if end == _numel(shape) else None
+
+
+def _position_map(
+    model: nn.Module, module_key: str, shape: Sequence[int]
+) -> dict[str, torch.Tensor]:
+    """The pieces as int64 maps of flat positions (the conversion run on the positions)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    numel = _numel(shape)
     if numel > 2**53:  # pragma: no cover - float64 holds positions exactly up to 2**53
         raise ModelInputError(f"{module_key}: {numel} elements, too many to index exactly")
     positions = torch.arange(numel, dtype=torch.float64).reshape(tuple(shape))
@@ -137,20 +307,40 @@ def fused_pieces(
 
 
 def gather_fused(
-    pieces: Mapping[str, torch.Tensor], index: Mapping[str, torch.Tensor], shape: Sequence[int]
+    pieces: Union[Mapping[str, torch.Tensor], Callable[[str], torch.Tensor]],
+    index: Mapping[str, Piece],
+    shape: Sequence[int],
 ) -> torch.Tensor:
-    """The fused tensor from its checkpoint ``pieces`` (``index``: :func:`fused_pieces`)."""
-    first = next(iter(pieces.values()))
-    out = torch.empty(int(torch.tensor(list(shape)).prod()), dtype=first.dtype, device=first.device)
+    """The fused tensor from its checkpoint pieces (``index``: :func:`fused_pieces`).
+
+    ``pieces``: the pieces by key, or a function reading one, so that a reader holds one
+    piece at a time besides the result.
+    """
+    get = pieces.__getitem__ if isinstance(pieces, Mapping) else pieces
+    out: Optional[torch.Tensor] = None
     for key, where in index.items():
-        out[where.reshape(-1).to(out.device)] = pieces[key].reshape(-1)
-    return out.reshape(tuple(shape))
+        piece = get(key)
+        if out is None:
+            out = torch.empty(tuple(int(d) for d in shape), dtype=piece.dtype, device=piece.device)
+        if isinstance(where, PieceView):
+            where.of(out).copy_(piece.reshape(where.size))
+        else:
+            out.view(-1)[where.reshape(-1).to(out.device)] = piece.reshape(-1)
+        del piece
+    assert out is not None, "a fused tensor has at least one piece"
+    return out
 
 
-def split_fused(tensor: torch.Tensor, index: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def split_fused(tensor: torch.Tensor, index: Mapping[str, Piece]) -> dict[str, torch.Tensor]:
     """A fused tensor as its checkpoint pieces (contiguous copies), by :func:`fused_pieces`."""
-    flat = tensor.reshape(-1)
-    return {key: flat[where.to(flat.device)].contiguous() for key, where in index.items()}
+    fused = tensor.contiguous()
+    flat = fused.reshape(-1)
+    return {
+        key: (
+            where.of(fused) if isinstance(where, PieceView) else flat[where.to(flat.device)]
+        ).contiguous()
+        for key, where in index.items()
+    }
 
 
 def rename_to_module_keys(model: nn.Module, checkpoint_keys: Iterable[str]) -> dict[str, str]:

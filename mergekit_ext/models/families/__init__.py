@@ -54,12 +54,19 @@ class GroupSpec:
     ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]); each expert's two matrices are
     merged as linear groups of their own with the statistics of the tokens routed to it
     (:mod:`mergekit_ext.executor.moe`).
+
+    ``reads``: when the group's linears run more than once in one forward of the block, what
+    each call reads, in call order: ``"tokens"`` (one row per token of the block's input) or
+    ``"table"`` (a tensor the backbone computes before the blocks and hands every block, such
+    as DeBERTa's relative position embeddings: all of its rows, once per call); empty for
+    the usual one call on the tokens (docs/methods.md, "Relative position tables").
     """
 
     label: str
     modules: tuple[str, ...]
     transposed: frozenset[str] = frozenset()
     experts: bool = False
+    reads: tuple[str, ...] = ()
 
 
 class ModelFamily:
@@ -95,6 +102,13 @@ class ModelFamily:
     fused_experts: bool = False
     # Discovered linear groups by block signature (see :func:`.discovery.block_signature`).
     _discovered_groups: Optional[dict[Any, tuple[GroupSpec, ...]]] = None
+
+    @property
+    def table_readers(self) -> tuple[str, ...]:
+        """The discovered linears that also read a table handed to every block (DeBERTa-v3's
+        ``query_proj``/``key_proj``; ``GroupSpec.reads``), block-relative paths."""
+        groups = (self._discovered_groups or {}).values()
+        return tuple(sorted({m for gs in groups for g in gs if g.reads for m in g.modules}))
 
     def discover(self, model: nn.Module, config: Any) -> ModelFamily:
         """Fill in, from ``model`` (the class built on the meta device), what is not declared."""

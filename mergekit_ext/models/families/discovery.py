@@ -21,8 +21,13 @@ Mixture-of-experts blocks: an *experts module* (transformers 5's fused 3-D
 is a group of its own (``experts=True``); a *router* (one ``[E, H]`` weight, not an
 ``nn.Linear``) runs on the zero weights, its input is recorded and it is a group of its own.
 
+A linear that also reads a *table* the backbone hands every block (DeBERTa-v3's relative
+position embeddings, read by ``query_proj`` and ``key_proj`` with ``share_att_key``) keeps
+that call: the linears reading the same tensors form a group, ``GroupSpec.reads`` lists
+what each call reads (docs/methods.md, "Relative position tables").
+
 Refused, naming the module and the reason: a linear layer that reads two different inputs
-in one forward (DeBERTa's shared relative-position keys), a weight of a block that is not a
+of one row per token in one forward, a weight of a block that is not a
 linear layer, experts module or router that ran (a linear the forward never called), a
 module that runs between blocks (DeBERTa-v2's convolution after the first block). Nothing
 here reads a weight.
@@ -231,6 +236,9 @@ class _Trace:
         self.linear_calls: dict[int, list[tuple[str, torch.Tensor]]] = {}  # block -> calls
         self.block_outputs: dict[int, Any] = {}
         self.block_inputs: dict[int, tuple[int, ...]] = {}  # leading shape of the hidden states
+        # storages of the other tensors the backbone hands each block (masks, position
+        # tables): a linear reading one of them reads a table, not the tokens
+        self.block_tables: dict[int, set[int]] = {}
         self.current_block: Optional[int] = None
 
 
@@ -313,6 +321,12 @@ def _trace(
             hidden = args[0] if args else kwargs.get("hidden_states")
             if isinstance(hidden, torch.Tensor):
                 trace.block_inputs[index] = tuple(hidden.shape[:-1])
+            others = (list(args[1:]), {k: v for k, v in kwargs.items() if k != "hidden_states"})
+            trace.block_tables[index] = {
+                t.untyped_storage().data_ptr()
+                for t in tree_flatten(others)[0]
+                if isinstance(t, torch.Tensor) and t.device.type != "meta"
+            }
             if not trace.block_calls:
                 before.extend(uses.used)
             elif len(trace.block_calls) < len(blocks):
@@ -342,6 +356,10 @@ def _trace(
         if "use_cache" in inspect.signature(backbone.forward).parameters
         else {}
     )
+    # as the executor runs it: dropout off (in training mode a dropout copies the tensor it
+    # reads, and a table handed to the blocks would no longer be recognised)
+    training = backbone.training
+    backbone.eval()
     try:
         with _fake_linears(blocks, trace), uses, torch.no_grad():
             torch.func.functional_call(backbone, params, args=(), kwargs={**inputs, **extra})
@@ -354,6 +372,7 @@ def _trace(
             f"discovered ({type(e).__name__}: {e}); {ALTERNATIVES}"
         ) from e
     finally:
+        backbone.train(training)
         for h in handles:
             h.remove()
     return trace, before, between
@@ -385,12 +404,13 @@ def _block_groups(
     calls: list[tuple[str, torch.Tensor]],
     where: str,
     tokens: Optional[tuple[int, ...]],
+    tables: frozenset[int] = frozenset(),
 ) -> tuple[GroupSpec, ...]:
     """The linear groups of one block from its recorded linear calls (``tokens``: the
-    leading shape of the block's input hidden states)."""
-    inputs: list[Optional[torch.Tensor]] = []  # one tensor per group (None: a group alone)
-    members: list[list[str]] = []
-    read: dict[str, torch.Tensor] = {}
+    leading shape of the block's input hidden states; ``tables``: the storages of the other
+    tensors the backbone hands the block)."""
+    reads: dict[str, list[torch.Tensor]] = {}  # module -> the tensors it read, in call order
+    kinds: dict[str, list[str]] = {}  # module -> "tokens" | "table" per call
     experts, routers = moe_modules(block)
     flat = (int(torch.tensor(tokens).prod()),) if tokens is not None else None
     for name, x in calls:
@@ -401,37 +421,53 @@ def _block_groups(
             tokens is not None
             and tuple(d for d in rows if d != 1) == tuple(d for d in tokens if d != 1)
         )
+        kind = "tokens"
         if tokens is not None and not same:
-            raise ModelInputError(
-                f"{where}.{name} ({type(block.get_submodule(name)).__name__}) reads a tensor of "
-                f"shape {list(x.shape)}, not one row per token of the block's input "
-                f"{[*tokens, '...']} (e.g. DeBERTa's relative position embeddings): its input "
-                "statistics would not be the calibration tokens'; "
-                f"{ALTERNATIVES}"
-            )
-        if name in read:
-            if read[name] is not x:
+            if x.untyped_storage().data_ptr() not in tables or name in experts | routers:
                 raise ModelInputError(
-                    f"{where}.{name} ({type(block.get_submodule(name)).__name__}) reads two "
-                    "different inputs in one forward pass (e.g. the hidden states and the "
-                    "relative position embeddings of DeBERTa's share_att_key): its input "
-                    "statistics would mix them with no weighting that the data defines; "
+                    f"{where}.{name} ({type(block.get_submodule(name)).__name__}) reads a "
+                    f"tensor of shape {list(x.shape)}, not one row per token of the block's "
+                    f"input {[*tokens, '...']} nor a table the backbone hands every block: "
+                    "its input statistics would not be the calibration tokens'; "
                     f"{ALTERNATIVES}"
                 )
+            kind = "table"  # DeBERTa's relative position embeddings (share_att_key)
+        seen = reads.setdefault(name, [])
+        if any(t is x for t in seen):
             continue
-        read[name] = x
+        if kind == "tokens" and "tokens" in kinds.get(name, []):
+            raise ModelInputError(
+                f"{where}.{name} ({type(block.get_submodule(name)).__name__}) reads two "
+                "different inputs of one row per token in one forward pass: its input "
+                "statistics would mix them with no weighting that the data defines; "
+                f"{ALTERNATIVES}"
+            )
+        seen.append(x)
+        kinds.setdefault(name, []).append(kind)
+    inputs: list[Optional[tuple[int, ...]]] = []  # per group, what its linears read (None: alone)
+    members: list[list[str]] = []
+    for name, xs in reads.items():
+        if kinds[name][0] != "tokens":
+            raise ModelInputError(
+                f"{where}.{name} ({type(block.get_submodule(name)).__name__}) reads a table "
+                "before the tokens; the executor fits a linear whose first call reads the "
+                f"block's tokens; {ALTERNATIVES}"
+            )
         if name in experts or name in routers:
             # a group of its own: a router's weight is no linear of the shared experts, and
             # the experts are merged one expert at a time
             inputs.append(None)
             members.append([name])
             continue
-        for i, seen in enumerate(inputs):
-            if seen is x:
+        # linears reading the same tensors (DeBERTa's query_proj and key_proj: the tokens and
+        # the relative position table; value_proj: the tokens only) form one group
+        key = tuple(id(t) for t in xs)
+        for i, seen_key in enumerate(inputs):
+            if seen_key == key:
                 members[i].append(name)
                 break
         else:
-            inputs.append(x)
+            inputs.append(key)
             members.append([name])
     grouped = {m for g in members for m in g}
     for name in sorted((experts | routers) - grouped):
@@ -469,6 +505,7 @@ def _block_groups(
             g,
             frozenset(m for m in g if is_transposed_linear(block.get_submodule(m))),
             experts=g[0] in experts,
+            reads=tuple(kinds[g[0]]) if len(kinds[g[0]]) > 1 else (),
         )
         for label, g in zip(_unique_labels(groups), groups)
     )
@@ -541,7 +578,11 @@ def _discover(family: ModelFamily, model: nn.Module, config: Any) -> None:
     for index, block in enumerate(blocks):
         where = f"{type(model).__name__} block {layers_path}.{index}"
         groups = _block_groups(
-            block, trace.linear_calls.get(index, []), where, trace.block_inputs.get(index)
+            block,
+            trace.linear_calls.get(index, []),
+            where,
+            trace.block_inputs.get(index),
+            frozenset(trace.block_tables.get(index, ())),
         )
         if not groups:
             raise ModelInputError(
