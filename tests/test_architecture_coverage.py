@@ -693,7 +693,7 @@ def test_diagnose_every_supported_type(model_type, checkpoints, data, tmp_path):
     measures (KL, agreement) are finite where the model has a head."""
     import math
 
-    from mergekit_ext.executor.diagnose import diagnose
+    from mergekit_ext.diagnose import diagnose
 
     arch = tiny_architectures.ARCHITECTURES[model_type]
     base, experts = checkpoints(model_type)
