@@ -221,21 +221,33 @@ def family_sets(tmp_path_factory):
     return sets
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "phi3"])
-@pytest.mark.parametrize("method", ["regmean", "chain_of_merges"])
-def test_two_ranks_equal_one_process_on_other_families(family_sets, tmp_path, model_type, method):
+@pytest.mark.parametrize(
+    ("model_type", "method", "world"),
+    [
+        ("mixtral", "regmean", 2),
+        ("mixtral", "chain_of_merges", 2),
+        ("phi3", "regmean", 2),
+        ("phi3", "chain_of_merges", 2),
+        # routed statistics through the ranks that share a task
+        ("mixtral", "chain_of_merges", 4),
+    ],
+    ids=["mixtral-regmean", "mixtral-com", "phi3-regmean", "phi3-com", "mixtral-com-W4"],
+)
+def test_several_ranks_equal_one_process_on_other_families(
+    family_sets, tmp_path, model_type, method, world
+):
     base, experts = family_sets[model_type]
     config = _write_config(str(tmp_path), method, base, list(experts), {})
     reference = str(tmp_path / "one")
     _single_process(config, reference)
-    out = str(tmp_path / "two")
+    out = str(tmp_path / "many")
     results = _launch(
-        2, [config, out, "--distributed-timeout", str(COLLECTIVE_TIMEOUT_S)], str(tmp_path)
+        world, [config, out, "--distributed-timeout", str(COLLECTIVE_TIMEOUT_S)], str(tmp_path)
     )
-    assert [rc for rc, _ in results] == [0, 0], results
+    assert [rc for rc, _ in results] == [0] * world, results
     _same_bytes(reference, out)
-    one, two = _diagnostics(reference), _diagnostics(out)
-    assert two["sections"] == one["sections"]
+    one, many = _diagnostics(reference), _diagnostics(out)
+    assert many["sections"] == one["sections"]
     if model_type == "mixtral":
         layers = one["sections"][method]["layers"]
         assert any("expert" in r for r in layers)  # the routed experts were solved
