@@ -251,3 +251,49 @@ def test_several_ranks_equal_one_process_on_other_families(
     if model_type == "mixtral":
         layers = one["sections"][method]["layers"]
         assert any("expert" in r for r in layers)  # the routed experts were solved
+
+
+# ------------------------------------------------------------------------------------------
+# Why the accumulator travels (one process, no launch)
+
+
+def test_a_travelling_accumulator_gives_the_running_sum_and_partial_sums_do_not():
+    """Three batches; the first on one "rank", the others recorded on a second and added once
+    the accumulator arrives (through torch.save / torch.load, as send_object does): the same
+    bits as one running sum. Adding the second rank's own partial sum instead does not (float64
+    products round)."""
+    import io
+
+    from mergekit_ext.calibration.statistics import ActivationStatistics
+    from mergekit_ext.executor.sequential import _DeferredUpdates
+
+    gen = torch.Generator().manual_seed(3)
+    batches = [torch.randn(n, 16, generator=gen, dtype=torch.float64) for n in (5, 7, 4)]
+
+    def new() -> ActivationStatistics:
+        return ActivationStatistics(16, normalized_gram=True, product_dtype=torch.float64)
+
+    one = new()
+    for b in batches:
+        one.update(b)
+    expected = one.finalize()
+
+    first = new()
+    first.update(batches[0])
+    later = _DeferredUpdates()
+    for b in batches[1:]:
+        later.update(b)
+    buffer = io.BytesIO()
+    torch.save(first, buffer)
+    arrived = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+    later.replay(arrived)
+    travelled = arrived.finalize()
+    assert torch.equal(travelled.gram, expected.gram)
+    assert torch.equal(travelled.gram_normalized, expected.gram_normalized)
+    assert torch.equal(travelled.mean, expected.mean) and travelled.count == expected.count
+
+    # partial sums per rank, added afterwards: another association, other bits
+    rest = sum((b.T @ b for b in batches[2:]), batches[1].T @ batches[1])
+    partial = (batches[0].T @ batches[0] + rest) / 16
+    partial = (partial + partial.T) * 0.5
+    assert not torch.equal(partial, expected.gram)

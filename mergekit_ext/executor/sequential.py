@@ -34,14 +34,19 @@ chosen device (:class:`~mergekit_ext.calibration.statistics.ActivationStatistics
 
 Several processes (:mod:`mergekit_ext.distributed`): rank r runs only its own tasks
 ``{k : k mod W = r}`` (their embeddings, expert-path and merged-path passes, statistics)
-and loads, per block, the base, its own experts and the merged block. Rank 0 also loads the
+and loads, per block, the base, its own experts and the merged block. With more processes
+than tasks, a task's ranks each run a contiguous share of its batches; each records its
+layer inputs and adds them to the task's accumulators when they arrive from the rank with
+the previous share (:class:`_DeferredUpdates`), so the sums are the one process's, and the
+statistics end on the task's last rank. Rank 0 also loads the
 other experts' non-linear tensors (for the fallback merges) and, for a method without a
 :class:`~mergekit_ext.methods.layerwise.SumReduction`, their linear weights. Each group is
 merged either from sums over the tasks, added in task order as they pass from rank to
 rank (bit for bit the single process's sums) and solved on rank 0, or from every task's
 statistics gathered to rank 0 and merged with the method's own single-process code;
 either way rank 0 broadcasts the merged weights, so every rank carries its tasks' hidden
-states through the same merged group. Only rank 0 writes; the per-task diagnostics are
+states through the same merged group. A mixture-of-experts experts module is always merged
+the second way (every task's routed statistics gathered to rank 0). Only rank 0 writes; the per-task diagnostics are
 gathered to it at the end.
 """
 
