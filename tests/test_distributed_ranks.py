@@ -103,8 +103,8 @@ def test_a_rank_without_a_batch_is_refused():
 
 @pytest.mark.parametrize(
     ("method", "world"),
-    [("regmean", 4), ("chain_of_merges", 4), ("chain_of_merges", 3)],
-    ids=["regmean-W4", "com-W4", "com-W3"],
+    [("regmean", 4), ("chain_of_merges", 4), ("chain_of_merges", 3), ("qp_projection", 4)],
+    ids=["regmean-W4", "com-W4", "com-W3", "qp-W4"],
 )
 def test_more_ranks_than_tasks_equal_one_process(tiny_llama_set, tmp_path, method, world):
     experts = list(tiny_llama_set.experts[:2])

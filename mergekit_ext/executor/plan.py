@@ -664,8 +664,20 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
     block_bytes = max(
         (sum(_numel(base.shapes[t]) for t in b.tensors) * 4 for b in plan.blocks), default=0
     )
+    # what rank 0 loads of another rank's expert: norms and biases, and experts modules
     others_bytes = max(
-        (sum(_numel(base.shapes[t]) for t in b.others) * 4 for b in plan.blocks), default=0
+        (
+            sum(
+                _numel(base.shapes[t])
+                for t in [
+                    *b.others,
+                    *(t for g in b.groups if g.experts for t in b.group_tensors(g)),
+                ]
+            )
+            * 4
+            for b in plan.blocks
+        ),
+        default=0,
     )
     request = plan.request
     itemsize = request.statistics_dtype.itemsize

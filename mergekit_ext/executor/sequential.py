@@ -46,8 +46,8 @@ rank (bit for bit the single process's sums) and solved on rank 0, or from every
 statistics gathered to rank 0 and merged with the method's own single-process code;
 either way rank 0 broadcasts the merged weights, so every rank carries its tasks' hidden
 states through the same merged group. A mixture-of-experts experts module is always merged
-the second way (every task's routed statistics gathered to rank 0). Only rank 0 writes; the per-task diagnostics are
-gathered to it at the end.
+the second way (every task's routed statistics gathered to rank 0). Only rank 0 writes;
+the per-task diagnostics are gathered to it at the end.
 """
 
 from __future__ import annotations
