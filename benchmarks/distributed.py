@@ -19,6 +19,7 @@ most 0.65x that of W = 1 (which needs two idle cores).
     python -m benchmarks.distributed --probe    # full widths, 4 blocks
     python -m benchmarks.distributed --small    # a quick check
     python -m benchmarks.distributed --small --tasks 2 --worlds 1,2,4 --batch-size 2
+    python -m benchmarks.distributed --medium --tasks 2 --worlds 1,2,4
     python -m benchmarks.distributed --llm-width [DIR]   # memory probe at Llama-3-8B widths
 
 ``--llm-width``: the two-block Llama-3-8B-width model of ``benchmarks/llm_width.py`` (bf16,
@@ -44,6 +45,17 @@ from benchmarks.executor_memory import SIZES, _llama_config, _tensor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_EXPERTS = 4
+# between --small and --probe: where the passes and Grams outweigh a process's fixed costs
+MEDIUM = dict(
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    vocab_size=8000,
+    sequences=32,
+    seq_len=128,
+)
 
 
 def _build_models(folder: str, size: dict[str, int]) -> dict[str, Any]:
@@ -79,7 +91,7 @@ def _build_models(folder: str, size: dict[str, int]) -> dict[str, Any]:
 def build(cache_dir: str, size_name: str) -> tuple[str, dict[str, Any]]:
     from benchmarks.cache import cached_build
 
-    size = SIZES[size_name]
+    size = MEDIUM if size_name == "medium" else SIZES[size_name]
     folder = os.path.join(cache_dir, f"distributed_{size_name}")
     recipe = {"bench": "distributed", "experts": NUM_EXPERTS, **size}
     return folder, cached_build(folder, recipe, lambda tmp: _build_models(tmp, size))
@@ -228,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", action="store_true", help="a tiny model for a quick check")
     parser.add_argument("--probe", action="store_true", help="full widths, 4 blocks")
+    parser.add_argument(
+        "--medium", action="store_true", help="hidden 512, 4 blocks, 32 x 128 tokens per task"
+    )
     parser.add_argument("--cache", default=None, help="cache folder for the synthetic models")
     parser.add_argument(
         "--llm-width",
@@ -263,8 +278,16 @@ def main(argv: list[str] | None = None) -> int:
             fp.write(llm_width._yaml("chain_of_merges", folder, NUM_EXPERTS))
         estimates = _estimates(config, worlds)
     else:
-        size_name = "small" if args.small else "probe" if args.probe else "full"
-        size = SIZES[size_name]
+        size_name = (
+            "small"
+            if args.small
+            else "probe"
+            if args.probe
+            else "medium"
+            if args.medium
+            else "full"
+        )
+        size = MEDIUM if size_name == "medium" else SIZES[size_name]
         folder, record = build(args.cache or default_cache_dir(), size_name)
         config = _config(folder, size, args.tasks, args.batch_size)
         estimates = _estimates(config, worlds)
