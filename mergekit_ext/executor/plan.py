@@ -708,8 +708,8 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
                 for i in runs
                 if plan.experts[i].data is not None
             ]
-            if shared:
-                for i in runs:
+            if shared:  # the ranks after a task's first share record their inputs
+                for i in (i for i in runs if layout[i].index(rank) > 0):
                     data = plan.experts[i].data
                     if data is not None and data.batches:
                         start, stop = shares[i]

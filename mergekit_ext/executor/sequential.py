@@ -742,7 +742,9 @@ class SequentialExecutor:
 
             shared = self._shares(state.index)
             accumulators: Optional[dict[str, Any]] = (
-                {g.label: _DeferredUpdates() for g in block.groups} if shared else make()
+                {g.label: _DeferredUpdates() for g in block.groups}
+                if self._waits(state.index)
+                else make()
             )
             assert accumulators is not None
             handles = [
@@ -768,7 +770,7 @@ class SequentialExecutor:
                     h.remove()
                 self._mask = None
             if shared:
-                accumulators = self._chain(state.index, make, accumulators)
+                accumulators = self._chain(state.index, accumulators)
                 if accumulators is None:
                     continue  # the task's statistics end on a later rank
             for g in block.groups:
@@ -780,27 +782,30 @@ class SequentialExecutor:
         """Whether several ranks share this task's batches (W > K)."""
         return len(self.dist.ranks_of(task, len(self.experts))) > 1
 
-    def _chain(
-        self,
-        task: int,
-        make: Callable[[], dict[str, Any]],
-        deferred: dict[str, _DeferredUpdates],
-    ) -> Optional[dict[str, Any]]:
+    def _waits(self, task: int) -> bool:
+        """Whether this rank's updates for ``task`` wait for the accumulators of the task's
+        earlier batches (a shared task, and not this rank's first share)."""
+        ranks = self.dist.ranks_of(task, len(self.experts))
+        return len(ranks) > 1 and ranks.index(self.dist.rank) > 0
+
+    def _chain(self, task: int, mine: dict[str, Any]) -> Optional[dict[str, Any]]:
         """A shared task's accumulators through its ranks in batch order.
 
-        The rank with the first share starts them, each rank adds its own batches' updates
-        and passes them on: the float64 sums see the updates of one process in its order
-        (docs/methods.md, "Several processes"). Returns them on the task's last rank (which
-        holds the task's statistics), None on the others.
+        The rank with the first share accumulates its batches as one process does (``mine``
+        are the accumulators); each later rank has recorded its updates (``mine``:
+        :class:`_DeferredUpdates`), adds them to the accumulators it receives and passes them
+        on: the float64 sums see the updates of one process in its order (docs/methods.md,
+        "More processes than tasks"). Returns them on the task's last rank (which holds the
+        task's statistics), None on the others.
         """
         ranks = self.dist.ranks_of(task, len(self.experts))
         position = ranks.index(self.dist.rank)
         if position == 0:
-            accumulators = make()
+            accumulators = mine
         else:
             accumulators = self.dist.recv_object(ranks[position - 1], self.device)
-        for label, updates in deferred.items():
-            updates.replay(accumulators[label])
+            for label, updates in mine.items():
+                updates.replay(accumulators[label])
         if position + 1 < len(ranks):
             self.dist.send_object(accumulators, ranks[position + 1])
             return None
@@ -830,7 +835,9 @@ class SequentialExecutor:
                 return {group.label: self._new_accumulator(width, expert_path=False)}
 
             shared = self._shares(state.index)
-            accumulator: Any = _DeferredUpdates() if shared else make()[group.label]
+            accumulator: Any = (
+                _DeferredUpdates() if self._waits(state.index) else make()[group.label]
+            )
             if group.experts:
                 hook = self._experts_hook(accumulator, group, params, stop=True)
                 handle = module.register_forward_pre_hook(hook, with_kwargs=True)
@@ -852,7 +859,7 @@ class SequentialExecutor:
                 handle.remove()
                 self._mask = None
             if shared:
-                chained = self._chain(state.index, make, {group.label: accumulator})
+                chained = self._chain(state.index, {group.label: accumulator})
                 if chained is None:
                     continue  # the task's statistics end on a later rank
                 accumulator = chained[group.label]
