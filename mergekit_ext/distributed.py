@@ -6,9 +6,11 @@ each run ``mergekit-ext run``; they read the ``torch.distributed`` environment
 process group: gloo on CPU, NCCL for CUDA tensors (with gloo beside it for the small
 control messages) where ``--device cuda`` puts rank r on ``cuda:LOCAL_RANK``.
 
-Rank r owns the tasks ``{k : k mod W = r}`` (:meth:`DistributedContext.owned`); the
-sequential executor runs those tasks' forward passes and statistics there and combines the
-statistics with the collectives below. Only rank 0 writes anything.
+With W ≤ K processes for K tasks, rank r owns the tasks ``{k : k mod W = r}``
+(:meth:`DistributedContext.owned`); with W > K, each task gets a contiguous group of ranks
+(:func:`task_ranks`), each of which runs a contiguous share of the task's calibration
+batches. The sequential executor runs those forward passes and statistics there and
+combines the statistics with the collectives below. Only rank 0 writes anything.
 
 Every collective is bounded by the process group's timeout (``--distributed-timeout``,
 default :data:`DEFAULT_TIMEOUT_S`); a rank that fails exits at once, which closes its
@@ -76,12 +78,27 @@ class DistributedContext:
     def label(self) -> str:
         return f"rank {self.rank}/{self.world_size}"
 
-    def owner(self, task_index: int) -> int:
-        return task_index % self.world_size
+    def ranks_of(self, task_index: int, num_tasks: int) -> list[int]:
+        """The ranks that run task ``task_index``'s forward passes (:func:`task_ranks`)."""
+        return task_ranks(self.world_size, num_tasks)[task_index]
+
+    def owner(self, task_index: int, num_tasks: int) -> int:
+        """The rank that holds the task's statistics: the one with its last batches."""
+        return self.ranks_of(task_index, num_tasks)[-1]
 
     def owned(self, num_tasks: int) -> list[int]:
-        """The indices of this rank's tasks: ``{k : k mod W = rank}``."""
-        return [k for k in range(num_tasks) if self.owner(k) == self.rank]
+        """The tasks whose passes this rank runs: ``{k : k mod W = rank}`` for W ≤ K; one
+        task (a contiguous share of its batches) for W > K."""
+        return [k for k in range(num_tasks) if self.rank in self.ranks_of(k, num_tasks)]
+
+    def holds(self, num_tasks: int) -> list[int]:
+        """The tasks whose statistics end on this rank (its owned tasks for W ≤ K)."""
+        return [k for k in range(num_tasks) if self.owner(k, num_tasks) == self.rank]
+
+    def share(self, task_index: int, num_tasks: int, num_batches: int) -> tuple[int, int]:
+        """This rank's contiguous share ``[start, stop)`` of the task's batches."""
+        ranks = self.ranks_of(task_index, num_tasks)
+        return batch_share(ranks.index(self.rank), len(ranks), num_batches)
 
     def check_tasks(self, num_tasks: int) -> None:
         check_tasks(self.world_size, num_tasks)
@@ -140,6 +157,42 @@ class DistributedContext:
         except RuntimeError as e:
             raise self._failed(f"receiving statistics from rank {src}", e) from e
 
+    def send_object(self, obj: Any, dst: int) -> None:
+        """Send a picklable object (tensors on any device) to rank ``dst``."""
+        import io
+
+        import torch.distributed as dist
+
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        payload = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+        try:
+            dist.send(
+                torch.tensor([payload.numel()], dtype=torch.int64),
+                dst=dst,
+                group=self._object_group,
+            )
+            dist.send(payload, dst=dst, group=self._object_group)
+        except RuntimeError as e:
+            raise self._failed(f"sending partial statistics to rank {dst}", e) from e
+
+    def recv_object(self, src: int, device: Any = "cpu") -> Any:
+        """Receive what rank ``src`` sent with :meth:`send_object`; tensors onto ``device``."""
+        import io
+
+        import torch.distributed as dist
+
+        size = torch.zeros(1, dtype=torch.int64)
+        try:
+            dist.recv(size, src=src, group=self._object_group)
+            payload = torch.empty(int(size.item()), dtype=torch.uint8)
+            dist.recv(payload, src=src, group=self._object_group)
+        except RuntimeError as e:
+            raise self._failed(f"receiving partial statistics from rank {src}", e) from e
+        return torch.load(
+            io.BytesIO(payload.numpy().tobytes()), map_location=device, weights_only=False
+        )
+
     def gather_objects(self, obj: Any) -> Optional[list[Any]]:
         """Every rank's ``obj`` on rank 0, in rank order (None elsewhere); CPU tensors only."""
         if not self.enabled:
@@ -192,14 +245,53 @@ class DistributedContext:
                 raise DistributedError(f"{self.label}: rank {rank} failed {phase}: {message}")
 
 
+def task_ranks(world_size: int, num_tasks: int) -> list[list[int]]:
+    """Per task, the ranks that run its passes, in the order of their batch shares.
+
+    W ≤ K: task k on rank ``k mod W`` alone. W > K: the ranks split into K contiguous groups
+    (the first ``W mod K`` tasks get one rank more), so a node's ranks tend to share a task.
+    """
+    if world_size <= num_tasks:
+        return [[k % world_size] for k in range(num_tasks)]
+    per, extra = divmod(world_size, num_tasks)
+    groups, start = [], 0
+    for k in range(num_tasks):
+        size = per + (1 if k < extra else 0)
+        groups.append(list(range(start, start + size)))
+        start += size
+    return groups
+
+
+def batch_share(position: int, ranks: int, num_batches: int) -> tuple[int, int]:
+    """Share ``position`` of ``ranks`` contiguous shares of ``num_batches`` batches, as
+    ``[start, stop)``; the last share is never empty while there is a batch."""
+    return (position * num_batches) // ranks, ((position + 1) * num_batches) // ranks
+
+
 def check_tasks(world_size: int, num_tasks: int) -> None:
     """The rule for how many processes a merge of ``num_tasks`` tasks may have, for the run
-    and for its plan (``--dry-run --world-size``): each process owns whole tasks."""
-    if world_size > num_tasks:
-        raise DistributedError(
-            f"{world_size} processes for {num_tasks} tasks: each process owns whole "
-            f"tasks, so launch at most {num_tasks} (--nproc-per-node {num_tasks})"
-        )
+    and for its plan (``--dry-run --world-size``): any number; beyond K processes several
+    ranks share one task's batches (each needs at least one batch:
+    :func:`check_shares`)."""
+    if num_tasks < 1:
+        raise DistributedError("a merge over several processes needs at least one task")
+
+
+def check_shares(world_size: int, batches: Sequence[tuple[str, int]]) -> None:
+    """Each rank that shares a task needs one of its batches at least.
+
+    Args:
+        world_size: W.
+        batches: per task, its name and its number of calibration batches.
+    """
+    for (name, count), ranks in zip(batches, task_ranks(world_size, len(batches))):
+        if len(ranks) > count:
+            raise DistributedError(
+                f"{world_size} processes for {len(batches)} tasks give task {name} "
+                f"{len(ranks)} ranks but it has {count} calibration batches: each rank needs a "
+                f"batch at least; launch at most {len(batches) * min(c for _, c in batches)} "
+                "processes, or use a smaller calibration batch_size"
+            )
 
 
 def check_timeout(seconds: float) -> float:

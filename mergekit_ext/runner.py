@@ -580,7 +580,11 @@ def _describe_plan(
 
         plan = plan_layerwise_merge(cfg, options, kind.method, cfg.parameters)
         if world_size > 1:
-            dist_context.check_tasks(world_size, len(plan.experts))  # the run's own rule
+            dist_context.check_tasks(world_size, len(plan.experts))  # the run's own rules
+            dist_context.check_shares(
+                world_size,
+                [(e.task, len(e.data.batches) if e.data else 1) for e in plan.experts],
+            )
             return plan.describe() + "\n" + plan.describe_ranks(world_size)
         return plan.describe()
     lines = [

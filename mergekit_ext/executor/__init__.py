@@ -55,7 +55,8 @@ def run_layerwise_merge(
     weights stream from disk. ``distributed``: this process's place among several
     (``torchrun``); rank r runs on ``cuda:LOCAL_RANK`` with ``cuda``, and only rank 0
     writes (the others pass ``out_dir=None``). The result then also has
-    ``"distributed": {"world_size", "backend", "task_ranks"}``.
+    ``"distributed": {"world_size", "backend", "task_ranks"}`` (and ``"task_shares"`` when
+    there are more processes than tasks).
     """
     torch_device = resolve_device(device)
     if distributed is not None and distributed.enabled and torch_device.type == "cuda":

@@ -28,6 +28,7 @@ from mergekit_ext.calibration.sources import (
     load_calibration,
 )
 from mergekit_ext.config import ExtMergeConfig, ExtModelEntry
+from mergekit_ext.distributed import batch_share, task_ranks
 from mergekit_ext.errors import CalibrationError, ConfigError, MergekitExtError, ModelInputError
 from mergekit_ext.executor.model_output_checks import (
     check_model_output_supported,
@@ -297,6 +298,10 @@ class MergePlan:
     def describe_ranks(self, world_size: int) -> str:
         """The per-rank memory plan of a merge on ``world_size`` processes (``--dry-run``)."""
         gathers = self.method.reduction(self.parameters) is None
+        k_all = len(self.experts)
+        layout = task_ranks(world_size, k_all)
+        if world_size > k_all:
+            return self._describe_shares(world_size, layout, gathers)
         lines = [
             f"processes: {world_size}; rank r owns the tasks k mod {world_size} = r; "
             + (
@@ -311,6 +316,36 @@ class MergePlan:
             own = [e.task for k, e in enumerate(self.experts) if k % world_size == rank]
             lines += [
                 f"  rank {rank} (tasks {', '.join(own) or 'none'}): peak ≈ {_gb(m.peak)}",
+                f"    block weights {_gb(m.block_weights)}, statistics {_gb(m.statistics)}, "
+                f"replay cache {_gb(m.replay)}, reduction buffers {_gb(m.reduction)}, "
+                f"solve {_gb(m.solver)}, hidden states {_gb(m.activations)}, "
+                f"non-block phase {_gb(m.non_block)}, shard buffer {_gb(m.writer_buffer)}",
+            ]
+        return "\n".join(lines)
+
+    def _describe_shares(self, world_size: int, layout: list[list[int]], gathers: bool) -> str:
+        """W > K: each task's batches split over a contiguous group of ranks."""
+        lines = [
+            f"processes: {world_size} for {len(self.experts)} tasks; each task's batches are "
+            "split in contiguous shares over a group of ranks, whose partial sums pass from "
+            "rank to rank in batch order (the one process's sums) to the task's last rank; "
+            + (
+                "every task's statistics are then gathered to rank 0, which merges each group"
+                if gathers
+                else "the sums of each group then pass in task order between those ranks, "
+                "which take turns at the solves"
+            )
+        ]
+        for rank in range(world_size):
+            m = estimate_memory(self, world_size, rank)
+            k = next(i for i, ranks in enumerate(layout) if rank in ranks)
+            data = self.experts[k].data
+            batches = len(data.batches) if data is not None else 0
+            start, stop = batch_share(layout[k].index(rank), len(layout[k]), batches)
+            holds = ", holds its statistics" if layout[k][-1] == rank else ""
+            lines += [
+                f"  rank {rank} ({self.experts[k].task} batches {start}-{stop - 1} of "
+                f"{batches}{holds}): peak ≈ {_gb(m.peak)}",
                 f"    block weights {_gb(m.block_weights)}, statistics {_gb(m.statistics)}, "
                 f"replay cache {_gb(m.replay)}, reduction buffers {_gb(m.reduction)}, "
                 f"solve {_gb(m.solver)}, hidden states {_gb(m.activations)}, "
@@ -602,19 +637,48 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
     """Bytes held at the peak of the merge (float32 weights, statistics in their dtype).
 
     With ``world_size`` > 1, those of process ``rank``, which holds its own tasks
-    ``k mod world_size = rank`` (rank 0 also the other experts' tensors it merges).
+    ``k mod world_size = rank`` (rank 0 also the other experts' tensors it merges); with
+    more processes than tasks, its share of one task's batches, the partial sums passing
+    through it and, on the task's last rank, the task's statistics.
     """
     base = plan.base
     k_all = len(plan.experts)
-    own = [i for i in range(k_all) if i % world_size == rank]
+    layout = task_ranks(world_size, k_all)
+    runs = [i for i in range(k_all) if rank in layout[i]]  # passes run here
+    own = [i for i in range(k_all) if layout[i][-1] == rank]  # statistics end here
     k = len(own)
+    k_run = len(runs)
+    shares = {
+        i: batch_share(
+            layout[i].index(rank),
+            len(layout[i]),
+            len(plan.experts[i].data.batches) if plan.experts[i].data is not None else 0,
+        )
+        for i in runs
+    }
+    shared = world_size > k_all
+    # a shared task: this rank's rows until the partial sums arrive (every group's on the
+    # expert path, one group's on the merged path)
+    expert_deferred = merged_deferred = 0
     several = world_size > 1
     gathers = several and plan.method.reduction(plan.parameters) is None
     block_bytes = max(
         (sum(_numel(base.shapes[t]) for t in b.tensors) * 4 for b in plan.blocks), default=0
     )
+    # what rank 0 loads of another rank's expert: norms and biases, and experts modules
     others_bytes = max(
-        (sum(_numel(base.shapes[t]) for t in b.others) * 4 for b in plan.blocks), default=0
+        (
+            sum(
+                _numel(base.shapes[t])
+                for t in [
+                    *b.others,
+                    *(t for g in b.groups if g.experts for t in b.group_tensors(g)),
+                ]
+            )
+            * 4
+            for b in plan.blocks
+        ),
+        default=0,
     )
     request = plan.request
     itemsize = request.statistics_dtype.itemsize
@@ -648,7 +712,7 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
                 largest_gram = max(largest_gram, per_task)
                 linears = ((width, 2 * inner), (inner, width))  # (in, out) of each expert's
                 largest_sums = max(largest_sums, *((o * w + w * w + w + 1) * 8 for w, o in linears))
-                merged_stats = k * per_task if request.propagate else 0
+                merged_stats = k_run * per_task if request.propagate else 0
                 if several and gathers:
                     solve = (
                         max(_solve_bytes(w, o, k_all, None) for w, o in linears) if rank == 0 else 0
@@ -667,16 +731,26 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
             # A task with fewer tokens than the group's inputs keeps its rows (float32)
             # instead of the Gram (ActivationStatistics(keep_rows=True)); the span solve
             # applies when all tasks together have fewer.
+            # the accumulators of the tasks run here (a shared task's pass through this rank)
             per_task = [
                 int(plan.experts[i].data.num_tokens)
-                for i in own
+                for i in runs
                 if plan.experts[i].data is not None
             ]
+            if shared:  # the ranks after a task's first share record their inputs
+                for i in (i for i in runs if layout[i].index(rank) > 0):
+                    data = plan.experts[i].data
+                    if data is not None and data.batches:
+                        start, stop = shares[i]
+                        part = int(data.num_tokens) * (stop - start) // len(data.batches)
+                        rows = part * width * 4
+                        expert_deferred += rows if request.expert_path else 0
+                        merged_deferred = max(merged_deferred, rows if request.propagate else 0)
             keeps = request.keep_rows and request.statistics_dtype == torch.float64
             if keeps and per_task:
                 raw = sum(n * width * 4 if n < width else gram for n in per_task)
             else:
-                raw = k * gram
+                raw = k_run * gram
             span = bool(
                 keeps
                 and tokens is not None
@@ -684,12 +758,12 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
                 and alpha > 0
                 and (ridge == "auto" or (isinstance(ridge, (int, float)) and ridge > 0))
             )
-            merged_stats = raw + k * normalized if request.propagate else 0
+            merged_stats = raw + k_run * normalized if request.propagate else 0
             if request.propagate:  # the expert path is a reference: no normalized Gram
                 limit = request.reference_gram_max_dim
                 block_grams += gram if limit is None or width <= limit else width * 16
             else:
-                block_grams += (raw // k if k else 0) + normalized
+                block_grams += (raw // k_run if k_run else 0) + normalized
             # The dense solve of a task that kept its rows forms its Gram from them (float64)
             formed = (
                 sum(width * width * 8 for n in per_task if n < width)
@@ -714,16 +788,19 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
             else:
                 # one process, or the reduction: each rank holds its own tasks' products, and
                 # the groups' solves take turns over the ranks (any rank solves any group)
-                solve = _solve_bytes(width, out, k, tokens if span else None) + formed
+                solve = (_solve_bytes(width, out, k, tokens if span else None) + formed) if k else 0
             if merged_stats + solve > sum(group_peak):
                 group_peak = (merged_stats, solve)
         grams_per_task = max(grams_per_task, block_grams)
-    statistics = (k * grams_per_task if request.expert_path else 0) + group_peak[0]
+    statistics = (k_run * grams_per_task if request.expert_path else 0) + group_peak[0]
+    statistics += max(expert_deferred, merged_deferred)
     activations = 0
-    for e in (plan.experts[i] for i in own):
+    for i in runs:
+        e = plan.experts[i]
         if e.data is None:
             continue
-        for batch in e.data.batches:
+        start, stop = shares[i]
+        for batch in e.data.batches[start:stop]:
             if "input_ids" in batch:
                 positions = int(batch["input_ids"].numel())
             else:
@@ -736,7 +813,7 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
     largest = max((_numel(base.shapes[n]) for n in non_block_names), default=0) * 4
     pre_bytes = sum(_numel(base.shapes[n]) for n in plan.pre_block) * 4
     # Rank 0 merges the non-block tensors from every expert; the others hold their own.
-    non_block = ((k_all if rank == 0 else k) + 2) * largest + 2 * pre_bytes
+    non_block = ((k_all if rank == 0 else k_run) + 2) * largest + 2 * pre_bytes
     model_bytes = 0
     out_bytes = 0
     for name, shape in base.shapes.items():
@@ -751,16 +828,16 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
     if request.propagate:
         merged_hidden = activations // paths
         replay = max(REPLAY_MIN_BYTES, REPLAY_HIDDEN_MULTIPLE * merged_hidden)
-    block_weights = (k + 2) * block_bytes
+    block_weights = (k_run + 2) * block_bytes
     reduction = 0
     if several:
         if rank == 0:
             # gathering: every expert's block and the other ranks' statistics of one group
-            block_weights += (k_all - k) * (block_bytes if gathers else others_bytes)
+            block_weights += (k_all - k_run) * (block_bytes if gathers else others_bytes)
         if gathers:  # rank 0 receives the other ranks' statistics of one group
             reduction = (k_all - k) * largest_gram if rank == 0 else 0
         else:  # every rank holds the sums passed along (or rank 0 a gathered span group)
-            reduction = max(largest_sums, gathered_span)
+            reduction = max(largest_sums, gathered_span) if k else 0
     return MemoryEstimate(
         block_weights=block_weights,
         statistics=statistics,

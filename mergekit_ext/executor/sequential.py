@@ -34,15 +34,20 @@ chosen device (:class:`~mergekit_ext.calibration.statistics.ActivationStatistics
 
 Several processes (:mod:`mergekit_ext.distributed`): rank r runs only its own tasks
 ``{k : k mod W = r}`` (their embeddings, expert-path and merged-path passes, statistics)
-and loads, per block, the base, its own experts and the merged block. Rank 0 also loads the
+and loads, per block, the base, its own experts and the merged block. With more processes
+than tasks, a task's ranks each run a contiguous share of its batches; each records its
+layer inputs and adds them to the task's accumulators when they arrive from the rank with
+the previous share (:class:`_DeferredUpdates`), so the sums are the one process's, and the
+statistics end on the task's last rank. Rank 0 also loads the
 other experts' non-linear tensors (for the fallback merges) and, for a method without a
 :class:`~mergekit_ext.methods.layerwise.SumReduction`, their linear weights. Each group is
 merged either from sums over the tasks, added in task order as they pass from rank to
 rank (bit for bit the single process's sums) and solved on rank 0, or from every task's
 statistics gathered to rank 0 and merged with the method's own single-process code;
 either way rank 0 broadcasts the merged weights, so every rank carries its tasks' hidden
-states through the same merged group. Only rank 0 writes; the per-task diagnostics are
-gathered to it at the end.
+states through the same merged group. A mixture-of-experts experts module is always merged
+the second way (every task's routed statistics gathered to rank 0). Only rank 0 writes;
+the per-task diagnostics are gathered to it at the end.
 """
 
 from __future__ import annotations
@@ -63,8 +68,8 @@ from tqdm.auto import tqdm
 from mergekit_ext import finite
 from mergekit_ext.calibration.statistics import ActivationStatistics, flatten_tokens
 from mergekit_ext.console import phase
-from mergekit_ext.distributed import DistributedContext
-from mergekit_ext.errors import MergekitExtError, ModelInputError, TensorError
+from mergekit_ext.distributed import DistributedContext, check_shares
+from mergekit_ext.errors import MergekitExtError, TensorError
 from mergekit_ext.executor.blocks import (
     BlockCallRecorder,
     CallSink,
@@ -82,6 +87,7 @@ from mergekit_ext.executor.moe import (
     DOWN,
     GATE_UP,
     ExpertMergeResult,
+    RoutedCall,
     RoutedExpertStatistics,
     merge_experts,
     routed_call,
@@ -100,6 +106,35 @@ from mergekit_ext.models.families import GroupSpec
 from mergekit_ext.models.model_paths import TOKENIZER_FILES
 
 LOG = logging.getLogger(__name__)
+
+
+class _DeferredUpdates:
+    """Records an accumulator's ``update`` calls, to replay them once the partial sums of
+    the task's earlier batches arrive from the rank that ran them (a task whose batches
+    several ranks share): the accumulator then sees exactly the single process's sequence
+    of updates, so its float64 sums are the same bits."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def update(self, *args: Any) -> None:
+        # own copies: the activations may be views of tensors the forward reuses
+        self.calls.append(tuple(_copied(a) for a in args))
+
+    def replay(self, accumulator: Any) -> None:
+        for args in self.calls:
+            accumulator.update(*args)
+        self.calls = []
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, RoutedCall):
+        return RoutedCall(
+            value.hidden.clone(), value.top_k_index.clone(), value.top_k_weights.clone()
+        )
+    return value
 
 
 def resolve_device(device: Optional[str]) -> torch.device:
@@ -134,6 +169,13 @@ def _on(stats: TaskStatistics, device: Any) -> TaskStatistics:
     )
 
 
+def _routed_on(
+    per_expert: Sequence[Optional[tuple[TaskStatistics, TaskStatistics]]], device: Any
+) -> list[Optional[tuple[TaskStatistics, TaskStatistics]]]:
+    """One task's routed statistics (per expert: gate_up and down inputs) on ``device``."""
+    return [None if p is None else (_on(p[0], device), _on(p[1], device)) for p in per_expert]
+
+
 class SequentialExecutor:
     """Runs one :class:`~mergekit_ext.executor.plan.MergePlan` into an output folder."""
 
@@ -146,8 +188,17 @@ class SequentialExecutor:
     ) -> None:
         self.plan = plan
         self.dist = distributed or DistributedContext()
-        self.dist.check_tasks(len(plan.experts))
-        self.owned = self.dist.owned(len(plan.experts))  # indices of this rank's tasks
+        num_tasks = len(plan.experts)
+        self.dist.check_tasks(num_tasks)
+        if self.dist.enabled:
+            check_shares(
+                self.dist.world_size,
+                [(e.task, len(e.data.batches) if e.data else 1) for e in plan.experts],
+            )
+        self.owned = self.dist.owned(num_tasks)  # tasks whose passes this rank runs
+        self.holds = self.dist.holds(num_tasks)  # tasks whose statistics end on this rank
+        # the ranks that hold statistics, in rank order: they take turns at the solves
+        self.holders = sorted({self.dist.owner(k, num_tasks) for k in range(num_tasks)})
         self.writes = self.dist.is_writer
         # Several processes and no SumReduction: rank 0 merges every group itself.
         self._gathers = self.dist.enabled and plan.method.reduction(plan.parameters) is None
@@ -194,12 +245,6 @@ class SequentialExecutor:
         self.states: list[TaskState] = []
         # block index -> experts (of an experts module) that took the fallback merge
         self.experts_without_tokens: dict[int, dict[str, Any]] = {}
-        if self.dist.enabled and any(g.experts for b in plan.blocks for g in b.groups):
-            raise ModelInputError(
-                f"{plan.base.label}: mixture-of-experts blocks are merged on one process only "
-                "(the per-expert statistics do not travel between ranks yet); run without "
-                "torchrun"
-            )
 
     # ---------------------------------------------------------------------------------
     # Entry point
@@ -239,11 +284,28 @@ class SequentialExecutor:
             "calibration": {e.task: e.data.summary() for e in self.experts if e.data is not None},
         }
         if self.dist.enabled:
+            num_tasks = len(self.experts)
             result["distributed"] = {
                 "world_size": self.dist.world_size,
                 "backend": self.dist.backend,
-                "task_ranks": {e.task: self.dist.owner(k) for k, e in enumerate(self.experts)},
+                # the rank that holds each task's statistics
+                "task_ranks": {
+                    e.task: self.dist.owner(k, num_tasks) for k, e in enumerate(self.experts)
+                },
             }
+            if self.dist.world_size > num_tasks:
+                # ranks sharing a task: each one's [first, stop) of the task's batches
+                result["distributed"]["task_shares"] = {
+                    e.task: {
+                        r: list(
+                            DistributedContext(self.dist.world_size, r).share(
+                                k, num_tasks, len(e.data.batches) if e.data else 1
+                            )
+                        )
+                        for r in self.dist.ranks_of(k, num_tasks)
+                    }
+                    for k, e in enumerate(self.experts)
+                }
         return result
 
     def _collect_task_diagnostics(self) -> None:
@@ -360,7 +422,9 @@ class SequentialExecutor:
             e = self.experts[k]
             assert e.data is not None, "calibration data is loaded by the plan"
             inputs, masks = [], []
-            for batch in e.data.batches:
+            # this rank's contiguous share of the batches (all of them unless W > K)
+            start, stop = self.dist.share(k, len(self.experts), len(e.data.batches))
+            for batch in e.data.batches[start:stop]:
                 inputs.append(
                     {k: v.to(self.device) for k, v in self.family.forward_inputs(batch).items()}
                 )
@@ -526,12 +590,22 @@ class SequentialExecutor:
         for state in self.states:
             weights = expert_blocks[state.index]
             params = {name[len(block.prefix) :]: t for name, t in weights.items()}
-            accumulators: dict[str, Any] = {
-                g.label: self._new_accumulator(self._group_width(block, g), expert_path=True)
-                if not g.experts
-                else self._routed_accumulator(block, g)
-                for g in block.groups
-            }
+
+            def make() -> dict[str, Any]:
+                return {
+                    g.label: self._new_accumulator(self._group_width(block, g), expert_path=True)
+                    if not g.experts
+                    else self._routed_accumulator(block, g)
+                    for g in block.groups
+                }
+
+            shared = self._shares(state.index)
+            accumulators: Optional[dict[str, Any]] = (
+                {g.label: _DeferredUpdates() for g in block.groups}
+                if self._waits(state.index)
+                else make()
+            )
+            assert accumulators is not None
             handles = [
                 module.get_submodule(g.modules[0]).register_forward_pre_hook(
                     self._input_hook(accumulators[g.label], stop=False, reads=g.reads)
@@ -555,10 +629,52 @@ class SequentialExecutor:
                 for h in handles:
                     h.remove()
                 self._mask = None
+            if shared:
+                accumulators = self._chain(state.index, accumulators)
+                if accumulators is None:
+                    continue  # the task's statistics end on a later rank
             for g in block.groups:
                 stats[g.label].append(accumulators[g.label].finalize())
                 del accumulators[g.label]  # the running sums
         return stats
+
+    def _shares(self, task: int) -> bool:
+        """Whether several ranks share this task's batches (W > K)."""
+        return len(self.dist.ranks_of(task, len(self.experts))) > 1
+
+    def _waits(self, task: int) -> bool:
+        """Whether this rank's updates for ``task`` wait for the accumulators of the task's
+        earlier batches (a shared task, and not this rank's first share)."""
+        ranks = self.dist.ranks_of(task, len(self.experts))
+        return len(ranks) > 1 and ranks.index(self.dist.rank) > 0
+
+    def _chain(self, task: int, mine: dict[str, Any]) -> Optional[dict[str, Any]]:
+        """A shared task's accumulators through its ranks in batch order.
+
+        The rank with the first share accumulates its batches as one process does (``mine``
+        are the accumulators); each later rank has recorded its updates (``mine``:
+        :class:`_DeferredUpdates`), adds them to the accumulators it receives and passes them
+        on: the float64 sums see the updates of one process in its order (docs/methods.md,
+        "More processes than tasks"). Returns them on the task's last rank (which holds the
+        task's statistics), None on the others.
+        """
+        ranks = self.dist.ranks_of(task, len(self.experts))
+        position = ranks.index(self.dist.rank)
+        if position == 0:
+            accumulators = mine
+        else:
+            accumulators = self.dist.recv_object(ranks[position - 1], self.device)
+            for label, updates in mine.items():
+                updates.replay(accumulators[label])
+        if position + 1 < len(ranks):
+            self.dist.send_object(accumulators, ranks[position + 1])
+            return None
+        return accumulators
+
+    @property
+    def _held_states(self) -> list[TaskState]:
+        """The states of the tasks whose statistics end on this rank."""
+        return [s for s in self.states if s.index in self.holds]
 
     def _merged_path_statistics(
         self,
@@ -571,15 +687,21 @@ class SequentialExecutor:
         module = self.blocks[block.index].get_submodule(group.modules[0])
         stats = []
         for t, state in enumerate(self.states):
-            accumulator: Any
+
+            def make() -> dict[str, Any]:
+                if group.experts:
+                    return {group.label: self._routed_accumulator(block, group)}
+                width = self._group_width(block, group)
+                return {group.label: self._new_accumulator(width, expert_path=False)}
+
+            shared = self._shares(state.index)
+            accumulator: Any = (
+                _DeferredUpdates() if self._waits(state.index) else make()[group.label]
+            )
             if group.experts:
-                accumulator = self._routed_accumulator(block, group)
                 hook = self._experts_hook(accumulator, group, params, stop=True)
                 handle = module.register_forward_pre_hook(hook, with_kwargs=True)
             else:
-                accumulator = self._new_accumulator(
-                    self._group_width(block, group), expert_path=False
-                )
                 handle = module.register_forward_pre_hook(
                     self._input_hook(accumulator, stop=True, reads=group.reads)
                 )
@@ -598,6 +720,11 @@ class SequentialExecutor:
             finally:
                 handle.remove()
                 self._mask = None
+            if shared:
+                chained = self._chain(state.index, {group.label: accumulator})
+                if chained is None:
+                    continue  # the task's statistics end on a later rank
+                accumulator = chained[group.label]
             stats.append(accumulator.finalize())
         return stats
 
@@ -699,9 +826,9 @@ class SequentialExecutor:
                         n_: orient(expert_blocks[s.index][c], flip[n_])
                         for n_, c in zip(names, canonical)
                     }
-                    for s in self.states
+                    for s in self._held_states
                 ],
-                task_names=[s.name for s in self.states],
+                task_names=[s.name for s in self._held_states],
                 expert_stats=expert_stats[group.label] if expert_stats is not None else [],
                 merged_stats=merged_stats,
                 output_dtypes={n_: self._written_dtype(c) for n_, c in zip(names, canonical)},
@@ -713,9 +840,9 @@ class SequentialExecutor:
                     base_block,
                     expert_blocks,
                     flip,
-                    # the groups take turns over the ranks, so that over W blocks each rank
-                    # solves each group of the block once
-                    solver=(block.index + index) % self.dist.world_size,
+                    # the groups take turns over the ranks that hold statistics, so that over
+                    # W blocks each rank solves each group of the block once (W ≤ K)
+                    solver=self.holders[(block.index + index) % len(self.holders)],
                 )
             else:
                 result, group_diagnostics = self.method.merge_linear_group(
@@ -751,16 +878,55 @@ class SequentialExecutor:
         dtype = self._written_dtype(gate_up)
 
         def solve(parts: tuple[str, ...], path: Optional[list[Any]]) -> Any:
+            tasks = list(range(len(self.experts)))
+            own: list[Any] = expert_stats if expert_stats is not None else []
+            if self.dist.enabled:
+                # Several processes: every task's routed statistics go to rank 0, which runs
+                # the one-process merge on them (the same bits) and shares the result.
+                gathered = self.dist.gather_objects(
+                    (
+                        [s.index for s in self._held_states],
+                        [_routed_on(x, "cpu") for x in own],
+                        [_routed_on(x, "cpu") for x in path] if path is not None else None,
+                    )
+                )
+                result: Optional[ExpertMergeResult] = None
+                if self.writes:
+                    assert gathered is not None
+                    every: list[Any] = [None] * len(tasks)
+                    every_path: list[Any] = [None] * len(tasks)
+                    for indices, stats, paths in gathered:
+                        for position, k in enumerate(indices):
+                            if stats:
+                                every[k] = _routed_on(stats[position], self.device)
+                            if paths is not None:
+                                every_path[k] = _routed_on(paths[position], self.device)
+                    result = run(
+                        tasks,
+                        every if self.request.expert_path else [],
+                        every_path if path is not None else None,
+                        parts,
+                    )
+                shared = {
+                    key: self._share(name, getattr(result, key) if result else None)
+                    for key, name in (("gate_up", gate_up), ("down", down))
+                }
+                records, without = self.dist.broadcast_object(
+                    (result.records, result.without_tokens) if result is not None else None
+                )
+                return ExpertMergeResult(shared["gate_up"], shared["down"], records, without)
+            return run(tasks, own, path, parts)
+
+        def run(
+            tasks: list[int], own: list[Any], path: Optional[list[Any]], parts: tuple[str, ...]
+        ) -> ExpertMergeResult:
             return merge_experts(
                 self.method,
                 self.parameters,
                 {GATE_UP: base_block[gate_up], DOWN: base_block[down]},
-                [
-                    {GATE_UP: expert_blocks[s.index][gate_up], DOWN: expert_blocks[s.index][down]}
-                    for s in self.states
-                ],
-                [s.name for s in self.states],
-                expert_stats if expert_stats is not None else [],
+                [{GATE_UP: expert_blocks[k][gate_up], DOWN: expert_blocks[k][down]} for k in tasks],
+                [self.experts[k].task for k in tasks],
+                own,
                 lambda e: (f"{names[0]}.{e}", f"{names[1]}.{e}"),
                 path,
                 output_dtype=dtype,
@@ -852,8 +1018,12 @@ class SequentialExecutor:
             return block.tensors
         if not self.writes:
             return []
-        # Rank 0 merges the non-linear tensors; and, gathering, every group itself.
-        return block.tensors if self._gathers else block.others
+        # Rank 0 merges the non-linear tensors; gathering, every group itself; and the
+        # experts modules (every task's routed statistics are gathered to it)
+        if self._gathers:
+            return block.tensors
+        routed = [t for g in block.groups if g.experts for t in block.group_tensors(g)]
+        return [*block.others, *routed]
 
     def _merge_group_distributed(
         self,
@@ -876,9 +1046,12 @@ class SequentialExecutor:
         if reduction is not None:
             # The reduction may need the whole group on one rank (e.g. a span solve on every
             # task's rows): rank 0 decides from every rank's vote and all ranks follow.
-            votes = self.dist.gather_objects(reduction.gather_vote(local))
+            # a rank that holds no task's statistics (W > K) does not vote
+            votes = self.dist.gather_objects(reduction.gather_vote(local) if self.holds else None)
             if self.dist.broadcast_object(
-                reduction.needs_gather(votes) if votes is not None else None
+                reduction.needs_gather([v for v in votes if v is not None])
+                if votes is not None
+                else None
             ):
                 reduction = None
                 # rank 0 holds only its own experts' linear weights here: they travel too
@@ -895,7 +1068,7 @@ class SequentialExecutor:
                 result, diagnostics = reduction.solve(totals, local)
         else:
             payload = (
-                [s.index for s in self.states],
+                [s.index for s in self._held_states],
                 [_on(st, "cpu") for st in local.expert_stats or []],
                 [_on(st, "cpu") for st in local.merged_stats] if local.merged_stats else None,
                 [{n_: w.cpu() for n_, w in e.items()} for e in local.experts]
@@ -921,7 +1094,7 @@ class SequentialExecutor:
             diagnostics = self.dist.broadcast_object(diagnostics, src=solver)
             if not self.writes:
                 diagnostics = {}
-        if reduction is not None:
+        if reduction is not None and self.holds:
             oriented = {n_: orient(w, flip.get(n_, False)) for n_, w in shared.items()}
             tasks = reduction.task_diagnostics(local, oriented)
             if tasks:
@@ -934,11 +1107,14 @@ class SequentialExecutor:
         """Add every task's terms in task order: the sums travel from the rank of task k to
         that of task k+1 (then to rank ``solver``), so the floating-point additions are those
         of one process; returns the totals on rank ``solver`` (None elsewhere)."""
+        if not self.holds:
+            return None  # W > K: this rank's share of the statistics went on to another
         sums = reduction.prepare(local)
-        position = {k: i for i, k in enumerate(self.owned)}
-        holder = self.dist.owner(0)
-        for k in range(len(self.experts)):
-            owner = self.dist.owner(k)
+        position = {k: i for i, k in enumerate(self.holds)}
+        num_tasks = len(self.experts)
+        holder = self.dist.owner(0, num_tasks)
+        for k in range(num_tasks):
+            owner = self.dist.owner(k, num_tasks)
             if owner != holder:
                 self._pass(sums, holder, owner)
                 holder = owner
@@ -988,7 +1164,8 @@ class SequentialExecutor:
             base=local.base,
             experts=experts,
             task_names=[e.task for e in self.experts],
-            expert_stats=expert_stats if local.expert_stats else [],  # type: ignore[arg-type]
+            # (rank 0 may hold no task's statistics itself: W > K)
+            expert_stats=expert_stats if self.request.expert_path else [],  # type: ignore[arg-type]
             merged_stats=merged_stats if local.merged_stats is not None else None,  # type: ignore[arg-type]
             output_dtypes=local.output_dtypes,
         )
