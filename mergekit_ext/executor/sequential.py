@@ -67,6 +67,12 @@ from mergekit_ext.console import phase
 from mergekit_ext.distributed import DistributedContext
 from mergekit_ext.errors import MergekitExtError, ModelInputError, TensorError
 from mergekit_ext.executor.checkpoint import HEAD_PREFIX, TAGALONG_FILES, build_skeleton
+from mergekit_ext.executor.compute import (
+    ComputeChoice,
+    LowPrecisionParams,
+    carried,
+    compute_in,
+)
 from mergekit_ext.executor.families import GroupSpec
 from mergekit_ext.executor.moe import (
     DOWN,
@@ -338,6 +344,9 @@ class SequentialExecutor:
                 use_async=plan.options.async_write,
                 max_write_threads=plan.options.write_threads,
             )
+        # dtype of the block passes (docs/methods.md, "Compute dtype")
+        self.compute = plan.compute or ComputeChoice(torch.float32, "float32", "as set")
+        self._low_params = LowPrecisionParams(self.compute.dtype)
         self.layer_diagnostics: list[dict[str, Any]] = []
         # Several processes: {index of a layer record: {task: diagnostics}} of own tasks.
         self.task_diagnostics: dict[int, dict[str, dict[str, Any]]] = {}
@@ -384,6 +393,7 @@ class SequentialExecutor:
             self.writer.finalize()
             self._write_support_files()
         result: dict[str, Any] = {
+            "executor": self.compute.record(),
             "layers": self.layer_diagnostics,
             "not_merged": self.not_merged,
             **(
@@ -591,8 +601,11 @@ class SequentialExecutor:
         call: tuple[tuple[Any, ...], dict[str, Any]],
     ) -> torch.Tensor:
         args, kwargs = call
-        out = torch.func.functional_call(self.blocks[index], params, (hidden, *args), kwargs)
-        return out[0] if isinstance(out, tuple) else out
+        if self.compute.low_precision:
+            params = self._low_params(params)
+        with compute_in(self.compute.dtype, self.device):
+            out = torch.func.functional_call(self.blocks[index], params, (hidden, *args), kwargs)
+        return carried(out[0] if isinstance(out, tuple) else out)
 
     def _input_hook(self, accumulator: ActivationStatistics, stop: bool):
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -784,6 +797,7 @@ class SequentialExecutor:
                     state.merged_hidden = outputs
         finally:
             replay.close()
+            self._low_params.clear()
         del base_block, expert_blocks, merged, cache
         self._release()
 

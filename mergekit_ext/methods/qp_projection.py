@@ -69,8 +69,10 @@ from mergekit_ext.methods.layerwise import (
     StatisticsRequest,
 )
 from mergekit_ext.methods.parameters import (
+    ComputeDtype,
     MethodParameters,
     StatisticsDtype,
+    compute_dtype_field,
     statistics_dtype_field,
 )
 from mergekit_ext.methods.qp_model_output import QPModelOutputFit
@@ -176,6 +178,7 @@ class QPParameters(MethodParameters):
     )
 
     statistics_dtype: StatisticsDtype = statistics_dtype_field()
+    compute_dtype: ComputeDtype = compute_dtype_field()
     max_norm_ratio: float = max_norm_ratio_field()
 
     objective: Literal["layer_output", "model_output"] = Field(
@@ -272,6 +275,7 @@ class QPProjectionMethod(LayerwiseMethod):
             propagate=resolved.propagate,
             expert_path=not resolved.propagate,
             statistics_dtype=getattr(torch, resolved.statistics_dtype),
+            compute_dtype=resolved.compute_dtype,
         )
 
     def model_output_fit(
