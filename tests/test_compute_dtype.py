@@ -158,9 +158,11 @@ def test_bfloat16_passes_merge_close_to_float32_passes(bf16_llama, tmp_path, mon
         _run(config, out)
         merged[setting] = load_file(os.path.join(out, "model.safetensors"))
         diagnostics = json.load(open(os.path.join(out, "mergekit_ext_diagnostics.json")))
-        record = diagnostics["sections"]["chain_of_merges"]["executor"]
+        record = diagnostics["executor"]
         assert record["compute_dtype"] == ("float32" if setting == "float32" else "bfloat16")
         assert record["setting"] == setting
+        card = open(os.path.join(out, "README.md"), encoding="utf-8").read()
+        assert f"The block forward passes ran in {record['compute_dtype']}" in card
     a, b = merged["float32"], merged["bfloat16"]
     # auto chose bfloat16 here: the very same bytes as bfloat16 set explicitly
     assert all(torch.equal(merged["auto"][n], b[n]) for n in b)
@@ -193,3 +195,65 @@ def test_two_ranks_equal_one_process_with_bfloat16_passes(bf16_llama, tmp_path):
     assert set(one) == set(two)
     for name in one:
         assert torch.equal(one[name], two[name]), name
+
+
+# ------------------------------------------------------------------------------------------
+# Diagnostics that reuse the solve's products (cost linear in K)
+
+
+def test_dense_group_output_errors_from_kept_rows_equal_the_gram_form():
+    """Tasks with fewer tokens than inputs keep their rows; together they have more, so the
+    group takes the dense solve. The output error then comes from the rows (``out x in x N``)
+    with the reference from the solve's ``W_k G_k``: equal to the Gram form's
+    ``tr(ΔW G ΔWᵀ) / tr(W_k G W_kᵀ)`` with the float64 Gram of the same rows."""
+    from mergekit_ext.methods.layerwise import LinearGroup, TaskStatistics
+    from mergekit_ext.methods.least_squares import merge_group_least_squares
+
+    g = torch.Generator().manual_seed(3)
+    n_in, out, tokens = 48, 20, 30  # three tasks of 30 tokens: 90 >= 48 inputs, dense path
+    base = torch.randn(out, n_in, generator=g) * 0.1
+    experts = [base + torch.randn(out, n_in, generator=g) * 0.05 for _ in range(3)]
+    stats = []
+    for k in range(3):
+        x = torch.nn.functional.silu(torch.randn(tokens, n_in, generator=g)) * (1 + k)
+        stats.append(
+            TaskStatistics(
+                gram=None,
+                mean=x.double().mean(0),
+                count=tokens,
+                second_moment=x.double().square().mean(0),
+                rows=x,
+                row_batches=(tokens,),
+            )
+        )
+    group = LinearGroup(
+        name="layers.0.mlp.up_proj",
+        weights=["up"],
+        base={"up": base},
+        experts=[{"up": w} for w in experts],
+        task_names=["a", "b", "c"],
+        expert_stats=stats,
+        merged_stats=None,
+    )
+    merged, diagnostics = merge_group_least_squares(
+        group,
+        method="regmean",
+        reduce_non_diagonal=1.0,
+        ridge=0.0,
+        solver="pinv",
+        use_merged_path=False,
+        use_normalized_gram=False,
+    )
+    assert diagnostics["solver"] != "" and "span" not in diagnostics["solver"]
+    for k, task in enumerate(("a", "b", "c")):
+        x = stats[k].rows.double()
+        gram64 = x.T @ x / tokens
+        diff = merged["up"].double() - experts[k].double()
+        error = float(((diff @ gram64) * diff).sum())
+        # the reference as the solve forms W_k G_k (float32 GEMM of the accumulated Gram)
+        product = experts[k] @ stats[k].gram_from_rows().float()
+        reference = float((product.double() * experts[k].double()).sum())
+        expected = (error / reference) ** 0.5
+        got = diagnostics["tasks"][task]["relative_output_error"]
+        assert got == pytest.approx(expected, rel=1e-10), (task, got, expected)
+        assert 0.0 < got < 1.0
