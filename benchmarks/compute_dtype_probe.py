@@ -30,7 +30,8 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
