@@ -182,8 +182,8 @@ def grams(repeat: int) -> list[str]:
         g = torch.Generator().manual_seed(width)
         x = torch.nn.functional.silu(torch.randn(1000, width, generator=g)).bfloat16()
         reference = x.double().T @ x.double()
-        f32 = _median(lambda: gram_product(x), repeat)
-        b16 = _median(lambda: x.T @ x, repeat)
+        f32 = _median(lambda x=x: gram_product(x), repeat)
+        b16 = _median(lambda x=x: x.T @ x, repeat)
         err32 = float((gram_product(x).double() - reference).norm() / reference.norm())
         err16 = float(((x.T @ x).double() - reference).norm() / reference.norm())
         lines.append(
