@@ -517,6 +517,9 @@ def _record_result(recorder: merge_record.DiagnosticsRecorder, method: str, resu
     distributed = result.pop("distributed", None)
     if distributed:
         recorder.set_header("distributed", distributed)
+    executor = result.pop("executor", None)
+    if executor:
+        recorder.set_header("executor", executor)  # compute dtype (docs/methods.md)
     for key, value in result.items():
         recorder.record(method, key, value)
 

@@ -389,7 +389,9 @@ def test_method_merges_each_weight_of_a_group_separately():
     assert isinstance(method, qp.QPProjectionMethod)
     group, merged_acts, _ = _group()
     params = {"basis": "diagonal", "ridge": 0.0, "diagnose_both_bases": True}
-    assert method.statistics_request(params) == StatisticsRequest(propagate=True, expert_path=False)
+    assert method.statistics_request(params) == StatisticsRequest(
+        propagate=True, expert_path=False, compute_dtype="auto"
+    )
     merged, diag = method.merge_linear_group(group, params)
     json.dumps(diag)  # JSON-friendly
     assert diag["layer"] == group.name and set(diag["weights"]) == set(group.weights)

@@ -267,8 +267,13 @@ def test_w2_full_against_scipy_sqrtm_and_diagonal_switch():
 
 
 def test_statistics_requests():
+    # compute_dtype: auto by default (the plan resolves it; docs/methods.md, "Compute dtype")
     assert RegMeanMethod().statistics_request({}) == StatisticsRequest(
-        propagate=False, keep_rows=True
+        propagate=False, keep_rows=True, compute_dtype="auto"
+    )
+    assert (
+        RegMeanMethod().statistics_request({"compute_dtype": "bfloat16"}).compute_dtype
+        == "bfloat16"
     )
     com = ChainOfMergesMethod()
     assert com.statistics_request({}) == StatisticsRequest(
@@ -276,11 +281,14 @@ def test_statistics_requests():
         normalized_gram=False,
         reference_gram_max_dim=FULL_COVARIANCE_W2_MAX_DIM,
         keep_rows=True,
+        compute_dtype="auto",
     )
-    assert com.statistics_request(COM_OFF) == StatisticsRequest(propagate=False, keep_rows=True)
+    assert com.statistics_request(COM_OFF) == StatisticsRequest(
+        propagate=False, keep_rows=True, compute_dtype="auto"
+    )
     assert com.statistics_request({"task_weighting": "correlation"}).normalized_gram
     assert com.statistics_request({"normalize": True, "propagate": False}) == StatisticsRequest(
-        propagate=False, normalized_gram=True, keep_rows=True
+        propagate=False, normalized_gram=True, keep_rows=True, compute_dtype="auto"
     )
 
 
@@ -424,6 +432,7 @@ def test_registration():
         "solver": "pinv",
         "fallback": "mean",
         "statistics_dtype": "float64",
+        "compute_dtype": "auto",
         "max_norm_ratio": 10.0,
     }
     docs = {p.name: p.description for p in com.parameters}

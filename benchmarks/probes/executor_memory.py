@@ -17,9 +17,9 @@ merged model in memory until the shard is written.
 
 Targets: CoM peak RSS below the size of two models; CoM time under 4x TIES.
 
-    python -m benchmarks.executor_memory            # ~0.5B, a few minutes on 2 cores
-    python -m benchmarks.executor_memory --small    # quick check
-    python -m benchmarks.executor_memory --probe    # full widths, 4 blocks: timing probe
+    python -m benchmarks.probes.executor_memory            # ~0.5B, a few minutes on 2 cores
+    python -m benchmarks.probes.executor_memory --small    # quick check
+    python -m benchmarks.probes.executor_memory --probe    # full widths, 4 blocks: timing probe
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ with 1 or 2 torch threads and the method's defaults; the child first builds the 
 (``SequentialExecutor._merge_block``), each ``merge_linear_group`` (solve + diagnostics) and
 each ``regmean_solve`` (the solve alone).
 
-    python -m benchmarks.llm_width                       # K=2 and K=4, CoM and RegMean, 1 and 2 threads
-    python -m benchmarks.llm_width --experts 2 --threads 2
-    python -m benchmarks.llm_width --cleanup             # delete the checkpoints under --models-dir
+    python -m benchmarks.probes.llm_width                       # K=2 and K=4, CoM and RegMean, 1 and 2 threads
+    python -m benchmarks.probes.llm_width --experts 2 --threads 2
+    python -m benchmarks.probes.llm_width --cleanup             # delete the checkpoints under --models-dir
 
 The checkpoints (about 0.9 GB each) go to ``--models-dir`` (default /tmp/llm_width_models).
 Before each merge the script waits (up to ``--wait-memory-s``) until ``--min-available-gb``
@@ -95,7 +95,7 @@ def _build(folder: str, experts: int) -> None:
             save_file({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, path)
 
 
-def _yaml(method: str, folder: str, experts: int) -> str:
+def _yaml(method: str, folder: str, experts: int, compute: str = "auto") -> str:
     import yaml
 
     models = []
@@ -117,6 +117,7 @@ def _yaml(method: str, folder: str, experts: int) -> str:
         "base_model": os.path.join(folder, "base"),
         "models": models,
         "dtype": "bfloat16",
+        "parameters": {"compute_dtype": compute},
     }
     return yaml.safe_dump(config)
 
@@ -125,7 +126,9 @@ def _yaml(method: str, folder: str, experts: int) -> str:
 # One merge (child process)
 
 
-def _child(method: str, folder: str, experts: int, out: str, threads: int) -> None:
+def _child(
+    method: str, folder: str, experts: int, out: str, threads: int, compute: str = "auto"
+) -> None:
     import logging
 
     import psutil
@@ -149,7 +152,7 @@ def _child(method: str, folder: str, experts: int, out: str, threads: int) -> No
                 warnings.append(record.getMessage())
 
     logging.getLogger("mergekit_ext").addHandler(Collect())
-    cfg = parse_config(_yaml(method, folder, experts))
+    cfg = parse_config(_yaml(method, folder, experts, compute))
     options = MergeOptions(quiet=True, write_model_card=False, copy_tokenizer=False)
     info = ext_method_info(method)
     assert info is not None
@@ -209,6 +212,7 @@ def _child(method: str, folder: str, experts: int, out: str, threads: int) -> No
         "method": method,
         "experts": experts,
         "threads": torch.get_num_threads(),
+        "compute": plan.compute.name if plan.compute is not None else "float32",
         "plan_s": plan_s,
         "wall_s": wall,
         "peak_rss": peak,
@@ -222,11 +226,13 @@ def _child(method: str, folder: str, experts: int, out: str, threads: int) -> No
     print("RESULT " + json.dumps(record), flush=True)
 
 
-def _run_child(method: str, folder: str, experts: int, threads: int) -> dict[str, Any]:
+def _run_child(
+    method: str, folder: str, experts: int, threads: int, compute: str = "auto"
+) -> dict[str, Any]:
     out = tempfile.mkdtemp(prefix="llm-width-out-", dir=os.path.dirname(folder))
     cmd = [sys.executable, "-m", "benchmarks.probes.llm_width", "--child", method]
     cmd += ["--models-dir", folder, "--experts", str(experts), "--threads", str(threads)]
-    cmd += ["--out", out]
+    cmd += ["--out", out, "--compute-dtype", compute]
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
@@ -272,10 +278,10 @@ def report(results: list[dict[str, Any]]) -> str:
         f"{SIZE['vocab_size']}, bf16 checkpoints; {SIZE['sequences']} x {SIZE['seq_len']} "
         "calibration tokens per task",
         "",
-        "| method | K | threads | s / block | CPU s / block | solve s / block "
+        "| method | compute | K | threads | s / block | CPU s / block | solve s / block "
         "| merge_linear_group s / block | wall s | peak RSS GB | polled GB | dry-run estimate GB "
         "| estimate / peak | load avg |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         blocks = max(len(r["block_s"]), 1)
@@ -284,7 +290,8 @@ def report(results: list[dict[str, Any]]) -> str:
         group = sum(r["group_s"].values()) / blocks
         cpu = sum(r["block_cpu_s"]) / blocks
         lines.append(
-            f"| {r['method']} | {r['experts']} | {r['threads']} | {per_block:.1f} | {cpu:.1f} "
+            f"| {r['method']} | {r.get('compute', 'float32')} | {r['experts']} | {r['threads']} "
+            f"| {per_block:.1f} | {cpu:.1f} "
             f"| {solve:.1f} "
             f"| {group:.1f} | {r['wall_s']:.1f} | {r['peak_rss'] / gb:.2f} | "
             f"{r['polled_rss'] / gb:.2f} | {r['estimate'] / gb:.2f} | "
@@ -293,7 +300,8 @@ def report(results: list[dict[str, Any]]) -> str:
     lines.append("")
     for r in results:
         lines.append(
-            f"{r['method']} K={r['experts']} threads={r['threads']}: blocks "
+            f"{r['method']} {r.get('compute', 'float32')} K={r['experts']} "
+            f"threads={r['threads']}: blocks "
             + ", ".join(f"{s:.1f}" for s in r["block_s"])
             + " s; solve per group (block 0): "
             + ", ".join(
@@ -421,6 +429,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--dense-max-inputs", type=int, default=4096, help="--solve-only: dense solve up to this"
     )
+    parser.add_argument(
+        "--compute-dtype",
+        nargs="*",
+        default=["float32", "bfloat16"],
+        help="compute_dtype settings to run side by side (auto | float32 | bfloat16)",
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -435,7 +449,14 @@ def main(argv: list[str] | None = None) -> int:
         solve_only(args.experts[0], args.tokens, args.dense_max_inputs)
         return 0
     if args.child:
-        _child(args.child, _folder(args.models_dir), args.experts[0], args.out, args.threads[0])
+        _child(
+            args.child,
+            _folder(args.models_dir),
+            args.experts[0],
+            args.out,
+            args.threads[0],
+            args.compute_dtype[0],
+        )
         return 0
     results = []
     folder = _folder(args.models_dir)
@@ -450,27 +471,32 @@ def main(argv: list[str] | None = None) -> int:
         env={**os.environ, "PYTHONPATH": ROOT},
         check=True,
     )
-    for experts in args.experts:
-        for threads in args.threads:
-            for method in args.methods:
-                available = _available_gb()
-                deadline = time.monotonic() + args.wait_memory_s
-                while available < args.min_available_gb and time.monotonic() < deadline:
-                    time.sleep(10)  # other processes share the machine: wait for memory
-                    available = _available_gb()
-                if available < args.min_available_gb:
-                    print(
-                        f"skipped {method} K={experts} threads={threads}: {available:.1f} GiB "
-                        f"available < {args.min_available_gb}",
-                        flush=True,
-                    )
-                    continue
-                r = _run_child(method, folder, experts, threads)
-                results.append(r)
-                print(report([r]).split("\n")[4], flush=True)
-                if args.json:
-                    with open(args.json, "w") as f:
-                        json.dump(results, f, indent=1)
+    runs = [
+        (experts, threads, method, compute)
+        for experts in args.experts
+        for threads in args.threads
+        for method in args.methods
+        for compute in args.compute_dtype
+    ]
+    for experts, threads, method, compute in runs:
+        available = _available_gb()
+        deadline = time.monotonic() + args.wait_memory_s
+        while available < args.min_available_gb and time.monotonic() < deadline:
+            time.sleep(10)  # other processes share the machine: wait for memory
+            available = _available_gb()
+        if available < args.min_available_gb:
+            print(
+                f"skipped {method} {compute} K={experts} threads={threads}: "
+                f"{available:.1f} GiB available < {args.min_available_gb}",
+                flush=True,
+            )
+            continue
+        r = _run_child(method, folder, experts, threads, compute)
+        results.append(r)
+        print(report([r]).split("\n")[4], flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
     print(report(results))
     return 0
 

@@ -30,6 +30,7 @@ from mergekit_ext.calibration.sources import (
 from mergekit_ext.config import ExtMergeConfig, ExtModelEntry
 from mergekit_ext.distributed import batch_share, task_ranks
 from mergekit_ext.errors import CalibrationError, ConfigError, MergekitExtError, ModelInputError
+from mergekit_ext.executor.compute import ComputeChoice, resolve_compute_dtype
 from mergekit_ext.executor.model_output_checks import (
     check_model_output_supported,
     estimate_model_output_memory,
@@ -198,6 +199,7 @@ class MergePlan:
     hidden_size: int
     memory: MemoryEstimate = field(default=None)  # type: ignore[assignment]
     rank_warnings: list[str] = field(default_factory=list)  # groups with tokens < inputs
+    compute: Optional[ComputeChoice] = None  # dtype of the block passes (compute_dtype)
 
     @property
     def task_names(self) -> list[str]:
@@ -261,6 +263,8 @@ class MergePlan:
                 f"tensors {type(self.base.skeleton).__name__} does not load (copied from the "
                 f"base model): {', '.join(self.base.unloaded)}"
             )
+        if self.compute is not None and self.request.model_output is None:
+            lines.append(self.compute.describe())
         lines.append(
             f"output dtype: {str(self.out_dtype).replace('torch.', '') if self.out_dtype else 'as the base model'}"
         )
@@ -283,7 +287,13 @@ class MergePlan:
         lines += [
             f"memory estimate: peak ≈ {m.peak} bytes ({_gb(m.peak)}) on top of the Python "
             f"process itself (torch, transformers: ~0.4 GB); one model ≈ {_gb(m.model_bytes)}",
-            f"  block weights ({len(self.experts) + 2} blocks, float32): {_gb(m.block_weights)}",
+            f"  block weights ({len(self.experts) + 2} blocks, float32"
+            + (
+                f", and cast to {self.compute.name} for the passes"
+                if self.compute is not None and self.compute.low_precision
+                else ""
+            )
+            + f"): {_gb(m.block_weights)}",
             f"  input statistics of one block "
             f"({str(self.request.statistics_dtype).replace('torch.', '')}): {_gb(m.statistics)}",
             f"  method's solve for the widest group (float64, estimate): {_gb(m.solver)}",
@@ -546,6 +556,9 @@ def build_plan(
         out_dtype=out_dtype,
         hidden_size=hidden,
     )
+    plan.compute = resolve_compute_dtype(
+        request.compute_dtype, _linear_dtypes(plan), _device_type(options.device)
+    )
     if load_data:
         for e in experts:
             e.data = load_calibration(
@@ -562,6 +575,24 @@ def build_plan(
         LOG.warning("%s", warning)
     plan.memory = estimate_memory(plan)
     return plan
+
+
+def _device_type(device: Optional[str]) -> str:
+    """``cpu`` or ``cuda`` from ``--device`` (``auto``: CUDA when available)."""
+    name = (device or "cpu").strip()
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if name.startswith("cuda") else "cpu"
+
+
+def _linear_dtypes(plan: MergePlan) -> set[torch.dtype]:
+    """The stored dtypes of the block linears of the base and of every expert."""
+    names = {b.group_weight(m) for b in plan.blocks for g in b.groups for m in g.modules}
+    stored = set()
+    for source in (plan.base, *(e.source for e in plan.experts)):
+        dtypes = getattr(source, "dtypes", None) or {}
+        stored |= {safetensors_dtype(dtypes[n]) for n in names if n in dtypes}
+    return stored
 
 
 def calibration_tokens(plan: MergePlan) -> Optional[int]:
@@ -829,6 +860,9 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
         merged_hidden = activations // paths
         replay = max(REPLAY_MIN_BYTES, REPLAY_HIDDEN_MULTIPLE * merged_hidden)
     block_weights = (k_run + 2) * block_bytes
+    if plan.compute is not None and plan.compute.low_precision:
+        # each block tensor a pass reads is also held cast to the compute dtype (half size)
+        block_weights += (k_run + 2) * block_bytes // 2
     reduction = 0
     if several:
         if rank == 0:

@@ -83,6 +83,12 @@ from mergekit_ext.executor.blocks import (
     skeleton_on_device,
     trim_heap,
 )
+from mergekit_ext.executor.compute import (
+    ComputeChoice,
+    LowPrecisionParams,
+    carried,
+    compute_in,
+)
 from mergekit_ext.executor.moe import (
     DOWN,
     GATE_UP,
@@ -234,6 +240,9 @@ class SequentialExecutor:
                 use_async=plan.options.async_write,
                 max_write_threads=plan.options.write_threads,
             )
+        # dtype of the block passes (docs/methods.md, "Compute dtype")
+        self.compute = plan.compute or ComputeChoice(torch.float32, "float32", "as set")
+        self._low_params = LowPrecisionParams(self.compute.dtype)
         self.layer_diagnostics: list[dict[str, Any]] = []
         # Several processes: {index of a layer record: {task: diagnostics}} of own tasks.
         self.task_diagnostics: dict[int, dict[str, dict[str, Any]]] = {}
@@ -274,6 +283,7 @@ class SequentialExecutor:
             self.writer.finalize()
             self._write_support_files()
         result: dict[str, Any] = {
+            "executor": self.compute.record(),
             "layers": self.layer_diagnostics,
             "not_merged": self.not_merged,
             **(
@@ -501,7 +511,11 @@ class SequentialExecutor:
         hidden: torch.Tensor,
         call: tuple[tuple[Any, ...], dict[str, Any]],
     ) -> torch.Tensor:
-        return run_block(self.blocks[index], params, hidden, call)
+        if self.compute.low_precision:
+            params = self._low_params(params)
+        with compute_in(self.compute.dtype, self.device):
+            out = run_block(self.blocks[index], params, hidden, call)
+        return carried(out)
 
     def _input_hook(
         self, accumulator: ActivationStatistics, stop: bool, reads: tuple[str, ...] = ()
@@ -773,6 +787,7 @@ class SequentialExecutor:
                     state.merged_hidden = outputs
         finally:
             replay.close()
+            self._low_params.clear()
         del base_block, expert_blocks, merged, cache
         self._release()
 

@@ -124,6 +124,7 @@ class ChainOfMergesMethod(LayerwiseMethod):
             reference_gram_max_dim=FULL_COVARIANCE_W2_MAX_DIM if p.propagate else None,
             keep_rows=True,  # the span solve when a group has fewer tokens than inputs
             statistics_dtype=getattr(torch, p.statistics_dtype),
+            compute_dtype=p.compute_dtype,
         )
 
     def _settings(self, parameters: Any) -> dict[str, Any]:

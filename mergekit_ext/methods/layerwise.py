@@ -102,6 +102,10 @@ class StatisticsRequest:
       for float64 products throughout.
     - ``statistics_dtype``: dtype of the running sums (and of the statistics handed to the
       method): float64 (default) or float32 (half the memory of each Gram).
+    - ``compute_dtype``: the method's ``compute_dtype`` setting (``auto`` | ``float32`` |
+      ``bfloat16`` | ``float16``) for the block forward passes; the plan resolves ``auto``
+      (:mod:`mergekit_ext.executor.compute`). Default ``float32``: what a method that does
+      not declare the parameter always had.
     - ``model_output``: the method fits each linear to the model's output instead
       (:class:`ModelOutputRequest`): the executor runs the whole-model path and calls
       :meth:`LayerwiseMethod.model_output_fit` per linear; no statistics are computed.
@@ -114,6 +118,7 @@ class StatisticsRequest:
     product_dtype: Optional[torch.dtype] = None
     keep_rows: bool = False
     statistics_dtype: torch.dtype = torch.float64
+    compute_dtype: str = "float32"
     model_output: Optional[ModelOutputRequest] = None
 
 

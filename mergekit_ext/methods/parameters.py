@@ -81,6 +81,22 @@ def statistics_dtype_field() -> Any:
     )
 
 
+ComputeDtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+def compute_dtype_field() -> Any:
+    """The ``compute_dtype`` parameter of the layerwise methods (one declaration)."""
+    return Field(
+        "auto",
+        description="dtype of the block forward passes (expert and merged paths): auto | "
+        "float32 | bfloat16 | float16; the linears (and attention) run in it with float32 "
+        "accumulation, the residual stream and the hidden states carried between blocks stay "
+        "float32, the Grams keep float32-or-wider sums; auto: bfloat16 where the checkpoints "
+        "are bfloat16 and the device has fast bfloat16 (CPU avx512_bf16 / AMX, CUDA "
+        'is_bf16_supported), else float32 (docs/methods.md, "Compute dtype")',
+    )
+
+
 class MethodParameters(BaseModel):
     """Base of every method's parameter model: frozen, unknown keys ignored.
 

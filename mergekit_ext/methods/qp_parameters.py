@@ -27,8 +27,10 @@ from pydantic import Field, field_validator
 from mergekit_ext.errors import ConfigError
 from mergekit_ext.methods.guard import max_norm_ratio_field
 from mergekit_ext.methods.parameters import (
+    ComputeDtype,
     MethodParameters,
     StatisticsDtype,
+    compute_dtype_field,
     statistics_dtype_field,
 )
 
@@ -105,6 +107,7 @@ class QPLayerOutputParameters(QPSharedParameters):
         False, description="also solve in the other basis and report its J and captured energy"
     )
     statistics_dtype: StatisticsDtype = statistics_dtype_field()
+    compute_dtype: ComputeDtype = compute_dtype_field()
     max_norm_ratio: float = max_norm_ratio_field()
 
 

@@ -114,6 +114,7 @@ class QPLayerOutputMethod(LayerwiseMethod):
             propagate=resolved.propagate,
             expert_path=not resolved.propagate,
             statistics_dtype=getattr(torch, resolved.statistics_dtype),
+            compute_dtype=resolved.compute_dtype,
         )
 
     def merge_linear_group(

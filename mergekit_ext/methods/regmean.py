@@ -41,6 +41,7 @@ class RegMeanMethod(LayerwiseMethod):
             normalized_gram=False,
             keep_rows=True,  # the span solve when a group has fewer tokens than inputs
             statistics_dtype=getattr(torch, p.statistics_dtype),
+            compute_dtype=p.compute_dtype,
         )
 
     def merge_linear_group(

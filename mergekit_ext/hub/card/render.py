@@ -669,6 +669,7 @@ def build_card_context(
         "seed": diag.get("seed"),
         "resources": _resources(diag),
         "distributed": diag.get("distributed"),
+        "executor": diag.get("executor"),
         "calibration": _calibration_rows(diag, cfg, cwd),
         "data_aware": bool(method.get("needs_calibration")),
         "sections": sections,

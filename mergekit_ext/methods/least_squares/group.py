@@ -175,12 +175,13 @@ def _task_output_error(
     product: Optional[torch.Tensor],
 ) -> float:
     """One task's relative output error, on the raw inputs, of ``merged`` as written: from
-    its kept rows where no product ``W_k G_k`` of the raw Gram was formed (span solve,
-    normalized Gram), else from ``raw_gram`` (formed from the rows when None) and
-    ``product``."""
+    its kept rows where it has them (fewer tokens than inputs: ``out x in x N`` float64
+    products instead of the Gram form's ``out x in x in``), the reference then from the
+    solve's product ``W_k G_k`` where it formed one; else from ``raw_gram`` (formed from the
+    rows when None) and ``product``."""
     rows = _kept_rows(st)
-    if product is None and rows is not None:
-        return relative_output_error_rows(merged, weight, rows)
+    if rows is not None:
+        return relative_output_error_rows(merged, weight, rows, product)
     gram = raw_gram if raw_gram is not None else st.gram_from_rows()
     return relative_output_error(merged, weight, gram, product)  # type: ignore[arg-type]
 

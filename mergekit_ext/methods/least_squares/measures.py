@@ -59,17 +59,25 @@ def relative_output_error_rows(
     merged_weight: torch.Tensor,
     expert_weight: torch.Tensor,
     rows: torch.Tensor,
+    expert_product: Optional[torch.Tensor] = None,
 ) -> float:
     """:func:`relative_output_error` from the inputs themselves (``rows``: ``N x in``).
 
     ``‖(W − W_k) Xᵀ‖_F / ‖W_k Xᵀ‖_F``: ``out x in x N`` products instead of ``out x in x in``
     ones, the cheaper form when N < in. The error term is float64 (difference and product);
-    the reference in the weights' dtype (float32 for float32 weights), summed in float64.
+    the reference in the weights' dtype (float32 for float32 weights), summed in float64,
+    or, when the solve formed it, from ``expert_product`` = ``W_k G`` with ``G = XᵀX / N``
+    (``N · tr(W_k G W_kᵀ)``, no product at all).
     """
     x = rows.double()
     diff = merged_weight.double() - expert_weight.double()
     error = float((diff @ x.T).square().sum())
     del diff
+    if expert_product is not None:
+        reference = float(
+            (expert_product.double() * expert_weight.double()).sum(dtype=torch.float64)
+        ) * int(rows.shape[0])
+        return _ratio(error, reference)
     xr = rows.float() if expert_weight.dtype != torch.float64 else x
     reference = float((expert_weight.to(xr.dtype) @ xr.T).square().sum(dtype=torch.float64))
     return _ratio(error, reference)

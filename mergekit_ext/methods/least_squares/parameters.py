@@ -16,8 +16,10 @@ from mergekit_ext.methods.least_squares.solve import (
     Solver,
 )
 from mergekit_ext.methods.parameters import (
+    ComputeDtype,
     MethodParameters,
     StatisticsDtype,
+    compute_dtype_field,
     statistics_dtype_field,
 )
 
@@ -57,4 +59,5 @@ class RegMeanParameters(MethodParameters):
         description="merge of biases, norms, embeddings and heads: mean | base | task_arithmetic",
     )
     statistics_dtype: StatisticsDtype = statistics_dtype_field()
+    compute_dtype: ComputeDtype = compute_dtype_field()
     max_norm_ratio: float = max_norm_ratio_field()

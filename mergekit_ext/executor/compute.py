@@ -1,0 +1,151 @@
+"""The dtype of the block forward passes (``compute_dtype``; docs/methods.md, "Compute dtype").
+
+``auto`` runs the passes in bfloat16 where the checkpoints are bfloat16 and the device
+multiplies bfloat16 fast, float32 otherwise. In a low-precision pass the block's tensors
+are cast once per block (:class:`LowPrecisionParams`) and the block runs under
+``torch.autocast``: the linears and attention multiply in bfloat16 / float16 with float32
+accumulation, while the residual stream, the norms and the hidden states carried from block
+to block stay float32 (the block's input is float32, and the sums of float32 and bfloat16
+tensors are float32).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+LOG = logging.getLogger(__name__)
+
+_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ComputeChoice:
+    """The resolved ``compute_dtype``: the dtype and why."""
+
+    dtype: torch.dtype
+    setting: str  # as configured: auto | float32 | bfloat16 | float16
+    reason: str
+
+    @property
+    def name(self) -> str:
+        return str(self.dtype).replace("torch.", "")
+
+    @property
+    def low_precision(self) -> bool:
+        return self.dtype != torch.float32
+
+    def describe(self) -> str:
+        return f"compute dtype: {self.name} ({self.reason})"
+
+    def record(self) -> dict[str, str]:
+        return {"compute_dtype": self.name, "setting": self.setting, "reason": self.reason}
+
+
+def fast_bf16(device_type: str) -> tuple[bool, str]:
+    """Whether ``device_type`` (``cpu`` | ``cuda``) multiplies bfloat16 fast, and what says so.
+
+    CPU: the AVX512-BF16 or AMX instructions (``torch.cpu``'s probes, the ``lscpu`` flags
+    ``avx512_bf16`` / ``amx_bf16``); CUDA: ``torch.cuda.is_bf16_supported()``.
+    """
+    if device_type == "cuda":
+        if not torch.cuda.is_available():
+            return False, "CUDA is not available here"
+        ok = bool(torch.cuda.is_bf16_supported())
+        return ok, f"torch.cuda.is_bf16_supported() is {ok}"
+    if device_type == "cpu":
+        flags = [
+            name
+            for name, probe in (
+                ("amx_bf16", getattr(torch.cpu, "_is_amx_tile_supported", None)),
+                ("avx512_bf16", getattr(torch.cpu, "_is_avx512_bf16_supported", None)),
+            )
+            if probe is not None and bool(probe())
+        ]
+        if flags:
+            return True, f"CPU has {' and '.join(flags)}"
+        return False, (
+            f"CPU has neither avx512_bf16 nor amx_bf16 (capability "
+            f"{torch.backends.cpu.get_cpu_capability()})"
+        )
+    return False, f"device type {device_type!r}"
+
+
+def resolve_compute_dtype(
+    setting: str, checkpoint_dtypes: Iterable[torch.dtype], device_type: str
+) -> ComputeChoice:
+    """The dtype of the block passes from the ``compute_dtype`` setting.
+
+    Args:
+        setting: ``auto`` | ``float32`` | ``bfloat16`` | ``float16``.
+        checkpoint_dtypes: the stored dtypes of the block linears of the base and experts.
+        device_type: ``cpu`` or ``cuda``.
+
+    Returns:
+        The choice with its reason (printed in the plan, recorded in the diagnostics).
+    """
+    if setting != "auto":
+        if setting not in _NAMES:
+            raise ValueError(
+                f"compute_dtype must be auto, float32, bfloat16 or float16; got {setting!r}"
+            )
+        return ComputeChoice(_NAMES[setting], setting, "as set")
+    stored = set(checkpoint_dtypes)
+    if stored != {torch.bfloat16}:
+        kinds = ", ".join(sorted(str(d).replace("torch.", "") for d in stored)) or "none"
+        return ComputeChoice(
+            torch.float32, setting, f"auto: checkpoints are {kinds}, not all bfloat16"
+        )
+    fast, why = fast_bf16(device_type)
+    if not fast:
+        return ComputeChoice(torch.float32, setting, f"auto: bfloat16 checkpoints but {why}")
+    return ComputeChoice(torch.bfloat16, setting, f"auto: bfloat16 checkpoints and {why}")
+
+
+class LowPrecisionParams:
+    """Each block tensor cast once to the compute dtype, however many passes read it.
+
+    Keyed by the float32 tensor's identity (kept alive alongside, so the key is never
+    reused); :meth:`clear` at the end of every block.
+    """
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self._cast: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, tensor in params.items():
+            if not tensor.dtype.is_floating_point or tensor.dtype == self.dtype:
+                out[name] = tensor
+                continue
+            hit = self._cast.get(id(tensor))
+            if hit is None or hit[0] is not tensor:
+                hit = (tensor, tensor.to(self.dtype))
+                self._cast[id(tensor)] = hit
+            out[name] = hit[1]
+        return out
+
+    def clear(self) -> None:
+        self._cast.clear()
+
+
+@contextlib.contextmanager
+def compute_in(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
+    """``torch.autocast`` in ``dtype`` on ``device`` (nothing for float32)."""
+    if dtype == torch.float32:
+        yield
+        return
+    with torch.autocast(device_type=device.type, dtype=dtype):
+        yield
+
+
+def carried(hidden: torch.Tensor, dtype: Optional[torch.dtype] = torch.float32) -> torch.Tensor:
+    """The hidden states as carried to the next block (float32: docs/methods.md,
+    "Compute dtype", measures why)."""
+    return hidden if dtype is None or hidden.dtype == dtype else hidden.to(dtype)

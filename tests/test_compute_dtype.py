@@ -1,0 +1,259 @@
+"""compute_dtype (issue #31): the parameter, auto's choice, bfloat16 block passes and the
+precision of Grams from bfloat16 activations (docs/methods.md, "Compute dtype")."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import transformers
+from click.testing import CliRunner
+from safetensors.torch import load_file
+from test_distributed import COLLECTIVE_TIMEOUT_S, _launch, _write_config
+
+from mergekit_ext.calibration.statistics import ActivationStatistics, gram_product
+from mergekit_ext.cli import main
+from mergekit_ext.errors import ConfigError
+from mergekit_ext.executor.compute import LowPrecisionParams, resolve_compute_dtype
+from mergekit_ext.methods.chain_of_merges import ChainOfMergesParameters
+from mergekit_ext.methods.qp_projection import QPParameters
+from mergekit_ext.methods.regmean import RegMeanParameters
+from mergekit_ext.testing import make_experts, make_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def bf16_llama(tmp_path_factory):
+    """A tiny Llama base and two experts saved in bfloat16, as save_pretrained writes them."""
+    root = tmp_path_factory.mktemp("bf16")
+    base = make_tiny_llama(str(root / "f32" / "base"))
+    experts = make_experts(base, [str(root / "f32" / f"e{i}") for i in range(2)])
+    out = []
+    for path in [base, *experts]:
+        target = str(root / "bf16" / os.path.basename(path))
+        model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        model.save_pretrained(target)
+        transformers.AutoTokenizer.from_pretrained(path).save_pretrained(target)
+        out.append(target)
+    return out[0], out[1:]
+
+
+# ------------------------------------------------------------------------------------------
+# The parameter and auto's choice
+
+
+@pytest.mark.parametrize("model", [RegMeanParameters, ChainOfMergesParameters, QPParameters])
+def test_compute_dtype_is_parsed_with_auto_as_default(model):
+    assert model.parse({}, "m").compute_dtype == "auto"
+    assert model.parse({"compute_dtype": "bfloat16"}, "m").compute_dtype == "bfloat16"
+    with pytest.raises(ConfigError, match=r"parameters\.compute_dtype = 'bf16'.*float32"):
+        model.parse({"compute_dtype": "bf16"}, "m")
+
+
+def _cpu(monkeypatch, amx: bool, avx512_bf16: bool) -> None:
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+
+
+def test_auto_takes_bfloat16_only_for_bfloat16_checkpoints_on_fast_hardware(monkeypatch):
+    bf16 = [torch.bfloat16, torch.bfloat16]
+    _cpu(monkeypatch, amx=False, avx512_bf16=True)
+    choice = resolve_compute_dtype("auto", bf16, "cpu")
+    assert choice.dtype == torch.bfloat16 and "avx512_bf16" in choice.reason
+    _cpu(monkeypatch, amx=True, avx512_bf16=False)
+    assert resolve_compute_dtype("auto", bf16, "cpu").dtype == torch.bfloat16
+    # float32 (or mixed) checkpoints: today's float32 passes, whatever the hardware
+    for stored in ([torch.float32], [torch.bfloat16, torch.float32], [torch.float16]):
+        choice = resolve_compute_dtype("auto", stored, "cpu")
+        assert choice.dtype == torch.float32 and "not all bfloat16" in choice.reason
+    _cpu(monkeypatch, amx=False, avx512_bf16=False)
+    choice = resolve_compute_dtype("auto", bf16, "cpu")
+    assert choice.dtype == torch.float32 and "neither avx512_bf16 nor amx_bf16" in choice.reason
+    # CUDA asks torch.cuda
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert resolve_compute_dtype("auto", bf16, "cuda").dtype == torch.float32
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert resolve_compute_dtype("auto", bf16, "cuda").dtype == torch.bfloat16
+    # an explicit setting is taken as set
+    assert resolve_compute_dtype("float16", [torch.float32], "cpu").dtype == torch.float16
+    assert resolve_compute_dtype("float32", bf16, "cuda").reason == "as set"
+
+
+def test_block_tensors_are_cast_once_per_block():
+    low = LowPrecisionParams(torch.bfloat16)
+    w = torch.randn(4, 4)
+    first = low({"w": w, "ids": torch.arange(3)})
+    second = low({"w": w})
+    assert first["w"].dtype == torch.bfloat16 and first["ids"].dtype == torch.int64
+    assert second["w"] is first["w"]  # the same cast, not a new one
+    low.clear()
+    assert low({"w": w})["w"] is not first["w"]
+
+
+# ------------------------------------------------------------------------------------------
+# Grams from bfloat16 activations
+
+
+def test_gram_of_bfloat16_rows_is_float32_accurate():
+    """The Gram accumulated from bfloat16 activations (in chunks) against the float64 Gram of
+    the same bfloat16 values: only float32 rounding of the sums, nothing of bfloat16's."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(600, 96, generator=g) * torch.rand(96, generator=g) * 4).bfloat16()
+    acc = ActivationStatistics(96)
+    for chunk in torch.split(x, 128):
+        acc.update(chunk)
+    gram = acc.finalize().gram
+    reference = x.double().T @ x.double() / x.shape[0]
+    relative = float((gram - reference).norm() / reference.norm())
+    assert relative < 1e-6, relative
+    # and under autocast (a hook inside a bfloat16 pass) the sums are still float32
+    acc = ActivationStatistics(96)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for chunk in torch.split(x, 128):
+            acc.update(chunk)
+    relative = float((acc.finalize().gram - reference).norm() / reference.norm())
+    assert relative < 1e-6, relative
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gram_of_bfloat16_rows_on_tensor_cores_is_float32_accurate():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 512, generator=g).bfloat16().cuda()
+    gram = gram_product(x)
+    assert gram.dtype == torch.float32
+    reference = x.double().T @ x.double()
+    assert float((gram.double() - reference).norm() / reference.norm()) < 1e-6
+
+
+# ------------------------------------------------------------------------------------------
+# bfloat16 passes through the executor
+
+
+def _run(config: str, out: str, *extra: str) -> str:
+    result = CliRunner().invoke(main, ["run", config, out, *extra], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_bfloat16_passes_merge_close_to_float32_passes(bf16_llama, tmp_path, monkeypatch):
+    base, experts = bf16_llama
+    _cpu(monkeypatch, amx=False, avx512_bf16=True)
+    merged = {}
+    for setting in ("float32", "bfloat16", "auto"):
+        folder = tmp_path / setting
+        folder.mkdir()
+        config = _write_config(
+            str(folder), "chain_of_merges", base, experts, {"compute_dtype": setting}
+        )
+        out = str(folder / "merged")
+        if setting == "auto":
+            plan = _run(config, out, "--dry-run")
+            assert (
+                "compute dtype: bfloat16 (auto: bfloat16 checkpoints and CPU has avx512_bf16)"
+                in plan
+            )
+            assert "cast to bfloat16 for the passes" in plan
+        _run(config, out)
+        merged[setting] = load_file(os.path.join(out, "model.safetensors"))
+        diagnostics = json.load(open(os.path.join(out, "mergekit_ext_diagnostics.json")))
+        record = diagnostics["executor"]
+        assert record["compute_dtype"] == ("float32" if setting == "float32" else "bfloat16")
+        assert record["setting"] == setting
+        card = open(os.path.join(out, "README.md"), encoding="utf-8").read()
+        assert f"The block forward passes ran in {record['compute_dtype']}" in card
+    a, b = merged["float32"], merged["bfloat16"]
+    # auto chose bfloat16 here: the very same bytes as bfloat16 set explicitly
+    assert all(torch.equal(merged["auto"][n], b[n]) for n in b)
+    # the first group's inputs are the embeddings through a float32 norm on both paths
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(a[q], b[q])
+    worst = 0.0
+    for name in a:
+        x, y = a[name].double(), b[name].double()
+        worst = max(worst, float((x - y).norm() / x.norm()))
+    # the tiny random model's Grams are numerically singular (ridge: auto regularises every
+    # group), so the solve is sensitive: bfloat16 activations move it by a few percent
+    assert 0.0 < worst < 0.1, worst
+
+
+def test_two_ranks_equal_one_process_with_bfloat16_passes(bf16_llama, tmp_path):
+    base, experts = bf16_llama
+    config = _write_config(
+        str(tmp_path), "chain_of_merges", base, experts, {"compute_dtype": "bfloat16"}
+    )
+    reference = str(tmp_path / "one")
+    _run(config, reference)
+    out = str(tmp_path / "two")
+    results = _launch(
+        2, [config, out, "--distributed-timeout", str(COLLECTIVE_TIMEOUT_S)], str(tmp_path)
+    )
+    assert [rc for rc, _ in results] == [0, 0], results
+    one = load_file(os.path.join(reference, "model.safetensors"))
+    two = load_file(os.path.join(out, "model.safetensors"))
+    assert set(one) == set(two)
+    for name in one:
+        assert torch.equal(one[name], two[name]), name
+
+
+# ------------------------------------------------------------------------------------------
+# Diagnostics that reuse the solve's products (cost linear in K)
+
+
+def test_dense_group_output_errors_from_kept_rows_equal_the_gram_form():
+    """Tasks with fewer tokens than inputs keep their rows; together they have more, so the
+    group takes the dense solve. The output error then comes from the rows (``out x in x N``)
+    with the reference from the solve's ``W_k G_k``: equal to the Gram form's
+    ``tr(ΔW G ΔWᵀ) / tr(W_k G W_kᵀ)`` with the float64 Gram of the same rows."""
+    from mergekit_ext.methods.layerwise import LinearGroup, TaskStatistics
+    from mergekit_ext.methods.least_squares import merge_group_least_squares
+
+    g = torch.Generator().manual_seed(3)
+    n_in, out, tokens = 48, 20, 30  # three tasks of 30 tokens: 90 >= 48 inputs, dense path
+    base = torch.randn(out, n_in, generator=g) * 0.1
+    experts = [base + torch.randn(out, n_in, generator=g) * 0.05 for _ in range(3)]
+    stats = []
+    for k in range(3):
+        x = torch.nn.functional.silu(torch.randn(tokens, n_in, generator=g)) * (1 + k)
+        stats.append(
+            TaskStatistics(
+                gram=None,
+                mean=x.double().mean(0),
+                count=tokens,
+                second_moment=x.double().square().mean(0),
+                rows=x,
+                row_batches=(tokens,),
+            )
+        )
+    group = LinearGroup(
+        name="layers.0.mlp.up_proj",
+        weights=["up"],
+        base={"up": base},
+        experts=[{"up": w} for w in experts],
+        task_names=["a", "b", "c"],
+        expert_stats=stats,
+        merged_stats=None,
+    )
+    merged, diagnostics = merge_group_least_squares(
+        group,
+        method="regmean",
+        reduce_non_diagonal=1.0,
+        ridge=0.0,
+        solver="pinv",
+        use_merged_path=False,
+        use_normalized_gram=False,
+    )
+    assert diagnostics["solver"] != "" and "span" not in diagnostics["solver"]
+    for k, task in enumerate(("a", "b", "c")):
+        x = stats[k].rows.double()
+        gram64 = x.T @ x / tokens
+        diff = merged["up"].double() - experts[k].double()
+        error = float(((diff @ gram64) * diff).sum())
+        # the reference as the solve forms W_k G_k (float32 GEMM of the accumulated Gram)
+        product = experts[k] @ stats[k].gram_from_rows().float()
+        reference = float((product.double() * experts[k].double()).sum())
+        expected = (error / reference) ** 0.5
+        got = diagnostics["tasks"][task]["relative_output_error"]
+        assert got == pytest.approx(expected, rel=1e-10), (task, got, expected)
+        assert 0.0 < got < 1.0
