@@ -8,7 +8,8 @@
 * Layers: a module may import its own layer and the layers below it, never a higher one
   (:data:`LAYERS`). This holds for function-local imports too: a deferred upward import is
   still a lower layer knowing a higher one.
-* ``hub/`` reads only the lowest layer and the method registry (:data:`HUB_MAY_READ`).
+* ``hub/`` reads only the lowest layer, the method registry and the config schema
+  (:data:`HUB_MAY_READ`).
 
 Importing a package one is inside of (``from mergekit_ext import __version__``) is not an
 edge: Python has loaded every ancestor package before the module runs. Where today's code
@@ -72,18 +73,17 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("mergekit_ext", 7),  # the package's __init__ (registers the methods, exports the API)
 )
 
-#: what hub/ may import besides itself: the lowest layer and the method registry
-HUB_MAY_READ = ("mergekit_ext.methods.registry",)
+#: what hub/ may import besides itself: the lowest layer, the method registry, the config schema
+HUB_MAY_READ = (
+    "mergekit_ext.methods.registry",
+    # the schema of the user's YAML: `card OUT` and `publish OUT` describe an existing output
+    # folder from the config copy it holds (models, calibration, parameters), so the hub must
+    # parse that file as the runner does; the schema computes nothing and imports no executor
+    "mergekit_ext.config",
+)
 
 #: (importer, imported) pairs that break a rule today; a new entry needs a reason here.
-KNOWN_EXCEPTIONS: frozenset[tuple[str, str]] = frozenset(
-    {
-        # the card parses the config copy in the output folder (ExtMergeConfig: calibration
-        # per model, parameters); removing it means the entry points pass the parsed config
-        # through write_model_card / publish_folder (issue #29, after the structural step)
-        ("mergekit_ext.hub.card.render", "mergekit_ext.config"),
-    }
-)
+KNOWN_EXCEPTIONS: frozenset[tuple[str, str]] = frozenset({})
 
 
 def _modules() -> dict[str, str]:
