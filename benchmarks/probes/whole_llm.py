@@ -29,7 +29,6 @@ import os
 import platform
 import resource
 import shutil
-import subprocess
 import sys
 import time
 from typing import Any
