@@ -22,8 +22,8 @@ from test_safety import _env, _invoke, _leftovers, _snapshot
 
 from mergekit_ext import output
 
-# the user's working folder of test_safety: models under m/, data, notes, plugins, ace.yml
-models = test_safety.models
+# the user's working folder of test_safety (conftest's user_work, plus data, notes, plugins,
+# ace.yml)
 work = test_safety.work
 
 
