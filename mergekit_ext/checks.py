@@ -77,8 +77,12 @@ def check_model_paths(cfg: ExtMergeConfig, allow_pickle: bool, dry_run: bool = F
                 if path not in weightless:
                     weightless.append(path)
                 continue
-            has_safetensors = bool(glob.glob(os.path.join(path, "*.safetensors")))
-            pickles = [f for pat in PICKLE_PATTERNS for f in glob.glob(os.path.join(path, pat))]
+            has_safetensors = bool(glob.glob(os.path.join(glob.escape(path), "*.safetensors")))
+            pickles = [
+                f
+                for pat in PICKLE_PATTERNS
+                for f in glob.glob(os.path.join(glob.escape(path), pat))
+            ]
             if not has_safetensors and pickles:
                 if not allow_pickle:
                     raise ModelInputError(

@@ -72,7 +72,9 @@ WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 
 def weight_files(folder: str, recursive: bool = False) -> list[str]:
     """Every weight file in ``folder`` (and below it with ``recursive``), sorted."""
-    where = os.path.join(folder, "**") if recursive else folder
+    # escaped: a folder named like "row[x=1]" is a path, not a pattern
+    where = glob.escape(folder)
+    where = os.path.join(where, "**") if recursive else where
     found = {
         f
         for pattern in WEIGHT_PATTERNS

@@ -84,9 +84,11 @@ def test_auto_takes_bfloat16_only_for_bfloat16_checkpoints_on_fast_hardware(monk
 def test_block_tensors_are_cast_once_per_block():
     low = LowPrecisionParams(torch.bfloat16)
     w = torch.randn(4, 4)
-    first = low({"w": w, "ids": torch.arange(3)})
+    norm = torch.randn(4)
+    first = low({"w": w, "ids": torch.arange(3), "norm": norm})
     second = low({"w": w})
     assert first["w"].dtype == torch.bfloat16 and first["ids"].dtype == torch.int64
+    assert first["norm"] is norm  # vectors (norm weights, biases) stay float32
     assert second["w"] is first["w"]  # the same cast, not a new one
     low.clear()
     assert low({"w": w})["w"] is not first["w"]
@@ -176,6 +178,33 @@ def test_bfloat16_passes_merge_close_to_float32_passes(bf16_llama, tmp_path, mon
     # the tiny random model's Grams are numerically singular (ridge: auto regularises every
     # group), so the solve is sensitive: bfloat16 activations move it by a few percent
     assert 0.0 < worst < 0.1, worst
+
+
+@pytest.mark.parametrize("method", ["regmean", "chain_of_merges"])
+def test_bfloat16_passes_through_layer_norm_blocks(tiny_bert_set, tmp_path, method):
+    """BERT's nn.LayerNorm (post-norm) under autocast runs in float32: its parameters must stay
+    float32, or CPU layer_norm stops with "mixed dtype (CPU): expect parameter to have scalar
+    type of Float"."""
+    merged = {}
+    for setting in ("float32", "bfloat16"):
+        folder = tmp_path / setting
+        folder.mkdir()
+        config = _write_config(
+            str(folder),
+            method,
+            tiny_bert_set.base,
+            list(tiny_bert_set.experts[:2]),
+            # the tiny model's 8 calibration texts span few directions: a ridge keeps the
+            # solve inside the result guard
+            {"compute_dtype": setting, "ridge": 0.01},
+        )
+        out = str(folder / "merged")
+        _run(config, out)
+        merged[setting] = load_file(os.path.join(out, "model.safetensors"))
+    a, b = merged["float32"], merged["bfloat16"]
+    assert set(a) == set(b)
+    assert all(torch.isfinite(t).all() for t in b.values())
+    assert any(not torch.equal(a[n], b[n]) for n in a)  # the passes did run in bfloat16
 
 
 def test_two_ranks_equal_one_process_with_bfloat16_passes(bf16_llama, tmp_path):

@@ -25,6 +25,7 @@ from tiny_models import VOCAB_SIZE, make_experts, save_tiny_tokenizer
 
 import mergekit_ext
 from mergekit_ext.errors import TensorError
+from mergekit_ext.finite import weight_files
 from mergekit_ext.methods.ace import ACEParameters, ace_merge_tensor
 from mergekit_ext.models import completeness
 from mergekit_ext.models.model_paths import tensor_shapes
@@ -146,6 +147,20 @@ def test_dense_llama_passes_the_check(tiny_llama_set, tmp_path) -> None:
     out = merge("ties", tiny_llama_set.base, list(tiny_llama_set.experts[:2]), str(tmp_path / "o"))
     assert tensor_shapes(out) == tensor_shapes(tiny_llama_set.base)
     assert_loads_cleanly(out)
+
+
+def test_output_folder_with_glob_characters(tiny_llama_set, tmp_path) -> None:
+    """A folder named like the benchmark sweep's runs (``row[param=value]``) is a path, not a
+    glob pattern: the completeness and finiteness checks read its weights."""
+    out = merge(
+        "ties",
+        tiny_llama_set.base,
+        list(tiny_llama_set.experts[:2]),
+        str(tmp_path / "ties[compute_dtype=float32]" / "merged"),
+    )
+    assert tensor_shapes(out) == tensor_shapes(tiny_llama_set.base)
+    assert completeness.written_shapes(out) == tensor_shapes(tiny_llama_set.base)
+    assert weight_files(out) == [os.path.join(out, "model.safetensors")]
 
 
 def test_tied_embeddings_are_not_flagged(tmp_path) -> None:

@@ -108,9 +108,12 @@ def resolve_compute_dtype(
 
 
 class LowPrecisionParams:
-    """Each block tensor cast once to the compute dtype, however many passes read it.
+    """Each block matrix cast once to the compute dtype, however many passes read it.
 
-    Keyed by the float32 tensor's identity (kept alive alongside, so the key is never
+    Only tensors of two or more dimensions (linear and convolution weights) are cast: the
+    vectors (norm weights, biases) stay float32, as the norms run in float32, and
+    ``torch.layer_norm`` on CPU refuses a float32 input with bfloat16 parameters (autocast
+    runs it in float32). Keyed by the float32 tensor's identity (kept alive alongside, so the key is never
     reused); :meth:`clear` at the end of every block.
     """
 
@@ -121,7 +124,7 @@ class LowPrecisionParams:
     def __call__(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}
         for name, tensor in params.items():
-            if not tensor.dtype.is_floating_point or tensor.dtype == self.dtype:
+            if not tensor.dtype.is_floating_point or tensor.dtype == self.dtype or tensor.dim() < 2:
                 out[name] = tensor
                 continue
             hit = self._cast.get(id(tensor))

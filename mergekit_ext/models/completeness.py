@@ -55,7 +55,7 @@ def written_shapes(folder: str) -> Shapes:
         ``{tensor name: shape}``.
     """
     shapes = tensor_shapes(folder)
-    for file in sorted(glob.glob(os.path.join(folder, "*.bin"))):
+    for file in sorted(glob.glob(os.path.join(glob.escape(folder), "*.bin"))):
         state = torch.load(file, map_location="meta", weights_only=True, mmap=True)
         shapes.update({k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)})
     return shapes

@@ -137,8 +137,8 @@ def check_model_files(folder: str, what: str) -> None:
         path = os.path.join(folder, name)
         if os.path.isfile(path):
             read_json_object(path, what)
-    shards = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
-    pickles = glob.glob(os.path.join(folder, "*.bin"))
+    shards = sorted(glob.glob(os.path.join(glob.escape(folder), "*.safetensors")))
+    pickles = glob.glob(os.path.join(glob.escape(folder), "*.bin"))
     for name in INDEX_FILES:
         if os.path.isfile(os.path.join(folder, name)):
             check_index(folder, name, what, require_shards=bool(shards or pickles))

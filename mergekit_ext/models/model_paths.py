@@ -55,7 +55,10 @@ def read_config_json(path: str) -> dict[str, Any]:
 
 def has_weights(path: str) -> bool:
     """Whether a model folder holds weight files (safetensors or pickles)."""
-    return any(glob.glob(os.path.join(path, pat)) for pat in ("*.safetensors", *PICKLE_PATTERNS))
+    return any(
+        glob.glob(os.path.join(glob.escape(path), pat))
+        for pat in ("*.safetensors", *PICKLE_PATTERNS)
+    )
 
 
 def is_config_only(path: str) -> bool:
@@ -194,7 +197,7 @@ def _config_dtype(config: dict[str, Any], path: str) -> Any:
 def tensor_shapes(path: str) -> dict[str, tuple[int, ...]]:
     """Tensor names and shapes of a safetensors checkpoint, from the file headers only."""
     shapes: dict[str, tuple[int, ...]] = {}
-    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+    for file in sorted(glob.glob(os.path.join(glob.escape(path), "*.safetensors"))):
         for name, (shape, _) in safetensors_header(file, f"model {path}").items():
             shapes[name] = shape
     return shapes
