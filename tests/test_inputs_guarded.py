@@ -387,20 +387,24 @@ def test_a_rank_pointed_at_a_foreign_port_gives_up_within_the_timeout(work):
     assert not (work / "out").exists()
 
 
-def test_dry_run_refuses_more_processes_than_tasks_like_the_run(work, monkeypatch):
+def test_dry_run_refuses_ranks_without_a_batch_like_the_run(work, monkeypatch):
+    """More processes than tasks share a task's batches (issue #31); a rank left without a
+    batch is refused by the dry run with the launched run's own message (``check_shares``)."""
     from click.testing import CliRunner
 
     from mergekit_ext.cli import main
-    from mergekit_ext.distributed import DistributedContext, DistributedError
+    from mergekit_ext.distributed import DistributedError, check_shares
 
     monkeypatch.chdir(work)
     result = CliRunner().invoke(
         main, ["run", _com_yaml(work), "out", "--dry-run", "--world-size", "5"]
     )
     assert result.exit_code == 1, result.output
+    assert "each rank needs a batch at least" in result.output, result.output
     with pytest.raises(DistributedError) as run_refusal:  # what the launched run says
-        DistributedContext(world_size=5, rank=0).check_tasks(2)
-    assert str(run_refusal.value) in result.output
+        check_shares(5, [("task", 1), ("task", 1)])
+    tail = str(run_refusal.value).split(": each rank", 1)[1]
+    assert tail in result.output
     ok = CliRunner().invoke(main, ["run", _com_yaml(work), "out", "--dry-run", "--world-size", "2"])
     assert ok.exit_code == 0 and "processes: 2" in ok.output, ok.output
 
