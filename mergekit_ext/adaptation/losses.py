@@ -24,8 +24,8 @@ from mergekit_ext.kl import (  # the KL helpers' home; re-exported for existing 
     kl_to_top_k_teacher,
     top_k_log_probs,
 )
+from mergekit_ext.models.output_kind import OutputKind  # re-exported for existing importers
 
-OutputKind = Literal["classification", "token_classification", "causal_lm", "dense"]
 Target = Literal["hard", "soft"]
 
 

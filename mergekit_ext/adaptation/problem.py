@@ -21,9 +21,9 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from mergekit_ext.adaptation.losses import OutputKind
 from mergekit_ext.adaptation.structure import TaskRoles, body_prefix, canonical_key, plan_roles
 from mergekit_ext.models.lora import LowRankUpdate
+from mergekit_ext.models.output_kind import OutputKind, is_causal_lm, is_causal_lm_class
 
 LOG = logging.getLogger(__name__)
 
@@ -179,9 +179,7 @@ def model_inputs(
 ) -> dict[str, Any]:
     """The batch entries ``module.forward`` accepts; no KV cache for causal LMs."""
     kwargs: dict[str, Any] = {k: v for k, v in batch.items() if accepts is None or k in accepts}
-    if type(module).__name__.endswith("ForCausalLM") and (
-        accepts is None or "use_cache" in accepts
-    ):
+    if is_causal_lm_class(type(module)) and (accepts is None or "use_cache" in accepts):
         kwargs["use_cache"] = False
     return kwargs
 
@@ -194,7 +192,7 @@ def causal_lm_split(module: nn.Module) -> Optional[tuple[str, str]]:
     that rescale or soft-cap their logits say so in their config and are left out. The head's
     name is the de-duplicated parameter name (the embedding's when the head is tied to it).
     """
-    if not type(module).__name__.endswith("ForCausalLM"):
+    if not is_causal_lm(module):
         return None
     config = getattr(module, "config", None)
     for key in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier"):

@@ -37,7 +37,6 @@ from mergekit_ext.adaptation.trainer import (
     adapt,
     evaluate,
     num_samples,
-    output_kind,
     split_heldout,
     stack_batches,
     teacher_outputs,
@@ -46,6 +45,7 @@ from mergekit_ext.config import ExtMergeConfig, ExtModelEntry
 from mergekit_ext.errors import CalibrationError, ConfigError, ModelInputError
 from mergekit_ext.models import model_class, model_paths
 from mergekit_ext.models.checkpoint import ResolvedReference, resolve_reference
+from mergekit_ext.models.output_kind import is_causal_lm, is_causal_lm_class, observed_output_kind
 
 LOG = logging.getLogger(__name__)
 
@@ -373,7 +373,7 @@ def prepare_symerge(
             return functional_call(expert, params, args=(), kwargs=kwargs)
 
         if cache_teacher:
-            causal = cls.__name__.endswith("ForCausalLM")
+            causal = is_causal_lm(expert)
             data[k].teacher = teacher_outputs(
                 forward,
                 data[k].inputs,
@@ -386,7 +386,7 @@ def prepare_symerge(
         else:
             first = {key: v[:1] for key, v in data[k].inputs.items()}
             probe = teacher_outputs(forward, first, 1, device)
-        kinds.append(output_kind(expert, probe))
+        kinds.append(observed_output_kind(expert, probe))
         if run_params is None:
             expert_tensors.append(free_parameters(expert))
         elif body_tensors is None:  # relative to θ_0 = the base: factors, None where unchanged
@@ -458,7 +458,7 @@ def _check_memory(
 
     Also returns the causal LMs' micro-batch size (:func:`resolved_micro_batch_size`).
     """
-    causal = [cls.__name__.endswith("ForCausalLM") for cls in expert_classes]
+    causal = [is_causal_lm_class(cls) for cls in expert_classes]
     seq_len = max(memory.tokens_per_sample(base_config, modality, s.max_length) for s in specs)
     cache_bytes = memory.FLOAT32 * sum(
         s.samples * _num_outputs(c, seq_len, lm, p.teacher_top_k)

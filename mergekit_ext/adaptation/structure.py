@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from mergekit_ext.errors import ConfigError
+from mergekit_ext.models.output_kind import is_causal_lm
 
 LOG = logging.getLogger(__name__)
 
@@ -38,10 +39,6 @@ def body_prefix(model: nn.Module) -> str:
 def canonical_key(name: str, prefix: str) -> str:
     """The name relative to the body (body parameters) or the full name (head parameters)."""
     return name[len(prefix) :] if prefix and name.startswith(prefix) else name
-
-
-def is_causal_lm(model: nn.Module) -> bool:
-    return type(model).__name__.endswith("ForCausalLM")
 
 
 def head_modules(model: nn.Module) -> list[str]:

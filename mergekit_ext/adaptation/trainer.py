@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from mergekit_ext.adaptation.losses import (
-    OutputKind,
     Target,
     TopKLogProbs,
     agreement,
@@ -33,6 +32,7 @@ from mergekit_ext.adaptation.losses import (
 )
 from mergekit_ext.adaptation.problem import SyMergeProblem
 from mergekit_ext.errors import CalibrationError
+from mergekit_ext.models.output_kind import OutputKind
 
 LOG = logging.getLogger(__name__)
 
@@ -129,24 +129,6 @@ def output_tensor(outputs: Any) -> torch.Tensor:
     if isinstance(outputs, torch.Tensor):
         return outputs
     return outputs[0]
-
-
-def output_kind(module: torch.nn.Module, output: torch.Tensor) -> OutputKind:
-    """classification | token_classification | causal_lm | dense (regression, features).
-
-    Multi-label classifiers count as dense (their logits are not one softmax).
-    """
-    name = type(module).__name__
-    problem_type = getattr(getattr(module, "config", None), "problem_type", None)
-    if name.endswith("ForCausalLM"):
-        return "causal_lm"
-    if problem_type in ("regression", "multi_label_classification") or output.shape[-1] == 1:
-        return "dense"
-    if name.endswith("ForTokenClassification") and output.ndim == 3:
-        return "token_classification"
-    if name.endswith("Classification") and output.ndim == 2:
-        return "classification"
-    return "dense"
 
 
 # A causal LM teacher's logits are compressed batch by batch; this bounds one batch's

@@ -94,10 +94,11 @@ from mergekit_ext.models.checkpoint import (
     resolve_model_folder,
 )
 from mergekit_ext.models.families import ModelFamily
+from mergekit_ext.models.output_kind import output_kind
 
 LOG = logging.getLogger(__name__)
 
-OutputKind = Literal["next_token", "class", "none"]
+ComparedOutput = Literal["next_token", "class", "none"]
 Role = Literal["merge", "base", "expert"]
 
 # ------------------------------------------------------------------------------------------
@@ -144,16 +145,13 @@ class DiagnosisPlan:
         return [*self.merged, *self.references]
 
 
-def _output_kind(skeleton: nn.Module) -> OutputKind:
-    """What the expert's class outputs: next-token logits, class logits, or none (a body)."""
-    name = type(skeleton).__name__
-    if name.endswith(("ForCausalLM", "LMHeadModel")) and isinstance(
-        skeleton.get_output_embeddings(), nn.Linear
-    ):
+def _compared_output(skeleton: nn.Module) -> ComparedOutput:
+    """What diagnose compares of the expert's class: next-token logits (a causal LM), class
+    logits (any other head) or nothing (a bare body); see ``models/output_kind.py``."""
+    kind = output_kind(skeleton)
+    if kind == "causal_lm":
         return "next_token"
-    if "For" in name:
-        return "class"
-    return "none"
+    return "none" if kind == "none" else "class"
 
 
 def _block_names(source: Source, layers_path: str, index: int) -> list[str]:
@@ -398,7 +396,7 @@ class _Walker:
         self._install(self.recorders)
         self.backbone_extra = {"use_cache": False} if _accepts_cache(self.backbone) else {}
         self.model_extra = {"use_cache": False} if _accepts_cache(self.skeleton) else {}
-        self.kind = _output_kind(self.skeleton)
+        self.kind = _compared_output(self.skeleton)
         head = self.skeleton.get_output_embeddings() if self.kind == "next_token" else None
         self.head_name: Optional[str] = None
         if head is not None:

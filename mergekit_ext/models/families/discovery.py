@@ -48,6 +48,7 @@ from torch.utils._pytree import tree_flatten
 
 from mergekit_ext.errors import ModelInputError
 from mergekit_ext.models.families import GroupSpec, ModelFamily
+from mergekit_ext.models.output_kind import is_causal_lm
 
 LOG = logging.getLogger(__name__)
 
@@ -199,15 +200,6 @@ def _modality(backbone: nn.Module, declared: Optional[str], what: str) -> str:
         f"{what}: {type(backbone).__name__}.forward takes neither input_ids nor pixel_values; "
         f"the sequential executor runs text or image models; {ALTERNATIVES}"
     )
-
-
-def _causal_lm(model: nn.Module) -> bool:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    names = set()
-    for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
-        names.update([value] if isinstance(value, str) else value)
-    return type(model).__name__ in names and model.get_output_embeddings() is not None
 
 
 def _sub_config(backbone: nn.Module, config: Any) -> Any:
@@ -601,7 +593,7 @@ def _discover(family: ModelFamily, model: nn.Module, config: Any) -> None:
     family.layers_paths = (layers_path,)
     family.pre_block_modules = tuple(pre)
     family.modality = modality  # type: ignore[assignment]
-    family.causal_lm = _causal_lm(model)
+    family.causal_lm = is_causal_lm(model)
     family.fused_experts = any(g.experts for gs in groups_by_signature.values() for g in gs)
     family._discovered_groups = groups_by_signature
     LOG.debug(
