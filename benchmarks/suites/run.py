@@ -46,6 +46,20 @@ SUITES = ("text", "lm", "vision")
 SMOKE_VARIANTS = {"text": ("full",)}  # smoke: one text variant keeps it within minutes
 
 
+def _command_line() -> str:
+    """The command that ran, as a user retypes it from the repository root: a script of this
+    repository becomes ``python -m benchmarks.suites.<name>``, so that the tables (committed,
+    published) never carry the absolute path of the checkout that made them."""
+    if not sys.argv or not sys.argv[0]:
+        return "run_variant()"
+    script = os.path.abspath(sys.argv[0])
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if script.startswith(root + os.sep) and script.endswith(".py"):
+        module = os.path.relpath(script, root)[: -len(".py")].replace(os.sep, ".")
+        return " ".join(["python -m", module, *sys.argv[1:]])
+    return "python " + " ".join(sys.argv)
+
+
 def make_suite(name: str, cache_dir: str, smoke: bool) -> Suite:
     if name == "text":
         from benchmarks.suites.text_suite import TextSuite
@@ -232,7 +246,7 @@ def run_variant(
     earlier, earlier_commands = _earlier_rows(
         os.path.join(out, result["id"] + ".json"), result, rows
     )
-    command = "python " + " ".join(sys.argv) if sys.argv and sys.argv[0] else "run_variant()"
+    command = _command_line()
     result["commands"] = [*earlier_commands, command]
     run_root = os.path.join(suite.root, "runs", variant)
     for row in rows:
