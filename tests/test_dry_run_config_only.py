@@ -13,6 +13,7 @@ import os
 import re
 
 import pytest
+import torch
 import yaml
 from click.testing import CliRunner
 
@@ -23,6 +24,15 @@ from mergekit_ext.testing import WORDS, save_tiny_tokenizer
 LLAMA3_8B = dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8)
 LLAMA3_70B = dict(hidden=8192, intermediate=28672, layers=80, heads=64, kv_heads=8)
 VOCAB = 128256
+
+
+@pytest.fixture(autouse=True)
+def _no_fast_bf16(monkeypatch):
+    """The figures below are float32 passes; with ``compute_dtype: auto`` a machine with fast
+    bfloat16 would also hold bfloat16 copies of the blocks (tested on its own below)."""
+    from mergekit_ext.executor import compute
+
+    monkeypatch.setattr(compute, "fast_bf16", lambda device_type: (False, "test: pinned"))
 
 
 def _write_llama_folder(
@@ -176,6 +186,23 @@ def test_dry_run_of_llama3_8b_estimate_exactly(tmp_path):
     assert plan.memory.activations == tokens * LLAMA3_8B["hidden"] * 4 * 2  # two paths
     with pytest.raises(Exception, match="no weights"):
         plan.check_weights()
+
+
+def test_dry_run_of_llama3_8b_with_bfloat16_passes_counts_the_cast_blocks(tmp_path, monkeypatch):
+    """On hardware with fast bfloat16, ``compute_dtype: auto`` runs the passes of these bf16
+    checkpoints in bfloat16: the plan says so and adds the blocks' bfloat16 copies."""
+    from mergekit.options import MergeOptions
+
+    from mergekit_ext.config import load_config
+    from mergekit_ext.executor import compute, plan_layerwise_merge
+    from mergekit_ext.methods.chain_of_merges import ChainOfMergesMethod
+
+    monkeypatch.setattr(compute, "fast_bf16", lambda device_type: (True, "test: fast"))
+    cfg = load_config(_setup(tmp_path, LLAMA3_8B, 3))
+    plan = plan_layerwise_merge(cfg, MergeOptions(quiet=True), ChainOfMergesMethod(), {})
+    assert plan.compute is not None and plan.compute.dtype == torch.bfloat16
+    float32_blocks = 5 * _block_params(**LLAMA3_8B) * 4
+    assert plan.memory.block_weights == float32_blocks + float32_blocks // 2
 
 
 def _rank_lines(text: str) -> dict[int, str]:
