@@ -47,6 +47,22 @@ SIZE: dict[str, int] = dict(
 )
 EXPERTS = 2
 SHARD = "5GB"
+# Written into --models-dir when this probe creates it: the probe deletes only below a folder
+# that carries it, so a --models-dir pointing at the user's own models is refused, not emptied.
+MARKER = ".whole_llm_probe"
+
+
+def own_folder(folder: str) -> str:
+    """``folder``, created and marked as this probe's; refuses a non-empty folder it did not make."""
+    marker = os.path.join(folder, MARKER)
+    if os.path.isdir(folder) and os.listdir(folder) and not os.path.isfile(marker):
+        sys.exit(
+            f"{folder} is not empty and was not made by this probe ({MARKER} missing); "
+            "pass an empty or new --models-dir"
+        )
+    os.makedirs(folder, exist_ok=True)
+    open(marker, "a").close()
+    return folder
 
 
 def _bytes_per_block() -> int:
@@ -61,7 +77,7 @@ def _bytes_outside_blocks() -> int:
 
 def blocks_that_fit(folder: str, margin_gb: float) -> int:
     """The most blocks (≤ 32) for which base, experts and the output fit on ``folder``'s disk."""
-    os.makedirs(folder, exist_ok=True)
+    own_folder(folder)
     have = sum(
         os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder) for f in files
     )
@@ -242,8 +258,10 @@ def main() -> None:
     parser.add_argument("--json", help="also write the record here")
     args = parser.parse_args()
     if args.cleanup:
-        shutil.rmtree(args.models_dir, ignore_errors=True)
+        if os.path.isfile(os.path.join(args.models_dir, MARKER)):
+            shutil.rmtree(args.models_dir)
         return
+    own_folder(args.models_dir)
     if args.blocks == "auto":
         blocks = blocks_that_fit(args.models_dir, args.margin_gb)
         print(f"blocks that fit on disk: {blocks} of 32", flush=True)
