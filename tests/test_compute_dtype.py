@@ -286,3 +286,73 @@ def test_dense_group_output_errors_from_kept_rows_equal_the_gram_form():
         got = diagnostics["tasks"][task]["relative_output_error"]
         assert got == pytest.approx(expected, rel=1e-10), (task, got, expected)
         assert 0.0 < got < 1.0
+
+
+def _span_group(compute_dtype, out, n_in, tokens, spread):
+    """One CoM linear group below its width (the span solve) with bf16 weights and rows, as a
+    bfloat16 pass hands it over."""
+    from mergekit_ext.methods.layerwise import LinearGroup, TaskStatistics
+
+    g = torch.Generator().manual_seed(5)
+    base = (torch.randn(out, n_in, generator=g) * 0.02).bfloat16().float()
+    experts = [
+        {"w": (base + torch.randn(out, n_in, generator=g) * spread).bfloat16().float()}
+        for _ in range(2)
+    ]
+    mix = torch.randn(n_in, n_in // 4, generator=g)
+
+    def stats():
+        low_rank = torch.randn(tokens, n_in // 4, generator=g) @ mix.T / 10
+        rows = (low_rank + torch.randn(tokens, n_in, generator=g) * 0.1).bfloat16().float()
+        return TaskStatistics(
+            gram=None,
+            mean=rows.mean(0),
+            count=tokens,
+            rows=rows,
+            second_moment=rows.square().mean(0),
+        )
+
+    merged = [stats(), stats()]
+    own = [
+        TaskStatistics(gram=None, mean=s.mean, count=tokens, second_moment=s.second_moment)
+        for s in merged
+    ]
+    return LinearGroup(
+        name="g",
+        weights=["w"],
+        base={"w": base},
+        experts=experts,
+        task_names=["a", "b"],
+        expert_stats=own,
+        merged_stats=merged,
+        output_dtypes={"w": torch.bfloat16},
+        compute_dtype=compute_dtype,
+    )
+
+
+@pytest.mark.parametrize("out,n_in,tokens,spread", [(384, 256, 100, 2e-3), (256, 512, 150, 1e-2)])
+def test_bfloat16_pass_solve_and_diagnostics_match_the_float64_ones(out, n_in, tokens, spread):
+    """After a bfloat16 pass the span solve multiplies in float32 and the output errors in
+    bfloat16: the written bf16 weight differs from the float64 solve's in under 1 % of its
+    entries, each by one bf16 step, and the output errors agree to 1e-3 relative."""
+    from mergekit_ext.methods.chain_of_merges import ChainOfMergesMethod
+
+    method = ChainOfMergesMethod()
+    wide_w, wide_d = method.merge_linear_group(
+        _span_group(torch.float32, out, n_in, tokens, spread), {}
+    )
+    low_w, low_d = method.merge_linear_group(
+        _span_group(torch.bfloat16, out, n_in, tokens, spread), {}
+    )
+    assert wide_d["solver"] == low_d["solver"] == f"cholesky in the span of {2 * tokens} tokens"
+    a, b = wide_w["w"].bfloat16(), low_w["w"].bfloat16()
+    assert float((a != b).float().mean()) < 1e-2
+    # where they differ, by one bf16 step (2⁻⁷ of the larger), or, for entries near zero
+    # whose steps are finer than the arithmetic's absolute rounding, by 1e-5 of the largest
+    a, b = a.float(), b.float()
+    gap = (a - b).abs()
+    step = torch.maximum(a.abs(), b.abs()) * 2.0**-7
+    assert bool((gap <= torch.clamp(step, min=1e-5 * float(a.abs().max()))).all())
+    for task in ("a", "b"):
+        exact = wide_d["tasks"][task]["relative_output_error"]
+        assert low_d["tasks"][task]["relative_output_error"] == pytest.approx(exact, rel=1e-3)

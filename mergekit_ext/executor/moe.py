@@ -251,6 +251,7 @@ def merge_experts(
     ] = None,
     output_dtype: Optional[torch.dtype] = None,
     parts: tuple[str, ...] = (GATE_UP, DOWN),
+    compute_dtype: torch.dtype = torch.float32,
 ) -> ExpertMergeResult:
     """Merge each routed expert's ``gate_up`` and ``down`` as linear groups of their own.
 
@@ -268,6 +269,7 @@ def merge_experts(
         parts: which of ``gate_up_proj`` / ``down_proj`` to merge (the others are returned
             as the base's): Chain of Merges merges ``gate_up`` first, then ``down`` on the
             merged-path rows that the merged ``gate_up`` gives.
+        compute_dtype: the dtype of the passes the statistics came from (``LinearGroup``).
 
     Returns:
         The merged fused tensors; an expert that some task routed no token to takes the
@@ -303,6 +305,7 @@ def merge_experts(
                 expert_stats=[s[part] for s in own],  # type: ignore[index]
                 merged_stats=[s[part] for s in path] if path is not None else None,  # type: ignore[index]
                 output_dtypes={name: output_dtype} if output_dtype is not None else None,
+                compute_dtype=compute_dtype,
             )
             result, diagnostics = method.merge_linear_group(group, parameters)
             target[e] = result[name]

@@ -847,6 +847,7 @@ class SequentialExecutor:
                 expert_stats=expert_stats[group.label] if expert_stats is not None else [],
                 merged_stats=merged_stats,
                 output_dtypes={n_: self._written_dtype(c) for n_, c in zip(names, canonical)},
+                compute_dtype=self.compute.dtype,
             )
             if self.dist.enabled:
                 result, group_diagnostics = self._merge_group_distributed(
@@ -945,6 +946,7 @@ class SequentialExecutor:
                 lambda e: (f"{names[0]}.{e}", f"{names[1]}.{e}"),
                 path,
                 output_dtype=dtype,
+                compute_dtype=self.compute.dtype,
                 parts=parts,
             )
 
@@ -1183,6 +1185,7 @@ class SequentialExecutor:
             expert_stats=expert_stats if self.request.expert_path else [],  # type: ignore[arg-type]
             merged_stats=merged_stats if local.merged_stats is not None else None,  # type: ignore[arg-type]
             output_dtypes=local.output_dtypes,
+            compute_dtype=local.compute_dtype,
         )
 
     def _release(self) -> None:

@@ -62,6 +62,9 @@ class LinearGroup:
     - ``output_dtypes``: ``{weight name: dtype}`` each merged weight is written in (the
       merge's ``dtype``, else the base's); None: as the method returns it. Diagnostics that
       describe the shipped model measure the merged weights cast to it.
+    - ``compute_dtype``: the dtype the executor's forward passes ran in (``compute_dtype``
+      resolved); statistics from a bfloat16 pass carry its rounding, which the least-squares
+      solve and diagnostics use to multiply in lower precision (docs/methods.md, "Compute dtype")
     All weights are float32 ``out x in`` (HF Conv1D weights are transposed by the executor).
     """
 
@@ -73,6 +76,7 @@ class LinearGroup:
     expert_stats: Sequence[TaskStatistics]
     merged_stats: Optional[Sequence[TaskStatistics]] = None
     output_dtypes: Optional[Mapping[str, torch.dtype]] = None
+    compute_dtype: torch.dtype = torch.float32
 
     def as_written(self, weight_name: str, merged: torch.Tensor) -> torch.Tensor:
         """``merged`` rounded as the output file will hold it (in its own dtype after)."""

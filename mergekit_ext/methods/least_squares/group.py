@@ -173,6 +173,7 @@ def _task_output_error(
     st: TaskStatistics,
     raw_gram: Optional[torch.Tensor],
     product: Optional[torch.Tensor],
+    compute_dtype: torch.dtype = torch.float32,
 ) -> float:
     """One task's relative output error, on the raw inputs, of ``merged`` as written: from
     its kept rows where it has them (fewer tokens than inputs: ``out x in x N`` float64
@@ -181,7 +182,7 @@ def _task_output_error(
     rows when None) and ``product``."""
     rows = _kept_rows(st)
     if rows is not None:
-        return relative_output_error_rows(merged, weight, rows, product)
+        return relative_output_error_rows(merged, weight, rows, product, compute_dtype)
     gram = raw_gram if raw_gram is not None else st.gram_from_rows()
     return relative_output_error(merged, weight, gram, product)  # type: ignore[arg-type]
 
@@ -291,6 +292,7 @@ def merge_group_least_squares(
         keep_products=not use_normalized_gram,  # W_k G_k of the diagnostic's own Gram
         tokens=tokens,
         rows=solve_rows,
+        compute_dtype=group.compute_dtype,
     )
     del solve_rows
     merged_parts = torch.split(solution.merged_weight, rows, dim=0)
@@ -322,6 +324,7 @@ def merge_group_least_squares(
             chosen[k],
             None if use_normalized_gram else grams[k],
             solution.products[k] if solution.products is not None else None,
+            group.compute_dtype,
         )
         tasks[task] = {
             "weight": omegas[k],

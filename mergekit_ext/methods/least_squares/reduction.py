@@ -262,6 +262,7 @@ class LeastSquaresReduction(SumReduction):
                 self._chosen[k],
                 None if self.use_normalized_gram else self._grams[k],
                 None if self.use_normalized_gram else self._products[k],
+                group.compute_dtype,
             )
             if self._other is not None:
                 merged_path, expert_path = (

@@ -78,9 +78,6 @@ class RegMeanSolution:
     # the condition number of Σ ω G̃ before ``auto`` added its ridge (None: no ridge added
     # by ``auto``, or the span solve, whose unregularised system is rank-deficient by count)
     condition_number_unregularized: Optional[float] = None
-    # span solve: each task's ‖W X_kᵀ − W_k X_kᵀ‖²_F on the rows it solved with (None where
-    # not computed: the solve did not form V H⁻¹, or the task had ω_k = 0)
-    row_errors: Optional[list[Optional[float]]] = None
 
 
 def _pinv_tolerance(eigenvalues: torch.Tensor, n: int) -> float:
@@ -247,6 +244,7 @@ def regmean_solve(
     keep_products: bool = False,
     tokens: Optional[int] = None,
     rows: Optional[Sequence[torch.Tensor]] = None,
+    compute_dtype: torch.dtype = torch.float32,
 ) -> RegMeanSolution:
     """``W = (Σ_k ω_k W_k G̃_k)(Σ_k ω_k G̃_k)⁻¹`` with diagnostics (RegMean eq. 3; CoM eq. for ω).
 
@@ -273,6 +271,9 @@ def regmean_solve(
       instead of the ``in x in`` one; same solution, O(T · in · (T + out)) instead of O(in³).
     - ``keep_products``: also return each ``W_k G_k`` (for diagnostics that reuse them);
       None on the span path, which never forms them.
+    - ``compute_dtype``: the dtype of the forward passes the statistics came from
+      (:func:`span_product_dtype`: a bfloat16 / float16 pass lets the span solve's
+      ``out x in x T`` products run in float32).
 
     The Grams, ``Σ ω G̃`` and the solve are float64; the products ``W_k G_k`` are float32
     GEMMs for float32 weights (float64 for float64 weights). The result has the dtype of
@@ -334,6 +335,7 @@ def regmean_solve(
                 ridge=relative_ridge,
                 tokens=tokens,
                 ridge_reason=_ridge_reason(ridge, relative_ridge, n_in, tokens),
+                product_dtype=span_product_dtype(compute_dtype, out_dtype),
             )
     if any(g is None for g in grams):
         assert rows is not None
@@ -357,6 +359,17 @@ def regmean_solve(
     )
     solution.products = products if keep_products else None
     return solution
+
+
+def span_product_dtype(compute_dtype: torch.dtype, weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of :func:`span_solve`'s ``out x in x T`` products.
+
+    float32 when the rows come from a bfloat16 / float16 pass and the weights are not float64:
+    the activations then carry ~3 significant digits, float32 products ~7. float64 otherwise,
+    the precision a float32 pass's solve keeps.
+    """
+    low = compute_dtype in (torch.bfloat16, torch.float16)
+    return torch.float32 if low and weight_dtype != torch.float64 else torch.float64
 
 
 def _gram_of(rows: torch.Tensor) -> torch.Tensor:
@@ -390,6 +403,7 @@ def span_solve(
     ridge: float,
     tokens: Optional[int] = None,
     ridge_reason: str = "as set",
+    product_dtype: torch.dtype = torch.float64,
 ) -> RegMeanSolution:
     """The ridge-regularised RegMean solution written in the span of the calibration tokens.
 
@@ -408,20 +422,19 @@ def span_solve(
     factorisation (O(in³)) is replaced by ``H``'s (O(T³)) and O(T · in · (T + out)) products;
     in the directions no token spans, ``W = W₀``.
 
-    On the calibration rows, ``W Rᵀ − [W_k R_kᵀ]_k = W₀Rᵀ + V H⁻¹(H − D⁻¹) − (W₀Rᵀ + V)
-    = −V H⁻¹ D⁻¹``: where ``V H⁻¹`` is formed (``out ≤ in``) each task's squared output error
-    comes with it (``RegMeanSolution.row_errors``).
-
-    Float64 throughout (``H``, its Cholesky factor, the solve and the ``out x in x T``
-    products), so the bytes do not depend on the number of torch threads. The condition
+    ``H``, its Cholesky factor and the triangular solves are float64. The two ``out x in x T``
+    products (forming ``V`` and expanding ``V H⁻¹ R E⁻¹``), the bulk of the cost, are
+    ``product_dtype`` GEMMs: float64 by default; float32 where the activations come from a
+    bfloat16 / float16 pass (``compute_dtype``), whose own rounding (~4e-3) is four orders
+    above float32's, so the merged weight moves by far less than its bf16 rounding
+    (docs/methods.md, "Compute dtype", gives the measurement). The condition
     number of ``A`` is exact (dense) up to :data:`EXACT_CONDITION_MAX_DIM` inputs, estimated
     above from ``A``'s action (``Rᵀ D R q + E q``) and its inverse (by Woodbury), with no
     ``in x in`` matrix formed.
     """
     out_dtype = expert_weights[0].dtype
-    # float64 throughout: BLAS splits a GEMM's reduction differently with the number of
-    # threads (float32 and float64 alike); in float64 those last-bit differences do not reach
-    # the float32/bf16 result, so one process and several give the same bytes
+    if product_dtype not in (torch.float64, torch.float32):
+        raise ValueError(f"product_dtype must be float64 or float32; got {product_dtype}")
     out, n_in = expert_weights[0].shape
     weights = [float(w) for w in task_weights]
     total = sum(weights)
@@ -463,11 +476,16 @@ def span_solve(
         ]
     )
     # Vᵀ = [R_k (W_k − W₀)ᵀ]_k (T x out), each task's rows a contiguous slice
+    narrow = product_dtype != torch.float64
+    r_product = r_all.to(product_dtype) if narrow else r_all
     v_t = torch.empty((int(r_all.shape[0]), out), dtype=torch.float64)
     for k, a, b in zip(kept, offsets, offsets[1:]):
         delta.copy_(expert_weights[k]).sub_(w0)
-        torch.mm(r_all[a:b], delta.T, out=v_t[a:b])
-    del delta
+        if narrow:
+            v_t[a:b].copy_(r_product[a:b] @ delta.to(product_dtype).T)
+        else:
+            torch.mm(r_all[a:b], delta.T, out=v_t[a:b])
+    del delta, r_product
     root_e = e.sqrt()
     scaled = r_all / root_e  # R E^(-1/2)
     h = _outer_gram(scaled)  # R E⁻¹ Rᵀ, exactly symmetric
@@ -477,25 +495,20 @@ def span_solve(
     factor = _cholesky(h)
     if factor is None:  # pragma: no cover - H ⪰ D⁻¹ > 0
         raise TensorError("span_solve: H = R E⁻¹ Rᵀ + D⁻¹ is not positive definite")
-    row_errors: Optional[list[Optional[float]]] = None
-    # Forming V H⁻¹ costs 2T²·out in triangular solves against 2T²·in for H⁻¹ R E⁻¹, but it
-    # gives the output errors for free (below), which otherwise take an out x in x T product:
-    # the cheaper of the two up to about out = 2·in (a Llama q/k/v group, not gate/up).
-    if out <= 2 * n_in:
-        z_t = torch.cholesky_solve(v_t, factor)  # (V H⁻¹)ᵀ, T x out
-        del v_t
-        w0.addmm_(z_t.T, f)  # W = W₀ + V H⁻¹ R E⁻¹, in place
-        # On the calibration rows W Rᵀ − [W_k R_kᵀ]_k = −V H⁻¹ D⁻¹ (from H = R E⁻¹ Rᵀ + D⁻¹):
-        # each task's output error comes free with Z, no out x in x N product
-        row_errors = [None] * len(weights)
-        for k, a, b in zip(kept, offsets, offsets[1:]):
-            scale = (b - a) / (reduce_non_diagonal * weights[k])
-            row_errors[k] = float(z_t[a:b].square().sum()) * scale * scale
-        del z_t
+    # The triangular solves cost 2T²·min(out, in): solve for V H⁻¹ (T x out) or for
+    # H⁻¹ R E⁻¹ (T x in), whichever is narrower; the expansion costs out·T·in either way.
+    if out <= n_in:
+        left = torch.cholesky_solve(v_t, factor).T  # V H⁻¹, out x T
+        right = f  # R E⁻¹
     else:
-        p = torch.cholesky_solve(f, factor)  # H⁻¹ R E⁻¹, T x in
-        w0.addmm_(v_t.T, p)
-        del v_t, p
+        left = v_t.T  # V
+        right = torch.cholesky_solve(f, factor)  # H⁻¹ R E⁻¹, T x in
+    del v_t
+    if narrow:
+        w0.add_(left.to(product_dtype) @ right.to(product_dtype))
+    else:
+        w0.addmm_(left, right)  # W = W₀ + V H⁻¹ R E⁻¹, in place
+    del left, right
     merged = w0
 
     d = 1.0 / d_inv
@@ -527,7 +540,6 @@ def span_solve(
         None,
         ridge=ridge,
         tokens=tokens if tokens is not None else total_rows,
-        row_errors=row_errors,
         ridge_reason=ridge_reason,
     )
 
