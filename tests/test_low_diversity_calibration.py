@@ -155,6 +155,24 @@ def test_old_rule_explodes_and_auto_stays_bounded(low_diversity, tmp_path):
         assert layer["guard"] == "ok" and layer["max_norm_ratio"] < 1.2
 
 
+def test_bfloat16_passes_on_a_chat_template_stay_bounded(low_diversity, tmp_path):
+    """The same low-diversity data with bfloat16 passes and bf16 output (as a bf16 Llama on
+    fast-bf16 hardware runs under compute_dtype: auto): ridge: auto still regularises every
+    group, the merge stays in the experts' range and agrees with them off the template."""
+    s = low_diversity
+    out = tmp_path / "bf16_passes"
+    config = _config(s, compute_dtype="bfloat16")
+    config["dtype"] = "bfloat16"
+    run_merge(config, out)
+    assert _max_norm_ratio(str(out), s["experts"]) < 1.2
+    base_agreement = _held_out_agreement(s["base"], s["experts"])
+    assert _held_out_agreement(str(out), s["experts"]) >= base_agreement - 0.03
+    with open(os.path.join(out, "mergekit_ext_diagnostics.json"), encoding="utf-8") as fp:
+        assert json.load(fp)["executor"]["compute_dtype"] == "bfloat16"
+    for layer in merge_record.load(str(out))["sections"]["chain_of_merges"]["layers"]:
+        assert layer["ridge"] == AUTO_RIDGE and layer["guard"] == "ok"
+
+
 def test_regmean_auto_also_regularises(low_diversity, tmp_path):
     s = low_diversity
     out = tmp_path / "regmean"
