@@ -235,6 +235,8 @@ def _timed(method: Any, timings: dict[str, float]) -> Any:
 
     class TimedMethod(LayerwiseMethod):
         name = method.name
+        # the plan parses the parameters with the wrapper's model: it must be the method's
+        parameters_model = method.parameters_model
 
         def statistics_request(self, parameters):
             return method.statistics_request(parameters)
