@@ -104,7 +104,6 @@ def _build_models(folder: str, size: dict[str, int]) -> dict[str, Any]:
     import torch
     from accelerate import init_empty_weights
     from huggingface_hub import save_torch_state_dict
-    from safetensors.torch import save_file
     from transformers import LlamaForCausalLM
 
     config = _llama_config(size)
@@ -118,17 +117,26 @@ def _build_models(folder: str, size: dict[str, int]) -> dict[str, Any]:
         save_torch_state_dict(state, out, max_shard_size="1GB")
         config.save_pretrained(out)
         del state
+    write_calibration(folder, NUM_EXPERTS, size)
+    params = sum(int(torch.Size(s).numel()) for s in shapes.values())
+    return {"parameters": params}
+
+
+def write_calibration(folder: str, experts: int, size: dict[str, int]) -> None:
+    """``calibration{k}.safetensors`` in ``folder`` for each task: ``size["sequences"] x
+    size["seq_len"]`` seeded random token ids (one generator over the tasks, so task k's ids
+    are the same whatever the probe); a file already there is kept."""
+    import torch
+    from safetensors.torch import save_file
+
     rng = torch.Generator().manual_seed(1234)
-    for k in range(NUM_EXPERTS):
+    for k in range(experts):
+        path = os.path.join(folder, f"calibration{k}.safetensors")
         ids = torch.randint(
             5, size["vocab_size"], (size["sequences"], size["seq_len"]), generator=rng
         )
-        save_file(
-            {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
-            os.path.join(folder, f"calibration{k}.safetensors"),
-        )
-    params = sum(int(torch.Size(s).numel()) for s in shapes.values())
-    return {"parameters": params}
+        if not os.path.isfile(path):
+            save_file({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, path)
 
 
 def build(cache_dir: str, size_name: str) -> tuple[str, dict[str, Any]]:

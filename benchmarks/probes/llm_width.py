@@ -59,10 +59,9 @@ def _build(folder: str, experts: int) -> None:
     import torch
     from accelerate import init_empty_weights
     from huggingface_hub import save_torch_state_dict
-    from safetensors.torch import save_file
     from transformers import LlamaForCausalLM
 
-    from benchmarks.probes.executor_memory import _llama_config, _tensor
+    from benchmarks.probes.executor_memory import _llama_config, _tensor, write_calibration
 
     config = _llama_config(SIZE)
     config.dtype = "bfloat16"
@@ -85,14 +84,7 @@ def _build(folder: str, experts: int) -> None:
         config.save_pretrained(tmp)
         del state
         os.rename(tmp, out)
-    rng = torch.Generator().manual_seed(1234)
-    for k in range(experts):
-        path = os.path.join(folder, f"calibration{k}.safetensors")
-        ids = torch.randint(
-            5, SIZE["vocab_size"], (SIZE["sequences"], SIZE["seq_len"]), generator=rng
-        )
-        if not os.path.isfile(path):
-            save_file({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, path)
+    write_calibration(folder, experts, SIZE)
 
 
 def _yaml(method: str, folder: str, experts: int, compute: str = "auto") -> str:

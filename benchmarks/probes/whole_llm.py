@@ -105,7 +105,7 @@ def build(folder: str, blocks: int) -> None:
     from safetensors.torch import save_file
     from transformers import LlamaForCausalLM
 
-    from benchmarks.probes.executor_memory import _tensor
+    from benchmarks.probes.executor_memory import _tensor, write_calibration
 
     config = _config(blocks)
     with init_empty_weights():
@@ -136,14 +136,7 @@ def build(folder: str, blocks: int) -> None:
                 json.dump({"metadata": split.metadata, "weight_map": split.tensor_to_filename}, f)
         config.save_pretrained(tmp)
         os.rename(tmp, out)
-    rng = torch.Generator().manual_seed(1234)
-    for k in range(EXPERTS):
-        path = os.path.join(folder, f"calibration{k}.safetensors")
-        ids = torch.randint(
-            5, SIZE["vocab_size"], (SIZE["sequences"], SIZE["seq_len"]), generator=rng
-        )
-        if not os.path.isfile(path):
-            save_file({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, path)
+    write_calibration(folder, EXPERTS, SIZE)
 
 
 def _yaml(folder: str, extra: dict[str, Any]) -> str:

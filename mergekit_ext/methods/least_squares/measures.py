@@ -70,30 +70,34 @@ def relative_output_error_rows(
     or, when the solve formed it, from ``expert_product`` = ``W_k G`` with ``G = XᵀX / N``
     (``N · tr(W_k G W_kᵀ)``, no product at all).
 
-    ``compute_dtype`` bfloat16 (the rows come from a bfloat16 pass): both products are
-    bfloat16 GEMMs of the exact difference ``W − W_k`` and of ``W_k``, rounded to bfloat16
-    as the pass rounded the layer's input, their squares summed in float64. Each product
+    ``compute_dtype`` bfloat16 (the rows come from a bfloat16 pass): the products are
+    bfloat16 GEMMs of the exact difference ``W − W_k`` and (without ``expert_product``) of
+    ``W_k``, rounded to bfloat16 as the pass rounded the layer's input, their squares summed
+    in float64. Each product
     entry then carries a relative rounding of ~2⁻⁹ with no preferred sign, so the sums of
     ``out · N`` squares move by far less: the ratio agrees with the float64 one to ~1e-4
     relative (docs/methods.md, "Compute dtype"), at a sixth of the cost.
     """
-    if compute_dtype == torch.bfloat16 and expert_weight.dtype != torch.float64:
-        low = rows.to(torch.bfloat16).T
+    low = compute_dtype == torch.bfloat16 and expert_weight.dtype != torch.float64
+    if low:
+        x = rows.to(torch.bfloat16).T
         exact_diff = merged_weight.float() - expert_weight.float()  # exact: both hold bf16 values
-        error = _square_sum(exact_diff.to(torch.bfloat16) @ low)
+        error = _square_sum(exact_diff.to(torch.bfloat16) @ x)
         del exact_diff
-        return _ratio(error, _square_sum(expert_weight.to(torch.bfloat16) @ low))
-    x = rows.double()
-    diff = merged_weight.double() - expert_weight.double()
-    error = float((diff @ x.T).square().sum())
-    del diff
+    else:
+        x = rows.double().T
+        diff = merged_weight.double() - expert_weight.double()
+        error = float((diff @ x).square().sum())
+        del diff
     if expert_product is not None:
         reference = float(
             (expert_product.double() * expert_weight.double()).sum(dtype=torch.float64)
         ) * int(rows.shape[0])
-        return _ratio(error, reference)
-    xr = rows.float() if expert_weight.dtype != torch.float64 else x
-    reference = float((expert_weight.to(xr.dtype) @ xr.T).square().sum(dtype=torch.float64))
+    elif low:
+        reference = _square_sum(expert_weight.to(torch.bfloat16) @ x)
+    else:
+        xr = rows.float().T if expert_weight.dtype != torch.float64 else x
+        reference = float((expert_weight.to(xr.dtype) @ xr).square().sum(dtype=torch.float64))
     return _ratio(error, reference)
 
 
