@@ -180,6 +180,33 @@ def test_bfloat16_passes_merge_close_to_float32_passes(bf16_llama, tmp_path, mon
     assert 0.0 < worst < 0.1, worst
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("method", ["regmean", "chain_of_merges"])
+def test_bfloat16_passes_on_cuda_match_the_cpu_ones(bf16_llama, tmp_path, method):
+    """The same bfloat16 paths with --device cuda: passes on the tensor cores, Grams by
+    bfloat16 GEMMs with float32 results, the solve float64; auto takes bfloat16 there."""
+    base, experts = bf16_llama
+    merged = {}
+    for device in ("cpu", "cuda"):
+        folder = tmp_path / device
+        folder.mkdir()
+        config = _write_config(str(folder), method, base, experts, {"compute_dtype": "bfloat16"})
+        out = str(folder / "merged")
+        if device == "cuda":
+            (folder / "auto").mkdir()
+            auto = _write_config(str(folder / "auto"), method, base, experts, {})
+            plan = _run(auto, out, "--dry-run", "--device", "cuda")
+            assert "compute dtype: bfloat16 (auto: bfloat16 checkpoints and " in plan
+        _run(config, out, "--device", device)
+        merged[device] = load_file(os.path.join(out, "model.safetensors"))
+    for name, cpu in merged["cpu"].items():
+        gpu = merged["cuda"][name]
+        assert gpu.dtype == cpu.dtype == torch.bfloat16, name
+        # different kernels sum in different orders: a few bfloat16 steps apart at most
+        relative = float((gpu.double() - cpu.double()).norm() / cpu.double().norm())
+        assert relative < 2e-2, (name, relative)
+
+
 @pytest.mark.parametrize("method", ["regmean", "chain_of_merges"])
 def test_bfloat16_passes_through_layer_norm_blocks(tiny_bert_set, tmp_path, method):
     """BERT's nn.LayerNorm (post-norm) under autocast runs in float32: its parameters must stay

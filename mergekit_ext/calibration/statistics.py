@@ -25,6 +25,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from mergekit_ext.bf16_products import float32_product
 from mergekit_ext.errors import CalibrationError, ModelInputError, TensorError
 
 LOG = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ class TaskStatistics:
         total = torch.zeros(self.rows.shape[1], self.rows.shape[1], dtype=torch.float64)
         total = total.to(self.rows.device)
         for chunk in torch.split(self.rows, sizes):
-            total.add_(chunk.T @ chunk)
+            total.add_(gram_product(chunk))
         total.div_(self.count)
         return (total + total.T).mul_(0.5)
 
@@ -225,10 +226,10 @@ class ActivationStatistics:
             # ``dim`` tokens: the Gram may have full rank; form its sum from the kept rows
             self._gram_sum = torch.zeros(self.dim, self.dim, dtype=self.dtype, device=self.device)
             for kept in self._rows:
-                self._gram_sum.add_(kept.T @ kept)
+                self._gram_sum.add_(gram_product(kept))
             self._rows, self._square_sum = None, None
         if self._gram_sum is not None:
-            self._gram_sum.add_(product if product is not None else rows.T @ rows)
+            self._gram_sum.add_(product if product is not None else gram_product(rows))
         else:
             assert self._square_sum is not None
             self._square_sum.add_(rows.to(self.dtype).square().sum(0))
@@ -285,12 +286,14 @@ class ActivationStatistics:
 def gram_product(rows: torch.Tensor) -> torch.Tensor:
     """``rowsᵀ rows`` of one chunk of rows with float32 (or wider) sums.
 
-    bfloat16 / float16 rows on CUDA: one half-precision GEMM (tensor cores) with float32
-    accumulation and a float32 result (``torch.mm(..., out_dtype=torch.float32)``). Elsewhere
-    the rows are widened to float32 first (exact) and multiplied in float32: torch has no CPU
-    kernel for a bfloat16 GEMM with a float32 result, and a bfloat16 result (the plain
-    ``rows.T @ rows``) rounds every entry to 8 bits (measured: 1.6e-3 relative to the float64
-    Gram of the same bfloat16 rows, against 1.4e-7 for the float32 GEMM; docs/methods.md,
+    Rows that hold bfloat16 values exactly (the inputs of a bfloat16 pass's linears) take
+    the bfloat16 units with float32 sums and a float32 result
+    (:func:`~mergekit_ext.bf16_products.float32_product`: on CUDA one bfloat16 GEMM, on the
+    CPU a float32 GEMM in oneDNN's bf16 fpmath mode, exact for such operands): the sums of a
+    float32 GEMM at bfloat16 speed. Other rows are widened to float32 (exact for float16)
+    and multiplied in float32. Never a bfloat16 result: the plain ``rows.T @ rows`` of
+    bfloat16 rows rounds every entry to 8 bits (measured: 1.6e-3 relative to the float64 Gram
+    of the same bfloat16 rows, against 1.4e-7 for the float32 GEMM; docs/methods.md,
     "Compute dtype").
 
     Args:
@@ -299,10 +302,11 @@ def gram_product(rows: torch.Tensor) -> torch.Tensor:
     Returns:
         ``[dim, dim]`` float32 (float64 for float64 rows).
     """
-    if rows.dtype in (torch.bfloat16, torch.float16) and rows.device.type == "cuda":
+    if rows.dtype == torch.float64:
+        return rows.T @ rows
+    if rows.dtype == torch.float16 and rows.device.type == "cuda":
         return torch.mm(rows.T, rows, out_dtype=torch.float32)
-    wide = rows if rows.dtype in (torch.float32, torch.float64) else rows.float()
-    return wide.T @ wide
+    return float32_product(rows.T, rows)
 
 
 def _low_precision_gram(

@@ -653,10 +653,10 @@ def _solve_bytes(width: int, out: int, k: int, span_tokens: Optional[int]) -> in
     W₀ and one ``W_k − W₀`` (float64), the float32 result, Vᵀ and ``(V H⁻¹)ᵀ`` (``T x out``),
     the rows, R E⁻¹ and ``H⁻¹ R E⁻¹`` (``T x in``), H, its symmetrised copy and its factor
     (``T x T``), all float64. Dense: four ``out x in`` float64 matrices at once (the summed
-    numerator and ``Σ ω W_k`` of the ridge, the solve's copy of the numerator, and the ridge's
-    term or the solution), Σ ω G̃, its symmetrised copy and its Cholesky factor (``in x in``,
-    float64) and the K products ``W_k G_k`` (float32). (Two ``out x in`` matrices before: the
-    dry-run was 0.86x of the measured peak of CoM K = 4 at Llama-3-8B widths.)
+    numerator, ``Σ ω W_k`` of the ridge, the buffer each task's terms are widened in, then
+    the solution), Σ ω G̃, its symmetrised copy and its Cholesky factor (``in x in``,
+    float64); the products ``W_k G_k`` are formed one at a time (float32, beside the float32
+    copy of ``W_k``) and reduced to the output error's reference before the solve.
     """
     weights = k * out * width * 4
     if span_tokens is not None:
@@ -664,7 +664,7 @@ def _solve_bytes(width: int, out: int, k: int, span_tokens: Optional[int]) -> in
         return (
             weights + out * width * (8 + 8 + 4) + 2 * out * t * 8 + t * width * 24 + 3 * t * t * 8
         )
-    return weights + 4 * out * width * 8 + 4 * width * width * 8 + k * out * width * 4
+    return weights + 4 * out * width * 8 + 4 * width * width * 8 + 2 * out * width * 4
 
 
 def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> MemoryEstimate:

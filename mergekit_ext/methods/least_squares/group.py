@@ -172,19 +172,19 @@ def _task_output_error(
     weight: torch.Tensor,
     st: TaskStatistics,
     raw_gram: Optional[torch.Tensor],
-    product: Optional[torch.Tensor],
+    reference: Optional[float],
     compute_dtype: torch.dtype = torch.float32,
 ) -> float:
     """One task's relative output error, on the raw inputs, of ``merged`` as written: from
     its kept rows where it has them (fewer tokens than inputs: ``out x in x N`` float64
-    products instead of the Gram form's ``out x in x in``), the reference then from the
-    solve's product ``W_k G_k`` where it formed one; else from ``raw_gram`` (formed from the
-    rows when None) and ``product``."""
+    products instead of the Gram form's ``out x in x in``); else from ``raw_gram`` (formed
+    from the rows when None). ``reference``: ``tr(W_k G_k W_kᵀ)`` where the dense solve
+    formed ``W_k G_k`` (:func:`~.solve.trace_product`), else None (formed here)."""
     rows = _kept_rows(st)
     if rows is not None:
-        return relative_output_error_rows(merged, weight, rows, product, compute_dtype)
+        return relative_output_error_rows(merged, weight, rows, reference, compute_dtype)
     gram = raw_gram if raw_gram is not None else st.gram_from_rows()
-    return relative_output_error(merged, weight, gram, product)  # type: ignore[arg-type]
+    return relative_output_error(merged, weight, gram, reference)  # type: ignore[arg-type]
 
 
 def _token_rows(stats: Sequence[TaskStatistics]) -> Optional[list[torch.Tensor]]:
@@ -289,7 +289,7 @@ def merge_group_least_squares(
         ridge=ridge,
         solver=solver,
         name=f"linear group {group.name}",
-        keep_products=not use_normalized_gram,  # W_k G_k of the diagnostic's own Gram
+        keep_references=not use_normalized_gram,  # W_k G_k of the diagnostic's own Gram
         tokens=tokens,
         rows=solve_rows,
         compute_dtype=group.compute_dtype,
@@ -323,7 +323,7 @@ def merge_group_least_squares(
             stacked[k],
             chosen[k],
             None if use_normalized_gram else grams[k],
-            solution.products[k] if solution.products is not None else None,
+            solution.references[k] if solution.references is not None else None,
             group.compute_dtype,
         )
         tasks[task] = {

@@ -12,6 +12,9 @@ import torch
 from mergekit_ext.methods.layerwise import TaskStatistics
 from mergekit_ext.methods.least_squares.solve import (
     _cholesky,
+    dot64,
+    row_chunks,
+    trace_product,
 )
 
 LOG = logging.getLogger(__name__)
@@ -25,24 +28,30 @@ def relative_output_error(
     merged_weight: torch.Tensor,
     expert_weight: torch.Tensor,
     gram: torch.Tensor,
-    expert_product: Optional[torch.Tensor] = None,
+    expert_reference: Optional[float] = None,
 ) -> float:
     """``‖W X − W_k X‖_F / ‖W_k X‖_F`` from the Gram ``G = X Xᵀ / N`` alone (CoM's diagnostic).
 
     ``= sqrt(tr((W − W_k) G (W − W_k)ᵀ) / tr(W_k G W_kᵀ))``; 0 when both are zero, inf when
     only the expert's output is zero, NaN when a weight holds NaN. The error term is float64
     throughout (difference, product, trace) and never clamped: a float32 product cancels to
-    noise when W is close to W_k. The reference (a sum of squares, no cancellation) reuses
-    ``expert_product`` = ``W_k G`` when the caller has it, summed in float64. A negative
+    noise when W is close to W_k. The reference (a sum of squares, no cancellation) is
+    ``expert_reference`` = ``tr(W_k G W_kᵀ)`` when the caller has it (the dense solve forms
+    ``W_k G`` anyway: :func:`~.solve.trace_product`), else formed here in float64. A negative
     value can only be float64 rounding of a zero error (an indefinite Gram by rounding) and
-    is returned as ``-sqrt(|e| / ref)``, not hidden.
+    is returned as ``-sqrt(|e| / ref)``, not hidden. Both traces are summed over chunks of
+    output rows.
     """
-    diff = merged_weight.double() - expert_weight.double()
-    error = float(((diff @ gram.double()) * diff).sum())
-    del diff
-    if expert_product is None:
-        expert_product = expert_weight.double() @ gram.double()
-    reference = float((expert_product.double() * expert_weight.double()).sum(dtype=torch.float64))
+    g = gram.double()
+    error = reference = 0.0
+    for rows in row_chunks(int(expert_weight.shape[0]), int(expert_weight.shape[1])):
+        expert = expert_weight[rows].double()
+        diff = merged_weight[rows].double() - expert
+        error += dot64(diff @ g, diff)
+        if expert_reference is None:
+            reference += trace_product(expert @ g, expert)
+    if expert_reference is not None:
+        reference = float(expert_reference)
     return _ratio(error, reference)
 
 
@@ -59,7 +68,7 @@ def relative_output_error_rows(
     merged_weight: torch.Tensor,
     expert_weight: torch.Tensor,
     rows: torch.Tensor,
-    expert_product: Optional[torch.Tensor] = None,
+    expert_reference: Optional[float] = None,
     compute_dtype: torch.dtype = torch.float32,
 ) -> float:
     """:func:`relative_output_error` from the inputs themselves (``rows``: ``N x in``).
@@ -67,11 +76,12 @@ def relative_output_error_rows(
     ``‖(W − W_k) Xᵀ‖_F / ‖W_k Xᵀ‖_F``: ``out x in x N`` products instead of ``out x in x in``
     ones, the cheaper form when N < in. The error term is float64 (difference and product);
     the reference in the weights' dtype (float32 for float32 weights), summed in float64,
-    or, when the solve formed it, from ``expert_product`` = ``W_k G`` with ``G = XᵀX / N``
-    (``N · tr(W_k G W_kᵀ)``, no product at all).
+    or, when the dense solve formed ``W_k G`` (``G = XᵀX / N``), from
+    ``expert_reference`` = ``tr(W_k G W_kᵀ)`` (``N · expert_reference``, no product at all).
+    Summed over chunks of output rows.
 
     ``compute_dtype`` bfloat16 (the rows come from a bfloat16 pass): the products are
-    bfloat16 GEMMs of the exact difference ``W − W_k`` and (without ``expert_product``) of
+    bfloat16 GEMMs of the exact difference ``W − W_k`` and (without ``expert_reference``) of
     ``W_k``, rounded to bfloat16 as the pass rounded the layer's input, their squares summed
     in float64. Each product
     entry then carries a relative rounding of ~2⁻⁹ with no preferred sign, so the sums of
@@ -81,29 +91,32 @@ def relative_output_error_rows(
     low = compute_dtype == torch.bfloat16 and expert_weight.dtype != torch.float64
     if low:
         x = rows.to(torch.bfloat16).T
-        exact_diff = merged_weight.float() - expert_weight.float()  # exact: both hold bf16 values
-        error = _square_sum(exact_diff.to(torch.bfloat16) @ x)
-        del exact_diff
+        xr = x
     else:
         x = rows.double().T
-        diff = merged_weight.double() - expert_weight.double()
-        error = float((diff @ x).square().sum())
-        del diff
-    if expert_product is not None:
-        reference = float(
-            (expert_product.double() * expert_weight.double()).sum(dtype=torch.float64)
-        ) * int(rows.shape[0])
-    elif low:
-        reference = _square_sum(expert_weight.to(torch.bfloat16) @ x)
-    else:
         xr = rows.float().T if expert_weight.dtype != torch.float64 else x
-        reference = float((expert_weight.to(xr.dtype) @ xr).square().sum(dtype=torch.float64))
+    error = reference = 0.0
+    for part in row_chunks(int(expert_weight.shape[0]), int(expert_weight.shape[1])):
+        expert, merged = expert_weight[part], merged_weight[part]
+        if low:
+            exact_diff = merged.float() - expert.float()  # exact: both hold bf16 values
+            error += _square_sum(exact_diff.to(torch.bfloat16) @ x)
+        else:
+            error += _square_sum((merged.double() - expert.double()) @ x)
+        if expert_reference is not None:
+            continue
+        if low:
+            reference += _square_sum(expert.to(torch.bfloat16) @ x)
+        else:
+            reference += _square_sum(expert.to(xr.dtype) @ xr)
+    if expert_reference is not None:
+        reference = float(expert_reference) * int(rows.shape[0])
     return _ratio(error, reference)
 
 
 def _square_sum(product: torch.Tensor) -> float:
     """``Σ product²`` summed in float64."""
-    return float(torch.linalg.vector_norm(product, dtype=torch.float64)) ** 2
+    return dot64(product, product)
 
 
 def _symmetric_sqrt(matrix: torch.Tensor) -> torch.Tensor:

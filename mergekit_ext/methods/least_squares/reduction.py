@@ -37,6 +37,7 @@ from mergekit_ext.methods.least_squares.solve import (
     resolve_ridge,
     solve_regmean_sums,
     span_solve_applies,
+    trace_product,
 )
 
 LOG = logging.getLogger(__name__)
@@ -87,7 +88,8 @@ class LeastSquaresReduction(SumReduction):
         self._other: Optional[list[TaskStatistics]] = None
         self._omegas: list[float] = []
         self._grams: list[torch.Tensor] = []
-        self._products: list[torch.Tensor] = []
+        self._products: list[Optional[torch.Tensor]] = []
+        self._references: list[float] = []
         self._norms: list[torch.Tensor] = []
 
     def _paths(self, group: LinearGroup, n_in: int) -> None:
@@ -157,6 +159,8 @@ class LeastSquaresReduction(SumReduction):
         self._products = [
             w.to(product_dtype) @ g.to(product_dtype) for w, g in zip(self._stacked, self._grams)
         ]
+        # the output errors' references now: each product is dropped once added to the sums
+        self._references = [trace_product(p, w) for p, w in zip(self._products, self._stacked)]
         # each task's weight norms (per weight of the group), for the result guard
         self._norms = [
             torch.stack(
@@ -188,6 +192,7 @@ class LeastSquaresReduction(SumReduction):
             self._products[position],
             count=self._chosen[position].count,
         )
+        self._products[position] = None
         # a running max, not a sum: the largest expert's norm per weight
         torch.maximum(sums["expert_norm_max"], self._norms[position], out=sums["expert_norm_max"])
 
@@ -261,7 +266,7 @@ class LeastSquaresReduction(SumReduction):
                 self._stacked[k],
                 self._chosen[k],
                 None if self.use_normalized_gram else self._grams[k],
-                None if self.use_normalized_gram else self._products[k],
+                None if self.use_normalized_gram else self._references[k],
                 group.compute_dtype,
             )
             if self._other is not None:

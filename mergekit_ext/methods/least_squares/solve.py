@@ -70,7 +70,8 @@ class RegMeanSolution:
     condition_number: float  # of the matrix inverted: Σ ω G̃ (+ ridge term)
     solver: str  # "pinv", "solve", or "pinv (solve failed: singular)"
     condition_number_method: str = "exact"  # "exact" (all eigenvalues) | "estimate"
-    products: Optional[list[torch.Tensor]] = None  # W_k G_k per task, when asked for
+    # tr(W_k G_k W_kᵀ) per task from the solve's own products W_k G_k, when asked for
+    references: Optional[list[float]] = None
     ridge: float = 0.0  # the relative ridge applied (``auto`` resolved)
     tokens: Optional[int] = None  # calibration tokens behind Σ ω G̃ (None: not given)
     # why this ridge (``auto``: from the tokens or the condition number; else "as set")
@@ -241,7 +242,7 @@ def regmean_solve(
     ridge: Ridge = 0.0,
     solver: Solver = "pinv",
     name: str = "<weight>",
-    keep_products: bool = False,
+    keep_references: bool = False,
     tokens: Optional[int] = None,
     rows: Optional[Sequence[torch.Tensor]] = None,
     compute_dtype: torch.dtype = torch.float32,
@@ -269,8 +270,10 @@ def regmean_solve(
       rows where the dense path needs it). With a ridge and ``Σ N_k < in`` the solve is then
       written in the span of the tokens (:func:`span_solve`: a ``T x T`` system, T = Σ N_k)
       instead of the ``in x in`` one; same solution, O(T · in · (T + out)) instead of O(in³).
-    - ``keep_products``: also return each ``W_k G_k`` (for diagnostics that reuse them);
-      None on the span path, which never forms them.
+    - ``keep_references``: also return each task's ``tr(W_k G_k W_kᵀ)`` from the product
+      ``W_k G_k`` the dense solve forms anyway (the output error's reference,
+      :func:`trace_product`), a number instead of an ``out x in`` product kept through the
+      solve; None on the span path, which never forms the products.
     - ``compute_dtype``: the dtype of the forward passes the statistics came from
       (:func:`span_product_dtype`: a bfloat16 / float16 pass lets the span solve's
       ``out x in x T`` products run in float32).
@@ -346,19 +349,73 @@ def regmean_solve(
     sums = regmean_zero_sums(
         shape, with_weighted_experts=isinstance(ridge, str) or relative_ridge > 0.0
     )
-    products: list[torch.Tensor] = []
+    references: list[float] = []
+    # One float64 and one product-dtype out x in buffer for every task's widened copies: a
+    # fresh GB-sized tensor per copy costs more in page faults than the copy itself (~10x
+    # for an 8B gate_up weight, measured).
+    scratch = torch.empty(shape, dtype=torch.float64, device=expert_weights[0].device)
+    narrow = (
+        torch.empty(shape, dtype=product_dtype, device=expert_weights[0].device)
+        if any(w.dtype != product_dtype for w in expert_weights)
+        else None
+    )
     for w, g, omega in zip(expert_weights, grams, weights):
         # W_k G̃_k = α W_k G_k + (1 − α) W_k diag(G_k): one GEMM, no shrunk copy of G_k.
-        product = w.to(product_dtype) @ g.to(product_dtype)
-        regmean_add_task(sums, w, g, reduce_non_diagonal, omega, product)
-        if keep_products:
-            products.append(product)
-        del product
+        wide = w if w.dtype == product_dtype else narrow.copy_(w)  # type: ignore[union-attr]
+        product = wide @ g.to(product_dtype)
+        regmean_add_task(sums, w, g, reduce_non_diagonal, omega, product, scratch=scratch)
+        if keep_references:
+            references.append(trace_product(product, w))
+        del product, wide
+    del scratch, narrow
     solution = solve_regmean_sums(
-        sums, ridge=ridge, solver=solver, name=name, out_dtype=out_dtype, tokens=tokens
+        sums,
+        ridge=ridge,
+        solver=solver,
+        name=name,
+        out_dtype=out_dtype,
+        tokens=tokens,
+        consume=True,
     )
-    solution.products = products if keep_products else None
+    solution.references = references if keep_references else None
     return solution
+
+
+# Out-rows per chunk of a trace or an output error: about this many entries in each
+# temporary (16 MB in float64), which the allocator hands back chunk after chunk, instead of
+# out x in ones that each cost their page faults anew (GBs at LLM widths).
+_CHUNK_ENTRIES = 1 << 21
+
+
+def row_chunks(n_out: int, n_in: int) -> list[slice]:
+    """Slices of a weight's output rows, each about :data:`_CHUNK_ENTRIES` entries."""
+    step = max(1, _CHUNK_ENTRIES // max(n_in, 1))
+    return [slice(a, min(a + step, n_out)) for a in range(0, n_out, step)]
+
+
+def dot64(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``Σ a ⊙ b`` in float64: one BLAS dot of the widened entries per chunk of rows (no
+    product tensor, no whole-size float64 copy)."""
+    if a.ndim < 2:
+        return float(torch.dot(a.reshape(-1).double(), b.reshape(-1).double()))
+    a2, b2 = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
+    return sum(
+        float(torch.dot(a2[part].reshape(-1).double(), b2[part].reshape(-1).double()))
+        for part in row_chunks(int(a2.shape[0]), int(a2.shape[1]))
+    )
+
+
+def trace_product(product: torch.Tensor, weight: torch.Tensor) -> float:
+    """``tr(W G Wᵀ) = Σ (W G) ⊙ W`` from the product ``W G`` (``out x in``), in float64.
+
+    Args:
+        product: ``W G`` in any float dtype.
+        weight: ``W``.
+
+    Returns:
+        The trace, a Python float (the reference of :func:`relative_output_error`).
+    """
+    return dot64(product, weight)
 
 
 def span_product_dtype(compute_dtype: torch.dtype, weight_dtype: torch.dtype) -> torch.dtype:
@@ -478,14 +535,16 @@ def span_solve(
     # Vᵀ = [R_k (W_k − W₀)ᵀ]_k (T x out), each task's rows a contiguous slice
     narrow = product_dtype != torch.float64
     r_product = r_all.to(product_dtype) if narrow else r_all
+    # the narrow copy of each task's W_k − W₀ in one reused buffer (see w0 and delta above)
+    narrow_delta = torch.empty((out, n_in), dtype=product_dtype) if narrow else None
     v_t = torch.empty((int(r_all.shape[0]), out), dtype=torch.float64)
     for k, a, b in zip(kept, offsets, offsets[1:]):
         delta.copy_(expert_weights[k]).sub_(w0)
-        if narrow:
-            v_t[a:b].copy_(r_product[a:b] @ delta.to(product_dtype).T)
+        if narrow_delta is not None:
+            v_t[a:b].copy_(r_product[a:b] @ narrow_delta.copy_(delta).T)
         else:
             torch.mm(r_all[a:b], delta.T, out=v_t[a:b])
-    del delta, r_product
+    del delta, r_product, narrow_delta
     root_e = e.sqrt()
     scaled = r_all / root_e  # R E^(-1/2)
     h = _outer_gram(scaled)  # R E⁻¹ Rᵀ, exactly symmetric
@@ -598,6 +657,7 @@ def regmean_add_task(
     omega: float,
     product: Optional[torch.Tensor] = None,
     count: int = 0,
+    scratch: Optional[torch.Tensor] = None,
 ) -> None:
     """Add one task's terms to the sums, in place: ``ω (α W G + (1 − α) W diag(G))`` to the
     numerator, ``ω (α G + (1 − α) diag(G))`` to the system (its diagonal part kept apart),
@@ -605,25 +665,29 @@ def regmean_add_task(
 
     The same operations in the same order as :func:`regmean_solve`'s loop, so adding the
     tasks in order gives its sums bit for bit; ``product`` is ``W G`` when already computed
-    (as :func:`regmean_solve` forms it: float32 for float32 weights).
+    (as :func:`regmean_solve` forms it: float32 for float32 weights). ``scratch``: an
+    ``out x in`` float64 buffer for the widened terms (allocated here when None); the values
+    are those of the fresh temporaries it replaces.
     """
     if product is None:
         product_dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
         product = weight.to(product_dtype) @ gram.to(product_dtype)
+    if scratch is None:
+        scratch = torch.empty(weight.shape, dtype=torch.float64, device=weight.device)
     diagonal = torch.diagonal(gram).double()
-    sums["numerator"].add_(product.double(), alpha=omega * reduce_non_diagonal)
+    sums["numerator"].add_(scratch.copy_(product), alpha=omega * reduce_non_diagonal)
     if reduce_non_diagonal != 1.0:
-        # α = 1 would add 0 · W diag(G): an out x in float64 temporary for nothing
-        sums["numerator"].add_(
-            weight.double() * diagonal, alpha=omega * (1.0 - reduce_non_diagonal)
-        )
+        # α = 1 would add 0 · W diag(G): an out x in float64 term for nothing
+        torch.mul(scratch.copy_(weight), diagonal, out=scratch)
+        sums["numerator"].add_(scratch, alpha=omega * (1.0 - reduce_non_diagonal))
     sums["system"].add_(gram.double(), alpha=omega * reduce_non_diagonal)
     sums["system_diagonal"].add_(diagonal, alpha=omega * (1.0 - reduce_non_diagonal))
     sums["task_weight_sum"].add_(omega)
     if omega > 0.0:
         sums["tokens"].add_(float(count))
     if "weighted_experts" in sums:
-        sums["weighted_experts"].add_(omega * weight.double())
+        # ω · W rounded, then added: not add_(alpha=ω), whose fused multiply-add rounds once
+        sums["weighted_experts"].add_(scratch.copy_(weight).mul_(omega))
 
 
 def solve_regmean_sums(
@@ -634,6 +698,7 @@ def solve_regmean_sums(
     name: str = "<weight>",
     out_dtype: torch.dtype = torch.float32,
     tokens: Optional[int] = None,
+    consume: bool = False,
 ) -> RegMeanSolution:
     """``W = numerator · system⁻¹`` from the sums of :func:`regmean_add_task`.
 
@@ -643,10 +708,14 @@ def solve_regmean_sums(
     system is singular or its condition number exceeds :data:`AUTO_RIDGE_MAX_CONDITION`
     (:func:`auto_ridge_needed`), else exactly 0. ``auto`` needs ``sums["weighted_experts"]``.
     ``tokens`` is recorded in the solution. The ``solver`` choice is :func:`regmean_solve`'s.
+    ``consume``: the caller no longer needs ``sums``, so the out x in ones are solved in
+    place instead of copied first (the same values).
     """
     if float(sums["task_weight_sum"].sum()) <= 0.0:
         raise TensorError(f"{name}: the task weights are all zero; use task_weighting: uniform")
-    numerator = sums["numerator"].double().clone()
+    numerator = sums["numerator"].double()
+    if not consume or numerator is not sums["numerator"]:
+        numerator = numerator.clone()
     system = sums["system"].double().clone()
     n_in = system.shape[0]
     auto = isinstance(ridge, str)
@@ -655,13 +724,21 @@ def solve_regmean_sums(
     torch.diagonal(system).add_(sums["system_diagonal"].double())
     system = 0.5 * (system + system.T)  # exact symmetry for eigh
 
+    scaled_in_place: list[bool] = []  # sums["weighted_experts"] may be scaled once only
+
     def add_ridge(value: float) -> None:
         nonlocal numerator
         strength = value * float(torch.diagonal(system).mean())
         torch.diagonal(system).add_(strength)
-        numerator += (strength / float(sums["task_weight_sum"].sum())) * sums[
-            "weighted_experts"
-        ].double()
+        scale = strength / float(sums["task_weight_sum"].sum())
+        weighted = sums["weighted_experts"].double()
+        if consume and weighted is sums["weighted_experts"]:
+            if scaled_in_place:  # pragma: no cover - the ridge is added once per solve
+                raise RuntimeError("solve_regmean_sums added a ridge twice to consumed sums")
+            scaled_in_place.append(True)
+            numerator += weighted.mul_(scale)  # in place: the same product, no copy
+        else:
+            numerator += scale * weighted
 
     if relative_ridge > 0.0:
         add_ridge(relative_ridge)
