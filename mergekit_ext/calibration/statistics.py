@@ -232,7 +232,9 @@ class ActivationStatistics:
             self._gram_sum.add_(product if product is not None else gram_product(rows))
         else:
             assert self._square_sum is not None
-            self._square_sum.add_(rows.to(self.dtype).square().sum(0))
+            # squared in place in the one widened copy: a second N x dim float64 temporary
+            # per batch costs its page faults anew (the same values as .square())
+            self._square_sum.add_(rows.to(self.dtype, copy=True).square_().sum(0))
         if self._normalized_gram_sum is not None:
             unit = rows / rows.norm(dim=1, keepdim=True).clamp_min(torch.finfo(rows.dtype).tiny)
             self._normalized_gram_sum.add_(unit.T @ unit)
