@@ -43,6 +43,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("mergekit_ext.finite", 0),
     ("mergekit_ext.kl", 0),
     ("mergekit_ext.bf16_products", 0),
+    ("mergekit_ext.wide_sums", 0),
     ("mergekit_ext.console", 0),
     ("mergekit_ext.offline", 0),
     ("mergekit_ext.memory_model", 0),

@@ -83,6 +83,7 @@ def test_output_errors_summed_over_row_chunks_match_one_sum(monkeypatch):
     """The output errors sum their traces over chunks of output rows (no out x in
     temporaries): the same ratios as one chunk, whatever the chunk size; the dense solve's
     reference (a number from its product W_k G_k) gives the ratio the Gram gives."""
+    from mergekit_ext import wide_sums
     from mergekit_ext.methods.least_squares import measures, solve
 
     g = torch.Generator().manual_seed(8)
@@ -104,8 +105,8 @@ def test_output_errors_summed_over_row_chunks_match_one_sum(monkeypatch):
         ]
 
     whole = errors()
-    monkeypatch.setattr(solve, "_CHUNK_ENTRIES", 24 * 5)  # 5 rows per chunk, 8 chunks
-    assert len(solve.row_chunks(37, 24)) == 8
+    monkeypatch.setattr(wide_sums, "_CHUNK_ENTRIES", 24 * 5)  # 5 rows per chunk, 8 chunks
+    assert len(wide_sums.row_chunks(37, 24)) == 8
     assert solve.trace_product((expert.double() @ gram).float(), expert) == pytest.approx(
         reference, rel=1e-12
     )
@@ -114,3 +115,31 @@ def test_output_errors_summed_over_row_chunks_match_one_sum(monkeypatch):
         assert 0.0 < a and abs(a - b) <= 1e-6 * a, (a, b)
     assert whole[1] == pytest.approx(whole[0], rel=1e-6)
     assert whole[3] == pytest.approx(whole[2], rel=1e-5)
+
+
+def test_wide_sums_follow_the_logical_order_in_float64():
+    """dot64 and frobenius64 sum in float64 in the tensor's logical order: a transposed view
+    and its contiguous copy give the same bits (one process and several record the same
+    norms), and a float32 tensor's norm matches the float64 one where a float32 sum drifts."""
+    from mergekit_ext import wide_sums
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(700, 3000, generator=g) + 3.0
+    exact = float(torch.linalg.vector_norm(w.double()))
+    assert wide_sums.frobenius64(w) == pytest.approx(exact, rel=1e-12)
+    view = torch.randn(3000, 700, generator=g).T
+    assert wide_sums.frobenius64(view) == wide_sums.frobenius64(view.contiguous())
+    assert wide_sums.dot64(view, w) == wide_sums.dot64(view.contiguous(), w)
+    assert wide_sums.dot64(w[0], w[0]) == pytest.approx(float(w[0].double().square().sum()))
+    # The same bits whatever the thread count (a BLAS dot or a whole-tensor sum() differs):
+    # a distributed run's ranks use one thread each, a single process several.
+    big = torch.randn(300, 20000, generator=g, dtype=torch.float64)
+    threads = torch.get_num_threads()
+    try:
+        found = set()
+        for n in (1, 2, 3, 4):
+            torch.set_num_threads(n)
+            found.add((wide_sums.frobenius64(big), wide_sums.dot64(big, big.flip(0))))
+    finally:
+        torch.set_num_threads(threads)
+    assert len(found) == 1, found

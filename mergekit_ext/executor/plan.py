@@ -646,11 +646,14 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _solve_bytes(width: int, out: int, k: int, span_tokens: Optional[int]) -> int:
+def _solve_bytes(
+    width: int, out: int, k: int, span_tokens: Optional[int], low_precision: bool = False
+) -> int:
     """Working memory of the least-squares solve of one group (``least_squares.py``).
 
     Both: the K stacked expert weights (float32). Span solve (``span_tokens`` T < width):
-    W₀ and one ``W_k − W₀`` (float64), the float32 result, Vᵀ and ``(V H⁻¹)ᵀ`` (``T x out``),
+    W₀ and one ``W_k − W₀`` (float64, and a float32 result; after a bf16 / fp16 pass
+    (``low_precision``) both float32, W₀ becoming the result), Vᵀ and ``(V H⁻¹)ᵀ`` (``T x out``),
     the rows, R E⁻¹ and ``H⁻¹ R E⁻¹`` (``T x in``), H, its symmetrised copy and its factor
     (``T x T``), all float64. Dense: four ``out x in`` float64 matrices at once (the summed
     numerator, ``Σ ω W_k`` of the ridge, the buffer each task's terms are widened in, then
@@ -661,9 +664,8 @@ def _solve_bytes(width: int, out: int, k: int, span_tokens: Optional[int]) -> in
     weights = k * out * width * 4
     if span_tokens is not None:
         t = span_tokens
-        return (
-            weights + out * width * (8 + 8 + 4) + 2 * out * t * 8 + t * width * 24 + 3 * t * t * 8
-        )
+        buffers = out * width * (4 + 4 if low_precision else 8 + 8 + 4)
+        return weights + buffers + 2 * out * t * 8 + t * width * 24 + 3 * t * t * 8
     return weights + 4 * out * width * 8 + 4 * width * width * 8 + 2 * out * width * 4
 
 
@@ -716,6 +718,8 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
     )
     request = plan.request
     itemsize = request.statistics_dtype.itemsize
+    # after a bf16 / fp16 pass the span solve's out x in work is float32 (span_product_dtype)
+    low = plan.compute is not None and plan.compute.low_precision
     paths = int(request.expert_path) + int(request.propagate)
     tokens = calibration_tokens(plan)
     ridge = getattr(plan.parameters, "ridge", None)
@@ -808,7 +812,9 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
                 # gathered: rank 0 merges the whole group (a span group: every task's rows
                 # and linear weights)
                 solve = (
-                    _solve_bytes(width, out, k_all, tokens if span else None) if rank == 0 else 0
+                    _solve_bytes(width, out, k_all, tokens if span else None, low)
+                    if rank == 0
+                    else 0
                 )
                 if span and rank == 0:
                     others = [
@@ -822,7 +828,11 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
             else:
                 # one process, or the reduction: each rank holds its own tasks' products, and
                 # the groups' solves take turns over the ranks (any rank solves any group)
-                solve = (_solve_bytes(width, out, k, tokens if span else None) + formed) if k else 0
+                solve = (
+                    (_solve_bytes(width, out, k, tokens if span else None, low) + formed)
+                    if k
+                    else 0
+                )
             if merged_stats + solve > sum(group_peak):
                 group_peak = (merged_stats, solve)
         grams_per_task = max(grams_per_task, block_grams)

@@ -420,7 +420,7 @@ class SequentialExecutor:
             raise TensorError(
                 f"the merge of {name} returned shape {list(merged.shape)}, expected {list(shape)}"
             )
-        if merged.dtype.is_floating_point and not bool(torch.isfinite(merged).all()):
+        if not finite.is_finite(merged):
             raise TensorError(f"the merge of {name} contains NaN or Inf values")
 
     # ---------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import torch
 from pydantic import Field
 
 from mergekit_ext.errors import TensorError
+from mergekit_ext.wide_sums import frobenius64
 
 LOG = logging.getLogger(__name__)
 
@@ -66,15 +67,7 @@ def expert_norms(
     Returns:
         ``{weight name: largest expert norm}``.
     """
-    return {w: max(_frobenius(e[w]) for e in experts) for w in weights}
-
-
-def _frobenius(w: torch.Tensor) -> float:
-    # A reduction's order follows the memory layout: a transposed view (Conv1D weights are
-    # handed over as ``out x in`` views) and its contiguous copy (what a distributed run
-    # receives) would differ in the last bits, and one process and several must record
-    # the same diagnostics.
-    return float(torch.linalg.vector_norm(w.contiguous(), dtype=torch.float64))
+    return {w: max(frobenius64(e[w]) for e in experts) for w in weights}
 
 
 def norm_ratios(
@@ -92,7 +85,7 @@ def norm_ratios(
     """
     ratios = {}
     for name, w in merged.items():
-        norm = _frobenius(w)
+        norm = frobenius64(w)
         ref = reference[name]
         ratios[name] = norm / ref if ref > 0.0 else (0.0 if norm == 0.0 else math.inf)
     return ratios

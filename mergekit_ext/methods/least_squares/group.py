@@ -11,6 +11,7 @@ from typing import Any, Optional
 import torch
 
 from mergekit_ext.errors import CalibrationError, TensorError
+from mergekit_ext.finite import is_finite
 from mergekit_ext.methods.guard import (
     expert_norms,
     guard_group,
@@ -38,11 +39,6 @@ LOG = logging.getLogger(__name__)
 # --------------------------------------------------------------------------------------
 # The group driver shared with Chain of Merges
 # --------------------------------------------------------------------------------------
-
-
-def _all_finite(tensor: torch.Tensor) -> bool:
-    """No NaN or Inf in ``tensor``: one float64 sum (a NaN or Inf entry makes it non-finite)."""
-    return bool(torch.isfinite(tensor.sum(dtype=torch.float64)))
 
 
 def _check_statistics(
@@ -86,7 +82,7 @@ def _check_statistics(
                 f"{where}: Gram {gram_shape} / mean {tuple(st.mean.shape)} do not fit "
                 f"the group's input width {n_in}"
             )
-        if (st.gram is not None and not _all_finite(st.gram)) or not _all_finite(st.mean):
+        if (st.gram is not None and not is_finite(st.gram)) or not is_finite(st.mean):
             raise CalibrationError(f"{where} contain NaN or Inf (overflowing activations?)")
         if need_normalized:
             if st.gram_normalized is None:
@@ -154,7 +150,7 @@ def _stacked_weights(group: LinearGroup, method: str) -> tuple[list[torch.Tensor
                     f"shape mismatch for {weight_name}: task {task!r} has {tuple(w.shape)}, "
                     f"task {group.task_names[0]!r} has {(n_rows, n_in)}"
                 )
-            if not _all_finite(w):
+            if not is_finite(w):
                 raise TensorError(f"{weight_name} of task {task!r} contains NaN or Inf values")
             parts.append(w)
         stacked.append(torch.cat(parts, dim=0))

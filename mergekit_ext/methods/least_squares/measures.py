@@ -10,12 +10,8 @@ from typing import Literal, Optional
 import torch
 
 from mergekit_ext.methods.layerwise import TaskStatistics
-from mergekit_ext.methods.least_squares.solve import (
-    _cholesky,
-    dot64,
-    row_chunks,
-    trace_product,
-)
+from mergekit_ext.methods.least_squares.solve import _cholesky, trace_product
+from mergekit_ext.wide_sums import dot64, row_chunks
 
 LOG = logging.getLogger(__name__)
 

@@ -39,6 +39,7 @@ from mergekit_ext.methods.least_squares.solve import (
     span_solve_applies,
     trace_product,
 )
+from mergekit_ext.wide_sums import frobenius64
 
 LOG = logging.getLogger(__name__)
 
@@ -162,12 +163,12 @@ class LeastSquaresReduction(SumReduction):
         # the output errors' references now: each product is dropped once added to the sums
         self._references = [trace_product(p, w) for p, w in zip(self._products, self._stacked)]
         # each task's weight norms (per weight of the group), for the result guard
+        # (frobenius64, as the single process's guard: the same sums, the same bits)
         self._norms = [
-            torch.stack(
-                [
-                    torch.linalg.vector_norm(part, dtype=torch.float64)
-                    for part in torch.split(w, self._rows, dim=0)
-                ]
+            torch.tensor(
+                [frobenius64(part) for part in torch.split(w, self._rows, dim=0)],
+                dtype=torch.float64,
+                device=w.device,
             )
             for w in self._stacked
         ]

@@ -13,6 +13,8 @@ from typing import Any, Literal, Optional, Union
 import torch
 
 from mergekit_ext.errors import TensorError
+from mergekit_ext.finite import is_finite
+from mergekit_ext.wide_sums import dot64
 
 LOG = logging.getLogger(__name__)
 
@@ -110,7 +112,7 @@ def _condition_number(eigenvalues: torch.Tensor) -> float:
 def _cholesky(matrix: torch.Tensor) -> Optional[torch.Tensor]:
     """The lower Cholesky factor of a symmetric matrix, or None when it is not positive definite."""
     factor, info = torch.linalg.cholesky_ex(matrix)
-    if int(info) != 0 or not bool(torch.isfinite(factor).all()):
+    if int(info) != 0 or not is_finite(factor):
         return None
     return factor
 
@@ -350,24 +352,25 @@ def regmean_solve(
         shape, with_weighted_experts=isinstance(ridge, str) or relative_ridge > 0.0
     )
     references: list[float] = []
-    # One float64 and one product-dtype out x in buffer for every task's widened copies: a
-    # fresh GB-sized tensor per copy costs more in page faults than the copy itself (~10x
-    # for an 8B gate_up weight, measured).
+    # One float64 and two product-dtype out x in buffers for every task's widened copies and
+    # products: a fresh GB-sized tensor per copy costs more in page faults than the copy
+    # itself (~10x for an 8B gate_up weight, measured).
     scratch = torch.empty(shape, dtype=torch.float64, device=expert_weights[0].device)
     narrow = (
         torch.empty(shape, dtype=product_dtype, device=expert_weights[0].device)
         if any(w.dtype != product_dtype for w in expert_weights)
         else None
     )
+    product = torch.empty(shape, dtype=product_dtype, device=expert_weights[0].device)
     for w, g, omega in zip(expert_weights, grams, weights):
         # W_k G̃_k = α W_k G_k + (1 − α) W_k diag(G_k): one GEMM, no shrunk copy of G_k.
         wide = w if w.dtype == product_dtype else narrow.copy_(w)  # type: ignore[union-attr]
-        product = wide @ g.to(product_dtype)
+        torch.mm(wide, g.to(product_dtype), out=product)
         regmean_add_task(sums, w, g, reduce_non_diagonal, omega, product, scratch=scratch)
         if keep_references:
             references.append(trace_product(product, w))
-        del product, wide
-    del scratch, narrow
+        del wide
+    del scratch, narrow, product
     solution = solve_regmean_sums(
         sums,
         ridge=ridge,
@@ -379,30 +382,6 @@ def regmean_solve(
     )
     solution.references = references if keep_references else None
     return solution
-
-
-# Out-rows per chunk of a trace or an output error: about this many entries in each
-# temporary (16 MB in float64), which the allocator hands back chunk after chunk, instead of
-# out x in ones that each cost their page faults anew (GBs at LLM widths).
-_CHUNK_ENTRIES = 1 << 21
-
-
-def row_chunks(n_out: int, n_in: int) -> list[slice]:
-    """Slices of a weight's output rows, each about :data:`_CHUNK_ENTRIES` entries."""
-    step = max(1, _CHUNK_ENTRIES // max(n_in, 1))
-    return [slice(a, min(a + step, n_out)) for a in range(0, n_out, step)]
-
-
-def dot64(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``Σ a ⊙ b`` in float64: one BLAS dot of the widened entries per chunk of rows (no
-    product tensor, no whole-size float64 copy)."""
-    if a.ndim < 2:
-        return float(torch.dot(a.reshape(-1).double(), b.reshape(-1).double()))
-    a2, b2 = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
-    return sum(
-        float(torch.dot(a2[part].reshape(-1).double(), b2[part].reshape(-1).double()))
-        for part in row_chunks(int(a2.shape[0]), int(a2.shape[1]))
-    )
 
 
 def trace_product(product: torch.Tensor, weight: torch.Tensor) -> float:
@@ -503,22 +482,28 @@ def span_solve(
     mean_diagonal = float(sum(omega * d for d, omega in zip(diagonals, weights)).mean())
     strength = ridge * mean_diagonal
     e = torch.full((n_in,), strength, dtype=torch.float64)
-    # At LLM widths these are GB-sized: accumulate into one float64 buffer instead of a
-    # float64 copy of every expert weight. Each weight is widened into ``delta`` (needed
-    # below anyway) and added float64 to float64: a mixed-dtype in-place add_/addcmul_ gives
-    # the same bits but runs ~10x slower (~5 s per task for an 8B gate_up, measured).
-    w0 = torch.zeros((out, n_in), dtype=torch.float64)
-    delta = torch.empty((out, n_in), dtype=torch.float64)
+    # The out x in work (W₀, each W_k − W₀, the expansion) runs in the products' dtype:
+    # float32 after a bf16 / fp16 pass halves its memory traffic, which at LLM widths costs
+    # as much as the products themselves (~5 s per block at 8B widths, measured); float64
+    # otherwise, the float32 pass's solve unchanged bit for bit. At these widths the buffers
+    # are GB-sized: one W₀ accumulator and one reused widened copy, not a copy per expert.
+    # Each weight is widened into ``delta`` and added like to like: a mixed-dtype in-place
+    # add_/addcmul_ gives the same bits but runs ~10x slower (~5 s per task for an 8B
+    # gate_up, measured).
+    work = product_dtype
+    w0 = torch.zeros((out, n_in), dtype=work)
+    delta = torch.empty((out, n_in), dtype=work)
     for w, d, omega in zip(expert_weights, diagonals, weights):
         e.add_(d, alpha=omega * (1.0 - reduce_non_diagonal))
         wide = delta.copy_(w)
         if reduce_non_diagonal == 1.0:
             w0.add_(wide, alpha=omega * strength / total)
         else:
-            w0.addcmul_(wide, omega * ((1.0 - reduce_non_diagonal) * d + strength / total))
+            scale = omega * ((1.0 - reduce_non_diagonal) * d + strength / total)
+            w0.addcmul_(wide, scale.to(work))
     if not bool((e > 0.0).all()):
         raise TensorError("span_solve needs a positive E = (1 − α) Σ ω diag(G) + λ; use a ridge")
-    w0.div_(e)  # W₀ = M E⁻¹
+    w0.div_(e.to(work))  # W₀ = M E⁻¹
 
     kept = [k for k, omega in enumerate(weights) if omega > 0.0]
     r_all = torch.cat([rows[k].double() for k in kept])  # T x in
@@ -532,19 +517,20 @@ def span_solve(
             for k, c in zip(kept, counts)
         ]
     )
-    # Vᵀ = [R_k (W_k − W₀)ᵀ]_k (T x out), each task's rows a contiguous slice
-    narrow = product_dtype != torch.float64
-    r_product = r_all.to(product_dtype) if narrow else r_all
-    # the narrow copy of each task's W_k − W₀ in one reused buffer (see w0 and delta above)
-    narrow_delta = torch.empty((out, n_in), dtype=product_dtype) if narrow else None
-    v_t = torch.empty((int(r_all.shape[0]), out), dtype=torch.float64)
+    # The triangular solves cost 2T²·min(out, in): solve for V H⁻¹ (T x out) or for
+    # H⁻¹ R E⁻¹ (T x in), whichever is narrower; the expansion costs out·T·in either way.
+    solve_left = out <= n_in
+    # Vᵀ = [R_k (W_k − W₀)ᵀ]_k (T x out), each task's rows a contiguous slice; float64 where
+    # the triangular solve reads it, else kept in the products' dtype for the expansion
+    r_product = r_all.to(work) if work != torch.float64 else r_all
+    v_t = torch.empty((int(r_all.shape[0]), out), dtype=torch.float64 if solve_left else work)
     for k, a, b in zip(kept, offsets, offsets[1:]):
         delta.copy_(expert_weights[k]).sub_(w0)
-        if narrow_delta is not None:
-            v_t[a:b].copy_(r_product[a:b] @ narrow_delta.copy_(delta).T)
+        if v_t.dtype == work:
+            torch.mm(r_product[a:b], delta.T, out=v_t[a:b])
         else:
-            torch.mm(r_all[a:b], delta.T, out=v_t[a:b])
-    del delta, r_product, narrow_delta
+            v_t[a:b].copy_(r_product[a:b] @ delta.T)
+    del delta, r_product
     root_e = e.sqrt()
     scaled = r_all / root_e  # R E^(-1/2)
     h = _outer_gram(scaled)  # R E⁻¹ Rᵀ, exactly symmetric
@@ -554,19 +540,14 @@ def span_solve(
     factor = _cholesky(h)
     if factor is None:  # pragma: no cover - H ⪰ D⁻¹ > 0
         raise TensorError("span_solve: H = R E⁻¹ Rᵀ + D⁻¹ is not positive definite")
-    # The triangular solves cost 2T²·min(out, in): solve for V H⁻¹ (T x out) or for
-    # H⁻¹ R E⁻¹ (T x in), whichever is narrower; the expansion costs out·T·in either way.
-    if out <= n_in:
-        left = torch.cholesky_solve(v_t, factor).T  # V H⁻¹, out x T
-        right = f  # R E⁻¹
+    if solve_left:
+        left = torch.cholesky_solve(v_t, factor).T.to(work)  # V H⁻¹, out x T
+        right = f.to(work)  # R E⁻¹
     else:
         left = v_t.T  # V
-        right = torch.cholesky_solve(f, factor)  # H⁻¹ R E⁻¹, T x in
+        right = torch.cholesky_solve(f, factor).to(work)  # H⁻¹ R E⁻¹, T x in
     del v_t
-    if narrow:
-        w0.add_(left.to(product_dtype) @ right.to(product_dtype))
-    else:
-        w0.addmm_(left, right)  # W = W₀ + V H⁻¹ R E⁻¹, in place
+    w0.addmm_(left, right)  # W = W₀ + V H⁻¹ R E⁻¹, in place
     del left, right
     merged = w0
 
