@@ -203,6 +203,13 @@ def test_dry_run_of_llama3_8b_with_bfloat16_passes_counts_the_cast_blocks(tmp_pa
     assert plan.compute is not None and plan.compute.dtype == torch.bfloat16
     float32_blocks = 5 * _block_params(**LLAMA3_8B) * 4
     assert plan.memory.block_weights == float32_blocks + float32_blocks // 2
+    # After a bf16 pass the span solve's out x in buffers are float32 (W₀ is the result):
+    # 4 + 4 bytes per entry instead of 8 + 8 + 4, on the largest group, gate_up
+    monkeypatch.setattr(compute, "fast_bf16", lambda device_type: (False, "test: slow"))
+    float32 = plan_layerwise_merge(cfg, MergeOptions(quiet=True), ChainOfMergesMethod(), {})
+    assert float32.compute is not None and float32.compute.dtype == torch.float32
+    gate_up = 2 * LLAMA3_8B["intermediate"] * LLAMA3_8B["hidden"]
+    assert float32.memory.solver - plan.memory.solver == 12 * gate_up
 
 
 def _rank_lines(text: str) -> dict[int, str]:
