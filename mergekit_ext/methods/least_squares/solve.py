@@ -522,7 +522,7 @@ def span_solve(
     solve_left = out <= n_in
     # Vᵀ = [R_k (W_k − W₀)ᵀ]_k (T x out), each task's rows a contiguous slice; float64 where
     # the triangular solve reads it, else kept in the products' dtype for the expansion
-    r_product = r_all.to(work) if work != torch.float64 else r_all
+    r_product = r_all.to(work)  # r_all itself when work is float64
     v_t = torch.empty((int(r_all.shape[0]), out), dtype=torch.float64 if solve_left else work)
     for k, a, b in zip(kept, offsets, offsets[1:]):
         delta.copy_(expert_weights[k]).sub_(w0)
