@@ -94,6 +94,61 @@ def test_block_tensors_are_cast_once_per_block():
     assert low({"w": w})["w"] is not first["w"]
 
 
+@pytest.mark.parametrize("method", ["regmean", "chain_of_merges", "qp_projection"])
+def test_bfloat16_block_matrices_are_held_as_stored_with_the_same_bytes(
+    bf16_llama, tmp_path, monkeypatch, method
+):
+    """A bfloat16 pass over bfloat16 checkpoints holds the block matrices as stored (no
+    float32 copy, no cast for the passes) and writes the very bytes and diagnostics that
+    float32 copies cast for the passes gave: the methods read the matrices widened."""
+    from mergekit_ext.executor import sequential
+
+    base, experts = bf16_llama
+    casts: dict[str, list[int]] = {}
+    clear = LowPrecisionParams.clear
+
+    def counted(self):
+        casts[current].append(len(self._cast))
+        clear(self)
+
+    monkeypatch.setattr(LowPrecisionParams, "clear", counted)
+    merged, layers = {}, {}
+    for current in ("kept", "float32 copies"):
+        casts[current] = []
+        if current == "float32 copies":  # what the loader did before: every matrix float32
+            monkeypatch.setattr(sequential, "kept_dtype", lambda compute, experts_module: None)
+        folder = tmp_path / current.replace(" ", "_")
+        folder.mkdir()
+        config = _write_config(str(folder), method, base, experts, {"compute_dtype": "bfloat16"})
+        out = str(folder / "merged")
+        _run(config, out)
+        merged[current] = load_file(os.path.join(out, "model.safetensors"))
+        record = json.load(open(os.path.join(out, "mergekit_ext_diagnostics.json")))
+        layers[current] = record["sections"][method]["layers"]
+    assert casts["kept"] and not any(casts["kept"])  # nothing cast: held in bfloat16
+    assert all(n > 0 for n in casts["float32 copies"])
+    a, b = merged["kept"], merged["float32 copies"]
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert layers["kept"] == layers["float32 copies"]
+
+
+def test_kept_matrices_are_owned_bfloat16_and_the_rest_float32(bf16_llama):
+    from mergekit_ext.executor.compute import ComputeChoice, kept_dtype, widened
+    from mergekit_ext.models.checkpoint import compute_tensor
+
+    low = ComputeChoice(torch.bfloat16, "bfloat16", "test")
+    assert kept_dtype(low, False) == torch.bfloat16
+    assert kept_dtype(low, True) is None  # experts modules: their hook reads the weights
+    assert kept_dtype(ComputeChoice(torch.float32, "float32", "test"), False) is None
+    matrix = torch.randn(3, 4).bfloat16()
+    held = compute_tensor(matrix, "cpu", torch.bfloat16)
+    assert held.dtype == torch.bfloat16 and torch.equal(held, matrix)
+    assert held.data_ptr() != matrix.data_ptr()  # owned, not a view of the file's pages
+    assert compute_tensor(matrix[0], "cpu", torch.bfloat16).dtype == torch.float32  # vector
+    assert compute_tensor(matrix.half(), "cpu", torch.bfloat16).dtype == torch.float32
+    assert widened(held).dtype == torch.float32 and torch.equal(widened(held), matrix.float())
+
+
 # ------------------------------------------------------------------------------------------
 # Grams from bfloat16 activations
 
@@ -156,7 +211,7 @@ def test_bfloat16_passes_merge_close_to_float32_passes(bf16_llama, tmp_path, mon
                 "compute dtype: bfloat16 (auto: bfloat16 checkpoints and CPU has avx512_bf16)"
                 in plan
             )
-            assert "cast to bfloat16 for the passes" in plan
+            assert "matrices in bfloat16 as stored, widened to float32 one group at a time" in plan
         _run(config, out)
         merged[setting] = load_file(os.path.join(out, "model.safetensors"))
         diagnostics = json.load(open(os.path.join(out, "mergekit_ext_diagnostics.json")))

@@ -188,9 +188,10 @@ def test_dry_run_of_llama3_8b_estimate_exactly(tmp_path):
         plan.check_weights()
 
 
-def test_dry_run_of_llama3_8b_with_bfloat16_passes_counts_the_cast_blocks(tmp_path, monkeypatch):
+def test_dry_run_of_llama3_8b_with_bfloat16_passes_counts_the_kept_blocks(tmp_path, monkeypatch):
     """On hardware with fast bfloat16, ``compute_dtype: auto`` runs the passes of these bf16
-    checkpoints in bfloat16: the plan says so and adds the blocks' bfloat16 copies."""
+    checkpoints in bfloat16: the plan says so and holds the block matrices in bfloat16 as
+    stored (norms float32), each group's weights widened to float32 for its solve."""
     from mergekit.options import MergeOptions
 
     from mergekit_ext.config import load_config
@@ -201,15 +202,20 @@ def test_dry_run_of_llama3_8b_with_bfloat16_passes_counts_the_cast_blocks(tmp_pa
     cfg = load_config(_setup(tmp_path, LLAMA3_8B, 3))
     plan = plan_layerwise_merge(cfg, MergeOptions(quiet=True), ChainOfMergesMethod(), {})
     assert plan.compute is not None and plan.compute.dtype == torch.bfloat16
-    float32_blocks = 5 * _block_params(**LLAMA3_8B) * 4
-    assert plan.memory.block_weights == float32_blocks + float32_blocks // 2
+    norms = 2 * LLAMA3_8B["hidden"]  # per block, float32
+    matrices = _block_params(**LLAMA3_8B) - norms
+    assert plan.memory.block_weights == 5 * (matrices * 2 + norms * 4)
+    assert plan.memory.kept_matrices == matrices * 2
     # After a bf16 pass the span solve's out x in buffers are float32 (W₀ is the result):
-    # 4 + 4 bytes per entry instead of 8 + 8 + 4, on the largest group, gate_up
+    # 4 + 4 bytes per entry instead of 8 + 8 + 4, on the largest group, gate_up; its base
+    # and three experts widened to float32 add 4 x 4
     monkeypatch.setattr(compute, "fast_bf16", lambda device_type: (False, "test: slow"))
     float32 = plan_layerwise_merge(cfg, MergeOptions(quiet=True), ChainOfMergesMethod(), {})
     assert float32.compute is not None and float32.compute.dtype == torch.float32
+    assert float32.memory.kept_matrices == 0
     gate_up = 2 * LLAMA3_8B["intermediate"] * LLAMA3_8B["hidden"]
-    assert float32.memory.solver - plan.memory.solver == 12 * gate_up
+    assert float32.memory.solver - plan.memory.solver == 12 * gate_up - 16 * gate_up
+    assert float32.memory.block_weights - plan.memory.block_weights == 5 * matrices * 2
 
 
 def _rank_lines(text: str) -> dict[int, str]:

@@ -2,7 +2,8 @@
 
 ``auto`` runs the passes in bfloat16 where the checkpoints are bfloat16 and the device
 multiplies bfloat16 fast, float32 otherwise. In a low-precision pass the block's tensors
-are cast once per block (:class:`LowPrecisionParams`) and the block runs under
+are loaded in it where stored in it (:func:`kept_dtype`), else cast once per block
+(:class:`LowPrecisionParams`), and the block runs under
 ``torch.autocast``: the linears and attention multiply in bfloat16 / float16 with float32
 accumulation, while the residual stream, the norms and the hidden states carried from block
 to block stay float32 (the block's input is float32, and the sums of float32 and bfloat16
@@ -105,6 +106,29 @@ def resolve_compute_dtype(
     if not fast:
         return ComputeChoice(torch.float32, setting, f"auto: bfloat16 checkpoints but {why}")
     return ComputeChoice(torch.bfloat16, setting, f"auto: bfloat16 checkpoints and {why}")
+
+
+def kept_dtype(compute: ComputeChoice, has_experts_module: bool) -> Optional[torch.dtype]:
+    """The dtype a block's matrices are loaded and held in (None: float32).
+
+    A low-precision pass multiplies in its compute dtype; a matrix stored in that dtype is
+    kept in it (:func:`~mergekit_ext.models.checkpoint.compute_tensor`) instead of a float32
+    copy and a cast of it, half the block weights' memory. The merge methods read it
+    widened (:func:`widened`, exact), so the merged bytes are the same. Not in a block with an
+    experts module: its routed-statistics hook multiplies each expert's rows by the float32
+    weights it is handed, which kept weights would change.
+    """
+    if not compute.low_precision or has_experts_module:
+        return None
+    return compute.dtype
+
+
+def widened(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as the merge methods read it: float32, a matrix kept in a 16-bit dtype
+    (:func:`kept_dtype`) widened (exactly: every bfloat16 / float16 value is a float32 one)."""
+    if tensor.dtype in (torch.bfloat16, torch.float16):
+        return tensor.float()
+    return tensor
 
 
 class LowPrecisionParams:

@@ -30,7 +30,7 @@ from mergekit_ext.calibration.sources import (
 from mergekit_ext.config import ExtMergeConfig, ExtModelEntry
 from mergekit_ext.distributed import batch_share, task_ranks
 from mergekit_ext.errors import CalibrationError, ConfigError, MergekitExtError, ModelInputError
-from mergekit_ext.executor.compute import ComputeChoice, resolve_compute_dtype
+from mergekit_ext.executor.compute import ComputeChoice, kept_dtype, resolve_compute_dtype
 from mergekit_ext.executor.model_output_checks import (
     check_model_output_supported,
     estimate_model_output_memory,
@@ -151,7 +151,7 @@ class BlockLayout:
 class MemoryEstimate:
     """Peak memory of the merge, in bytes, by component."""
 
-    block_weights: int  # (K + 2) blocks in float32: base, K experts, merged
+    block_weights: int  # (K + 2) blocks as held: base, K experts, merged (float32 or kept)
     statistics: int  # input Grams of one block (float64)
     solver: int  # the method's float64 working copies for the widest group (estimate)
     activations: int  # hidden states of every task's calibration data, per path
@@ -160,6 +160,7 @@ class MemoryEstimate:
     model_bytes: int  # one input model on disk
     replay: int = 0  # budget for replayed linear outputs on the merged path (propagate)
     reduction: int = 0  # several processes: the sums passed between ranks, or gathered statistics
+    kept_matrices: int = 0  # of block_weights: one block's matrices held as stored (16-bit)
 
     @property
     def peak(self) -> int:
@@ -287,11 +288,16 @@ class MergePlan:
         lines += [
             f"memory estimate: peak ≈ {m.peak} bytes ({_gb(m.peak)}) on top of the Python "
             f"process itself (torch, transformers: ~0.4 GB); one model ≈ {_gb(m.model_bytes)}",
-            f"  block weights ({len(self.experts) + 2} blocks, float32"
+            f"  block weights ({len(self.experts) + 2} blocks, "
             + (
-                f", and cast to {self.compute.name} for the passes"
-                if self.compute is not None and self.compute.low_precision
-                else ""
+                f"matrices in {self.compute.name} as stored, widened to float32 one group at a time"
+                if m.kept_matrices and self.compute is not None
+                else "float32"
+                + (
+                    f", and cast to {self.compute.name} for the passes"
+                    if self.compute is not None and self.compute.low_precision
+                    else ""
+                )
             )
             + f"): {_gb(m.block_weights)}",
             f"  input statistics of one block "
@@ -698,8 +704,46 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
     expert_deferred = merged_deferred = 0
     several = world_size > 1
     gathers = several and plan.method.reduction(plan.parameters) is None
+    # A block's matrices stored in the compute dtype of a low-precision pass are held in it
+    # (executor.compute.kept_dtype), the rest in float32 and, for the passes, also cast.
+    # From the base's dtypes: `auto` takes bfloat16 only where every checkpoint stores it.
+
+    def keep_of(b: BlockLayout) -> Optional[torch.dtype]:
+        if plan.compute is None:
+            return None
+        return kept_dtype(plan.compute, any(g.experts for g in b.groups))
+
+    def kept(b: BlockLayout, t: str) -> bool:
+        keep = keep_of(b)
+        stored = base.dtypes.get(t)
+        return (
+            keep is not None
+            and len(base.shapes[t]) >= 2
+            and stored is not None
+            and safetensors_dtype(stored) == keep
+        )
+
     block_bytes = max(
-        (sum(_numel(base.shapes[t]) for t in b.tensors) * 4 for b in plan.blocks), default=0
+        (
+            sum(_numel(base.shapes[t]) * (2 if kept(b, t) else 4) for t in b.tensors)
+            for b in plan.blocks
+        ),
+        default=0,
+    )
+    cast_bytes = max(
+        (
+            sum(
+                _numel(base.shapes[t]) * 2
+                for t in b.tensors
+                if len(base.shapes[t]) >= 2 and not kept(b, t)
+            )
+            for b in plan.blocks
+        ),
+        default=0,
+    )
+    kept_bytes = max(
+        (sum(_numel(base.shapes[t]) * 2 for t in b.tensors if kept(b, t)) for b in plan.blocks),
+        default=0,
     )
     # what rank 0 loads of another rank's expert: norms and biases, and experts modules
     others_bytes = max(
@@ -808,11 +852,14 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
                 if keeps and not span and not request.normalized_gram
                 else 0
             )
+            # kept matrices: the group's base and expert weights widened to float32 for it
+            widen = out * width * 4 if keep_of(b) is not None else 0
             if several and (gathers or span):
                 # gathered: rank 0 merges the whole group (a span group: every task's rows
                 # and linear weights)
                 solve = (
                     _solve_bytes(width, out, k_all, tokens if span else None, low)
+                    + (k_all + 1) * widen
                     if rank == 0
                     else 0
                 )
@@ -829,7 +876,11 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
                 # one process, or the reduction: each rank holds its own tasks' products, and
                 # the groups' solves take turns over the ranks (any rank solves any group)
                 solve = (
-                    (_solve_bytes(width, out, k, tokens if span else None, low) + formed)
+                    (
+                        _solve_bytes(width, out, k, tokens if span else None, low)
+                        + formed
+                        + (k + 1) * widen
+                    )
                     if k
                     else 0
                 )
@@ -888,8 +939,8 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
         replay = max(REPLAY_MIN_BYTES, REPLAY_HIDDEN_MULTIPLE * merged_hidden)
     block_weights = (k_run + 2) * block_bytes
     if plan.compute is not None and plan.compute.low_precision:
-        # each block tensor a pass reads is also held cast to the compute dtype (half size)
-        block_weights += (k_run + 2) * block_bytes // 2
+        # each float32 block matrix a pass reads is also held cast to the compute dtype
+        block_weights += (k_run + 2) * cast_bytes
     reduction = 0
     if several:
         if rank == 0:
@@ -908,5 +959,6 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
         writer_buffer=writer,
         model_bytes=model_bytes,
         replay=replay,
+        kept_matrices=kept_bytes,
         reduction=reduction,
     )

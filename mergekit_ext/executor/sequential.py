@@ -88,6 +88,8 @@ from mergekit_ext.executor.compute import (
     LowPrecisionParams,
     carried,
     compute_in,
+    kept_dtype,
+    widened,
 )
 from mergekit_ext.executor.moe import (
     DOWN,
@@ -340,8 +342,11 @@ class SequentialExecutor:
         """The dtype a floating tensor is written in: the merge's ``dtype``, else the base's."""
         return self.plan.out_dtype or safetensors_dtype(self.base.dtypes[canonical])
 
-    def _write(self, canonical: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Write a merged tensor; returns it as the saved model holds it (float32 on device).
+    def _write(
+        self, canonical: str, tensor: torch.Tensor, keep: Optional[torch.dtype] = None
+    ) -> torch.Tensor:
+        """Write a merged tensor; returns it as the saved model holds it (float32 on device;
+        a matrix saved in ``keep`` in that dtype, as :func:`kept_dtype` holds the inputs).
 
         Ranks other than 0 write nothing and get the same value.
         """
@@ -349,8 +354,9 @@ class SequentialExecutor:
             saved = tensor.to(self._written_dtype(canonical))
         else:
             saved = tensor
+        kept = keep is not None and saved.dtype == keep and saved.dim() >= 2
         if self.writer is None:
-            if saved.dtype.is_floating_point:
+            if saved.dtype.is_floating_point and not kept:
                 return saved.to(device=self.device, dtype=torch.float32)
             return saved.to(self.device)
         stored = saved.detach().to("cpu")
@@ -367,7 +373,7 @@ class SequentialExecutor:
                 self.writer.save_tensor(key, piece.clone())
         else:
             self.writer.save_tensor(self.plan.output_name(canonical), stored)
-        if saved.dtype.is_floating_point:
+        if saved.dtype.is_floating_point and not kept:
             return saved.to(device=self.device, dtype=torch.float32)
         return saved.to(self.device)
 
@@ -745,9 +751,13 @@ class SequentialExecutor:
     def _merge_block(self, block: BlockLayout, progress: Any = None) -> None:
         n = len(self.plan.blocks)
         cache: dict[tuple[str, str], torch.Tensor] = {}
-        base_block = {name: self.base.load(name, self.device, cache) for name in block.tensors}
+        # the passes read these as loaded; the methods widened (kept_dtype)
+        keep = self._kept_dtype(block)
+        base_block = {
+            name: self.base.load(name, self.device, cache, keep) for name in block.tensors
+        }
         expert_blocks = [
-            {name: e.source.load(name, self.device, cache) for name in self._needed(block, k)}
+            {name: e.source.load(name, self.device, cache, keep) for name in self._needed(block, k)}
             for k, e in enumerate(self.experts)
         ]
         self._check_inputs(base_block, expert_blocks, f"layer {block.index}")
@@ -757,7 +767,9 @@ class SequentialExecutor:
         merged: dict[str, torch.Tensor] = {}
         for name in block.others:
             merged[name] = self._merge_other(
-                name, base_block[name], [w[name] for w in expert_blocks if name in w]
+                name,
+                widened(base_block[name]),
+                [widened(w[name]) for w in expert_blocks if name in w],
             )
 
         expert_stats: Optional[dict[str, list[TaskStatistics]]] = None
@@ -835,10 +847,12 @@ class SequentialExecutor:
             linear_group = LinearGroup(
                 name=group_name(names, group.label),
                 weights=names,
-                base={n_: orient(base_block[c], flip[n_]) for n_, c in zip(names, canonical)},
+                base={
+                    n_: orient(widened(base_block[c]), flip[n_]) for n_, c in zip(names, canonical)
+                },
                 experts=[
                     {
-                        n_: orient(expert_blocks[s.index][c], flip[n_])
+                        n_: orient(widened(expert_blocks[s.index][c]), flip[n_])
                         for n_, c in zip(names, canonical)
                     }
                     for s in self._held_states
@@ -867,7 +881,7 @@ class SequentialExecutor:
                 result = self._as_stored(linear_group, result, flip)
                 self._check_result(linear_group, result, canonical, base_block)
             for n_, c in zip(names, canonical):
-                merged[c] = self._write(c, result[n_])
+                merged[c] = self._write(c, result[n_], self._kept_dtype(block))
             record = {"layer": linear_group.name, "block": block.index, "group": group.label}
             record.update(group_diagnostics or {})
             self.layer_diagnostics.append(record)
@@ -1029,6 +1043,9 @@ class SequentialExecutor:
         for n_, c in zip(group.weights, canonical):
             self._check_merged(n_, result[n_], base_block[c].shape)
 
+    def _kept_dtype(self, block: BlockLayout) -> Optional[torch.dtype]:
+        return kept_dtype(self.compute, any(g.experts for g in block.groups))
+
     def _needed(self, block: BlockLayout, k: int) -> list[str]:
         """The tensors of expert ``k``'s block this rank loads."""
         if not self.dist.enabled or k in self.owned:
@@ -1161,7 +1178,7 @@ class SequentialExecutor:
         merged_stats: list[Optional[TaskStatistics]] = [None] * k_all
         experts = [
             {
-                n_: orient(w[c], flip.get(n_, False))
+                n_: orient(widened(w[c]), flip.get(n_, False))
                 for n_, c in zip(local.weights, canonical)
                 if c in w
             }

@@ -128,23 +128,28 @@ class ModelSource:
         canonical: str,
         device: torch.device | str = "cpu",
         cache: Optional[dict[tuple[str, str], torch.Tensor]] = None,
+        keep: Optional[torch.dtype] = None,
     ) -> torch.Tensor:
-        """Read one tensor; floating tensors come back as float32 on ``device``.
+        """Read one tensor; floating tensors come back as float32 on ``device`` (a matrix
+        stored in ``keep``: in that dtype, :func:`compute_tensor`).
 
         ``cache`` (keyed by folder and name) shares a tensor between sources reading the
-        same checkpoint, e.g. the base model and LoRA experts built on it.
+        same checkpoint, e.g. the base model and LoRA experts built on it; every read through
+        one cache passes the same ``keep``.
         """
         if canonical not in self.checkpoint_key:
             canonical = self.tied.get(canonical, canonical)
         cache_key = (self.path, canonical)
         if cache is not None and cache_key in cache:
             return cache[cache_key]
-        tensor = self._read(canonical, device)
+        tensor = self._read(canonical, device, keep)
         if cache is not None:
             cache[cache_key] = tensor
         return tensor
 
-    def _read(self, canonical: str, device: torch.device | str) -> torch.Tensor:
+    def _read(
+        self, canonical: str, device: torch.device | str, keep: Optional[torch.dtype] = None
+    ) -> torch.Tensor:
         self._check_readable()
         if self._loader is None:
             self._loader = LazyTensorLoader(ShardedTensorIndex.from_disk(self.path))
@@ -157,7 +162,7 @@ class ModelSource:
                 f"model {self.label}: tensor {self.checkpoint_key.get(canonical, canonical)} "
                 "is listed but cannot be read"
             ) from None
-        return compute_tensor(tensor, device)
+        return compute_tensor(tensor, device, keep)
 
     def _read_fused(self, canonical: str, device: torch.device | str) -> torch.Tensor:
         """A fused tensor gathered from its pieces, one piece read at a time, where the
@@ -192,10 +197,19 @@ class ModelSource:
             self._loader.flush()
 
 
-def compute_tensor(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    if tensor.dtype.is_floating_point:
-        return tensor.to(device=device, dtype=torch.float32)
-    return tensor.to(device=device)
+def compute_tensor(
+    tensor: torch.Tensor, device: torch.device | str, keep: Optional[torch.dtype] = None
+) -> torch.Tensor:
+    """A tensor as read, made ready for the merge: floating tensors as float32, except a matrix
+    (two or more dimensions) stored in ``keep``, which stays in that dtype (owned memory, not
+    a view of the file): the block passes multiply in ``keep`` anyway, and float32 copies of
+    every model's block would double the memory the block weights take."""
+    if not tensor.dtype.is_floating_point:
+        return tensor.to(device=device)
+    if keep is not None and tensor.dtype == keep and tensor.dim() >= 2:
+        moved = tensor.to(device=device)
+        return moved.clone() if moved is tensor else moved
+    return tensor.to(device=device, dtype=torch.float32)
 
 
 def read_config(path: str, what: str) -> transformers.PretrainedConfig:

@@ -158,15 +158,19 @@ class LoraModelSource:
         canonical: str,
         device: torch.device | str = "cpu",
         cache: Optional[dict[tuple[str, str], torch.Tensor]] = None,
+        keep: Optional[torch.dtype] = None,
     ) -> torch.Tensor:
-        """The expert's full tensor: the base tensor (or the adapter's whole copy) + delta."""
+        """The expert's full tensor: the base tensor (or the adapter's whole copy) + delta
+        (a sum is float32; ``keep`` as :meth:`ModelSource.load`)."""
         if canonical in self.replacements:
-            tensor = compute_tensor(self._adapter_tensor(self.replacements[canonical]), device)
+            tensor = compute_tensor(
+                self._adapter_tensor(self.replacements[canonical]), device, keep
+            )
         else:
-            tensor = self.base.load(canonical, device, cache)
+            tensor = self.base.load(canonical, device, cache, keep)
         delta = self.deltas.get(canonical)
         if delta is not None:
-            tensor = tensor + self.delta_weight(delta, device)
+            tensor = tensor.float() + self.delta_weight(delta, device)
         return tensor
 
     def read_checkpoint_key(self, key: str) -> torch.Tensor:
