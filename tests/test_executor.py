@@ -443,8 +443,8 @@ def test_never_holds_more_than_k_plus_two_blocks(tiny_llama_set, data_dir, tmp_p
     peaks = {"block": 0, "blocks_at_once": 0, "other": 0}
     original = ModelSource.load
 
-    def counting_load(self, canonical, device="cpu", cache=None):
-        tensor = original(self, canonical, device, cache)
+    def counting_load(self, canonical, device="cpu", cache=None, keep=None):
+        tensor = original(self, canonical, device, cache, keep)
         if not any(ref() is tensor for ref, _ in live):
             live.append((weakref.ref(tensor), canonical))
         live[:] = [(ref, name) for ref, name in live if ref() is not None]
