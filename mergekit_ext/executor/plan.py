@@ -713,38 +713,21 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
             return None
         return kept_dtype(plan.compute, any(g.experts for g in b.groups))
 
-    def kept(b: BlockLayout, t: str) -> bool:
+    def held(b: BlockLayout) -> tuple[int, int, int]:
+        """Bytes of one model's block as held, of its kept matrices, of the passes' casts."""
         keep = keep_of(b)
-        stored = base.dtypes.get(t)
-        return (
-            keep is not None
-            and len(base.shapes[t]) >= 2
-            and stored is not None
-            and safetensors_dtype(stored) == keep
-        )
+        total = kept = cast = 0
+        for t in b.tensors:
+            n, matrix, stored = _numel(base.shapes[t]), len(base.shapes[t]) >= 2, base.dtypes.get(t)
+            if keep is not None and matrix and stored and safetensors_dtype(stored) == keep:
+                kept += n * keep.itemsize
+            else:
+                total += n * 4
+                cast += n * 2 if matrix else 0
+        return total + kept, kept, cast
 
-    block_bytes = max(
-        (
-            sum(_numel(base.shapes[t]) * (2 if kept(b, t) else 4) for t in b.tensors)
-            for b in plan.blocks
-        ),
-        default=0,
-    )
-    cast_bytes = max(
-        (
-            sum(
-                _numel(base.shapes[t]) * 2
-                for t in b.tensors
-                if len(base.shapes[t]) >= 2 and not kept(b, t)
-            )
-            for b in plan.blocks
-        ),
-        default=0,
-    )
-    kept_bytes = max(
-        (sum(_numel(base.shapes[t]) * 2 for t in b.tensors if kept(b, t)) for b in plan.blocks),
-        default=0,
-    )
+    sizes = [held(b) for b in plan.blocks]
+    block_bytes, kept_bytes, cast_bytes = (max((h[i] for h in sizes), default=0) for i in range(3))
     # what rank 0 loads of another rank's expert: norms and biases, and experts modules
     others_bytes = max(
         (
