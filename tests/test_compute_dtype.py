@@ -26,9 +26,12 @@ from mergekit_ext.testing import make_experts, make_tiny_llama
 @pytest.fixture(scope="module")
 def bf16_llama(tmp_path_factory):
     """A tiny Llama base and two experts saved in bfloat16, as save_pretrained writes them."""
-    root = tmp_path_factory.mktemp("bf16")
+    return _bf16_llama_set(tmp_path_factory.mktemp("bf16"), 2)
+
+
+def _bf16_llama_set(root, n_experts: int) -> tuple[str, list[str]]:
     base = make_tiny_llama(str(root / "f32" / "base"))
-    experts = make_experts(base, [str(root / "f32" / f"e{i}") for i in range(2)])
+    experts = make_experts(base, [str(root / "f32" / f"e{i}") for i in range(n_experts)])
     out = []
     for path in [base, *experts]:
         target = str(root / "bf16" / os.path.basename(path))
@@ -289,13 +292,9 @@ def test_bfloat16_passes_through_layer_norm_blocks(tiny_bert_set, tmp_path, meth
     assert any(not torch.equal(a[n], b[n]) for n in a)  # the passes did run in bfloat16
 
 
-def test_two_ranks_equal_one_process_with_bfloat16_passes(bf16_llama, tmp_path):
-    base, experts = bf16_llama
-    config = _write_config(
-        str(tmp_path), "chain_of_merges", base, experts, {"compute_dtype": "bfloat16"}
-    )
-    reference = str(tmp_path / "one")
-    _run(config, reference)
+def _assert_two_ranks_write(config: str, reference: str, tmp_path) -> None:
+    """Two ranks (gloo) merging ``config`` write the bytes of the single process's
+    ``reference`` output."""
     out = str(tmp_path / "two")
     results = _launch(
         2, [config, out, "--distributed-timeout", str(COLLECTIVE_TIMEOUT_S)], str(tmp_path)
@@ -306,6 +305,49 @@ def test_two_ranks_equal_one_process_with_bfloat16_passes(bf16_llama, tmp_path):
     assert set(one) == set(two)
     for name in one:
         assert torch.equal(one[name], two[name]), name
+
+
+def test_two_ranks_equal_one_process_with_bfloat16_passes(bf16_llama, tmp_path):
+    base, experts = bf16_llama
+    config = _write_config(
+        str(tmp_path), "chain_of_merges", base, experts, {"compute_dtype": "bfloat16"}
+    )
+    reference = str(tmp_path / "one")
+    _run(config, reference)
+    _assert_two_ranks_write(config, reference, tmp_path)
+
+
+def test_two_ranks_equal_one_process_with_products_from_kept_rows(
+    tmp_path_factory, tmp_path, monkeypatch
+):
+    """Four tasks of at most 16 tokens for 32 inputs: each keeps its rows and the group takes
+    the dense solve, whose W_k G_k then comes from the rows on the bfloat16 units
+    (solve.task_product). Two ranks, each forming its own tasks' products, write the single
+    process's bytes."""
+    from mergekit_ext.methods.least_squares import solve
+
+    base, experts = _bf16_llama_set(tmp_path_factory.mktemp("bf16k4"), 4)
+    config = _write_config(
+        str(tmp_path), "chain_of_merges", base, experts, {"compute_dtype": "bfloat16"}
+    )
+    with open(config, encoding="utf-8") as fp:
+        text = (
+            fp.read().replace("max_length: 16", "max_length: 8").replace("samples: 8", "samples: 2")
+        )
+    with open(config, "w", encoding="utf-8") as fp:
+        fp.write(text)
+    from_rows = []
+    original = solve.float32_product
+
+    def counting(a, b):
+        from_rows.append(tuple(a.shape))
+        return original(a, b)
+
+    monkeypatch.setattr(solve, "float32_product", counting)
+    reference = str(tmp_path / "one")
+    _run(config, reference)
+    assert len(from_rows) >= 4, from_rows  # at least one dense group, every task from rows
+    _assert_two_ranks_write(config, reference, tmp_path)
 
 
 # ------------------------------------------------------------------------------------------

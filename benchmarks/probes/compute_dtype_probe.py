@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 
-def _median(fn: Callable[[], Any], repeat: int) -> float:
+def median_seconds(fn: Callable[[], Any], repeat: int) -> float:
     fn()  # warm-up
     times = []
     for _ in range(repeat):
@@ -102,8 +102,8 @@ def passes(threads: int, repeat: int) -> list[str]:
                 out = torch.func.functional_call(block, p, (hidden, *args), kwargs)
             return carried(out[0] if isinstance(out, tuple) else out)
 
-        f32 = _median(lambda: run(torch.float32), repeat)
-        bf16 = _median(lambda: run(torch.bfloat16), repeat)
+        f32 = median_seconds(lambda: run(torch.float32), repeat)
+        bf16 = median_seconds(lambda: run(torch.bfloat16), repeat)
         cast_start = time.perf_counter()
         low.clear()
         low(params)
@@ -182,8 +182,8 @@ def grams(repeat: int) -> list[str]:
         g = torch.Generator().manual_seed(width)
         x = torch.nn.functional.silu(torch.randn(1000, width, generator=g)).bfloat16()
         reference = x.double().T @ x.double()
-        f32 = _median(lambda x=x: gram_product(x), repeat)
-        b16 = _median(lambda x=x: x.T @ x, repeat)
+        f32 = median_seconds(lambda x=x: gram_product(x), repeat)
+        b16 = median_seconds(lambda x=x: x.T @ x, repeat)
         err32 = float((gram_product(x).double() - reference).norm() / reference.norm())
         err16 = float(((x.T @ x).double() - reference).norm() / reference.norm())
         lines.append(
@@ -212,8 +212,8 @@ def solve(repeat: int) -> list[str]:
             w0.add_(buffer.copy_(w), alpha=alpha)
         return w0
 
-    t0 = _median(before, repeat)
-    t1 = _median(after, repeat)
+    t0 = median_seconds(before, repeat)
+    t1 = median_seconds(after, repeat)
     same = torch.equal(before(), after())
     return [
         f"span solve, W0 of an 8B gate_up (2 tasks): mixed-dtype add_ {t0:.2f} s, widened "
@@ -234,8 +234,8 @@ def diagnostics(out: int, repeat: int) -> list[str]:
     x = torch.nn.functional.silu(torch.randn(tokens, n, generator=g))
     gram = (x.double().T @ x.double()) / tokens
     product = w @ gram.float()
-    gram_form = _median(lambda: relative_output_error(merged, w, gram, product), repeat)
-    rows_form = _median(lambda: relative_output_error_rows(merged, w, x, product), repeat)
+    gram_form = median_seconds(lambda: relative_output_error(merged, w, gram, product), repeat)
+    rows_form = median_seconds(lambda: relative_output_error_rows(merged, w, x, product), repeat)
     a = relative_output_error(merged, w, gram, product)
     b = relative_output_error_rows(merged, w, x, product)
     return [

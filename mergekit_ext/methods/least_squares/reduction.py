@@ -37,6 +37,7 @@ from mergekit_ext.methods.least_squares.solve import (
     resolve_ridge,
     solve_regmean_sums,
     span_solve_applies,
+    task_product,
     trace_product,
 )
 from mergekit_ext.wide_sums import frobenius64
@@ -155,10 +156,11 @@ class LeastSquaresReduction(SumReduction):
             st.gram_normalized if self.use_normalized_gram else st.gram_from_rows()  # type: ignore[misc]
             for st in self._chosen
         ]
-        product_dtype = torch.float64 if self._stacked[0].dtype == torch.float64 else torch.float32
-        # The GEMMs W_k G_k of this rank's tasks, in parallel with the other ranks'.
+        # The products W_k G_k of this rank's tasks, in parallel with the other ranks', from
+        # the same operands as the single process's (the rows only behind a plain Gram)
         self._products = [
-            w.to(product_dtype) @ g.to(product_dtype) for w, g in zip(self._stacked, self._grams)
+            task_product(w, g, None if self.use_normalized_gram else st.rows)
+            for w, g, st in zip(self._stacked, self._grams, self._chosen)
         ]
         # the output errors' references now: each product is dropped once added to the sums
         self._references = [trace_product(p, w) for p, w in zip(self._products, self._stacked)]
