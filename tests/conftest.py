@@ -160,3 +160,20 @@ def recorded_fits(monkeypatch: pytest.MonkeyPatch) -> list:
 
     monkeypatch.setattr(QPModelOutputFit, "solve", recording)
     return fits
+
+
+@pytest.fixture
+def fast_products(monkeypatch: pytest.MonkeyPatch) -> list:
+    """The operand shapes of every product the least-squares solve sends to the bfloat16 units
+    (``solve.float32_product``), in order."""
+    from mergekit_ext.methods.least_squares import solve
+
+    calls: list = []
+    original = solve.float32_product
+
+    def counting(a, b):
+        calls.append((tuple(a.shape), tuple(b.shape)))
+        return original(a, b)
+
+    monkeypatch.setattr(solve, "float32_product", counting)
+    return calls

@@ -411,9 +411,9 @@ def task_product(
     and bfloat16 checkpoints) and ``N ≤ in / 2``: ``W_k X_kᵀ`` then has exact operands and runs
     on the bfloat16 units with float32 sums
     (:func:`~mergekit_ext.bf16_products.float32_product`), the second product is a float32
-    GEMM. Measured on an 8B ``gate_up`` (28672 x 4096, N = 2048, two threads, AMX): 1.89 s
-    against 2.76 s, relative error to the float64 product 3.1e-7 against 3.8e-7. Otherwise
-    one GEMM with the Gram.
+    GEMM. Measured on an 8B ``gate_up`` (28672 x 4096, N = 2000, two threads, AMX;
+    ``benchmarks/probes/bf16_products_probe.py``): 1.55 s against 2.24 s, relative error to
+    the float64 product 3.1e-7 against 3.5e-7. Otherwise one GEMM with the Gram.
 
     Args:
         weight: ``W_k`` (``out x in``).
