@@ -30,6 +30,55 @@ from mergekit_ext.errors import CalibrationError, ModelInputError, TensorError
 
 LOG = logging.getLogger(__name__)
 
+# The Gram sum adds one ``dim x dim`` product per chunk of rows, and each float64 addition
+# reads and writes the whole sum: with small batches that traffic, not the product, is the
+# cost (125-token batches at 4096 inputs: the additions took 1.8x the bfloat16 products that
+# fed them, measured in the 8B-width probe, benchmarks/results/llm_width_idle_bf16.md). So
+# the rows of consecutive batches are multiplied together until at least this many are
+# pending (or a quarter of the width, below, if fewer); each product's float32 sums then run
+# over fewer than that many plus one batch.
+GRAM_CHUNK_MIN_ROWS = 2048
+
+
+def gram_chunk_rows(dim: int) -> int:
+    """The rows a ``dim``-wide Gram sum joins before each product: :data:`GRAM_CHUNK_MIN_ROWS`,
+    but at most ``dim / 4``, so that the pending float32 rows never take more than an eighth
+    of the float64 sum's bytes (and a product of that many rows still costs about as much as
+    the float64 addition it saves)."""
+    return max(1, min(GRAM_CHUNK_MIN_ROWS, dim // 4))
+
+
+def symmetrized(matrix: torch.Tensor) -> torch.Tensor:
+    """``(M + Mᵀ) / 2``, the same bits as that expression (addition commutes).
+
+    A contiguous copy of the transpose first: an elementwise add that reads one operand
+    transposed runs at a third of memory speed (4096 x 4096 float64, two threads: 0.10 s
+    against 0.15 s, measured), and the statistics symmetrise one such sum per task and group.
+    """
+    return matrix.T.contiguous().add_(matrix).mul_(0.5)
+
+
+def gram_chunks(batch_sizes: Sequence[int], min_rows: int) -> list[int]:
+    """The rows of each product the Gram sum adds, for batches of ``batch_sizes`` rows.
+
+    Args:
+        batch_sizes: the rows of each update, in order.
+        min_rows: consecutive batches are joined until at least this many rows
+            (:func:`gram_chunk_rows` of the width).
+
+    Returns:
+        Rows per product, in order (the last one takes what is left); they sum to the rows.
+    """
+    chunks, pending = [], 0
+    for size in batch_sizes:
+        pending += int(size)
+        if pending >= min_rows:
+            chunks.append(pending)
+            pending = 0
+    if pending:
+        chunks.append(pending)
+    return chunks
+
 
 @dataclass
 class TaskStatistics:
@@ -69,19 +118,21 @@ class TaskStatistics:
         """``gram``, or ``rowsᵀ rows / N`` (float64) when the rows were kept instead; None
         when only moments were kept.
 
-        Formed as :class:`ActivationStatistics` would have: each batch's product
-        (``row_batches``) in the rows' dtype added to a float64 sum in order, divided by N,
-        symmetrised; so it is bit for bit the Gram the accumulator would have returned.
+        Formed as :class:`ActivationStatistics` would have: the product of each chunk of
+        batches (``row_batches`` joined by :func:`gram_chunks`) in the rows' dtype added to a
+        float64 sum in order, divided by N, symmetrised; so it is bit for bit the Gram the
+        accumulator would have returned.
         """
         if self.gram is not None or self.rows is None:
             return self.gram
         sizes = list(self.row_batches) if self.row_batches else [self.rows.shape[0]]
         total = torch.zeros(self.rows.shape[1], self.rows.shape[1], dtype=torch.float64)
         total = total.to(self.rows.device)
-        for chunk in torch.split(self.rows, sizes):
+        chunks = gram_chunks(sizes, gram_chunk_rows(int(self.rows.shape[1])))
+        for chunk in torch.split(self.rows, chunks):
             total.add_(gram_product(chunk))
         total.div_(self.count)
-        return (total + total.T).mul_(0.5)
+        return symmetrized(total)
 
     @property
     def covariance(self) -> torch.Tensor:
@@ -129,11 +180,12 @@ class ActivationStatistics:
     input); :meth:`finalize` divides by the token count. Rows with zero norm count as tokens
     and add zero to the normalized Gram.
 
-    Speed: the per-batch product ``x_bᵀ x_b`` is formed in ``product_dtype`` and added to the
-    ``dtype`` sum. The default (None) forms it in float32 for inputs of 32 bits or fewer
-    (twice the GEMM throughput of float64 on a CPU; the float32 error is that of one batch's
-    sum, ~1e-7 relative) and in float64 for float64 inputs; pass ``torch.float64`` for
-    float64 products throughout.
+    Speed: the product ``x_cᵀ x_c`` of each chunk of consecutive batches (at least
+    :func:`gram_chunk_rows` rows, :func:`gram_chunks`) is formed in ``product_dtype`` and
+    added to the ``dtype`` sum. The default (None) forms it in float32 for inputs of 32 bits
+    or fewer (twice the GEMM throughput of float64 on a CPU; the float32 error is that of one
+    chunk's sum, ~1e-7 relative) and in float64 for float64 inputs; pass ``torch.float64``
+    for float64 products throughout.
 
     ``full_gram=False`` keeps only the mean and the per-feature second moment (``gram`` is
     then None in the result): what a diagonal-covariance diagnostic needs, at O(N·dim) cost
@@ -176,6 +228,10 @@ class ActivationStatistics:
         self._sum: Optional[torch.Tensor] = None
         self._square_sum: Optional[torch.Tensor] = None
         self._normalized_gram_sum: Optional[torch.Tensor] = None
+        # rows not yet in the Gram sum: fewer than gram_chunk_rows(dim) (gram_chunks)
+        self._chunk_rows = gram_chunk_rows(self.dim)
+        self._pending: list[torch.Tensor] = []
+        self._pending_rows = 0
         # rows instead of the Gram: only with float64 sums, which gram_from_rows reproduces
         keep = keep_rows and full_gram and dtype == torch.float64
         self._rows: Optional[list[torch.Tensor]] = [] if keep else None
@@ -215,21 +271,22 @@ class ActivationStatistics:
     def _update(self, x: torch.Tensor) -> None:
         if self._sum is None:
             self._allocate(x.device)
-        low = _low_precision_gram(x, self.device, self.product_dtype)
-        if low is not None:
-            rows, product = low
-        else:
-            rows = x.detach().to(device=self.device, dtype=self._product_dtype(x))
-            product = None
+        half = _half_product_rows(x, self.device, self.product_dtype)
+        rows = (
+            half.float()
+            if half is not None
+            else x.detach().to(device=self.device, dtype=self._product_dtype(x))
+        )
         self._sum.add_(rows.sum(0, dtype=self.dtype))
         if self._rows is not None and self.count + int(rows.shape[0]) >= self.dim:
             # ``dim`` tokens: the Gram may have full rank; form its sum from the kept rows
             self._gram_sum = torch.zeros(self.dim, self.dim, dtype=self.dtype, device=self.device)
             for kept in self._rows:
-                self._gram_sum.add_(gram_product(kept))
+                self._add_to_gram(kept, owned=True)
             self._rows, self._square_sum = None, None
         if self._gram_sum is not None:
-            self._gram_sum.add_(product if product is not None else gram_product(rows))
+            product_rows = half if half is not None else rows
+            self._add_to_gram(product_rows, owned=not _shares_storage(product_rows, x))
         else:
             assert self._square_sum is not None
             # squared in place in the one widened copy: a second N x dim float64 temporary
@@ -241,8 +298,30 @@ class ActivationStatistics:
         self.count += int(x.shape[0])
         if self._rows is not None:
             # own copy: ``rows`` may be a view of the caller's activations
-            shared = rows.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
-            self._rows.append(rows.clone() if shared else rows)
+            self._rows.append(rows.clone() if _shares_storage(rows, x) else rows)
+
+    def _add_to_gram(self, rows: torch.Tensor, *, owned: bool) -> None:
+        """Pend ``rows`` for the Gram sum and add the chunk once it is long enough
+        (:func:`gram_chunks`). ``owned``: ``rows`` is not the caller's tensor (one the caller
+        reuses must be copied to be held)."""
+        if not self._pending and rows.shape[0] >= self._chunk_rows:
+            self._add_chunk(rows)  # a long batch alone: no copy held
+            return
+        self._pending.append(rows if owned else rows.clone())
+        self._pending_rows += int(rows.shape[0])
+        if self._pending_rows >= self._chunk_rows:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        pending = self._pending
+        self._pending, self._pending_rows = [], 0
+        self._add_chunk(pending[0] if len(pending) == 1 else torch.cat(pending))
+
+    def _add_chunk(self, rows: torch.Tensor) -> None:
+        assert self._gram_sum is not None
+        self._gram_sum.add_(gram_product(rows))
 
     def finalize(self) -> TaskStatistics:
         """Means over the accumulated tokens; raises when there were none or they were not finite."""
@@ -250,10 +329,11 @@ class ActivationStatistics:
             raise CalibrationError(
                 "no tokens reached this layer: the calibration batches were empty"
             )
+        self._flush()
         gram = None
         if self._gram_sum is not None:
             gram, self._gram_sum = self._gram_sum.div_(self.count), None  # in place: one copy less
-            gram = (gram + gram.T).mul_(0.5)
+            gram = symmetrized(gram)
             second_moment = torch.diagonal(gram).clone()
         else:
             assert self._square_sum is not None
@@ -262,7 +342,7 @@ class ActivationStatistics:
         if self._normalized_gram_sum is not None:
             normalized = self._normalized_gram_sum.div_(self.count)
             self._normalized_gram_sum = None
-            normalized = (normalized + normalized.T).mul_(0.5)
+            normalized = symmetrized(normalized)
         if not bool(torch.isfinite(second_moment).all()) or (
             gram is not None and not bool(torch.isfinite(gram).all())
         ):
@@ -311,19 +391,46 @@ def gram_product(rows: torch.Tensor) -> torch.Tensor:
     return float32_product(rows.T, rows)
 
 
-def _low_precision_gram(
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _half_product_rows(
     x: torch.Tensor, device: Optional[torch.device], product_dtype: Optional[torch.dtype]
-) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """``(rows as float32, their Gram)`` when ``x`` is bfloat16 / float16 on CUDA and the
-    products are float32 (the default): the Gram from the half-precision rows themselves
-    (:func:`gram_product`), no float32 copy multiplied. None otherwise."""
+) -> Optional[torch.Tensor]:
+    """``x`` as it is multiplied for the Gram when it is bfloat16 / float16 on CUDA and the
+    products are float32 (the default): the half-precision rows themselves
+    (:func:`gram_product` multiplies them on the tensor cores with a float32 result), not a
+    float32 copy of them. None otherwise."""
     if x.dtype not in (torch.bfloat16, torch.float16) or product_dtype not in (None, torch.float32):
         return None
     target = device if device is not None else x.device
     if target.type != "cuda":
         return None
-    half = x.detach().to(device=target)
-    return half.float(), gram_product(half)
+    return x.detach().to(device=target)
+
+
+def multiplied_input(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``module`` multiplies it: what its input statistics describe.
+
+    Inside a low-precision ``torch.autocast`` region (a bfloat16 / float16 pass,
+    ``compute_dtype``) a linear (``nn.Linear``, HF ``Conv1D``: ``linear`` and ``addmm`` are
+    on autocast's lower-precision list on the CPU and on CUDA) rounds a float32 input, such
+    as a norm's output, to the autocast dtype before it multiplies: this returns the rounded
+    values. The executor records them where the checkpoints store their linears in that dtype
+    (:attr:`~mergekit_ext.executor.compute.ComputeChoice.rounds_inputs`: the merged model
+    multiplies such rounded inputs when it runs in its own dtype), so that every row holds a
+    bfloat16 value, which the Grams and the solve's products multiply on the bfloat16 units
+    (docs/methods.md, "Compute dtype"). Anything else, and any input outside such a region,
+    is returned as it is.
+    """
+    if x.dtype != torch.float32 or _linear_in_features(module) is None:
+        return x
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return x
+    dtype = torch.get_autocast_dtype(device)
+    return x.to(dtype) if dtype in (torch.bfloat16, torch.float16) else x
 
 
 def _linear_in_features(module: nn.Module) -> Optional[int]:

@@ -32,6 +32,8 @@ class ComputeChoice:
     dtype: torch.dtype
     setting: str  # as configured: auto | float32 | bfloat16 | float16
     reason: str
+    # every block linear of the base and the experts is stored in ``dtype``
+    stored: bool = False
 
     @property
     def name(self) -> str:
@@ -41,8 +43,23 @@ class ComputeChoice:
     def low_precision(self) -> bool:
         return self.dtype != torch.float32
 
+    @property
+    def rounds_inputs(self) -> bool:
+        """Whether the statistics are of the linears' inputs rounded to ``dtype``, as a
+        low-precision pass multiplies them (``calibration.statistics.multiplied_input``).
+
+        Only where the checkpoints store their linears in ``dtype``: the merged model then
+        runs in it and multiplies those rounded values. A float32 checkpoint merged with
+        low-precision passes runs in float32, where its linears see the unrounded inputs,
+        which the statistics then approximate as closely as the pass allows.
+        """
+        return self.low_precision and self.stored
+
     def describe(self) -> str:
-        return f"compute dtype: {self.name} ({self.reason})"
+        text = f"compute dtype: {self.name} ({self.reason})"
+        if self.rounds_inputs:
+            text += f"; input statistics of the values the {self.name} linears multiply"
+        return text
 
     def record(self) -> dict[str, str]:
         return {"compute_dtype": self.name, "setting": self.setting, "reason": self.reason}
@@ -90,13 +107,14 @@ def resolve_compute_dtype(
     Returns:
         The choice with its reason (printed in the plan, recorded in the diagnostics).
     """
+    stored = set(checkpoint_dtypes)
     if setting != "auto":
         if setting not in _NAMES:
             raise ValueError(
                 f"compute_dtype must be auto, float32, bfloat16 or float16; got {setting!r}"
             )
-        return ComputeChoice(_NAMES[setting], setting, "as set")
-    stored = set(checkpoint_dtypes)
+        dtype = _NAMES[setting]
+        return ComputeChoice(dtype, setting, "as set", stored=stored == {dtype})
     if stored != {torch.bfloat16}:
         kinds = ", ".join(sorted(str(d).replace("torch.", "") for d in stored)) or "none"
         return ComputeChoice(
@@ -105,7 +123,9 @@ def resolve_compute_dtype(
     fast, why = fast_bf16(device_type)
     if not fast:
         return ComputeChoice(torch.float32, setting, f"auto: bfloat16 checkpoints but {why}")
-    return ComputeChoice(torch.bfloat16, setting, f"auto: bfloat16 checkpoints and {why}")
+    return ComputeChoice(
+        torch.bfloat16, setting, f"auto: bfloat16 checkpoints and {why}", stored=True
+    )
 
 
 def kept_dtype(compute: ComputeChoice, has_experts_module: bool) -> Optional[torch.dtype]:

@@ -27,6 +27,7 @@ from mergekit_ext.calibration.sources import (
     check_tokenizers_match,
     load_calibration,
 )
+from mergekit_ext.calibration.statistics import gram_chunk_rows
 from mergekit_ext.config import ExtMergeConfig, ExtModelEntry
 from mergekit_ext.distributed import batch_share, task_ranks
 from mergekit_ext.errors import CalibrationError, ConfigError, MergekitExtError, ModelInputError
@@ -812,10 +813,13 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
                         expert_deferred += rows if request.expert_path else 0
                         merged_deferred = max(merged_deferred, rows if request.propagate else 0)
             keeps = request.keep_rows and request.statistics_dtype == torch.float64
+            # an accumulator holding a Gram also holds the float32 rows of a chunk not yet
+            # added (calibration.statistics.gram_chunk_rows: at most an eighth of the Gram)
+            pending = gram_chunk_rows(width) * width * 4
             if keeps and per_task:
-                raw = sum(n * width * 4 if n < width else gram for n in per_task)
+                raw = sum(n * width * 4 if n < width else gram + pending for n in per_task)
             else:
-                raw = k_run * gram
+                raw = k_run * (gram + pending)
             span = bool(
                 keeps
                 and tokens is not None
@@ -826,7 +830,7 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
             merged_stats = raw + k_run * normalized if request.propagate else 0
             if request.propagate:  # the expert path is a reference: no normalized Gram
                 limit = request.reference_gram_max_dim
-                block_grams += gram if limit is None or width <= limit else width * 16
+                block_grams += gram + pending if limit is None or width <= limit else width * 16
             else:
                 block_grams += (raw // k_run if k_run else 0) + normalized
             # The dense solve of a task that kept its rows forms its Gram from them (float64)

@@ -66,7 +66,11 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from mergekit_ext import finite
-from mergekit_ext.calibration.statistics import ActivationStatistics, flatten_tokens
+from mergekit_ext.calibration.statistics import (
+    ActivationStatistics,
+    flatten_tokens,
+    multiplied_input,
+)
 from mergekit_ext.console import phase
 from mergekit_ext.distributed import DistributedContext, check_shares
 from mergekit_ext.errors import MergekitExtError, TensorError
@@ -535,7 +539,7 @@ class SequentialExecutor:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             kind = reads[calls[0] % len(reads)] if reads else "tokens"
             calls[0] += 1
-            x = args[0]
+            x = multiplied_input(module, args[0]) if self.compute.rounds_inputs else args[0]
             if kind == "table":
                 accumulator.update(x.reshape(-1, x.shape[-1]))
             else:

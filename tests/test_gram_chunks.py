@@ -1,0 +1,93 @@
+"""The Gram sum's chunks of consecutive batches (calibration.statistics.gram_chunks): fewer
+float64 additions of ``dim x dim`` products, the same Gram from kept rows bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mergekit_ext.calibration import statistics
+from mergekit_ext.calibration.statistics import (
+    GRAM_CHUNK_MIN_ROWS,
+    ActivationStatistics,
+    gram_chunk_rows,
+    gram_chunks,
+)
+
+
+def test_chunks_join_batches_until_the_minimum():
+    assert gram_chunks([125] * 20, 1000) == [1000, 1000, 500]
+    assert gram_chunks([300, 800, 50, 2000, 10], 1000) == [1100, 2050, 10]
+    assert gram_chunks([5000], 1000) == [5000]
+    assert gram_chunks([], 1000) == []
+    sizes = [37, 512, 1, 2048, 999, 3000, 7]
+    assert sum(gram_chunks(sizes, 1000)) == sum(sizes)
+    # at most a quarter of the width, so the pending float32 rows stay below an eighth of
+    # the float64 sum
+    assert gram_chunk_rows(4096) == 1024 and gram_chunk_rows(14336) == GRAM_CHUNK_MIN_ROWS
+    assert gram_chunk_rows(3) == 1
+
+
+@pytest.fixture
+def products(monkeypatch):
+    """The row counts of every Gram product the accumulators form, in order."""
+    calls: list[int] = []
+    original = statistics.gram_product
+
+    def counting(rows):
+        calls.append(int(rows.shape[0]))
+        return original(rows)
+
+    monkeypatch.setattr(statistics, "gram_product", counting)
+    return calls
+
+
+@pytest.mark.parametrize("bfloat16_values", [False, True])
+def test_small_batches_are_multiplied_together(products, bfloat16_values):
+    """At 64 inputs (16-row chunks): four small batches make one product (four float64
+    additions of the ``dim x dim`` sum before), a long batch is one alone, the rest one more;
+    the Gram is as accurate as float32 sums give, and bit for bit the one the same task's kept
+    rows give."""
+    g = torch.Generator().manual_seed(0)
+    dim, sizes = 64, [5, 5, 5, 1, 20, 3]
+    assert gram_chunk_rows(dim) == 16
+    x = torch.randn(sum(sizes), dim, generator=g)
+    if bfloat16_values:
+        x = x.bfloat16()
+    summed = ActivationStatistics(dim)
+    for batch in torch.split(x, sizes):
+        summed.update(batch)
+    result = summed.finalize()
+    assert products == gram_chunks(sizes, 16) == [16, 20, 3]
+    reference = x.double().T @ x.double() / x.shape[0]
+    torch.testing.assert_close(result.gram, reference, rtol=1e-6, atol=1e-6)
+    assert torch.equal(result.gram, summed_gram(x, sizes))
+
+
+def summed_gram(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """The same Gram from kept rows (TaskStatistics.gram_from_rows)."""
+    stats = statistics.TaskStatistics(
+        gram=None,
+        mean=x.double().mean(0),
+        count=x.shape[0],
+        second_moment=x.double().square().mean(0),
+        rows=x.float(),
+        row_batches=tuple(sizes),
+    )
+    return stats.gram_from_rows()
+
+
+def test_reused_activation_buffer_does_not_change_the_gram():
+    """A hook hands the same float32 buffer each batch, overwritten in place: the pending
+    rows are copies, so the Gram is that of every batch's values."""
+    g = torch.Generator().manual_seed(1)
+    dim = 16
+    buffer = torch.empty(100, dim)
+    seen = []
+    acc = ActivationStatistics(dim)
+    for _ in range(5):
+        buffer.copy_(torch.randn(100, dim, generator=g))
+        seen.append(buffer.clone())
+        acc.update(buffer)
+    x = torch.cat(seen).double()
+    torch.testing.assert_close(acc.finalize().gram, x.T @ x / x.shape[0], rtol=1e-6, atol=1e-6)
