@@ -17,11 +17,14 @@ import random
 import pytest
 import torch
 import transformers
+import yaml
 from safetensors.torch import load_file
 
 from mergekit_ext import merge_record
 from mergekit_ext.api import run_merge
 from mergekit_ext.calibration.statistics import TaskStatistics
+from mergekit_ext.config import load_config
+from mergekit_ext.diagnose import diagnose
 from mergekit_ext.errors import TensorError
 from mergekit_ext.methods.guard import NORM_RATIO_WARN
 from mergekit_ext.methods.layerwise import LinearGroup
@@ -74,16 +77,36 @@ def low_diversity(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("low_diversity")
     base = _tiny_llama(str(root / "base"))
     experts = [_low_rank_expert(base, str(root / f"expert{i}"), 10 + i) for i in range(2)]
-    data = []
-    for i in range(2):
-        rng = random.Random(i)
-        path = root / f"chat{i}.jsonl"
-        with open(path, "w", encoding="utf-8") as fp:
-            for _ in range(60):
-                words = " ".join(rng.choice(FEW_WORDS) for _ in range(3))
-                fp.write(json.dumps({"text": TEMPLATE + words}) + "\n")
-        data.append(str(path))
+    data = [_write_chat(str(root / f"chat{i}.jsonl"), seed=i, texts=60) for i in range(2)]
     return {"root": root, "base": base, "experts": experts, "data": data}
+
+
+def _write_chat(path: str, seed: int, texts: int) -> str:
+    """``texts`` texts of the one template; the first n are the same for every ``texts``."""
+    rng = random.Random(seed)
+    with open(path, "w", encoding="utf-8") as fp:
+        for _ in range(texts):
+            words = " ".join(rng.choice(FEW_WORDS) for _ in range(3))
+            fp.write(json.dumps({"text": TEMPLATE + words}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def low_diversity_bf16(low_diversity: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The same base and experts saved in bfloat16, as a bf16 chat model ships, and each
+    task's chat data with 12 more texts than the merge reads: diagnose's held-out examples."""
+    root = tmp_path_factory.mktemp("low_diversity_bf16")
+    s = low_diversity
+    saved = {}
+    for name, folder in [
+        ("base", s["base"]),
+        *((f"expert{i}", e) for i, e in enumerate(s["experts"])),
+    ]:
+        model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        saved[name] = _save(model.to(torch.bfloat16), str(root / name), [_tokenizer("llama")])
+    data = [_write_chat(str(root / f"chat{i}.jsonl"), seed=i, texts=72) for i in range(2)]
+    experts = [saved["expert0"], saved["expert1"]]
+    return {"root": root, "base": saved["base"], "experts": experts, "data": data}
 
 
 def _config(s: dict, method: str = "chain_of_merges", **parameters) -> dict:
@@ -171,6 +194,49 @@ def test_bfloat16_passes_on_a_chat_template_stay_bounded(low_diversity, tmp_path
         assert json.load(fp)["executor"]["compute_dtype"] == "bfloat16"
     for layer in merge_record.load(str(out))["sections"]["chain_of_merges"]["layers"]:
         assert layer["ridge"] == AUTO_RIDGE and layer["guard"] == "ok"
+
+
+def test_bfloat16_checkpoints_on_a_chat_template_stay_bounded_and_diagnose_tells(
+    low_diversity_bf16, tmp_path
+):
+    """bfloat16 checkpoints merged with bfloat16 passes take the statistics of the inputs
+    rounded to bfloat16 (``ComputeChoice.rounds_inputs``): on the chat template ridge: auto
+    still keeps every group in the experts' range, and ``diagnose`` on held-out texts rates
+    that merge above the base model and the unregularised one as do-not-publish."""
+    s = low_diversity_bf16
+    good, broken = tmp_path / "auto", tmp_path / "ridge0"
+    configs = {}
+    for out, parameters in [(good, {}), (broken, {"ridge": 0.0, "max_norm_ratio": math.inf})]:
+        config = _config(s, compute_dtype="bfloat16", **parameters)
+        config["dtype"] = "bfloat16"
+        run_merge(config, out)
+        configs[out] = config
+    with open(os.path.join(good, "mergekit_ext_diagnostics.json"), encoding="utf-8") as fp:
+        record = json.load(fp)["executor"]
+    assert record["compute_dtype"] == "bfloat16" and record["rounds_inputs"] is True
+    card = open(os.path.join(good, "README.md"), encoding="utf-8").read()
+    assert "the calibration statistics describe the inputs rounded to bfloat16" in card
+
+    assert _max_norm_ratio(str(good), s["experts"]) < 1.2
+    for layer in merge_record.load(str(good))["sections"]["chain_of_merges"]["layers"]:
+        assert layer["ridge"] == AUTO_RIDGE and layer["guard"] == "ok"
+    base_agreement = _held_out_agreement(s["base"], s["experts"])
+    assert _held_out_agreement(str(good), s["experts"]) >= base_agreement - 0.03
+    # the unregularised solve still leaves the range, and its record says by how much
+    worst = max(
+        merge_record.load(str(broken))["sections"]["chain_of_merges"]["layers"],
+        key=lambda layer: layer["max_norm_ratio"],
+    )
+    assert worst["max_norm_ratio"] > 20.0 and worst["guard"] == "allowed"
+    assert worst["max_norm_ratio"] == pytest.approx(
+        _max_norm_ratio(str(broken), s["experts"]), rel=1e-6
+    )
+
+    config_file = tmp_path / "merge.yaml"
+    config_file.write_text(yaml.safe_dump(configs[good]), encoding="utf-8")
+    rated = diagnose(load_config(str(config_file)), [str(good), str(broken)])
+    assert rated[0]["base_ratio"] > 1.0 and rated[0]["verdict"].startswith("keeps ")
+    assert rated[1]["base_ratio"] < 1.0 and rated[1]["verdict"].endswith("do not publish")
 
 
 def test_regmean_auto_also_regularises(low_diversity, tmp_path):

@@ -275,7 +275,7 @@ def run_variant(
             )
             continue
         inputs = {t: merge_input(row, e) for t, e in experts.items()}
-        config = build_config(row, base_dir, inputs, calibration)
+        config = build_config(row, base_dir, inputs, calibration, suite.merge_dtype)
         work = os.path.join(run_root, row.key)
         merged = os.path.join(work, "merged")
         run = run_merge_process(config, work, merged)

@@ -56,6 +56,8 @@ class Suite(ABC):
     metric: Metric
     variants: tuple[str, ...]
     default_tasks: tuple[str, ...]
+    # the merges' output ``dtype:`` (a suite of bfloat16 checkpoints writes bfloat16)
+    merge_dtype: str = "float32"
 
     def __init__(self, cache_dir: str, smoke: bool, tasks: Optional[Sequence[str]] = None):
         self.smoke = smoke

@@ -16,7 +16,7 @@ import contextlib
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -61,8 +61,13 @@ class ComputeChoice:
             text += f"; input statistics of the values the {self.name} linears multiply"
         return text
 
-    def record(self) -> dict[str, str]:
-        return {"compute_dtype": self.name, "setting": self.setting, "reason": self.reason}
+    def record(self) -> dict[str, Any]:
+        return {
+            "compute_dtype": self.name,
+            "setting": self.setting,
+            "reason": self.reason,
+            "rounds_inputs": self.rounds_inputs,
+        }
 
 
 def fast_bf16(device_type: str) -> tuple[bool, str]:
