@@ -302,7 +302,18 @@ def test_sigkilled_merge_is_cleaned_up_by_the_next_run(work):
 def test_sigterm_and_sighup_are_handled_like_ctrl_c(work, signum):
     """SIGHUP (the terminal was closed) cleans up like SIGTERM (issue #28, 12)."""
     env = _env(MKX_TEST_READY=str(work / "ready"), MKX_TEST_GO=str(work / "go"))
-    proc = _cli("run", "ace.yml", "out", "--plugin", "plugins/pause.py", cwd=work, env=env)
+    # as a terminal starts it: SIGHUP at its default, even when this test runs under nohup
+    # (whose ignored SIGHUP the merge keeps, by design)
+    proc = _cli(
+        "run",
+        "ace.yml",
+        "out",
+        "--plugin",
+        "plugins/pause.py",
+        cwd=work,
+        env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),
+    )
     try:
         _wait_for(work / "ready", proc)
         assert _leftovers(work) and (work / ".out.lock").exists()  # the state a kill leaves

@@ -11,8 +11,9 @@ merges) is scored running in bfloat16 with the experts' float32 heads.
 
     python -m benchmarks.probes.bf16_checkpoints_suite --suite text --threads 1
     python -m benchmarks.probes.bf16_checkpoints_suite --suite vision --threads 1
+    python -m benchmarks.probes.bf16_checkpoints_suite --suite lm --threads 1
 
-Writes ``benchmarks/results/sweep_<suite>_full_bf16_checkpoints_compute_dtype.{md,json,png}``.
+Writes ``benchmarks/results/sweep_<suite>_<variant>_bf16_checkpoints_compute_dtype.{md,json,png}``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 
 from benchmarks.suites.cache import cached_build, default_cache_dir
+from benchmarks.suites.lm_suite import LMSuite, _tokenizer
 from benchmarks.suites.run import configure_process, run_variant, select_rows
 from benchmarks.suites.suite_base import Expert, Suite, memoized
 from benchmarks.suites.sweep import sweep_rows
@@ -135,7 +137,40 @@ class Bfloat16VisionSuite(Bfloat16Checkpoints, VisionSuite):
         )
 
 
-SUITES = {"text": Bfloat16TextSuite, "vision": Bfloat16VisionSuite}
+class Bfloat16LMSuite(Bfloat16Checkpoints, LMSuite):
+    """SmolLM2 and its LoRA experts (merged into full weights) as bfloat16 checkpoints, as
+    causal LMs ship; scored by next-token loss running in bfloat16."""
+
+    name = "lm-bf16"
+
+    def __init__(self, cache_dir: str, smoke: bool) -> None:
+        super().__init__(cache_dir, smoke)
+        self.source = LMSuite(cache_dir, smoke)
+
+    def _body(self, folder: str, dtype: torch.dtype) -> Any:
+        import transformers
+
+        return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+
+    def _save_processor(self, source: str, out: str) -> None:
+        import transformers
+
+        transformers.AutoTokenizer.from_pretrained(source).save_pretrained(out)
+
+    def expert(self, variant: str, task: str) -> Expert:
+        expert = super().expert(variant, task)
+        # the whole model is the body; no adapter of the bfloat16 weights is kept
+        return Expert(
+            task=task, body=expert.body, full=expert.body, head=None, record=expert.record
+        )
+
+    def evaluate_body(self, body: str, experts: dict[str, Expert]) -> dict[str, float]:
+        model = self._body(body, torch.bfloat16).eval()
+        tok = _tokenizer(body)
+        return {task: self._loss(model, tok, task) for task in experts}
+
+
+SUITES = {"text": Bfloat16TextSuite, "vision": Bfloat16VisionSuite, "lm": Bfloat16LMSuite}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,11 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     result = run_variant(
         suite,
-        "full",
+        suite.variants[0],
         rows,
         args.out,
         keep_merges=False,
-        result_id=f"sweep_{args.suite}_full_bf16_checkpoints_compute_dtype",
+        result_id=f"sweep_{args.suite}_{suite.variants[0]}_bf16_checkpoints_compute_dtype",
         title_suffix=" as bfloat16 checkpoints, sweep of compute_dtype",
     )
     print(result["title"])
