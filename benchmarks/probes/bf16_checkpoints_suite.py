@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,17 +35,31 @@ from benchmarks.suites.vision_suite import VisionSuite, image_processor
 
 
 class Bfloat16Checkpoints:
-    """Mixin over a suite class: its base and full experts as bfloat16 checkpoints."""
+    """Mixin over a suite class: its base and experts as bfloat16 checkpoints.
+
+    ``source_class`` builds (or reuses) the float32 models; ``body_class`` loads a body
+    (``body_kwargs`` beside ``dtype``)."""
 
     merge_dtype = "bfloat16"
-    source: Suite
+    source_class: type[Suite]
+    body_class: str
+    body_kwargs: dict[str, Any] = {}
     root: str
 
+    def __init__(self, cache_dir: str, smoke: bool) -> None:
+        super().__init__(cache_dir, smoke)  # type: ignore[call-arg]
+        self.source = self.source_class(cache_dir, smoke)  # type: ignore[call-arg]
+
     def _body(self, folder: str, dtype: torch.dtype) -> Any:
-        raise NotImplementedError
+        import transformers
+
+        loader = getattr(transformers, self.body_class)
+        return loader.from_pretrained(folder, dtype=dtype, **self.body_kwargs)
 
     def _save_processor(self, source: str, out: str) -> None:
-        raise NotImplementedError
+        import transformers
+
+        transformers.AutoTokenizer.from_pretrained(source).save_pretrained(out)
 
     def _copy(self, source: str, folder: str, source_record: dict[str, Any]) -> tuple[str, dict]:
         """``source`` (a body folder) saved in bfloat16 under ``folder`` (cached)."""
@@ -68,34 +81,16 @@ class Bfloat16Checkpoints:
         body, record = self._copy(
             expert.body, os.path.join(self.root, variant, task), expert.record
         )
-        return Expert(task=task, body=body, full=expert.full, head=expert.head, record=record)
-
-    def _scores(
-        self, experts: dict[str, Expert], logits: Callable[[torch.nn.Module], Callable]
-    ) -> dict[str, float]:
-        return {
-            task: self._accuracy(logits(load_head(expert.head)), task)  # type: ignore[attr-defined]
-            for task, expert in experts.items()
-        }
+        # a causal LM's body is the whole model; no adapter of the bfloat16 weights is kept
+        full = body if expert.full == expert.body else expert.full
+        return Expert(task=task, body=body, full=full, head=expert.head, record=record)
 
 
 class Bfloat16TextSuite(Bfloat16Checkpoints, TextSuite):
     name = "text-bf16"
     variants = ("full",)
-
-    def __init__(self, cache_dir: str, smoke: bool) -> None:
-        super().__init__(cache_dir, smoke)
-        self.source = TextSuite(cache_dir, smoke)
-
-    def _body(self, folder: str, dtype: torch.dtype) -> Any:
-        import transformers
-
-        return transformers.BertModel.from_pretrained(folder, dtype=dtype)
-
-    def _save_processor(self, source: str, out: str) -> None:
-        import transformers
-
-        transformers.AutoTokenizer.from_pretrained(source).save_pretrained(out)
+    source_class = TextSuite
+    body_class = "BertModel"
 
     def evaluate_body(self, body: str, experts: dict[str, Expert]) -> dict[str, float]:
         import transformers
@@ -114,27 +109,24 @@ class Bfloat16TextSuite(Bfloat16Checkpoints, TextSuite):
 
 class Bfloat16VisionSuite(Bfloat16Checkpoints, VisionSuite):
     name = "vision-bf16"
-
-    def __init__(self, cache_dir: str, smoke: bool) -> None:
-        super().__init__(cache_dir, smoke)
-        self.source = VisionSuite(cache_dir, smoke)
-
-    def _body(self, folder: str, dtype: torch.dtype) -> Any:
-        import transformers
-
-        return transformers.ViTModel.from_pretrained(folder, add_pooling_layer=False, dtype=dtype)
+    source_class = VisionSuite
+    body_class = "ViTModel"
+    body_kwargs = {"add_pooling_layer": False}
 
     def _save_processor(self, source: str, out: str) -> None:
         image_processor().save_pretrained(out)
 
     def evaluate_body(self, body: str, experts: dict[str, Expert]) -> dict[str, float]:
         model = self._body(body, torch.bfloat16).eval()
-        return self._scores(
-            experts,
-            lambda head: lambda px: head(
-                model(pixel_values=px.bfloat16()).last_hidden_state[:, 0].float()
-            ),
-        )
+        return {
+            task: self._accuracy(
+                lambda px, head=load_head(e.head): head(
+                    model(pixel_values=px.bfloat16()).last_hidden_state[:, 0].float()
+                ),
+                task,
+            )
+            for task, e in experts.items()
+        }
 
 
 class Bfloat16LMSuite(Bfloat16Checkpoints, LMSuite):
@@ -142,27 +134,8 @@ class Bfloat16LMSuite(Bfloat16Checkpoints, LMSuite):
     causal LMs ship; scored by next-token loss running in bfloat16."""
 
     name = "lm-bf16"
-
-    def __init__(self, cache_dir: str, smoke: bool) -> None:
-        super().__init__(cache_dir, smoke)
-        self.source = LMSuite(cache_dir, smoke)
-
-    def _body(self, folder: str, dtype: torch.dtype) -> Any:
-        import transformers
-
-        return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-
-    def _save_processor(self, source: str, out: str) -> None:
-        import transformers
-
-        transformers.AutoTokenizer.from_pretrained(source).save_pretrained(out)
-
-    def expert(self, variant: str, task: str) -> Expert:
-        expert = super().expert(variant, task)
-        # the whole model is the body; no adapter of the bfloat16 weights is kept
-        return Expert(
-            task=task, body=expert.body, full=expert.body, head=None, record=expert.record
-        )
+    source_class = LMSuite
+    body_class = "AutoModelForCausalLM"
 
     def evaluate_body(self, body: str, experts: dict[str, Expert]) -> dict[str, float]:
         model = self._body(body, torch.bfloat16).eval()
