@@ -36,6 +36,17 @@ from typing import Any
 import torch
 
 
+def side_by_side_arguments(doc: str, argv: list[str] | None) -> argparse.Namespace:
+    """``--threads`` (default 2, applied to torch here) and ``--repeat`` (default 3): the
+    options every side-by-side timing probe takes."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    return args
+
+
 def median_seconds(fn: Callable[[], Any], repeat: int) -> float:
     fn()  # warm-up
     times = []

@@ -18,13 +18,12 @@ warm-up (one run for the 14336-wide case, whose float64 sum is 1.6 GB).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from unittest import mock
 
 import torch
 
-from benchmarks.probes.compute_dtype_probe import median_seconds
+from benchmarks.probes.compute_dtype_probe import median_seconds, side_by_side_arguments
 from mergekit_ext.calibration import statistics
 
 # (label, width, batches, rows per batch): the 8B probe's calibration (16 x 125 tokens per
@@ -79,11 +78,7 @@ def _case(label: str, width: int, count: int, rows: int, repeat: int) -> list[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=3)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    args = side_by_side_arguments(__doc__, argv)
     print(
         f"torch {torch.__version__}, {args.threads} threads, capability "
         f"{torch.backends.cpu.get_cpu_capability()}; rows per chunk "

@@ -18,13 +18,13 @@ calls it):
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 
 import torch
 
+from benchmarks.probes.compute_dtype_probe import side_by_side_arguments
 from mergekit_ext.calibration.statistics import ActivationStatistics, multiplied_input
 from mergekit_ext.methods.least_squares.solve import regmean_solve
 
@@ -59,11 +59,7 @@ def _solve(weights, stats) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=3)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    args = side_by_side_arguments(__doc__, argv)
     g = torch.Generator().manual_seed(0)
     batches = [
         [torch.nn.functional.silu(torch.randn(ROWS, DIM, generator=g)) for _ in range(BATCHES)]

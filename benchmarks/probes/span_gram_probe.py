@@ -23,12 +23,11 @@ and a 4096-wide group at 8000 tokens. Median of ``--repeat`` after a warm-up.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
 
-from benchmarks.probes.compute_dtype_probe import median_seconds
+from benchmarks.probes.compute_dtype_probe import median_seconds, side_by_side_arguments
 from mergekit_ext.bf16_products import float32_product
 from mergekit_ext.methods.least_squares.solve import _outer_gram
 
@@ -78,11 +77,7 @@ def _case(label: str, tokens: int, width: int, repeat: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=3)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    args = side_by_side_arguments(__doc__, argv)
     print(
         f"torch {torch.__version__}, {args.threads} threads, capability "
         f"{torch.backends.cpu.get_cpu_capability()}\n"

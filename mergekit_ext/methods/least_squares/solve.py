@@ -13,6 +13,7 @@ from typing import Any, Literal, Optional, Union
 import torch
 
 from mergekit_ext.bf16_products import float32_product, holds_bfloat16
+from mergekit_ext.calibration.statistics import symmetrized
 from mergekit_ext.errors import TensorError
 from mergekit_ext.finite import is_finite
 from mergekit_ext.wide_sums import dot64
@@ -470,8 +471,7 @@ def span_product_dtype(compute_dtype: torch.dtype, weight_dtype: torch.dtype) ->
 def _gram_of(rows: torch.Tensor) -> torch.Tensor:
     """``rowsᵀ rows / N`` in float64, exactly symmetric."""
     r = rows.double()
-    gram = r.T @ r / r.shape[0]
-    return (gram + gram.T).mul_(0.5)
+    return symmetrized(r.T @ r / r.shape[0])
 
 
 def _outer_gram(rows: torch.Tensor, block: int = 1024) -> torch.Tensor:
@@ -761,7 +761,7 @@ def solve_regmean_sums(
     relative_ridge = resolve_ridge(ridge, n_in, tokens)
     reason = _ridge_reason(ridge, relative_ridge, n_in, tokens)
     torch.diagonal(system).add_(sums["system_diagonal"].double())
-    system = 0.5 * (system + system.T)  # exact symmetry for eigh
+    system = symmetrized(system)  # exact symmetry for eigh
 
     scaled_in_place: list[bool] = []  # sums["weighted_experts"] may be scaled once only
 
