@@ -443,9 +443,14 @@ def _reduce_like_two_ranks(method, parameters, weights, expert, merged_path):
     zeros = [r.prepare(g) for r, g in zip(reductions, locals_)]
     assert {k: v.shape for k, v in zeros[0].items()} == {k: v.shape for k, v in zeros[1].items()}
     sums = zeros[0]  # the accumulators travel 0 -> 1 -> 0 -> 1 (the solver) in task order
-    for k in range(3):
-        rank = k % 2
-        reductions[rank].add_task(sums, parts[rank].index(k))
+    for round_ in range(reductions[0].rounds):
+        if round_ > 0:  # the solver's decision reaches every rank, which starts the round
+            shared = reductions[1].next_round(sums, locals_[1])
+            starts = [r.start_round(shared, g) for r, g in zip(reductions, locals_)]
+            sums = starts[0]
+        for k in range(3):
+            rank = k % 2
+            reductions[rank].add_task(sums, parts[rank].index(k))
     merged, diag = reductions[1].solve(sums, locals_[1])
     tasks: dict[str, Any] = {}
     for r, g in zip(reductions, locals_):
@@ -484,6 +489,40 @@ def test_sum_reduction_over_task_subsets_equals_the_whole_merge(method, paramete
     for name in expected:  # the same additions in the same order: the same bits
         assert torch.equal(merged[name], expected[name]), name
     assert diag == expected_diag
+
+
+@pytest.mark.parametrize("method", [RegMeanMethod(), ChainOfMergesMethod()])
+def test_two_round_reduction_with_row_terms_equals_the_whole_merge(monkeypatch, method):
+    """More outputs than tokens, every task's rows kept, α = 1 and no ridge: the solver
+    decides from the system's sums and each rank adds its tasks' row terms (the dense
+    solve task by task); the same bits as one process."""
+    from mergekit_ext.methods.least_squares import reduction, solve
+
+    calls: list = []
+    for module in (solve, reduction):
+        original = module.row_term
+
+        def counting(weight, rows, cholesky, _original=original):
+            calls.append(tuple(weight.shape))
+            return _original(weight, rows, cholesky)
+
+        monkeypatch.setattr(module, "row_term", counting)
+    gen = torch.Generator().manual_seed(4)
+    weights = [
+        {"q": torch.randn(12, 6, generator=gen), "k": torch.randn(9, 6, generator=gen)}
+        for _ in range(3)
+    ]
+    expert = [_row_stats(torch.randn(4, 6, generator=gen) * (1 + i)) for i in range(3)]
+    merged_path = [_row_stats(torch.randn(4, 6, generator=gen) + i) for i in range(3)]
+    parameters = {"ridge": 0.0}
+    expected, expected_diag = method.merge_linear_group(
+        _group([0, 1, 2], weights, expert, merged_path), parameters
+    )
+    assert calls == [(21, 6)] * 3  # 21 outputs > 12 tokens: one process takes the row terms
+    reduced = _reduce_like_two_ranks(method, parameters, weights, expert, merged_path)
+    assert reduced is not None and calls == [(21, 6)] * 6  # and so do the two ranks
+    assert all(torch.equal(reduced[0][n], expected[n]) for n in expected)
+    assert reduced[1] == expected_diag
 
 
 @pytest.mark.parametrize("method, parameters", REDUCTION_CASES)

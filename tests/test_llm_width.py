@@ -321,3 +321,64 @@ def test_plan_warning_is_logged_by_a_real_plan(tiny_llama_set, tmp_path, caplog)
     assert plan.rank_warnings and all("ranks from" in w for w in plan.rank_warnings)
     assert any("ranks from" in r.getMessage() for r in caplog.records)
     assert "warning: " + plan.rank_warnings[0] in plan.describe()
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.8])
+@pytest.mark.parametrize("omegas", [[1.0, 1.0], [0.4, 1.7]])
+def test_two_tasks_wider_out_than_in_regroup_the_span_correction(alpha, omegas):
+    """Two tasks, out > in, T < in: the span solve regroups its correction into one
+    out x in x in product; the result is still the ridge closed form, in float64 and with
+    float32 products (a bfloat16 pass)."""
+    xs = [inputs(16, 9), inputs(17, 11)]  # 20 tokens < 24 inputs
+    ws = expert_weights(2, 200)  # in · (T + out) < 2 · out · T: regrouped
+    assert least_squares.solve._regroups(200, DIM, [9, 11])
+    assert not least_squares.solve._regroups(20, DIM, [9, 11])
+    assert not least_squares.solve._regroups(200, DIM, [6, 7, 7])
+    grams = [x.T @ x / x.shape[0] for x in xs]
+    expected = closed_form(ws, xs, alpha, omegas, AUTO_RIDGE)
+    span = regmean_solve(ws, grams, alpha, task_weights=omegas, ridge="auto", tokens=20, rows=xs)
+    assert span.solver == "cholesky in the span of 20 tokens"
+    assert rel(span.merged_weight, expected) < 1e-9
+    low = regmean_solve(
+        [w.float() for w in ws],
+        grams,
+        alpha,
+        task_weights=omegas,
+        ridge="auto",
+        tokens=20,
+        rows=[x.float() for x in xs],
+        compute_dtype=torch.bfloat16,
+    )
+    assert low.merged_weight.dtype == torch.float32
+    assert rel(low.merged_weight, expected) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "alpha,ridge,by_rows", [(1.0, 0.0, True), (1.0, 0.1, False), (0.9, 0.0, False)]
+)
+def test_dense_solve_task_by_task_from_the_rows(monkeypatch, alpha, ridge, by_rows):
+    """α = 1, no ridge, fewer tokens than outputs, every task's rows: the dense solve forms
+    Σ_k ω_k (W_k X_kᵀ)(X_k A⁻¹) / N_k (row_term) instead of solving the numerator; the same
+    solution, the references of the output errors included. With a ridge or α < 1 it
+    solves the numerator."""
+    xs = [inputs(20, 14), inputs(21, 12), inputs(22, 13)]  # 39 tokens >= 24 inputs: dense
+    ws = expert_weights(3, 60)  # 60 outputs > 39 tokens
+    omegas = [1.0, 0.0, 2.5]
+    grams = [x.T @ x / x.shape[0] for x in xs]
+    calls: list = []
+    original = least_squares.solve.row_term
+
+    def counting(weight, rows, cholesky):
+        calls.append(tuple(rows.shape))
+        return original(weight, rows, cholesky)
+
+    monkeypatch.setattr(least_squares.solve, "row_term", counting)
+    kwargs = dict(task_weights=omegas, ridge=ridge, solver="pinv", keep_references=True)
+    got = regmean_solve(ws, grams, alpha, gram_rows=xs, **kwargs)
+    assert calls == ([(14, DIM), (13, DIM)] if by_rows else [])  # ω = 0 adds no term
+    plain = regmean_solve(ws, grams, alpha, **kwargs)  # no rows: the numerator's solve
+    assert rel(got.merged_weight, closed_form(ws, xs, alpha, omegas, ridge)) < 1e-9
+    assert rel(got.merged_weight, plain.merged_weight) < 1e-9
+    assert got.ridge == plain.ridge == ridge and got.solver == plain.solver
+    assert got.condition_number == plain.condition_number
+    assert got.references == pytest.approx(plain.references, rel=1e-9)

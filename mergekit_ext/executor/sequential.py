@@ -1101,6 +1101,13 @@ class SequentialExecutor:
         diagnostics: dict[str, Any] = {}
         if reduction is not None:
             totals = self._sums_in_task_order(reduction, local, solver)
+            for _ in range(reduction.rounds - 1):
+                shared = self.dist.broadcast_object(
+                    reduction.next_round(totals, local) if solves else None,  # type: ignore[arg-type]
+                    src=solver,
+                )
+                start = reduction.start_round(shared, local) if self.holds else None
+                totals = self._sums_in_task_order(reduction, local, solver, start)
             if solves:
                 assert totals is not None
                 result, diagnostics = reduction.solve(totals, local)
@@ -1140,14 +1147,20 @@ class SequentialExecutor:
         return shared, diagnostics
 
     def _sums_in_task_order(
-        self, reduction: SumReduction, local: LinearGroup, solver: int = 0
+        self,
+        reduction: SumReduction,
+        local: LinearGroup,
+        solver: int = 0,
+        start: Optional[dict[str, torch.Tensor]] = None,
     ) -> Optional[dict[str, torch.Tensor]]:
         """Add every task's terms in task order: the sums travel from the rank of task k to
         that of task k+1 (then to rank ``solver``), so the floating-point additions are those
-        of one process; returns the totals on rank ``solver`` (None elsewhere)."""
+        of one process; returns the totals on rank ``solver`` (None elsewhere). ``start``:
+        a later round's accumulators (:meth:`SumReduction.start_round`), else
+        :meth:`SumReduction.prepare`'s."""
         if not self.holds:
             return None  # W > K: this rank's share of the statistics went on to another
-        sums = reduction.prepare(local)
+        sums = reduction.prepare(local) if start is None else start
         position = {k: i for i, k in enumerate(self.holds)}
         num_tasks = len(self.experts)
         holder = self.dist.owner(0, num_tasks)

@@ -194,9 +194,19 @@ class SumReduction(ABC):
        (broadcast to every rank) and the group's task-independent diagnostics;
     4. :meth:`task_diagnostics` on every rank for its own tasks, with the merged weights.
 
+    A reduction with ``rounds = 2`` adds its tasks twice: after the first totals reach rank
+    ``solver``, :meth:`next_round` there returns what every rank needs for the second
+    (broadcast), :meth:`start_round` on every rank computes its tasks' second terms and
+    returns new accumulators, which :meth:`add_task` fills in task order as before; the
+    second totals go to :meth:`solve`. (The least-squares merge decides its ridge and
+    factors its system from the first, then adds either the numerator or terms that
+    already carry the solve: docs/methods.md, "The dense solve, task by task".)
+
     An object serves one group (:meth:`LayerwiseMethod.reduction` makes a new one per
     group), so it keeps what :meth:`prepare` computed for the later calls.
     """
+
+    rounds: int = 1
 
     @abstractmethod
     def prepare(self, group: LinearGroup) -> dict[str, torch.Tensor]:
@@ -216,6 +226,16 @@ class SumReduction(ABC):
         ``group`` is the solving rank's own part (names, shapes, dtypes, its tasks'
         statistics; every rank owns at least one task).
         """
+
+    def next_round(self, totals: Mapping[str, torch.Tensor], group: LinearGroup) -> Any:
+        """On rank ``solver``, with the totals of a round before the last: what every rank
+        needs for the next (picklable, CPU tensors), passed to :meth:`start_round`."""
+        raise NotImplementedError(f"{type(self).__name__} reduces in one round")
+
+    def start_round(self, shared: Any, group: LinearGroup) -> dict[str, torch.Tensor]:
+        """On every rank that holds tasks: start the next round from :meth:`next_round`'s
+        result; returns its zero accumulators (the same on every rank)."""
+        raise NotImplementedError(f"{type(self).__name__} reduces in one round")
 
     def gather_vote(self, group: LinearGroup) -> Any:
         """What this rank's part of ``group`` says about reducing it to sums (any picklable

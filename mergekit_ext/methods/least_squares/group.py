@@ -289,7 +289,7 @@ def merge_group_least_squares(
         tokens=tokens,
         rows=solve_rows,
         compute_dtype=group.compute_dtype,
-        gram_rows=None if use_normalized_gram else [st.rows for st in chosen],
+        gram_rows=None if use_normalized_gram else [_kept_rows(st) for st in chosen],
     )
     del solve_rows
     merged_parts = torch.split(solution.merged_weight, rows, dim=0)

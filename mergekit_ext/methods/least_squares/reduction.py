@@ -19,6 +19,7 @@ from mergekit_ext.methods.guard import (
 from mergekit_ext.methods.layerwise import LinearGroup, SumReduction, TaskStatistics
 from mergekit_ext.methods.least_squares.group import (
     _check_statistics,
+    _kept_rows,
     _solve_record,
     _stacked_weights,
     _task_output_error,
@@ -30,14 +31,26 @@ from mergekit_ext.methods.least_squares.measures import (
     shift_covariance,
 )
 from mergekit_ext.methods.least_squares.solve import (
+    FactoredSystem,
     Ridge,
     Solver,
+    _factored_solution,
+    factor_regmean_system,
+    regmean_add_numerator,
+    regmean_add_row_term,
+    regmean_add_system,
     regmean_add_task,
+    regmean_zero_numerator_sums,
     regmean_zero_sums,
+    regmean_zero_system_sums,
     resolve_ridge,
+    row_term,
+    solve_factored,
     solve_regmean_sums,
     span_solve_applies,
+    takes_row_terms,
     task_product,
+    task_reference,
     trace_product,
 )
 from mergekit_ext.wide_sums import frobenius64
@@ -56,6 +69,11 @@ class LeastSquaresReduction(SumReduction):
     per-task diagnostics (relative output error, covariate shift) are computed by the
     task's rank once the merged weights are known; the group record is the one
     :func:`merge_group_least_squares` writes.
+
+    With α = 1 on plain Grams it takes two rounds, as :func:`regmean_solve` orders its work:
+    the system's sums first, factored with the ridge decided on the solving rank; then
+    either the numerator's terms or, where :func:`takes_row_terms`, each task's
+    :func:`row_term` (the factor broadcast to every rank), whose sum is the merged weight.
     """
 
     def __init__(
@@ -93,6 +111,11 @@ class LeastSquaresReduction(SumReduction):
         self._products: list[Optional[torch.Tensor]] = []
         self._references: list[float] = []
         self._norms: list[torch.Tensor] = []
+        # α = 1 on plain Grams: the system first (class docstring); set alike on every rank
+        self.rounds = 2 if reduce_non_diagonal == 1.0 and not use_normalized_gram else 1
+        self._first: dict[str, torch.Tensor] = {}  # the first round's totals (solving rank)
+        self._factored: Optional[FactoredSystem] = None
+        self._by_rows = False
 
     def _paths(self, group: LinearGroup, n_in: int) -> None:
         path = "merged-path" if self.use_merged_path else "expert-path"
@@ -156,14 +179,8 @@ class LeastSquaresReduction(SumReduction):
             st.gram_normalized if self.use_normalized_gram else st.gram_from_rows()  # type: ignore[misc]
             for st in self._chosen
         ]
-        # The products W_k G_k of this rank's tasks, in parallel with the other ranks', from
-        # the same operands as the single process's (the rows only behind a plain Gram)
-        self._products = [
-            task_product(w, g, None if self.use_normalized_gram else st.rows)
-            for w, g, st in zip(self._stacked, self._grams, self._chosen)
-        ]
-        # the output errors' references now: each product is dropped once added to the sums
-        self._references = [trace_product(p, w) for p, w in zip(self._products, self._stacked)]
+        if self.rounds == 1:
+            self._products = self._task_products()
         # each task's weight norms (per weight of the group), for the result guard
         # (frobenius64, as the single process's guard: the same sums, the same bits)
         self._norms = [
@@ -174,30 +191,113 @@ class LeastSquaresReduction(SumReduction):
             )
             for w in self._stacked
         ]
-        sums = regmean_zero_sums(
-            self._stacked[0].shape,
-            # auto is resolved in solve from the tokens of every task
-            with_weighted_experts=isinstance(self.ridge, str) or float(self.ridge) > 0.0,
-            device=self._stacked[0].device,
-        )
-        sums["expert_norm_max"] = torch.zeros(
-            len(self._rows), dtype=torch.float64, device=self._stacked[0].device
-        )
+        device = self._stacked[0].device
+        if self.rounds == 1:
+            sums = regmean_zero_sums(
+                self._stacked[0].shape,
+                # auto is resolved in solve from the tokens of every task
+                with_weighted_experts=isinstance(self.ridge, str) or float(self.ridge) > 0.0,
+                device=device,
+            )
+        else:
+            sums = regmean_zero_system_sums(int(self._stacked[0].shape[1]), device=device)
+            # weighted tasks, and those of them whose rows are their Gram's (row terms)
+            sums["weighted_tasks"] = torch.zeros(2, dtype=torch.float64, device=device)
+        sums["expert_norm_max"] = torch.zeros(len(self._rows), dtype=torch.float64, device=device)
         return sums
 
-    def add_task(self, sums: dict[str, torch.Tensor], position: int) -> None:
-        regmean_add_task(
-            sums,
-            self._stacked[position],
-            self._grams[position],
-            self.reduce_non_diagonal,
-            self._omegas[position],
-            self._products[position],
-            count=self._chosen[position].count,
+    def _task_products(self) -> list[Optional[torch.Tensor]]:
+        """The products W_k G_k of this rank's tasks, in parallel with the other ranks', from
+        the same operands as the single process's (the rows only behind a plain Gram), and
+        the output errors' references: each product is dropped once added to the sums."""
+        products: list[Optional[torch.Tensor]] = [
+            task_product(w, g, None if self.use_normalized_gram else _kept_rows(st))
+            for w, g, st in zip(self._stacked, self._grams, self._chosen)
+        ]
+        self._references = [trace_product(p, w) for p, w in zip(products, self._stacked)]
+        return products
+
+    def next_round(self, totals: Mapping[str, torch.Tensor], group: LinearGroup) -> Any:
+        self._first = dict(totals)
+        tokens = int(round(float(totals["tokens"].sum())))
+        if float(totals["task_weight_sum"].sum()) <= 0.0:
+            raise TensorError(
+                f"linear group {group.name}: the task weights are all zero; use "
+                "task_weighting: uniform"
+            )
+        self._factored = factor_regmean_system(
+            self._first, ridge=self.ridge, solver=self.solver, tokens=tokens
         )
-        self._products[position] = None
-        # a running max, not a sum: the largest expert's norm per weight
-        torch.maximum(sums["expert_norm_max"], self._norms[position], out=sums["expert_norm_max"])
+        weighted, with_rows = totals["weighted_tasks"].tolist()
+        by_rows = takes_row_terms(
+            self._factored,
+            self.reduce_non_diagonal,
+            sum(self._rows),
+            tokens,
+            with_rows == weighted,
+        )
+        cholesky = self._factored.cholesky
+        return {
+            "by_rows": by_rows,
+            "ridge": self._factored.ridge > 0.0,
+            "cholesky": cholesky.cpu() if by_rows and cholesky is not None else None,
+        }
+
+    def start_round(self, shared: Any, group: LinearGroup) -> dict[str, torch.Tensor]:
+        self._by_rows = bool(shared["by_rows"])
+        device = self._stacked[0].device
+        if self._by_rows:
+            cholesky = shared["cholesky"].to(device)
+            self._products, self._references = [], []
+            for w, g, omega, st in zip(self._stacked, self._grams, self._omegas, self._chosen):
+                rows = _kept_rows(st)
+                if omega > 0.0:
+                    assert rows is not None
+                    term, reference = row_term(w, rows, cholesky)
+                    self._products.append(term)
+                else:  # a task with ω = 0 adds nothing; its output error still has a reference
+                    self._products.append(None)
+                    reference = task_reference(w, g, rows)
+                self._references.append(reference)
+        else:
+            self._products = self._task_products()
+        return regmean_zero_numerator_sums(
+            self._stacked[0].shape, with_weighted_experts=bool(shared["ridge"]), device=device
+        )
+
+    def add_task(self, sums: dict[str, torch.Tensor], position: int) -> None:
+        weight, gram = self._stacked[position], self._grams[position]
+        omega, st = self._omegas[position], self._chosen[position]
+        if self.rounds == 1:
+            regmean_add_task(
+                sums,
+                weight,
+                gram,
+                self.reduce_non_diagonal,
+                omega,
+                self._products[position],
+                count=st.count,
+            )
+        elif "system" in sums:  # the first of two rounds
+            regmean_add_system(sums, gram, self.reduce_non_diagonal, omega, st.count)
+            if omega > 0.0:
+                has_rows = float(_kept_rows(st) is not None)
+                sums["weighted_tasks"].add_(torch.tensor([1.0, has_rows], dtype=torch.float64))
+        elif self._by_rows:
+            if omega > 0.0:
+                scratch = torch.empty(weight.shape, dtype=torch.float64, device=weight.device)
+                regmean_add_row_term(sums, self._products[position], omega, scratch)  # type: ignore[arg-type]
+        else:
+            regmean_add_numerator(
+                sums, weight, gram, self.reduce_non_diagonal, omega, self._products[position]
+            )
+        if "expert_norm_max" in sums:
+            # a running max, not a sum: the largest expert's norm per weight
+            torch.maximum(
+                sums["expert_norm_max"], self._norms[position], out=sums["expert_norm_max"]
+            )
+        if "system" not in sums or self.rounds == 1:
+            self._products[position] = None
 
     def solve(
         self, sums: Mapping[str, torch.Tensor], group: LinearGroup
@@ -205,17 +305,30 @@ class LeastSquaresReduction(SumReduction):
         if not self._rows:
             self._stacked, self._rows, _ = _stacked_weights(group, self.method)
         reference = group.experts[0]
-        n_in = int(sums["system"].shape[0])
-        tokens = int(round(float(sums["tokens"].sum())))
-        reference_norms = sums["expert_norm_max"].tolist()
-        solution = solve_regmean_sums(
-            {k: v for k, v in sums.items() if k != "expert_norm_max"},
-            ridge=self.ridge,
-            tokens=tokens,
-            solver=self.solver,
-            name=f"linear group {group.name}",
-            out_dtype=reference[group.weights[0]].dtype,
-        )
+        first = self._first if self.rounds == 2 else sums
+        n_in = int(first["system"].shape[0])
+        tokens = int(round(float(first["tokens"].sum())))
+        reference_norms = first["expert_norm_max"].tolist()
+        out_dtype = reference[group.weights[0]].dtype
+        name = f"linear group {group.name}"
+        if self.rounds == 1:
+            solution = solve_regmean_sums(
+                {k: v for k, v in sums.items() if k != "expert_norm_max"},
+                ridge=self.ridge,
+                tokens=tokens,
+                solver=self.solver,
+                name=name,
+                out_dtype=out_dtype,
+            )
+        else:
+            assert self._factored is not None
+            solution = (
+                _factored_solution(self._factored, sums["numerator"].to(out_dtype), tokens)
+                if self._by_rows
+                else solve_factored(
+                    self._factored, dict(sums), name=name, out_dtype=out_dtype, tokens=tokens
+                )
+            )
         parts = torch.split(solution.merged_weight, self._rows, dim=0)
         merged = {
             weight_name: part.to(reference[weight_name].dtype).contiguous()
