@@ -47,6 +47,16 @@ def side_by_side_arguments(doc: str, argv: list[str] | None) -> argparse.Namespa
     return args
 
 
+def print_table_head(threads: int, columns: list[str]) -> None:
+    """The machine line (torch, threads, CPU capability) and a markdown table's head."""
+    print(
+        f"torch {torch.__version__}, {threads} threads, capability "
+        f"{torch.backends.cpu.get_cpu_capability()}\n"
+    )
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+
+
 def median_seconds(fn: Callable[[], Any], repeat: int) -> float:
     fn()  # warm-up
     times = []

@@ -27,7 +27,11 @@ from collections.abc import Iterator
 
 import torch
 
-from benchmarks.probes.compute_dtype_probe import median_seconds, side_by_side_arguments
+from benchmarks.probes.compute_dtype_probe import (
+    median_seconds,
+    print_table_head,
+    side_by_side_arguments,
+)
 from mergekit_ext.methods.least_squares import solve
 
 # (label, out, inputs, tasks, tokens per task, ridge)
@@ -110,15 +114,19 @@ def _float64_solution(
 
 def main(argv: list[str] | None = None) -> int:
     args = side_by_side_arguments(__doc__, argv)
-    print(
-        f"torch {torch.__version__}, {args.threads} threads, capability "
-        f"{torch.backends.cpu.get_cpu_capability()}\n"
+    print_table_head(
+        args.threads,
+        [
+            "case",
+            "out x in",
+            "tokens",
+            "before s",
+            "now s",
+            "ratio",
+            "error before / now",
+            "bf16 flips before / now",
+        ],
     )
-    print(
-        "| case | out x in | tokens | before s | now s | ratio | error before / now "
-        "| bf16 flips before / now |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
     for case in CASES:
         _case(*case, args.repeat)
     return 0

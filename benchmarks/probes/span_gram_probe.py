@@ -27,7 +27,11 @@ import sys
 
 import torch
 
-from benchmarks.probes.compute_dtype_probe import median_seconds, side_by_side_arguments
+from benchmarks.probes.compute_dtype_probe import (
+    median_seconds,
+    print_table_head,
+    side_by_side_arguments,
+)
 from mergekit_ext.bf16_products import float32_product
 from mergekit_ext.methods.least_squares.solve import _outer_gram
 
@@ -78,14 +82,18 @@ def _case(label: str, tokens: int, width: int, repeat: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = side_by_side_arguments(__doc__, argv)
-    print(
-        f"torch {torch.__version__}, {args.threads} threads, capability "
-        f"{torch.backends.cpu.get_cpu_capability()}\n"
+    print_table_head(
+        args.threads,
+        [
+            "group",
+            "T x in",
+            "float64 s",
+            "float32 sums s",
+            "ratio",
+            "rel. error f64",
+            "rel. error f32",
+        ],
     )
-    print(
-        "| group | T x in | float64 s | float32 sums s | ratio | rel. error f64 | rel. error f32 |"
-    )
-    print("|---|---|---|---|---|---|---|")
     for label, tokens, width in CASES:
         _case(label, tokens, width, args.repeat)
     return 0

@@ -281,12 +281,12 @@ class LeastSquaresReduction(SumReduction):
         elif "system" in sums:  # the first of two rounds
             regmean_add_system(sums, gram, self.reduce_non_diagonal, omega, st.count)
             if omega > 0.0:
+                counts = sums["weighted_tasks"]
                 has_rows = float(_kept_rows(st) is not None)
-                sums["weighted_tasks"].add_(torch.tensor([1.0, has_rows], dtype=torch.float64))
+                counts.add_(torch.tensor([1.0, has_rows], dtype=counts.dtype, device=counts.device))
         elif self._by_rows:
             if omega > 0.0:
-                scratch = torch.empty(weight.shape, dtype=torch.float64, device=weight.device)
-                regmean_add_row_term(sums, self._products[position], omega, scratch)  # type: ignore[arg-type]
+                regmean_add_row_term(sums, self._products[position], omega)  # type: ignore[arg-type]
         else:
             regmean_add_numerator(
                 sums, weight, gram, self.reduce_non_diagonal, omega, self._products[position]

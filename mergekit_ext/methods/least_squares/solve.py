@@ -421,10 +421,15 @@ def regmean_solve(
 
 
 def regmean_add_row_term(
-    sums: dict[str, torch.Tensor], term: torch.Tensor, omega: float, scratch: torch.Tensor
+    sums: dict[str, torch.Tensor],
+    term: torch.Tensor,
+    omega: float,
+    scratch: Optional[torch.Tensor] = None,
 ) -> None:
     """Add ``ω_k`` times task k's :func:`row_term` to ``sums["numerator"]`` (float64, in task
-    order, as the numerator's terms)."""
+    order, as the numerator's terms); ``scratch`` as in :func:`regmean_add_numerator`."""
+    if scratch is None:
+        scratch = torch.empty(term.shape, dtype=torch.float64, device=term.device)
     sums["numerator"].add_(scratch.copy_(term), alpha=omega)
 
 
