@@ -382,3 +382,14 @@ def test_dense_solve_task_by_task_from_the_rows(monkeypatch, alpha, ridge, by_ro
     assert got.ridge == plain.ridge == ridge and got.solver == plain.solver
     assert got.condition_number == plain.condition_number
     assert got.references == pytest.approx(plain.references, rel=1e-9)
+
+
+def test_regrouped_span_correction_leaves_out_a_task_of_weight_zero():
+    """Three tasks, one with ω = 0: the two weighted ones regroup; still the closed form."""
+    xs = [inputs(23, 9), inputs(24, 5), inputs(25, 11)]  # 20 weighted tokens < 24 inputs
+    ws = expert_weights(3, 200)
+    omegas = [0.7, 0.0, 1.3]
+    grams = [x.T @ x / x.shape[0] for x in xs]
+    got = regmean_solve(ws, grams, 0.9, task_weights=omegas, ridge="auto", tokens=20, rows=xs)
+    assert got.solver == "cholesky in the span of 20 tokens"
+    assert rel(got.merged_weight, closed_form(ws, xs, 0.9, omegas, AUTO_RIDGE)) < 1e-9
