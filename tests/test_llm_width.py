@@ -382,6 +382,11 @@ def test_dense_solve_task_by_task_from_the_rows(monkeypatch, alpha, ridge, by_ro
     assert got.ridge == plain.ridge == ridge and got.solver == plain.solver
     assert got.condition_number == plain.condition_number
     assert got.references == pytest.approx(plain.references, rel=1e-9)
+    # a first task of weight zero, no references asked for
+    first_zero = [0.0, 1.0, 2.5]
+    bare = regmean_solve(ws, grams, alpha, task_weights=first_zero, ridge=ridge, gram_rows=xs)
+    assert bare.references is None
+    assert rel(bare.merged_weight, closed_form(ws, xs, alpha, first_zero, ridge)) < 1e-9
 
 
 def test_regrouped_span_correction_leaves_out_a_task_of_weight_zero():

@@ -34,8 +34,8 @@ from mergekit_ext.methods.least_squares.solve import (
     FactoredSystem,
     Ridge,
     Solver,
-    _factored_solution,
     factor_regmean_system,
+    factored_solution,
     regmean_add_numerator,
     regmean_add_row_term,
     regmean_add_system,
@@ -218,6 +218,8 @@ class LeastSquaresReduction(SumReduction):
         return products
 
     def next_round(self, totals: Mapping[str, torch.Tensor], group: LinearGroup) -> Any:
+        if not self._rows:  # as in solve: the group's output rows decide the path too
+            self._stacked, self._rows, _ = _stacked_weights(group, self.method)
         self._first = dict(totals)
         tokens = int(round(float(totals["tokens"].sum())))
         if float(totals["task_weight_sum"].sum()) <= 0.0:
@@ -323,7 +325,7 @@ class LeastSquaresReduction(SumReduction):
         else:
             assert self._factored is not None
             solution = (
-                _factored_solution(self._factored, sums["numerator"].to(out_dtype), tokens)
+                factored_solution(self._factored, sums["numerator"].to(out_dtype), tokens)
                 if self._by_rows
                 else solve_factored(
                     self._factored, dict(sums), name=name, out_dtype=out_dtype, tokens=tokens

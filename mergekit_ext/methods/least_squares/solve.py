@@ -391,11 +391,11 @@ def regmean_solve(
                 term, reference = row_term(w, x, factored.cholesky)
                 regmean_add_row_term(sums, term, omega, scratch)
                 del term
-            elif keep_references:
-                reference = task_reference(w, grams[k], x)
+            else:  # ω = 0: no term; its output error still has a reference
+                reference = task_reference(w, grams[k], x) if keep_references else math.nan
             references.append(reference)
         del scratch
-        solution = _factored_solution(factored, sums["numerator"].to(out_dtype), tokens)
+        solution = factored_solution(factored, sums["numerator"].to(out_dtype), tokens)
         solution.references = references if keep_references else None
         return solution
     narrow = (
@@ -1103,12 +1103,12 @@ def solve_factored(
         pinv, eigenvalues = _symmetric_pinv(system)
         merged = numerator @ pinv
         condition, condition_method = _condition_number(eigenvalues), "exact"
-    return _factored_solution(
+    return factored_solution(
         factored, merged.to(out_dtype), tokens, used, condition, condition_method
     )
 
 
-def _factored_solution(
+def factored_solution(
     factored: FactoredSystem,
     merged: torch.Tensor,
     tokens: Optional[int],
@@ -1116,6 +1116,8 @@ def _factored_solution(
     condition: Optional[float] = None,
     condition_method: Optional[str] = None,
 ) -> RegMeanSolution:
+    """The solution record of ``merged``, solved with ``factored`` (its solver, condition
+    number and ridge unless the solve fell back to another: ``used`` and the rest)."""
     return RegMeanSolution(
         merged,
         factored.condition if condition is None else condition,
