@@ -44,13 +44,12 @@ from mergekit_ext.methods.least_squares.solve import (
     regmean_zero_sums,
     regmean_zero_system_sums,
     resolve_ridge,
-    row_term,
     solve_factored,
     solve_regmean_sums,
     span_solve_applies,
     takes_row_terms,
     task_product,
-    task_reference,
+    task_row_term,
     trace_product,
 )
 from mergekit_ext.wide_sums import frobenius64
@@ -222,13 +221,12 @@ class LeastSquaresReduction(SumReduction):
             self._stacked, self._rows, _ = _stacked_weights(group, self.method)
         self._first = dict(totals)
         tokens = int(round(float(totals["tokens"].sum())))
-        if float(totals["task_weight_sum"].sum()) <= 0.0:
-            raise TensorError(
-                f"linear group {group.name}: the task weights are all zero; use "
-                "task_weighting: uniform"
-            )
         self._factored = factor_regmean_system(
-            self._first, ridge=self.ridge, solver=self.solver, tokens=tokens
+            self._first,
+            ridge=self.ridge,
+            solver=self.solver,
+            tokens=tokens,
+            name=f"linear group {group.name}",
         )
         weighted, with_rows = totals["weighted_tasks"].tolist()
         by_rows = takes_row_terms(
@@ -250,17 +248,12 @@ class LeastSquaresReduction(SumReduction):
         device = self._stacked[0].device
         if self._by_rows:
             cholesky = shared["cholesky"].to(device)
-            self._products, self._references = [], []
-            for w, g, omega, st in zip(self._stacked, self._grams, self._omegas, self._chosen):
-                rows = _kept_rows(st)
-                if omega > 0.0:
-                    assert rows is not None
-                    term, reference = row_term(w, rows, cholesky)
-                    self._products.append(term)
-                else:  # a task with ω = 0 adds nothing; its output error still has a reference
-                    self._products.append(None)
-                    reference = task_reference(w, g, rows)
-                self._references.append(reference)
+            parts = [
+                task_row_term(w, g, _kept_rows(st), omega, cholesky)
+                for w, g, omega, st in zip(self._stacked, self._grams, self._omegas, self._chosen)
+            ]
+            self._products = [term for term, _ in parts]
+            self._references = [reference for _, reference in parts]
         else:
             self._products = self._task_products()
         return regmean_zero_numerator_sums(

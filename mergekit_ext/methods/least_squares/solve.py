@@ -366,9 +366,7 @@ def regmean_solve(
     sums = regmean_zero_system_sums(n_in, device=device)
     for g, omega in zip(grams, weights):
         regmean_add_system(sums, g, reduce_non_diagonal, omega)
-    if float(sums["task_weight_sum"].sum()) <= 0.0:  # pragma: no cover - checked above
-        raise TensorError(f"{name}: the task weights are all zero; use task_weighting: uniform")
-    factored = factor_regmean_system(sums, ridge=ridge, solver=solver, tokens=tokens)
+    factored = factor_regmean_system(sums, ridge=ridge, solver=solver, tokens=tokens, name=name)
     positive = [k for k, omega in enumerate(weights) if omega > 0.0]
     by_rows = gram_rows is not None and all(gram_rows[k] is not None for k in positive)
     row_tokens = sum(int(gram_rows[k].shape[0]) for k in positive) if by_rows else 0  # type: ignore[index,union-attr]
@@ -384,15 +382,11 @@ def regmean_solve(
     scratch = torch.empty(shape, dtype=torch.float64, device=device)
     if takes_row_terms(factored, reduce_non_diagonal, shape[0], row_tokens, by_rows):
         assert gram_rows is not None and factored.cholesky is not None
-        for k, (w, omega) in enumerate(zip(expert_weights, weights)):
-            x = gram_rows[k]
-            if omega > 0.0:
-                assert x is not None
-                term, reference = row_term(w, x, factored.cholesky)
+        for w, g, x, omega in zip(expert_weights, grams, gram_rows, weights):
+            term, reference = task_row_term(w, g, x, omega, factored.cholesky, keep_references)
+            if term is not None:
                 regmean_add_row_term(sums, term, omega, scratch)
-                del term
-            else:  # ω = 0: no term; its output error still has a reference
-                reference = task_reference(w, grams[k], x) if keep_references else math.nan
+            del term
             references.append(reference)
         del scratch
         solution = factored_solution(factored, sums["numerator"].to(out_dtype), tokens)
@@ -433,13 +427,30 @@ def regmean_add_row_term(
     sums["numerator"].add_(scratch.copy_(term), alpha=omega)
 
 
-def task_reference(weight: torch.Tensor, gram: torch.Tensor, rows: Optional[torch.Tensor]) -> float:
-    """``tr(W G Wᵀ)``, the output error's reference, of a task with ω = 0 on the row path
-    (:func:`row_term` gives the others'): from its rows where it kept them."""
+def task_row_term(
+    weight: torch.Tensor,
+    gram: torch.Tensor,
+    rows: Optional[torch.Tensor],
+    omega: float,
+    cholesky: torch.Tensor,
+    keep_reference: bool = True,
+) -> tuple[Optional[torch.Tensor], float]:
+    """Task k's part on the row path, the same on one process and several.
+
+    Returns:
+        With ω > 0, its :func:`row_term` and reference (the task kept its rows). With ω = 0,
+        no term and the output error's reference ``tr(W G Wᵀ)`` alone, from its rows where it
+        kept them (NaN unless ``keep_reference``).
+    """
+    if omega > 0.0:
+        assert rows is not None
+        return row_term(weight, rows, cholesky)
+    if not keep_reference:
+        return None, math.nan
     if rows is not None:
         outputs = row_outputs(weight, rows)
-        return dot64(outputs, outputs) / int(rows.shape[0])
-    return trace_product(task_product(weight, gram), weight)
+        return None, dot64(outputs, outputs) / int(rows.shape[0])
+    return None, trace_product(task_product(weight, gram), weight)
 
 
 def task_product(
@@ -951,6 +962,7 @@ def factor_regmean_system(
     ridge: Ridge = 0.0,
     solver: Solver = "pinv",
     tokens: Optional[int] = None,
+    name: str = "<weight>",
 ) -> FactoredSystem:
     """The system of :func:`solve_regmean_sums` with its ridge decided and added, factored.
 
@@ -960,6 +972,8 @@ def factor_regmean_system(
     unregularised system is singular or its condition number exceeds
     :data:`AUTO_RIDGE_MAX_CONDITION` (:func:`auto_ridge_needed`), else exactly 0.
     """
+    if float(sums["task_weight_sum"].sum()) <= 0.0:
+        raise TensorError(f"{name}: the task weights are all zero; use task_weighting: uniform")
     system = sums["system"].double().clone()
     n_in = system.shape[0]
     auto = isinstance(ridge, str)
@@ -1039,9 +1053,7 @@ def solve_regmean_sums(
     ``consume``: the caller no longer needs ``sums``, so the out x in ones are solved in
     place instead of copied first (the same values).
     """
-    if float(sums["task_weight_sum"].sum()) <= 0.0:
-        raise TensorError(f"{name}: the task weights are all zero; use task_weighting: uniform")
-    factored = factor_regmean_system(sums, ridge=ridge, solver=solver, tokens=tokens)
+    factored = factor_regmean_system(sums, ridge=ridge, solver=solver, tokens=tokens, name=name)
     return solve_factored(
         factored, sums, name=name, out_dtype=out_dtype, tokens=tokens, consume=consume
     )
