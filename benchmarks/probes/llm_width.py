@@ -119,7 +119,13 @@ def _yaml(method: str, folder: str, experts: int, compute: str = "auto") -> str:
 
 
 def _child(
-    method: str, folder: str, experts: int, out: str, threads: int, compute: str = "auto"
+    method: str,
+    folder: str,
+    experts: int,
+    out: str,
+    threads: int,
+    compute: str = "auto",
+    device_name: str = "cpu",
 ) -> None:
     import logging
 
@@ -127,6 +133,12 @@ def _child(
     import torch
 
     torch.set_num_threads(threads)
+    device = torch.device(device_name)
+
+    def synchronize() -> None:  # the GPU's queued work belongs to the timed step
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     from mergekit.options import MergeOptions
 
     import mergekit_ext  # noqa: F401  (registers the methods)
@@ -158,6 +170,7 @@ def _child(
         try:
             return solve(*args, **kwargs)
         finally:
+            synchronize()
             name = str(kwargs.get("name", "?")).removeprefix("linear group ")
             timings["solve_s"][name] = time.perf_counter() - start
 
@@ -167,6 +180,7 @@ def _child(
     def timed_block(self: Any, block: Any, progress: Any = None) -> None:
         start, cpu = time.perf_counter(), time.process_time()
         merge_block(self, block, progress)
+        synchronize()
         timings["block_s"].append(time.perf_counter() - start)
         timings["block_cpu_s"].append(time.process_time() - cpu)
 
@@ -179,6 +193,7 @@ def _child(
         try:
             return merge_group(group, parameters)
         finally:
+            synchronize()
             timings["group_s"][group.name] = time.perf_counter() - start
 
     implementation.merge_linear_group = timed_group  # type: ignore[method-assign]
@@ -189,7 +204,7 @@ def _child(
     estimate = plan.memory.peak
     plan_warnings = list(warnings)
     start = time.perf_counter()
-    result = seq.SequentialExecutor(plan, out, torch.device("cpu")).run()
+    result = seq.SequentialExecutor(plan, out, device).run()
     wall = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     diagnostics = [
@@ -204,6 +219,8 @@ def _child(
         "method": method,
         "experts": experts,
         "threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "gpu_peak": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "compute": plan.compute.name if plan.compute is not None else "float32",
         "plan_s": plan_s,
         "wall_s": wall,
@@ -219,12 +236,17 @@ def _child(
 
 
 def _run_child(
-    method: str, folder: str, experts: int, threads: int, compute: str = "auto"
+    method: str,
+    folder: str,
+    experts: int,
+    threads: int,
+    compute: str = "auto",
+    device: str = "cpu",
 ) -> dict[str, Any]:
     out = tempfile.mkdtemp(prefix="llm-width-out-", dir=os.path.dirname(folder))
     cmd = [sys.executable, "-m", "benchmarks.probes.llm_width", "--child", method]
     cmd += ["--models-dir", folder, "--experts", str(experts), "--threads", str(threads)]
-    cmd += ["--out", out, "--compute-dtype", compute]
+    cmd += ["--out", out, "--compute-dtype", compute, "--device", device]
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
@@ -290,6 +312,12 @@ def report(results: list[dict[str, Any]]) -> str:
             f"{r['estimate'] / r['peak_rss']:.2f} | {r.get('load', float('nan')):.1f} |"
         )
     lines.append("")
+    for r in results:
+        if r.get("gpu_peak") is not None:
+            lines.append(
+                f"{r['method']} K={r['experts']} on {r['device']}: "
+                f"peak GPU memory {r['gpu_peak'] / gb:.2f} GB"
+            )
     for r in results:
         lines.append(
             f"{r['method']} {r.get('compute', 'float32')} K={r['experts']} "
@@ -427,6 +455,9 @@ def main(argv: list[str] | None = None) -> int:
         default=["float32", "bfloat16"],
         help="compute_dtype settings to run side by side (auto | float32 | bfloat16)",
     )
+    parser.add_argument(
+        "--device", default="cpu", help="where the merges run: cpu | cuda[:n] (the executor's)"
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -448,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
             args.out,
             args.threads[0],
             args.compute_dtype[0],
+            args.device,
         )
         return 0
     results = []
@@ -483,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             continue
-        r = _run_child(method, folder, experts, threads, compute)
+        r = _run_child(method, folder, experts, threads, compute, args.device)
         results.append(r)
         print(report([r]).split("\n")[4], flush=True)
         if args.json:

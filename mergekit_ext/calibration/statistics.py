@@ -126,8 +126,8 @@ class TaskStatistics:
         if self.gram is not None or self.rows is None:
             return self.gram
         sizes = list(self.row_batches) if self.row_batches else [self.rows.shape[0]]
-        total = torch.zeros(self.rows.shape[1], self.rows.shape[1], dtype=torch.float64)
-        total = total.to(self.rows.device)
+        dim = self.rows.shape[1]
+        total = torch.zeros(dim, dim, dtype=torch.float64, device=self.rows.device)
         chunks = gram_chunks(sizes, gram_chunk_rows(int(self.rows.shape[1])))
         for chunk in torch.split(self.rows, chunks):
             total.add_(gram_product(chunk))

@@ -75,15 +75,17 @@ def output_sketch(
     of variance ``1/P``, so ``E[SᵀS] = I``. Masked positions (padding) get 0.
     """
     per_sample = int(math.prod(shape[1:]))
+    # Built on the CPU whatever the merge's device, from a CPU generator: the same sketch, so
+    # the same merge, on every device (the caller moves it)
     if request.sketch_rows == 0:
-        eye = torch.eye(per_sample, dtype=torch.float32)
+        eye = torch.eye(per_sample, dtype=torch.float32, device="cpu")
         rows = eye.reshape(per_sample, 1, *shape[1:]).expand(per_sample, *shape).clone()
     else:
         generator = torch.Generator().manual_seed(seed)
-        rows = torch.randn(request.sketch_rows, *shape, generator=generator)
+        rows = torch.randn(request.sketch_rows, *shape, generator=generator, device="cpu")
         rows /= math.sqrt(request.sketch_rows)
     if mask is not None and len(shape) == 3:
-        rows *= mask[None, :, :, None].to(rows.dtype)
+        rows *= mask[None, :, :, None].to(device=rows.device, dtype=rows.dtype)
     return rows
 
 

@@ -124,7 +124,7 @@ def ace_merge_tensor(
     w0 = base.double()
     deltas = [e.double() - w0 for e in experts]
     n_in = w0.shape[1]
-    eye = torch.eye(n_in, dtype=torch.float64)
+    eye = torch.eye(n_in, dtype=torch.float64, device=w0.device)
 
     # Step 1: heterogeneity of the task-vector energies decides normalization.
     gamma = heterogeneity(deltas)

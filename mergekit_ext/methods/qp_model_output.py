@@ -168,10 +168,12 @@ class QPModelOutputFit(ModelOutputFit):
         solution = qp.solve_qp(equations, ridge=self.ridge, bounds=self.bounds, prior=self.prior)
         j_zero = qp.base_energy(equations)
         j_opt = qp.qp_objective(equations, solution.d)
-        n = out_dim * k_dim
+        n, device = out_dim * k_dim, equations.normal.device
         j_task_arithmetic = {
-            "1/K": qp.qp_objective(equations, qp.task_arithmetic_coefficients(n, 1.0 / k_dim)),
-            "1": qp.qp_objective(equations, qp.task_arithmetic_coefficients(n, 1.0)),
+            "1/K": qp.qp_objective(
+                equations, qp.task_arithmetic_coefficients(n, 1 / k_dim, device)
+            ),
+            "1": qp.qp_objective(equations, qp.task_arithmetic_coefficients(n, 1.0, device)),
         }
         d = solution.d.reshape(out_dim, k_dim)  # column r·K + k is d[r, k]
         largest = float(d.abs().max()) if d.numel() else 0.0

@@ -380,9 +380,11 @@ def base_energy(equations: QPNormalEquations) -> float:
     return max(float(equations.energy.sum()), 0.0)
 
 
-def task_arithmetic_coefficients(k_dim: int, scale: float) -> torch.Tensor:
+def task_arithmetic_coefficients(
+    k_dim: int, scale: float, device: Optional[torch.device] = None
+) -> torch.Tensor:
     """Task arithmetic ``W_0 + λ Σ_k Δ_k`` as the feasible point ``d_k = λ·1`` (``[K]``)."""
-    return torch.full((k_dim,), float(scale), dtype=_COMPUTE_DTYPE)
+    return torch.full((k_dim,), float(scale), dtype=_COMPUTE_DTYPE, device=device)
 
 
 def captured_energy_fraction(j_opt: float, j_zero: float, *, zero_feasible: bool = True) -> float:
@@ -516,9 +518,10 @@ def qp_merge_weight(
     j_zero = base_energy(equations)
     j_opt = qp_objective(equations, solution.d)
     k_dim = len(task_vectors)
+    device = equations.normal.device
     j_task_arithmetic = {
-        "1/K": qp_objective(equations, task_arithmetic_coefficients(k_dim, 1.0 / k_dim)),
-        "1": qp_objective(equations, task_arithmetic_coefficients(k_dim, 1.0)),
+        "1/K": qp_objective(equations, task_arithmetic_coefficients(k_dim, 1.0 / k_dim, device)),
+        "1": qp_objective(equations, task_arithmetic_coefficients(k_dim, 1.0, device)),
     }
     other: Optional[dict[str, float]] = None
     if diagnose_both_bases:

@@ -118,7 +118,7 @@ def interference_quadratic(
     """
     taus = [t.double() for t in task_vectors]
     n_in = taus[0].shape[1]
-    a = torch.zeros(n_in, n_in, dtype=torch.float64)
+    a = torch.zeros(n_in, n_in, dtype=torch.float64, device=taus[0].device)
     b = torch.zeros_like(taus[0])
     c = 0.0
     tasks = 0

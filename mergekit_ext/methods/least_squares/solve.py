@@ -186,7 +186,8 @@ def _ritz_values(
     from a seeded random block: the extreme eigenvalues of ``power``'s dominant end."""
     width = min(block, n)
     generator = torch.Generator().manual_seed(0)
-    start = torch.randn(n, width, generator=generator, dtype=torch.float64)
+    # drawn on the CPU whatever the device: the same start, so the same estimate, everywhere
+    start = torch.randn(n, width, generator=generator, dtype=torch.float64, device="cpu")
     basis = torch.linalg.qr(start.to(device=device, dtype=dtype)).Q
     for _ in range(iterations):
         basis = torch.linalg.qr(power(basis)).Q
@@ -534,7 +535,7 @@ def _outer_gram(rows: torch.Tensor, block: int = 1024) -> torch.Tensor:
     """``rows @ rows.T`` (``T x T``) from its lower block triangle: about half the flops of
     one GEMM at T ≫ block, and exactly symmetric."""
     t = int(rows.shape[0])
-    out = torch.empty((t, t), dtype=rows.dtype)
+    out = torch.empty((t, t), dtype=rows.dtype, device=rows.device)
     for i in range(0, t, block):
         top = min(i + block, t)
         torch.mm(rows[i:top], rows[:top].T, out=out[i:top, :top])
@@ -614,7 +615,9 @@ def span_solve(
     ]
     mean_diagonal = float(sum(omega * d for d, omega in zip(diagonals, weights)).mean())
     strength = ridge * mean_diagonal
-    e = torch.full((n_in,), strength, dtype=torch.float64)
+    device = expert_weights[0].device
+    f64 = dict(dtype=torch.float64, device=device)
+    e = torch.full((n_in,), strength, **f64)
     # The out x in work (W₀, each W_k − W₀, the expansion) runs in the products' dtype:
     # float32 after a bf16 / fp16 pass halves its memory traffic, which at LLM widths costs
     # as much as the products themselves (~5 s per block at 8B widths, measured); float64
@@ -624,15 +627,15 @@ def span_solve(
     # add_/addcmul_ gives the same bits but runs ~10x slower (~5 s per task for an 8B
     # gate_up, measured).
     work = product_dtype
-    w0 = torch.zeros((out, n_in), dtype=work)
-    delta = torch.empty((out, n_in), dtype=work)
+    w0 = torch.zeros((out, n_in), dtype=work, device=device)
+    delta = torch.empty((out, n_in), dtype=work, device=device)
     scales: list[torch.Tensor] = []  # W₀'s per-column weight of each expert, times E
     for w, d, omega in zip(expert_weights, diagonals, weights):
         e.add_(d, alpha=omega * (1.0 - reduce_non_diagonal))
         wide = delta.copy_(w)
         if reduce_non_diagonal == 1.0:
             w0.add_(wide, alpha=omega * strength / total)
-            scales.append(torch.full((n_in,), omega * strength / total, dtype=torch.float64))
+            scales.append(torch.full((n_in,), omega * strength / total, **f64))
         else:
             scale = omega * ((1.0 - reduce_non_diagonal) * d + strength / total)
             w0.addcmul_(wide, scale.to(work))
@@ -649,7 +652,7 @@ def span_solve(
         offsets.append(offsets[-1] + c)
     d_inv = torch.cat(
         [
-            torch.full((c,), c / (reduce_non_diagonal * weights[k]), dtype=torch.float64)
+            torch.full((c,), c / (reduce_non_diagonal * weights[k]), **f64)
             for k, c in zip(kept, counts)
         ]
     )
@@ -664,7 +667,8 @@ def span_solve(
     r_product = r_all.to(work)  # r_all itself when work is float64
     v_t: Optional[torch.Tensor] = None
     if not regroup:
-        v_t = torch.empty((total_rows, out), dtype=torch.float64 if solve_left else work)
+        v_dtype = torch.float64 if solve_left else work
+        v_t = torch.empty((total_rows, out), dtype=v_dtype, device=device)
         for k, a, b in zip(kept, offsets, offsets[1:]):
             delta.copy_(expert_weights[k]).sub_(w0)
             if v_t.dtype == work:
