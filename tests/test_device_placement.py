@@ -143,12 +143,11 @@ def test_sum_reduction_allocates_on_its_inputs_device(method, parameters, kept_r
     stats, tokens = (test_distributed._row_stats, 4) if kept_rows else (test_distributed._stats, 40)
     expert = [stats(torch.randn(tokens, 6, generator=gen) * (1 + i)) for i in range(3)]
     merged_path = [stats(torch.randn(tokens, 6, generator=gen) + i) for i in range(3)]
-    reduced = _on_meta_default(
-        lambda: test_distributed._reduce_like_two_ranks(
-            method, parameters, weights, expert, merged_path
-        )
-    )
-    assert reduced is not None
+    reduce = test_distributed._reduce_like_two_ranks
+    reduced = _on_meta_default(lambda: reduce(method, parameters, weights, expert, merged_path))
+    if reduced is None:  # gathered to one rank: the group merge, as above
+        whole = test_distributed._group([0, 1, 2], weights, expert, merged_path)
+        _on_meta_default(lambda: method.merge_linear_group(whole, parameters))
 
 
 def test_activation_statistics_allocate_on_the_rows_device():
@@ -199,5 +198,8 @@ def test_least_squares_group_on_cuda_matches_the_cpu(case, method):
     on_gpu = _group([x.cuda() for x in xs], [w.cuda() for w in ws], keep_rows=keep)
     gpu_w, gpu_d = method.merge_linear_group(on_gpu, parameters)
     assert gpu_w["blk.fc.weight"].is_cuda
-    torch.testing.assert_close(gpu_w["blk.fc.weight"].cpu(), cpu_w["blk.fc.weight"])
+    # float32 products summed in another order: float32's rounding, amplified by the solve
+    torch.testing.assert_close(
+        gpu_w["blk.fc.weight"].cpu(), cpu_w["blk.fc.weight"], rtol=1e-4, atol=1e-5
+    )
     assert gpu_d["solver"] == cpu_d["solver"] and gpu_d["ridge"] == cpu_d["ridge"]

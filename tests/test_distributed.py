@@ -446,6 +446,8 @@ def _reduce_like_two_ranks(method, parameters, weights, expert, merged_path):
     for round_ in range(reductions[0].rounds):
         if round_ > 0:  # the solver's decision reaches every rank, which starts the round
             shared = reductions[1].next_round(sums, locals_[1])
+            if shared.get("gather"):  # the first round's sums call for the whole group
+                return None
             starts = [r.start_round(shared, g) for r, g in zip(reductions, locals_)]
             sums = starts[0]
         for k in range(3):
@@ -651,3 +653,71 @@ def test_float32_statistics_merge_close_to_float64(tiny_llama_set, tmp_path):
     assert set(seen) == {torch.float64, torch.float32}
     for name, tensor in outputs["float64"].items():
         torch.testing.assert_close(outputs["float32"][name], tensor, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "parameters, gathered",
+    [
+        ({"ridge": 0.1}, True),  # after the system's round: the ridge makes the span pay
+        ({"ridge": 0.1, "reduce_non_diagonal": 0.9}, True),  # one round: gathered at the vote
+        ({"ridge": "auto"}, False),  # a well-conditioned system: no ridge, row terms
+        ({"ridge": 0.0}, False),
+    ],
+)
+def test_rows_beyond_the_inputs_gather_where_the_span_solve_pays(parameters, gathered):
+    """More tokens than inputs (12 for 6), each task's rows kept, wide outputs: with a ridge
+    the span solve pays, so the group meets on one rank, which decides as one process does
+    (two rounds find out from the system's sums, one round at the vote); without a ridge
+    the sums are reduced, with the bytes of one process."""
+    gen = torch.Generator().manual_seed(3)
+    weights = [
+        {"q": torch.randn(300, 6, generator=gen), "k": torch.randn(2, 6, generator=gen)}
+        for _ in range(3)
+    ]
+    expert = [_row_stats(torch.randn(4, 6, generator=gen) * (1 + i)) for i in range(3)]
+    merged_path = [_row_stats(torch.randn(4, 6, generator=gen) + i) for i in range(3)]
+    method = RegMeanMethod()
+    whole, diag = method.merge_linear_group(
+        _group([0, 1, 2], weights, expert, merged_path), parameters
+    )
+    reduced = _reduce_like_two_ranks(method, parameters, weights, expert, merged_path)
+    assert (reduced is None) == gathered
+    if gathered:  # one process took the span solve
+        assert diag["solver"] == "cholesky in the span of 12 tokens"
+    if reduced is not None:
+        assert all(torch.equal(reduced[0][n], whole[n]) for n in whole)
+
+
+def test_two_ranks_gather_after_the_first_round_where_a_ridge_makes_the_span_pay(
+    tiny_llama_set, tmp_path
+):
+    """Each task's tokens under the 32-wide groups' inputs, more than 32 together, a ridge:
+    the system's round finds that the span solve pays, the group meets on rank 0 after it,
+    and W = 2 writes the bytes and records of W = 1."""
+    experts = list(tiny_llama_set.experts[:2])
+    config = _write_config(str(tmp_path), "regmean", tiny_llama_set.base, experts, {"ridge": 0.1})
+    with open(config, encoding="utf-8") as fp:
+        data = yaml.safe_load(fp)
+    data["calibration"].update(samples=3, max_length=10)
+    with open(config, "w", encoding="utf-8") as fp:
+        yaml.safe_dump(data, fp)
+    reference = str(tmp_path / "one" / "merged")
+    _single_process(config, reference)
+    diag_one = json.load(open(os.path.join(reference, "mergekit_ext_diagnostics.json")))
+    late = [
+        r
+        for r in diag_one["sections"]["regmean"]["layers"]
+        if r["solver"].startswith("cholesky in the span") and r["tokens"] >= r["input_width"]
+    ]
+    assert late, "no group took the span solve with at least as many tokens as inputs"
+
+    out = str(tmp_path / "two" / "merged")
+    results = _launch(
+        2, [config, out, "--distributed-timeout", str(COLLECTIVE_TIMEOUT_S)], str(tmp_path)
+    )
+    assert [rc for rc, _ in results] == [0, 0], results
+    one = load_file(os.path.join(reference, "model.safetensors"))
+    two = load_file(os.path.join(out, "model.safetensors"))
+    assert all(torch.equal(one[name], two[name]) for name in one)
+    diag_two = json.load(open(os.path.join(out, "mergekit_ext_diagnostics.json")))
+    assert diag_two["sections"] == diag_one["sections"]

@@ -9,6 +9,7 @@ closed form; the diagnostics stay finite and the plan warns with the numbers.
 from __future__ import annotations
 
 import logging
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -398,3 +399,38 @@ def test_regrouped_span_correction_leaves_out_a_task_of_weight_zero():
     got = regmean_solve(ws, grams, 0.9, task_weights=omegas, ridge="auto", tokens=20, rows=xs)
     assert got.solver == "cholesky in the span of 20 tokens"
     assert rel(got.merged_weight, closed_form(ws, xs, 0.9, omegas, AUTO_RIDGE)) < 1e-9
+
+
+@pytest.mark.parametrize("out, span", [(200, True), (16, False)])
+def test_more_tokens_than_inputs_solve_in_the_span_where_a_ridge_makes_it_pay(out, span):
+    """T ≥ in, each task's rows kept and a ridge: the same solution, in the tokens' span where
+    that does less work (wide outputs) and densely otherwise."""
+    xs = [inputs(60, 14), inputs(61, 16)]  # 30 tokens >= 24 inputs, each task fewer
+    ws = expert_weights(2, out)
+    grams = [x.T @ x / x.shape[0] for x in xs]
+    assert least_squares.span_solve_pays(out, DIM, [14, 16]) == span
+    got = regmean_solve(ws, grams, 1.0, ridge=0.1, tokens=30, rows=xs)
+    assert got.solver == ("cholesky in the span of 30 tokens" if span else "pinv")
+    assert rel(got.merged_weight, closed_form(ws, xs, 1.0, [1.0, 1.0], 0.1)) < 1e-9
+    dense = regmean_solve(ws, grams, 1.0, ridge=0.1, tokens=30)  # no rows: the dense solve
+    assert (got.condition_number, got.ridge) == (dense.condition_number, dense.ridge)
+
+
+def test_auto_ridge_on_an_ill_conditioned_system_then_solves_in_the_span():
+    """As many tokens as inputs (2 x 2,048 for 4,096 at 8B widths): auto finds Σ ω G̃
+    ill-conditioned, adds its ridge, and the wide group is then solved in the span; the
+    record keeps why, and the condition number before the ridge."""
+    xs = [inputs(62, 12), inputs(63, 12)]  # 24 tokens for 24 inputs: condition ~4e6
+    ws = expert_weights(2, 200)
+    grams = [x.T @ x / x.shape[0] for x in xs]
+    got = regmean_solve(ws, grams, 1.0, ridge="auto", tokens=24, rows=xs)
+    dense = regmean_solve(ws, grams, 1.0, ridge="auto", tokens=24)
+    assert got.solver == "cholesky in the span of 24 tokens" and dense.solver == "pinv"
+    assert got.ridge == dense.ridge == AUTO_RIDGE
+    assert got.ridge_reason == dense.ridge_reason and "condition number" in got.ridge_reason
+    assert got.condition_number_unregularized == dense.condition_number_unregularized
+    assert (
+        math.isfinite(got.condition_number_unregularized)
+        and got.condition_number_unregularized > 1e6
+    )
+    assert rel(got.merged_weight, closed_form(ws, xs, 1.0, [1.0, 1.0], AUTO_RIDGE)) < 1e-9

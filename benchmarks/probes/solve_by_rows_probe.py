@@ -1,4 +1,4 @@
-"""The least-squares solve's two row-based shortcuts against the forms they replace, side by
+"""The least-squares solve's row-based shortcuts against the forms they replace, side by
 side in one process (issue #31).
 
 - **span, regrouped**: two tasks, fewer tokens than inputs, more outputs than inputs; the
@@ -6,12 +6,17 @@ side in one process (issue #31).
   ``V = [(W_k − W₀) X_kᵀ]_k`` and its expansion (two ``out x in x T`` ones);
 - **dense, row terms**: α = 1, no ridge, every task's rows kept, fewer tokens than outputs;
   ``Σ_k ω_k (W_k X_kᵀ)(X_k A⁻¹) / N_k`` (``2·T·in²`` float64 for the solves) against the
-  numerator's solve ``N A⁻¹`` (``2·out·in²``).
+  numerator's solve ``N A⁻¹`` (``2·out·in²``);
+- **span at T ≥ in**: a ridge, every task's rows kept, as many tokens as inputs (2 x 2,048
+  for 4,096: ``ridge: auto`` finds such a system ill-conditioned); the span solve after the
+  dense system is factored, where ``solve.span_solve_pays``, against the dense numerator and
+  its solve.
 
 The "before" side is the same ``regmean_solve`` with the shortcut's test
-(``solve._regroups`` / ``solve.takes_row_terms``) answering no. The groups have 8B
+(``solve._regroups`` / ``solve.takes_row_terms`` / ``solve.span_solve_pays``) answering
+no. The groups have 8B
 (Llama-3-8B) shapes, bfloat16-valued weights and rows (a bfloat16 pass on bfloat16
-checkpoints), 2,000 tokens per task. Besides the times, each case prints both results'
+checkpoints), 2,000 or 2,048 tokens per task. Besides the times, each case prints both results'
 distance to the float64 solution of the same system (relative Frobenius error) and the share
 of entries whose bfloat16 rounding (the written checkpoint's) differs from the float64
 solution's. Median of ``--repeat`` after a warm-up.
@@ -39,19 +44,24 @@ CASES = [
     ("span, regrouped: gate_up, K = 2", 28672, 4096, 2, 2000, 0.01),
     ("span, regrouped: qkv, K = 2", 6144, 4096, 2, 2000, 0.01),
     ("dense, row terms: gate_up, K = 4", 28672, 4096, 4, 2000, 0.0),
+    ("span at T = in: gate_up, K = 2", 28672, 4096, 2, 2048, 0.01),
+    ("span at T = in: qkv, K = 2", 6144, 4096, 2, 2048, 0.01),
+    ("span at T = in: o_proj, K = 2", 4096, 4096, 2, 2048, 0.01),
 ]
 
 
 @contextlib.contextmanager
 def _without_shortcuts() -> Iterator[None]:
-    """``regmean_solve`` as it was: no regrouped span correction, no row terms."""
-    regroups, row_terms = solve._regroups, solve.takes_row_terms
+    """``regmean_solve`` as it was: no regrouped span correction, no row terms, no span solve
+    at T ≥ in."""
+    saved = solve._regroups, solve.takes_row_terms, solve.span_solve_pays
     solve._regroups = lambda *args: False  # type: ignore[assignment]
     solve.takes_row_terms = lambda *args: False  # type: ignore[assignment]
+    solve.span_solve_pays = lambda *args: False  # type: ignore[assignment]
     try:
         yield
     finally:
-        solve._regroups, solve.takes_row_terms = regroups, row_terms  # type: ignore[assignment]
+        solve._regroups, solve.takes_row_terms, solve.span_solve_pays = saved  # type: ignore[assignment]
 
 
 def _case(label: str, out: int, width: int, tasks: int, tokens: int, ridge: float, repeat: int):
@@ -65,8 +75,11 @@ def _case(label: str, out: int, width: int, tasks: int, tokens: int, ridge: floa
         (torch.nn.functional.silu(torch.randn(tokens, width, generator=g)) * 2).bfloat16().float()
         for _ in range(tasks)
     ]
+    # as the group driver passes them: every task's rows while each has fewer tokens than
+    # inputs, the Grams formed from them unless the span solve applies before any solve
     span = tasks * tokens < width
     grams = [None if span else solve._gram_of(x) for x in rows]
+    kept = rows if tokens < width else None
 
     def run() -> torch.Tensor:
         return solve.regmean_solve(
@@ -74,7 +87,7 @@ def _case(label: str, out: int, width: int, tasks: int, tokens: int, ridge: floa
             grams,
             1.0,
             ridge=ridge,
-            rows=rows if span else None,
+            rows=kept,
             gram_rows=None if span else rows,
             tokens=tasks * tokens,
             compute_dtype=torch.bfloat16,

@@ -37,7 +37,7 @@ from mergekit_ext.executor.model_output_checks import (
     estimate_model_output_memory,
 )
 from mergekit_ext.methods.layerwise import LayerwiseMethod, StatisticsRequest
-from mergekit_ext.methods.least_squares import AUTO_RIDGE
+from mergekit_ext.methods.least_squares import AUTO_RIDGE, span_solve_may_apply
 from mergekit_ext.models.checkpoint import (
     HEAD_PREFIX,
     ModelSource,
@@ -827,6 +827,19 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
                 and alpha > 0
                 and (ridge == "auto" or (isinstance(ridge, (int, float)) and ridge > 0))
             )
+            # more tokens than inputs, each task's fewer: where a ridge makes the span solve
+            # pay, several processes gather the group on rank 0, which forms every task's
+            # Gram first (the dense bytes bound both solves)
+            counts = [int(e.data.num_tokens) for e in plan.experts if e.data is not None]
+            late_span = bool(
+                several
+                and keeps
+                and not span
+                and ridge is not None
+                and len(counts) == k_all
+                and all(n < width for n in counts)
+                and span_solve_may_apply(alpha, ridge, out, width, counts)
+            )
             merged_stats = raw + k_run * normalized if request.propagate else 0
             if request.propagate:  # the expert path is a reference: no normalized Gram
                 limit = request.reference_gram_max_dim
@@ -841,16 +854,17 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
             )
             # kept matrices: the group's base and expert weights widened to float32 for it
             widen = out * width * 4 if keep_of(b) is not None else 0
-            if several and (gathers or span):
+            if several and (gathers or span or late_span):
                 # gathered: rank 0 merges the whole group (a span group: every task's rows
                 # and linear weights)
                 solve = (
                     _solve_bytes(width, out, k_all, tokens if span else None, low)
                     + (k_all + 1) * widen
+                    + (k_all * width * width * 8 if late_span else 0)
                     if rank == 0
                     else 0
                 )
-                if span and rank == 0:
+                if (span or late_span) and rank == 0:
                     others = [
                         int(e.data.num_tokens)
                         for i, e in enumerate(plan.experts)

@@ -1106,12 +1106,18 @@ class SequentialExecutor:
                     reduction.next_round(totals, local) if solves else None,  # type: ignore[arg-type]
                     src=solver,
                 )
+                if isinstance(shared, dict) and shared.get("gather"):
+                    # the first round's sums decided that the whole group must meet on one
+                    # rank after all (a span solve once the ridge is known): rank 0 merges it
+                    reduction, weights_along, solver = None, True, 0
+                    solves = self.dist.rank == solver
+                    break
                 start = reduction.start_round(shared, local) if self.holds else None
                 totals = self._sums_in_task_order(reduction, local, solver, start)
-            if solves:
+            if reduction is not None and solves:
                 assert totals is not None
                 result, diagnostics = reduction.solve(totals, local)
-        else:
+        if reduction is None:
             payload = (
                 [s.index for s in self._held_states],
                 [_on(st, "cpu") for st in local.expert_stats or []],

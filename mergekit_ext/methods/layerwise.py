@@ -229,7 +229,9 @@ class SumReduction(ABC):
 
     def next_round(self, totals: Mapping[str, torch.Tensor], group: LinearGroup) -> Any:
         """On rank ``solver``, with the totals of a round before the last: what every rank
-        needs for the next (picklable, CPU tensors), passed to :meth:`start_round`."""
+        needs for the next (picklable, CPU tensors), passed to :meth:`start_round`. A dict
+        with ``"gather": True`` ends the reduction instead: the executor then gathers the
+        group to rank 0 as :meth:`needs_gather` would have."""
         raise NotImplementedError(f"{type(self).__name__} reduces in one round")
 
     def start_round(self, shared: Any, group: LinearGroup) -> dict[str, torch.Tensor]:

@@ -60,6 +60,8 @@ from mergekit_ext.methods.least_squares.solve import (
     solve_regmean_sums,
     span_solve,
     span_solve_applies,
+    span_solve_may_apply,
+    span_solve_pays,
     takes_row_terms,
 )
 
@@ -96,5 +98,7 @@ __all__ = [
     "solve_regmean_sums",
     "span_solve",
     "span_solve_applies",
+    "span_solve_may_apply",
+    "span_solve_pays",
     "takes_row_terms",
 ]

@@ -47,6 +47,8 @@ from mergekit_ext.methods.least_squares.solve import (
     solve_factored,
     solve_regmean_sums,
     span_solve_applies,
+    span_solve_may_apply,
+    span_work_pays,
     takes_row_terms,
     task_product,
     task_row_term,
@@ -156,18 +158,28 @@ class LeastSquaresReduction(SumReduction):
         self._setup(group)
         return {
             "rows": _token_rows(self._chosen) is not None,
-            "tokens": sum(st.count for st, w in zip(self._chosen, self._omegas) if w > 0.0),
+            "counts": [st.count for st, w in zip(self._chosen, self._omegas) if w > 0.0],
+            "outputs": int(self._stacked[0].shape[0]),
             "inputs": int(self._stacked[0].shape[1]),
         }
 
     def needs_gather(self, votes: Sequence[Any]) -> bool:
-        # The span solve (every task kept its rows and all tasks together have fewer tokens
-        # than inputs, with a ridge) needs every task's rows on one rank; the dense solve
-        # needs only the sums, each task's Gram formed from its rows where it kept them.
-        tokens = sum(v["tokens"] for v in votes)
+        # The span solve (every task kept its rows, with a ridge) needs every task's rows on
+        # one rank, which then decides as one process does; the dense solve needs only the
+        # sums, each task's Gram formed from its rows where it kept them. With fewer tokens
+        # than inputs that is known now; with more, only once the ridge is: two rounds
+        # decide after the first (next_round), one round must gather wherever it may pay.
+        counts = [n for v in votes for n in v["counts"]]
         n_in = votes[0]["inputs"]
-        return all(v["rows"] for v in votes) and span_solve_applies(
+        tokens = sum(counts)
+        if not all(v["rows"] for v in votes):
+            return False
+        if span_solve_applies(
             self.reduce_non_diagonal, resolve_ridge(self.ridge, n_in, tokens), tokens, n_in
+        ):
+            return True
+        return self.rounds == 1 and span_solve_may_apply(
+            self.reduce_non_diagonal, self.ridge, votes[0]["outputs"], n_in, counts
         )
 
     def prepare(self, group: LinearGroup) -> dict[str, torch.Tensor]:
@@ -200,8 +212,9 @@ class LeastSquaresReduction(SumReduction):
             )
         else:
             sums = regmean_zero_system_sums(int(self._stacked[0].shape[1]), device=device)
-            # weighted tasks, and those of them whose rows are their Gram's (row terms)
-            sums["weighted_tasks"] = torch.zeros(2, dtype=torch.float64, device=device)
+            # weighted tasks, those of them whose rows are their Gram's (row terms), their
+            # Σ min(2·N_k, in) (span_work_pays), and the tasks of any weight without rows
+            sums["weighted_tasks"] = torch.zeros(4, dtype=torch.float64, device=device)
         sums["expert_norm_max"] = torch.zeros(len(self._rows), dtype=torch.float64, device=device)
         return sums
 
@@ -228,16 +241,22 @@ class LeastSquaresReduction(SumReduction):
             tokens=tokens,
             name=f"linear group {group.name}",
         )
-        weighted, with_rows = totals["weighted_tasks"].tolist()
+        weighted, with_rows, product_rows, without_rows = totals["weighted_tasks"].tolist()
+        out, n_in = sum(self._rows), int(self._stacked[0].shape[1])
+        # a ridge, now known, and every task's rows: the span solve where it pays, on the
+        # whole group gathered to one rank (regmean_solve's own decision, so the same bytes)
+        gather = (
+            without_rows == 0
+            and self._factored.ridge > 0.0
+            and self.reduce_non_diagonal > 0.0
+            and span_work_pays(out, n_in, tokens, int(weighted), int(product_rows))
+        )
         by_rows = takes_row_terms(
-            self._factored,
-            self.reduce_non_diagonal,
-            sum(self._rows),
-            tokens,
-            with_rows == weighted,
+            self._factored, self.reduce_non_diagonal, out, tokens, with_rows == weighted
         )
         cholesky = self._factored.cholesky
         return {
+            "gather": gather,
             "by_rows": by_rows,
             "ridge": self._factored.ridge > 0.0,
             "cholesky": cholesky.cpu() if by_rows and cholesky is not None else None,
@@ -275,10 +294,13 @@ class LeastSquaresReduction(SumReduction):
             )
         elif "system" in sums:  # the first of two rounds
             regmean_add_system(sums, gram, self.reduce_non_diagonal, omega, st.count)
-            if omega > 0.0:
-                counts = sums["weighted_tasks"]
-                has_rows = float(_kept_rows(st) is not None)
-                counts.add_(torch.tensor([1.0, has_rows], dtype=counts.dtype, device=counts.device))
+            counts = sums["weighted_tasks"]
+            rows = float(_kept_rows(st) is not None)
+            n_in = int(self._stacked[0].shape[1])
+            weighted = [1.0, rows, rows * min(2 * st.count, n_in)] if omega > 0.0 else [0.0] * 3
+            counts.add_(
+                torch.tensor([*weighted, 1.0 - rows], dtype=counts.dtype, device=counts.device)
+            )
         elif self._by_rows:
             if omega > 0.0:
                 regmean_add_row_term(sums, self._products[position], omega)  # type: ignore[arg-type]

@@ -210,6 +210,59 @@ def span_solve_applies(
     return relative_ridge > 0.0 and reduce_non_diagonal > 0.0 and tokens < n_in
 
 
+def span_solve_pays(out: int, n_in: int, counts: Sequence[int]) -> bool:
+    """Whether :func:`span_solve` is worth its work against the dense solve's numerator and
+    solve, with a ridge applied and every weighted task's rows at hand (``counts``: their
+    tokens): at most twice the dense work.
+
+    Twice, because the span form is the more accurate one where a ridge was needed: its
+    products are of the experts' differences from ``W₀``, so their float32 rounding is not
+    amplified by the condition number that called for the ridge, where the dense solve's
+    ``Σ ω W_k G_k`` is (8B groups at 2 x 2,048 tokens, bf16 rows: 0.01–0.08 % of the written
+    bf16 entries differ from the float64 solution's, against 1.26 % densely; measured,
+    docs/methods.md). The dense solve has formed the Grams and factored ``Σ ω G̃`` by then
+    (its ridge decided from them), so only what follows is compared: the products
+    ``W_k G_k`` and the numerator's triangular solves (``2·out·in²``, float64) against the
+    span solve's ``H``, its factor, its triangular solves and its ``out x in x T`` products
+    (:func:`_regroups`). Counted in multiply-adds, a float64 one as two float32 ones (their
+    rates on AVX-512 and on most GPUs' CUDA cores): an 8B ``gate_up`` at 2 x 2,048 tokens
+    does 3.1x less work in the span, ``qkv`` 1.1x less, ``o_proj`` 1.3x more.
+    """
+    product_rows = sum(min(2 * n, n_in) for n in counts)
+    return span_work_pays(out, n_in, sum(counts), len(counts), product_rows)
+
+
+def span_work_pays(out: int, n_in: int, tokens: int, tasks: int, product_rows: int) -> bool:
+    """:func:`span_solve_pays` from sums over the weighted tasks (what a reduction carries):
+    their ``tokens``, their number and ``product_rows`` = ``Σ_k min(2·N_k, in)``."""
+    t = tokens
+    system = t * t * n_in + 2 * t**3 // 3  # H (half a GEMM) and its factor, float64
+    if out <= n_in:  # V H⁻¹ solved (T x out); V and its expansion
+        span = system + 4 * t * t * out + 2 * out * n_in * t
+    elif _regroups_for(out, n_in, t, tasks):  # H⁻¹ R E⁻¹ solved; the M_k; one out x in x in
+        span = system + 4 * t * t * n_in + n_in * n_in * t + out * n_in * n_in
+    else:  # H⁻¹ R E⁻¹ solved; V and its expansion
+        span = system + 4 * t * t * n_in + 2 * out * n_in * t
+    products = out * n_in * product_rows  # task_product: from the rows or with the Gram
+    return span <= 2 * (products + 4 * out * n_in * n_in)
+
+
+def span_solve_may_apply(
+    reduce_non_diagonal: float, ridge: Ridge, out: int, n_in: int, counts: Sequence[int]
+) -> bool:
+    """Before any sum: whether a group whose weighted tasks all kept their rows (``counts``:
+    their tokens) may be solved in the rows' span, by :func:`regmean_solve` either at once
+    (:func:`span_solve_applies`) or once the dense system has its ridge (a ridge that
+    ``auto`` may add there, and :func:`span_solve_pays`). Where it may, the tasks' rows
+    must meet on one process."""
+    tokens = sum(counts)
+    relative = resolve_ridge(ridge, n_in, tokens)
+    if span_solve_applies(reduce_non_diagonal, relative, tokens, n_in):
+        return True
+    may_ridge = relative > 0.0 or ridge == "auto"
+    return may_ridge and reduce_non_diagonal > 0.0 and span_solve_pays(out, n_in, counts)
+
+
 def resolve_ridge(ridge: Ridge, n_in: int, tokens: Optional[int]) -> float:
     """The relative ridge known before the solve: ``auto`` is :data:`AUTO_RIDGE` when fewer
     than ``n_in`` calibration tokens stand behind the Gram (it is then rank-deficient by
@@ -369,6 +422,26 @@ def regmean_solve(
         regmean_add_system(sums, g, reduce_non_diagonal, omega)
     factored = factor_regmean_system(sums, ridge=ridge, solver=solver, tokens=tokens, name=name)
     positive = [k for k, omega in enumerate(weights) if omega > 0.0]
+    if rows is not None and factored.ridge > 0.0 and reduce_non_diagonal > 0.0:
+        # As many tokens as inputs or more, and a ridge (set, or added by auto on an
+        # ill-conditioned system): the same solution in the tokens' span where that pays
+        counts = [int(rows[k].shape[0]) for k in positive]
+        if span_solve_pays(shape[0], n_in, counts):
+            del sums
+            solution = span_solve(
+                expert_weights,
+                grams,
+                rows,
+                reduce_non_diagonal,
+                task_weights=weights,
+                ridge=factored.ridge,
+                tokens=tokens,
+                ridge_reason=factored.reason,
+                product_dtype=span_product_dtype(compute_dtype, out_dtype),
+                condition=(factored.condition, factored.condition_method),
+            )
+            solution.condition_number_unregularized = factored.unregularized
+            return solution
     by_rows = gram_rows is not None and all(gram_rows[k] is not None for k in positive)
     row_tokens = sum(int(gram_rows[k].shape[0]) for k in positive) if by_rows else 0  # type: ignore[index,union-attr]
     sums.update(
@@ -550,8 +623,11 @@ def _regroups(out: int, n_in: int, counts: Sequence[int]) -> bool:
     ``M_k`` plus ``2·out·in²`` for one ``out x in x in`` product, against ``4·out·in·T`` for
     ``V`` and its expansion. With T < in this can only pay for two tasks (``K' − 1 < 2T/in``)
     and when out > in: an 8B ``gate_up`` at 4,000 tokens does 41 % fewer multiply-adds."""
-    tokens = sum(counts)
-    return len(counts) == 2 and n_in * (tokens + out) < 2 * out * tokens
+    return _regroups_for(out, n_in, sum(counts), len(counts))
+
+
+def _regroups_for(out: int, n_in: int, tokens: int, tasks: int) -> bool:
+    return tasks == 2 and n_in * (tokens + out) < 2 * out * tokens
 
 
 def span_solve(
@@ -565,6 +641,7 @@ def span_solve(
     tokens: Optional[int] = None,
     ridge_reason: str = "as set",
     product_dtype: torch.dtype = torch.float64,
+    condition: Optional[tuple[float, str]] = None,
 ) -> RegMeanSolution:
     """The ridge-regularised RegMean solution written in the span of the calibration tokens.
 
@@ -581,7 +658,9 @@ def span_solve(
 
     exactly (Woodbury), for any T. It is used when T < in: then ``A``'s ``in x in``
     factorisation (O(in³)) is replaced by ``H``'s (O(T³)) and O(T · in · (T + out)) products;
-    in the directions no token spans, ``W = W₀``.
+    in the directions no token spans, ``W = W₀``. With T ≥ in, :func:`regmean_solve` takes
+    it where a ridge was applied and it does less work (:func:`span_solve_pays`), passing
+    the ``condition`` number (and its method) it already has.
 
     Two tasks (a, b) with out > in regroup the correction when that is cheaper
     (:func:`_regroups`): ``W₀ = W_a S_a + W_b S_b`` with ``S_k`` the diagonal of expert k's
@@ -713,20 +792,22 @@ def span_solve(
     merged = w0
 
     d = 1.0 / d_inv
-    if n_in <= EXACT_CONDITION_MAX_DIM:
+    if condition is not None:
+        number, method = condition
+    elif n_in <= EXACT_CONDITION_MAX_DIM:
         system = (r_all.T * d) @ r_all
         torch.diagonal(system).add_(e)
         eigenvalues = torch.linalg.eigvalsh(0.5 * (system + system.T))
-        condition, method = _condition_number(eigenvalues), "exact"
+        number, method = _condition_number(eigenvalues), "exact"
     elif reduce_non_diagonal == 1.0:
         # E = λ I and T < in: λ_min(A) = λ exactly (A = λ I off the tokens' span) and
         # λ_max(A) = λ · λ_max(D^½ H D^½), from the T x T matrix already formed.
         root = d.sqrt()
         scaled = root[:, None] * h * root[None, :]
-        condition = float(_ritz_values(lambda q: scaled @ q, lambda q: scaled @ q, len(d)).max())
+        number = float(_ritz_values(lambda q: scaled @ q, lambda q: scaled @ q, len(d)).max())
         method = "estimate"
     else:
-        condition = estimate_condition_number_of(
+        number = estimate_condition_number_of(
             lambda q: r_all.T @ (d[:, None] * (r_all @ q)) + e[:, None] * q,
             lambda q: q / e[:, None] - f.T @ torch.cholesky_solve(f @ q, factor),
             n_in,
@@ -734,7 +815,7 @@ def span_solve(
         method = "estimate"
     return RegMeanSolution(
         merged.to(out_dtype),
-        condition,
+        number,
         f"cholesky in the span of {total_rows} tokens",
         method,
         None,
