@@ -15,13 +15,14 @@ import math
 import pytest
 import test_distributed
 import torch
+from test_llm_width import _stats
 
 from mergekit_ext.calibration.statistics import ActivationStatistics
 from mergekit_ext.executor.model_output import output_sketch
 from mergekit_ext.methods import least_squares
 from mergekit_ext.methods.ace import ace_merge_tensor
 from mergekit_ext.methods.chain_of_merges import ChainOfMergesMethod
-from mergekit_ext.methods.layerwise import LinearGroup, ModelOutputRequest, TaskStatistics
+from mergekit_ext.methods.layerwise import LinearGroup, ModelOutputRequest
 from mergekit_ext.methods.qp_solve import qp_merge_weight
 from mergekit_ext.methods.regmean import RegMeanMethod
 from mergekit_ext.methods.wudi import wudi_merge_tensor
@@ -41,19 +42,6 @@ def _experts(k: int, out: int, dim: int = DIM) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(5)
     base = torch.randn(out, dim, generator=g, dtype=torch.float64)
     return [base + 0.1 * torch.randn(out, dim, generator=g, dtype=torch.float64) for _ in range(k)]
-
-
-def _stats(x: torch.Tensor, keep_rows: bool) -> TaskStatistics:
-    unit = x / x.norm(dim=1, keepdim=True)
-    n = x.shape[0]
-    return TaskStatistics(
-        gram=None if keep_rows else x.T @ x / n,
-        second_moment=x.square().mean(0),
-        mean=x.mean(0),
-        count=n,
-        gram_normalized=unit.T @ unit / n,
-        rows=x if keep_rows else None,
-    )
 
 
 def _group(xs, ws, *, keep_rows: bool, dtype=torch.float32) -> LinearGroup:
@@ -135,14 +123,7 @@ def test_least_squares_group_allocates_on_its_inputs_device(monkeypatch, case, m
 def test_sum_reduction_allocates_on_its_inputs_device(method, parameters, kept_rows, outputs):
     """The reduction of several ranks (NCCL keeps its sums on the GPU); with 30 outputs for
     12 tokens and α = 1, the two rounds of row terms."""
-    gen = torch.Generator().manual_seed(0)
-    weights = [
-        {"q": torch.randn(outputs, 6, generator=gen), "k": torch.randn(2, 6, generator=gen)}
-        for _ in range(3)
-    ]
-    stats, tokens = (test_distributed._row_stats, 4) if kept_rows else (test_distributed._stats, 40)
-    expert = [stats(torch.randn(tokens, 6, generator=gen) * (1 + i)) for i in range(3)]
-    merged_path = [stats(torch.randn(tokens, 6, generator=gen) + i) for i in range(3)]
+    weights, expert, merged_path = test_distributed._three_tasks(0, outputs, 2, kept_rows)
     reduce = test_distributed._reduce_like_two_ranks
     reduced = _on_meta_default(lambda: reduce(method, parameters, weights, expert, merged_path))
     if reduced is None:  # gathered to one rank: the group merge, as above

@@ -430,6 +430,22 @@ def _row_stats(x: torch.Tensor) -> TaskStatistics:
     )
 
 
+def _three_tasks(
+    seed: int, q_rows: int, k_rows: int, kept_rows: bool = True
+) -> tuple[list[dict[str, torch.Tensor]], list[TaskStatistics], list[TaskStatistics]]:
+    """Three tasks' ``q``/``k`` weights (6 inputs) and their statistics on both paths: 4
+    tokens each with their rows kept (12 in all, more than the inputs), else 40 with Grams."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = [
+        {"q": torch.randn(q_rows, 6, generator=gen), "k": torch.randn(k_rows, 6, generator=gen)}
+        for _ in range(3)
+    ]
+    tokens, stats = (4, _row_stats) if kept_rows else (40, _stats)
+    expert = [stats(torch.randn(tokens, 6, generator=gen) * (1 + i)) for i in range(3)]
+    merged_path = [stats(torch.randn(tokens, 6, generator=gen) + i) for i in range(3)]
+    return weights, expert, merged_path
+
+
 def _reduce_like_two_ranks(method, parameters, weights, expert, merged_path):
     """The executor's protocol for K = 3 on W = 2 in one process: votes, sums passed in task
     order, the solve on rank 1, every rank's task diagnostics; None when the group is
@@ -472,17 +488,10 @@ REDUCTION_CASES = [
 @pytest.mark.parametrize("method, parameters", REDUCTION_CASES)
 @pytest.mark.parametrize("kept_rows", [False, True])
 def test_sum_reduction_over_task_subsets_equals_the_whole_merge(method, parameters, kept_rows):
-    gen = torch.Generator().manual_seed(0)
     k = 3
-    weights = [
-        {"q": torch.randn(3, 6, generator=gen), "k": torch.randn(2, 6, generator=gen)}
-        for _ in range(k)
-    ]
     # kept rows: 4 tokens per task for 6 inputs, 12 in all: each task keeps its rows, and the
     # dense solve (every task's Gram formed from its rows) is reduced to sums all the same
-    tokens, stats = (4, _row_stats) if kept_rows else (40, _stats)
-    expert = [stats(torch.randn(tokens, 6, generator=gen) * (1 + i)) for i in range(k)]
-    merged_path = [stats(torch.randn(tokens, 6, generator=gen) + i) for i in range(k)]
+    weights, expert, merged_path = _three_tasks(0, 3, 2, kept_rows)
     whole = _group(list(range(k)), weights, expert, merged_path)
     expected, expected_diag = method.merge_linear_group(whole, parameters)
     reduced = _reduce_like_two_ranks(method, parameters, weights, expert, merged_path)
@@ -509,13 +518,7 @@ def test_two_round_reduction_with_row_terms_equals_the_whole_merge(monkeypatch, 
 
     # one process and the reduction both form their terms through solve.task_row_term
     monkeypatch.setattr(solve, "row_term", counting)
-    gen = torch.Generator().manual_seed(4)
-    weights = [
-        {"q": torch.randn(12, 6, generator=gen), "k": torch.randn(9, 6, generator=gen)}
-        for _ in range(3)
-    ]
-    expert = [_row_stats(torch.randn(4, 6, generator=gen) * (1 + i)) for i in range(3)]
-    merged_path = [_row_stats(torch.randn(4, 6, generator=gen) + i) for i in range(3)]
+    weights, expert, merged_path = _three_tasks(4, 12, 9)
     parameters = {"ridge": 0.0}
     expected, expected_diag = method.merge_linear_group(
         _group([0, 1, 2], weights, expert, merged_path), parameters
@@ -669,13 +672,7 @@ def test_rows_beyond_the_inputs_gather_where_the_span_solve_pays(parameters, gat
     the span solve pays, so the group meets on one rank, which decides as one process does
     (two rounds find out from the system's sums, one round at the vote); without a ridge
     the sums are reduced, with the bytes of one process."""
-    gen = torch.Generator().manual_seed(3)
-    weights = [
-        {"q": torch.randn(300, 6, generator=gen), "k": torch.randn(2, 6, generator=gen)}
-        for _ in range(3)
-    ]
-    expert = [_row_stats(torch.randn(4, 6, generator=gen) * (1 + i)) for i in range(3)]
-    merged_path = [_row_stats(torch.randn(4, 6, generator=gen) + i) for i in range(3)]
+    weights, expert, merged_path = _three_tasks(3, 300, 2)
     method = RegMeanMethod()
     whole, diag = method.merge_linear_group(
         _group([0, 1, 2], weights, expert, merged_path), parameters
