@@ -15,14 +15,14 @@ import math
 import pytest
 import test_distributed
 import torch
-from test_llm_width import _stats
+from test_llm_width import _group
 
 from mergekit_ext.calibration.statistics import ActivationStatistics
 from mergekit_ext.executor.model_output import output_sketch
 from mergekit_ext.methods import least_squares
 from mergekit_ext.methods.ace import ace_merge_tensor
 from mergekit_ext.methods.chain_of_merges import ChainOfMergesMethod
-from mergekit_ext.methods.layerwise import LinearGroup, ModelOutputRequest
+from mergekit_ext.methods.layerwise import ModelOutputRequest
 from mergekit_ext.methods.qp_solve import qp_merge_weight
 from mergekit_ext.methods.regmean import RegMeanMethod
 from mergekit_ext.methods.wudi import wudi_merge_tensor
@@ -42,23 +42,6 @@ def _experts(k: int, out: int, dim: int = DIM) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(5)
     base = torch.randn(out, dim, generator=g, dtype=torch.float64)
     return [base + 0.1 * torch.randn(out, dim, generator=g, dtype=torch.float64) for _ in range(k)]
-
-
-def _group(xs, ws, *, keep_rows: bool, dtype=torch.float32) -> LinearGroup:
-    experts = [{"blk.fc.weight": w.to(dtype)} for w in ws]
-    low = dtype == torch.bfloat16
-    if low:  # the rows of a bfloat16 pass hold bfloat16 values
-        xs = [x.to(torch.bfloat16).double() for x in xs]
-    return LinearGroup(
-        name="blk.fc",
-        weights=["blk.fc.weight"],
-        base={"blk.fc.weight": torch.zeros_like(experts[0]["blk.fc.weight"])},
-        experts=experts,
-        task_names=[f"t{k}" for k in range(len(ws))],
-        expert_stats=[_stats(x, keep_rows) for x in xs],
-        merged_stats=[_stats(x + 0.125, keep_rows) for x in xs],
-        compute_dtype=torch.bfloat16 if low else torch.float32,
-    )
 
 
 def _same(plain, meta) -> None:
@@ -111,7 +94,7 @@ def test_least_squares_group_allocates_on_its_inputs_device(monkeypatch, case, m
     ws = _experts(tasks, out)
     keep = tokens * tasks < DIM or "rows" in case
     merged, diagnostics = _on_meta_default(
-        lambda: method.merge_linear_group(_group(xs, ws, keep_rows=keep, dtype=dtype), parameters)
+        lambda: method.merge_linear_group(_group(xs, ws, keep, True, dtype), parameters)
     )
     assert merged["blk.fc.weight"].dtype == dtype
     if keep and tokens * tasks < DIM:
@@ -175,8 +158,8 @@ def test_least_squares_group_on_cuda_matches_the_cpu(case, method):
     xs = [_inputs(30 + k, tokens) for k in range(tasks)]
     ws = _experts(tasks, out)
     keep = tokens * tasks < DIM or "rows" in case
-    cpu_w, cpu_d = method.merge_linear_group(_group(xs, ws, keep_rows=keep), parameters)
-    on_gpu = _group([x.cuda() for x in xs], [w.cuda() for w in ws], keep_rows=keep)
+    cpu_w, cpu_d = method.merge_linear_group(_group(xs, ws, keep, True), parameters)
+    on_gpu = _group([x.cuda() for x in xs], [w.cuda() for w in ws], keep, True)
     gpu_w, gpu_d = method.merge_linear_group(on_gpu, parameters)
     assert gpu_w["blk.fc.weight"].is_cuda
     # float32 products summed in another order: float32's rounding, amplified by the solve

@@ -185,8 +185,12 @@ def _stats(x: torch.Tensor, keep_rows: bool) -> TaskStatistics:
     )
 
 
-def _group(xs, ws, keep_rows: bool, merged: bool) -> LinearGroup:
-    experts = [{"blk.fc.weight": w.float()} for w in ws]
+def _group(xs, ws, keep_rows: bool, merged: bool, dtype=torch.float32) -> LinearGroup:
+    """One linear group of ``dtype`` weights; bfloat16: rows as a bfloat16 pass gives them."""
+    experts = [{"blk.fc.weight": w.to(dtype)} for w in ws]
+    low = dtype == torch.bfloat16
+    if low:
+        xs = [x.to(torch.bfloat16).double() for x in xs]
     stats = [_stats(x, keep_rows) for x in xs]
     return LinearGroup(
         name="blk.fc",
@@ -196,6 +200,7 @@ def _group(xs, ws, keep_rows: bool, merged: bool) -> LinearGroup:
         task_names=[f"t{k}" for k in range(len(ws))],
         expert_stats=stats,
         merged_stats=[_stats(x + 0.1, keep_rows) for x in xs] if merged else None,
+        compute_dtype=torch.bfloat16 if low else torch.float32,
     )
 
 
@@ -332,9 +337,9 @@ def test_two_tasks_wider_out_than_in_regroup_the_span_correction(alpha, omegas):
     float32 products (a bfloat16 pass)."""
     xs = [inputs(16, 9), inputs(17, 11)]  # 20 tokens < 24 inputs
     ws = expert_weights(2, 200)  # in · (T + out) < 2 · out · T: regrouped
-    assert least_squares.solve._regroups(200, DIM, [9, 11])
-    assert not least_squares.solve._regroups(20, DIM, [9, 11])
-    assert not least_squares.solve._regroups(200, DIM, [6, 7, 7])
+    assert least_squares.solve._regroups(200, DIM, 20, 2)
+    assert not least_squares.solve._regroups(20, DIM, 20, 2)
+    assert not least_squares.solve._regroups(200, DIM, 20, 3)
     grams = [x.T @ x / x.shape[0] for x in xs]
     expected = closed_form(ws, xs, alpha, omegas, AUTO_RIDGE)
     span = regmean_solve(ws, grams, alpha, task_weights=omegas, ridge="auto", tokens=20, rows=xs)

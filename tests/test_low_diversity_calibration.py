@@ -37,6 +37,8 @@ from mergekit_ext.runner import RunOptions
 from mergekit_ext.testing import SPECIAL, VOCAB_SIZE, WORDS, _save, _tokenizer
 
 HIDDEN = 64
+# chats per task for the span test: under 64 tokens each task, over 64 both (tested)
+SPAN_SAMPLES = 5
 FEW_WORDS = ["good", "bad", "team", "game", "rain", "sun"]
 TEMPLATE = "this is the news . the team was "
 
@@ -450,3 +452,31 @@ def test_card_section_leads_with_the_worst_layer_and_keeps_inf_and_nan():
     # without the NaN layer the inf one is the worst
     summary = summarize_layerwise({"layers": section["layers"][:2]})
     assert summary["worst"]["layer"] == "m.0.o_proj" and summary["worst"]["error"] == math.inf
+
+
+def test_few_chats_per_task_solve_in_the_span_and_stay_bounded(low_diversity, tmp_path):
+    """A few chats per task: each task has fewer tokens than a group's inputs, both together
+    more, and the template makes the system ill-conditioned, so auto adds its ridge and the
+    solve finishes in the tokens' span (docs/methods.md, "As many tokens as inputs, or
+    more"). The merge stays in the experts' range, keeps their held-out agreement, and the
+    record says which solve and why."""
+    s = low_diversity
+    config = _config(s)
+    for model in config["models"]:
+        model["calibration"]["samples"] = SPAN_SAMPLES
+    out = tmp_path / "merged"
+    run_merge(config, out)
+    layers = merge_record.load(str(out))["sections"]["chain_of_merges"]["layers"]
+    late = [
+        r
+        for r in layers
+        if r["solver"].startswith("cholesky in the span") and r["tokens"] >= r["input_width"]
+    ]
+    assert late, [(r["solver"], r["tokens"], r["input_width"]) for r in layers]
+    for layer in late:
+        assert layer["ridge"] == AUTO_RIDGE and layer["ridge_reason"].startswith("auto: ")
+        assert float(layer["condition_number_unregularized"]) > 1e6  # "inf": singular
+        assert layer["guard"] == "ok"
+    assert _max_norm_ratio(str(out), s["experts"]) < 1.2
+    base_agreement = _held_out_agreement(s["base"], s["experts"])
+    assert _held_out_agreement(str(out), s["experts"]) >= base_agreement - 0.03

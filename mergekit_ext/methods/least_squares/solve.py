@@ -239,7 +239,7 @@ def span_work_pays(out: int, n_in: int, tokens: int, tasks: int, product_rows: i
     system = t * t * n_in + 2 * t**3 // 3  # H (half a GEMM) and its factor, float64
     if out <= n_in:  # V H⁻¹ solved (T x out); V and its expansion
         span = system + 4 * t * t * out + 2 * out * n_in * t
-    elif _regroups_for(out, n_in, t, tasks):  # H⁻¹ R E⁻¹ solved; the M_k; one out x in x in
+    elif _regroups(out, n_in, t, tasks):  # H⁻¹ R E⁻¹ solved; the M_k; one out x in x in
         span = system + 4 * t * t * n_in + n_in * n_in * t + out * n_in * n_in
     else:  # H⁻¹ R E⁻¹ solved; V and its expansion
         span = system + 4 * t * t * n_in + 2 * out * n_in * t
@@ -618,15 +618,11 @@ def _outer_gram(rows: torch.Tensor, block: int = 1024) -> torch.Tensor:
     return out
 
 
-def _regroups(out: int, n_in: int, counts: Sequence[int]) -> bool:
+def _regroups(out: int, n_in: int, tokens: int, tasks: int) -> bool:
     """Whether :func:`span_solve` writes two tasks' correction regrouped: ``2·in²·T`` for the
     ``M_k`` plus ``2·out·in²`` for one ``out x in x in`` product, against ``4·out·in·T`` for
     ``V`` and its expansion. With T < in this can only pay for two tasks (``K' − 1 < 2T/in``)
     and when out > in: an 8B ``gate_up`` at 4,000 tokens does 41 % fewer multiply-adds."""
-    return _regroups_for(out, n_in, sum(counts), len(counts))
-
-
-def _regroups_for(out: int, n_in: int, tokens: int, tasks: int) -> bool:
     return tasks == 2 and n_in * (tokens + out) < 2 * out * tokens
 
 
@@ -740,7 +736,7 @@ def span_solve(
     solve_left = out <= n_in
     total_rows = offsets[-1]
     # Two tasks and out > in: the correction regrouped (docstring), no V
-    regroup = not solve_left and _regroups(out, n_in, counts)
+    regroup = not solve_left and _regroups(out, n_in, total_rows, len(counts))
     # Vᵀ = [R_k (W_k − W₀)ᵀ]_k (T x out), each task's rows a contiguous slice; float64 where
     # the triangular solve reads it, else kept in the products' dtype for the expansion
     r_product = r_all.to(work)  # r_all itself when work is float64
