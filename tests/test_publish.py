@@ -41,6 +41,7 @@ from mergekit_ext.hub import publish as publish_mod
 from mergekit_ext.hub.card import render_card_for_repo, write_model_card
 from mergekit_ext.hub.publish import check_complete, list_upload_files, publish_folder
 
+MANIFEST = merge_record.MANIFEST_FILENAME
 WRITE_TOKEN = "hf_WriteTokenForTests0123456789abcdef"
 READ_TOKEN = "hf_ReadOnlyTokenForTests0123456789abc"
 BOB_TOKEN = "hf_BobTokenForTests0123456789abcdefgh"
@@ -159,7 +160,9 @@ def assert_files_arrived(hub: FakeHub, repo_id: str, folder: Path, branch: str =
     assert len(commits) == 2, [c.summary for c in commits]  # the repo's initial commit + ours
     commit = commits[-1]
     local = {f.path for f in list_upload_files(str(folder))}
-    assert set(commit.changed) == local == set(commit.files)
+    assert set(commit.changed) == local | {MANIFEST} == set(commit.files)
+    # the manifest uploaded with them names them: what a later publish may delete
+    assert set(json.loads(commit.files[MANIFEST])["files"]) == local | {MANIFEST}
     for path in local - {"README.md"}:  # text files naming local paths: redacted (#28, 8)
         expected_bytes = publish_mod.uploaded_bytes(str(folder), path, repo_id)
         assert commit.files[path] == (expected_bytes or (folder / path).read_bytes()), path
