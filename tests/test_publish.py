@@ -253,7 +253,8 @@ def test_publish_again_skips_unchanged_files(hub: FakeHub, folder: Path) -> None
     commits = hub.commits("alice/again")
     # The card shows the configuration (now edited): the two text files changed, nothing else.
     assert len(commits) == 3
-    assert sorted(commits[-1].changed) == ["README.md", "mergekit_config.yml"]
+    # (and the manifest, which records the card's hash)
+    assert sorted(commits[-1].changed) == sorted(["README.md", MANIFEST, "mergekit_config.yml"])
     assert len(hub.lfs_puts) == puts  # no LFS object was sent twice
 
 
@@ -495,7 +496,9 @@ def test_dry_run_lists_files_and_front_matter(hub: FakeHub, folder: Path) -> Non
     assert result.exit_code == 0, result.output
     out = result.output
     assert WRITE_TOKEN not in out
-    assert hub.requests == []  # nothing sent
+    # nothing sent: the repository was only read (what it holds decides what is deleted)
+    assert hub.requests and {method for method, _ in hub.requests} == {"GET"}
+    assert "Deleted on the Hub (in the same commit):\n  none (a new repository" in out
     assert "Token:          found (--token)" in out
     card = render_card_for_repo(str(folder), "alice/tiny").encode("utf-8")
     sizes = {f.path: f.size for f in list_upload_files(str(folder))} | {"README.md": len(card)}
@@ -506,7 +509,8 @@ def test_dry_run_lists_files_and_front_matter(hub: FakeHub, folder: Path) -> Non
     assert sizes["mergekit_config.yml"] < (folder / "mergekit_config.yml").stat().st_size
     for path, size in sizes.items():
         assert re.search(rf"^\s+{size:,}\s+.*\s{re.escape(path)}$", out, re.M), path
-    assert f"({sum(sizes.values()):,} bytes), one commit" in out
+    manifest_size = int(re.search(rf"^\s+([\d,]+)\s.*\s{MANIFEST}$", out, re.M)[1].replace(",", ""))
+    assert f"({sum(sizes.values()) + manifest_size:,} bytes), one commit" in out
     assert "Card front matter (README.md, as uploaded):\n---\n" in out
     assert "- mergekit-ext" in out and "pipeline_tag: text-generation" in out
 
@@ -517,7 +521,9 @@ def test_cli_publish_and_errors(hub: FakeHub, folder: Path) -> None:
     result = runner.invoke(publish_command, [*args, "--token", WRITE_TOKEN])
     assert result.exit_code == 0, result.output
     # stdout is the URL alone; the steps go to stderr (issue #28: what publishing waits for)
-    assert result.stdout.startswith(f"published: {hub.url}/alice/cli/commit/")
+    assert result.stdout.startswith(
+        f"published: {hub.url}/alice/cli (branch main, commit {hub.url}/alice/cli/commit/"
+    )
     assert "publishing: uploading" in result.stderr
     assert_files_arrived(hub, "alice/cli", folder)
 
@@ -632,7 +638,11 @@ def test_every_uploaded_file_is_redacted(
     local_root = str(tmp_path.parent).encode()
     leaks = [path for path, data in uploaded.items() if local_root in data]
     assert leaks == []
-    assert set(uploaded) == {f.path for f in list_upload_files(str(out))}
+    # What went is what the run recorded in its manifest as it wrote the folder, plus an
+    # uploaded manifest naming the same files.
+    recorded = set(merge_record.load_manifest(str(out))["files"])
+    assert recorded == {f.path for f in list_upload_files(str(out))}
+    assert set(uploaded) == recorded | {MANIFEST}
 
 
 def test_run_push_to_hub_is_checked_before_merging(
@@ -692,6 +702,7 @@ def _single_file_merge(folder: Path, tmp_path: Path) -> Path:
         {k: torch.full_like(v, 0.5) for k, v in tensors.items()}, str(old / "model.safetensors")
     )
     (old / "images" / "old_method_plot.png").write_bytes(b"\x89PNG\r\n\x1a\n\0old")
+    merge_record.write_manifest(str(old))  # as `run` records what it wrote
     return old
 
 
@@ -716,7 +727,9 @@ def test_republish_removes_stale_weights_and_images(hub: FakeHub, folder: Path, 
     assert "images/old_method_plot.png" not in hub_files
     assert {"model.safetensors", "images/old_method_plot.png"} <= set(commits[-1].changed)
     assert hub_files["notes/eval.txt"] == b"mine"
-    assert set(hub_files) - {"notes/eval.txt"} == {f.path for f in list_upload_files(str(folder))}
+    assert set(hub_files) - {"notes/eval.txt"} == {
+        f.path for f in list_upload_files(str(folder))
+    } | {MANIFEST}
 
     snapshot = tmp_path / "snapshot"
     for path, data in hub_files.items():
@@ -763,7 +776,7 @@ def test_private_on_an_existing_public_repo(hub: FakeHub, folder: Path) -> None:
     "token, fine, needle",
     [
         (READ_TOKEN, None, "read-only"),
-        (BOB_TOKEN, None, "not a member of the organisation 'alice'"),
+        (BOB_TOKEN, None, "the token belongs to 'bob', not to 'alice'"),
         ("hf_NotAValidToken000000", None, "401"),
         ("hf_FineGrainedOther0123456789abcdefg", ("user:alice-other",), "grants no permission"),
     ],
@@ -824,7 +837,10 @@ def test_undeterminable_token_warns_and_publishes(
     commit = hub.commits("alice/m", "dev")[-1]
     assert commit.summary == "merge v2" and len(hub.commits("alice/m", "main")) == 1
     # (the progress bars, on stderr in a terminal, share one stream with stdout here)
-    assert re.search(rf"published: {re.escape(hub.url)}/alice/m/commit/[0-9a-f]+\n", result.output)
+    repo = re.escape(f"{hub.url}/alice/m")
+    assert re.search(
+        rf"published: {repo} \(branch dev, commit {repo}/commit/[0-9a-f]+\)\n", result.output
+    )
     assert vague not in result.output
 
     result = CliRunner().invoke(
@@ -832,7 +848,10 @@ def test_undeterminable_token_warns_and_publishes(
                WRITE_TOKEN, "--create-pr", "--overwrite"]
     )  # fmt: skip
     assert result.exit_code == 0, result.output
-    assert f"published: {hub.url}/alice/m/discussions/1" in result.output
+    assert (
+        f"published: {hub.url}/alice/m (pull request {hub.url}/alice/m/discussions/1)"
+        in result.output
+    )
 
 
 def test_publish_options_are_one_group() -> None:
