@@ -436,7 +436,10 @@ def test_card_rebuilt_elsewhere_keeps_the_recorded_sources(
     assert Path(readme).read_bytes() == first
     meta = check_round_trip(readme)
     assert meta["base_model"] == ["org-a/base-model", "org-b/expert-one"]
-    assert meta["license"] == "apache-2.0"  # recorded with the merge, not looked up again
+    # the licenses recorded with the merge, not looked up again (base-model declares none,
+    # so the merge gets none: issue #50.2)
+    assert "license" not in meta
+    assert "| `./local/finetuned` | local folder | apache-2.0 |" in Path(readme).read_text()
     text = Path(readme).read_text(encoding="utf-8")
     assert "| model | finetuned | `./local/finetuned` | local folder | apache-2.0 |" in text
     assert "(commit `0123456789ab`)" in text  # the cached commit the merge read
