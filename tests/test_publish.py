@@ -672,13 +672,28 @@ def test_run_push_to_hub_failure_keeps_the_merge(
     out = tmp_path / "merged"
     # The token may write (checked before merging); the Hub then fails the commit.
     hub.add_fault(Fault("POST", r"/commit/", status=403, times=None, message="quota exceeded"))
+    options = ["--revision", "dev", "--private", "--commit-message", "merge v2"]
     result = CliRunner().invoke(
-        main, ["run", str(config), str(out), "--push-to-hub", "alice/m", "--token", WRITE_TOKEN]
+        main,
+        [
+            "run",
+            str(config),
+            str(out),
+            "--push-to-hub",
+            "alice/m",
+            "--token",
+            WRITE_TOKEN,
+            *options,
+        ],
     )
     assert result.exit_code == 1
     assert "403" in result.output
     assert f"the merge succeeded and is kept at {out}" in result.output
-    assert f"mergekit-ext publish {out} --repo-id alice/m" in result.output
+    # the retry goes where this push went (#50.5), the token is not repeated
+    assert (
+        f"mergekit-ext publish {out} --repo-id alice/m --private --revision dev "
+        "--commit-message 'merge v2' --token YOUR_TOKEN`"
+    ) in result.output
     assert check_complete(str(out)) == []
 
 
@@ -837,6 +852,8 @@ def test_undeterminable_token_warns_and_publishes(
     commit = hub.commits("alice/m", "dev")[-1]
     assert commit.summary == "merge v2" and len(hub.commits("alice/m", "main")) == 1
     # (the progress bars, on stderr in a terminal, share one stream with stdout here)
+    # the merge comes first, then where it went (#50.4)
+    assert result.output.index("merged model written") < result.output.index("published:")
     repo = re.escape(f"{hub.url}/alice/m")
     assert re.search(
         rf"published: {repo} \(branch dev, commit {repo}/commit/[0-9a-f]+\)\n", result.output
