@@ -966,6 +966,11 @@ def test_only_the_merge_files_go(hub: FakeHub, folder: Path) -> None:
     for pattern in (".env", "leak.txt", "linked/*", "nothing-*"):
         result = CliRunner().invoke(publish_command, [*args, "--include", pattern])
         assert result.exit_code == 1 and "matches no file" in result.output, pattern
+    # a file of the merge replaced by a link is refused, not skipped (nor followed)
+    (folder / "config.json").rename(folder / "elsewhere.json")
+    (folder / "config.json").symlink_to(folder / "elsewhere.json")
+    result = CliRunner().invoke(publish_command, args)
+    assert result.exit_code == 1 and "config.json is a symbolic link" in result.output
 
 
 def test_the_manifest_decides_not_the_names(hub: FakeHub, folder: Path) -> None:

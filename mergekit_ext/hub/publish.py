@@ -301,6 +301,15 @@ def select_upload_files(
             if rel == MANIFEST_FILENAME:
                 continue  # the upload carries its own manifest (what this publish sent)
             if full.is_symlink():
+                if (
+                    rel in card_files
+                    or (own is not None and rel in own)
+                    or (own is None and is_merge_file_name(rel))
+                ):  # the upload would lack a file of the merge: say so rather than skip it
+                    raise PublishError(
+                        f"{out_dir}/{rel} is a symbolic link: publish never follows links, and "
+                        "the merge needs that file. Replace the link with the file itself"
+                    )
                 why = "a symbolic link: never followed (its target is not uploaded)"
             elif name.startswith("."):
                 why = "a hidden file: never uploaded (.env, .DS_Store, ...)"
