@@ -6,6 +6,12 @@ id is valid, then uses :class:`huggingface_hub.HfApi`: ``create_repo(exist_ok=Tr
 **one commit**: LFS/Xet objects are uploaded first and the commit that references them is
 created last, so an upload that fails half-way commits nothing.
 
+What goes (:func:`select_upload_files`): the merge's own files, which ``run`` records in
+``mergekit_ext_manifest.json`` as it writes the folder, the card's, and what ``--include``
+names; never a hidden file nor a symbolic link. A manifest of the upload goes with it, and a
+later publish deletes, in its commit, exactly the files that manifest names and the new
+upload lacks (:func:`plan_remote`); files added to the repository by hand stay.
+
 The card: the local ``README.md`` is written for the folder (its name as title, ``./NAME``
 in the loading snippets). The uploaded copy is rendered again for the target repository
 (:func:`card_to_upload`) and sent from a temporary view of the folder
