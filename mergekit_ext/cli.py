@@ -225,6 +225,7 @@ def run_command(
     check_distributable(cfg, plan_world_size or launched, planned=plan_world_size is not None)
     if not dry_run:  # a dry run plans every rank from rank 0 and needs no process group
         distributed.init_from_env(merge_options.device, distributed_timeout)
+    published: list[str] = []  # shown after "merged model written" (the merge comes first)
     with _sigterm_as_interrupt(), contextlib.ExitStack() as stack, _no_exit_from(plugins):
         stack.callback(distributed.shutdown)
         result = run_merge_config(
@@ -249,6 +250,7 @@ def run_command(
                 plugins=plugins,
             ),
             hub=HubActions(),
+            show_published=published.append,
         )
     if result is not None:
         click.echo(f"merged model written to {result}")
@@ -258,6 +260,8 @@ def run_command(
         line = summary_line(merge_record.load(result).get("resources"))
         if line:
             click.echo(line)
+    for line in published:
+        click.echo(line)
 
 
 # mergekit's option is `-v` only; `--verbose` as on every other command

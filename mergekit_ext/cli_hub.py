@@ -193,7 +193,21 @@ def _diagnose(out_dir: str, config_path: str, device: str) -> dict[str, Any]:
 @click.argument("out_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--repo-id", required=True, help="Target repository, user/name or org/name")
 @publish_options
-@click.option("--dry-run", is_flag=True, help="Check and list what would be uploaded, send nothing")
+@click.option(
+    "--include",
+    "include",
+    multiple=True,
+    metavar="PATTERN",
+    help="Also upload the files of OUT_DIR this pattern matches (relative path, * crosses "
+    "folders, a folder name takes its files; repeatable). Without it only the merge's own "
+    "files go; hidden files and symbolic links never go",
+)
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Check and list what would be uploaded, what is left out and why, and what would "
+    "be deleted on the Hub; send nothing",
+)
 @click.option(
     "--endpoint", default=None, help="Hub endpoint (default: HF_ENDPOINT or huggingface.co)"
 )
@@ -226,6 +240,7 @@ def publish_command(
     commit_message: Optional[str],
     create_pr: bool,
     token: Optional[str],
+    include: tuple[str, ...],
     dry_run: bool,
     endpoint: Optional[str],
     keep_card: bool,
@@ -238,9 +253,13 @@ def publish_command(
 
     The uploaded model card is rendered for the repository (its name as title, REPO_ID in
     the loading snippets); README.md in OUT_DIR is left as it is. A README.md that
-    mergekit-ext did not write (mergekit's own card) is uploaded as it is unless
-    --replace-card. Weights, indexes and images/ of an earlier upload that this one does
-    not contain are deleted in the same commit.
+    mergekit-ext did not write (mergekit's own card), or one edited on the Hub, stays as it
+    is unless --replace-card.
+
+    Only the merge's own files go (those the merge recorded in mergekit_ext_manifest.json,
+    and the card's), plus what --include names; hidden files and symbolic links never go.
+    Files an earlier publish of mergekit-ext wrote that this upload lacks are deleted in
+    the same commit, each one named; files added to the repository by hand stay.
     """
     from mergekit_ext.hub.publish import publish_folder
 
@@ -259,8 +278,9 @@ def publish_command(
         timeout=hub_timeout,
         replace_card=replace_card,
         make_private=make_private,
+        include=include,
     )
-    click.echo(result if dry_run else f"published: {result}")
+    click.echo(result if dry_run else getattr(result, "summary", f"published: {result}"))
 
 
 __all__ = ["card_command", "publish_command", "publish_options"]

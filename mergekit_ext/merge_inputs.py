@@ -259,35 +259,38 @@ def downloaded_hub_id(folder: str) -> tuple[Optional[str], Optional[str], Option
     """``(hub id, where it was read, commit)`` of a local folder that ``hf download
     --local-dir`` fetched (it holds ``.cache/huggingface/download``); Nones otherwise.
 
-    Only such folders are asked: a folder saved by ``save_pretrained`` after fine-tuning
-    keeps its parent's ``_name_or_path``, which is not its own id. The id is read, in this
-    order, from ``config.json``'s ``_name_or_path``, the README front matter's
-    ``model_id`` / ``model-index`` name, and the local Hub cache's snapshot of the
-    recorded commit; a candidate whose name is the folder's name is preferred.
+    The download metadata is the authority: it records the commit each file came from
+    (huggingface_hub's ``_local_folder.py``: commit, etag, time; no repository name), and
+    the repository whose snapshot of that commit is in the local Hub cache is the folder's
+    id. Without one, the folder's own files are hints only, taken when the name they give
+    is the folder's name (``hf download org/x --local-dir x``): the README front matter's
+    ``model_id`` / ``model-index`` name, then ``config.json``'s ``_name_or_path`` — a
+    fine-tune saved with ``save_pretrained`` keeps its parent's ``_name_or_path``, which is
+    never its own id. The second element says which source was used (the card shows it).
     """
     if not os.path.isdir(os.path.join(folder, _DOWNLOAD_METADATA)):
         return None, None, None
     commit = _download_commit(folder)
-    candidates: list[tuple[str, str]] = []
-    config = _read_json(os.path.join(folder, "config.json")) or {}
-    if _hub_like(config.get("_name_or_path")):
-        candidates.append((config["_name_or_path"], "config.json `_name_or_path`"))
+    if commit:
+        cached = _cached_snapshot_id(commit)
+        if cached:
+            return cached, "the Hub cache's snapshot of the downloaded commit", commit
+    hints: list[tuple[str, str]] = []
     readme = os.path.join(folder, README_FILENAME)
     meta = _front_matter(readme) if os.path.isfile(readme) else {}
     index = meta.get("model-index")
     named = [meta.get("model_id")]
     if isinstance(index, list) and index and isinstance(index[0], Mapping):
         named.append(index[0].get("name"))
-    candidates += [(v, "README.md front matter") for v in named if _hub_like(v)]
-    if commit:
-        cached = _cached_snapshot_id(commit)
-        if cached:
-            candidates.append((cached, "the Hub cache's snapshot of the downloaded commit"))
-    if not candidates:
-        return None, None, commit
+    hints += [(v, "README.md front matter") for v in named if _hub_like(v)]
+    config = _read_json(os.path.join(folder, "config.json")) or {}
+    if _hub_like(config.get("_name_or_path")):
+        hints.append((config["_name_or_path"], "config.json `_name_or_path`"))
     base = os.path.basename(os.path.normpath(folder)).lower()
-    best = next((c for c in candidates if c[0].split("/")[1].lower() == base), candidates[0])
-    return best[0], best[1], commit
+    for value, origin in hints:
+        if value.split("/")[1].lower() == base:
+            return value, f"{origin}, a hint (its name is the folder's)", commit
+    return None, None, commit
 
 
 @dataclass
@@ -584,7 +587,8 @@ class LicenseDecision:
 
 
 def decide_license(inputs: Sequence[InputModel]) -> LicenseDecision:
-    """The merged model's license when every input that declares one agrees; else none."""
+    """The merged model's license when every input declares one and they agree; else none,
+    with a note that says why and leaves the choice to the user."""
     declared = [m for m in inputs if m.license]
     undeclared = [m.name for m in inputs if not m.license]
     keys = {(m.license, m.license_name) for m in declared}
@@ -612,13 +616,24 @@ def decide_license(inputs: Sequence[InputModel]) -> LicenseDecision:
             "set the license yourself once you have checked that they are compatible.",
             undeclared,
         )
+    if undeclared:  # a merge derives from every input: one without terms leaves it open
+        license_id, license_name = next(iter(keys))
+        shown = f"`{license_id}`" + (f" ({license_name})" if license_name else "")
+        return LicenseDecision(
+            None,
+            None,
+            None,
+            f"Inputs that declare no license: {', '.join(undeclared)}; the others use "
+            f"{shown}. A merge derives from every input, so no license is set: check the "
+            "terms of those inputs and set the license yourself (the `license:` line of the "
+            "front matter).",
+            undeclared,
+        )
     license_id, license_name = next(iter(keys))
     links = {m.license_link for m in declared if m.license_link}
     text = f"Every input model that declares a license uses `{license_id}`"
     text += f" ({license_name})" if license_name else ""
     text += ", so the merge carries the same license."
-    if undeclared:
-        text += " Inputs that declare none: " + ", ".join(undeclared) + "; check their terms."
     return LicenseDecision(
         license_id, license_name, next(iter(links)) if len(links) == 1 else None, text, undeclared
     )

@@ -55,6 +55,10 @@ from typing import Any, Optional
 
 SCHEMA_VERSION = 1
 FILENAME = "mergekit_ext_diagnostics.json"
+#: The list of the files a merge wrote into its output folder, written last by the runner
+#: (:func:`write_manifest`): what ``publish`` uploads, and, uploaded with it, what a later
+#: ``publish`` to the same repository may delete (nothing the user added by hand).
+MANIFEST_FILENAME = "mergekit_ext_manifest.json"
 
 
 def jsonable(value: Any) -> Any:
@@ -190,6 +194,56 @@ def load(out_dir: str) -> dict[str, Any]:
         return {}
     with open(path, encoding="utf-8") as fp:
         return json.load(fp)
+
+
+def manifest_files(folder: str) -> list[str]:
+    """The regular files under ``folder`` as POSIX paths relative to it, sorted; symbolic
+    links (to files or folders) are never listed nor followed."""
+    found = []
+    for root, dirs, files in os.walk(folder, followlinks=False):
+        dirs[:] = sorted(d for d in dirs if not os.path.islink(os.path.join(root, d)))
+        for name in files:
+            path = os.path.join(root, name)
+            if os.path.isfile(path) and not os.path.islink(path):
+                found.append(os.path.relpath(path, folder).replace(os.sep, "/"))
+    return sorted(p for p in found if p != MANIFEST_FILENAME)
+
+
+def write_manifest(folder: str, files: Optional[list[str]] = None, **header: Any) -> str:
+    """Write :data:`MANIFEST_FILENAME` listing ``files`` (default: every regular file in
+    ``folder``, which the runner calls on its fresh temporary folder once everything is
+    written: all of them are the merge's)."""
+    listed = sorted(set(manifest_files(folder) if files is None else files))
+    data = {"schema_version": SCHEMA_VERSION, **header, "files": listed}
+    path = os.path.join(folder, MANIFEST_FILENAME)
+    with open(path, "w", encoding="utf-8") as fp:
+        fp.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def parse_manifest(text: str) -> Optional[dict[str, Any]]:
+    """A manifest's content, or None when the text is not one (then nothing is trusted)."""
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("files"), list):
+        return None
+    if not all(isinstance(p, str) for p in data["files"]):
+        return None
+    return data
+
+
+def load_manifest(folder: str) -> Optional[dict[str, Any]]:
+    """The manifest of an output folder, or None (older versions wrote none; unreadable)."""
+    path = os.path.join(folder, MANIFEST_FILENAME)
+    if not os.path.isfile(path) or os.path.islink(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as fp:
+            return parse_manifest(fp.read())
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def _version() -> str:

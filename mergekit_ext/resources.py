@@ -130,14 +130,20 @@ def format_duration(seconds: float) -> str:
 
 
 def format_bytes(size: Optional[float]) -> str:
-    """Decimal units as memory is usually quoted: ``812 MB``, ``3.4 GB``."""
+    """Decimal units (1000s, as the Hub and disk vendors count): ``123 kB``, ``3.40 GB``.
+
+    The one byte formatter of every message, card and report (``run``'s summary,
+    ``publish``): tqdm's ``format_sizeof``, with a space before the unit.
+    """
     if size is None:
         return "unknown"
-    for unit in ("B", "KB", "MB", "GB"):
-        if size < 1000:
-            return f"{size:.0f} {unit}" if unit in ("B", "KB", "MB") else f"{size:.1f} {unit}"
-        size /= 1000
-    return f"{size:.1f} TB"
+    if abs(size) < 1000:
+        return f"{size:.0f} B"  # whole bytes (format_sizeof writes "5.00B")
+    from tqdm import tqdm
+
+    text = tqdm.format_sizeof(float(size), "B", 1000)
+    number = text.rstrip("kMGTPEZYB")
+    return f"{number} {text[len(number) :]}"
 
 
 def summary_line(record: Optional[dict[str, Any]]) -> Optional[str]:

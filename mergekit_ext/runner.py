@@ -130,7 +130,11 @@ class HubWing(Protocol):
         """Write README.md into ``folder`` (the merge's own temporary folder)."""
 
     def publish(self, out_path: str, run: RunOptions) -> str:
-        """Upload ``out_path`` to ``run.push_to_hub``; returns the URL."""
+        """Upload ``out_path`` to ``run.push_to_hub``; returns the line that says what
+        happened (``published: REPO_URL (...)``, or that nothing changed)."""
+
+    def publish_command(self, out_path: str, run: RunOptions) -> str:
+        """The ``mergekit-ext publish`` command that repeats this upload, every option given."""
 
 
 def run_merge_config(
@@ -141,15 +145,18 @@ def run_merge_config(
     *,
     hub: HubWing,
     show_plan: Callable[[str], None] = print,
+    show_published: Callable[[str], None] = print,
 ) -> Optional[str]:
     """Merge ``cfg`` into ``out_path``; returns the output folder (None for a dry run, and
     on ranks other than 0 of a distributed merge). A dry run hands its plan to
-    ``show_plan`` (printed by default). ``hub`` writes the card and publishes."""
+    ``show_plan`` (printed by default). ``hub`` writes the card and publishes; the line
+    that says what publishing did goes to ``show_published`` (the CLI shows it after
+    "merged model written")."""
     run = run or RunOptions()
     ctx = dist_context.current()
     check_distributable(cfg, ctx.world_size)
     if ctx.enabled and not run.dry_run:
-        return _run_distributed(cfg, out_path, options, run, ctx, hub)
+        return _run_distributed(cfg, out_path, options, run, ctx, hub, show_published)
     extra = [p for p in run.plugins if p.endswith(".py")]
     extra += [p for p in (options.lora_merge_cache, options.transformers_cache) if p]
     inputs = checks.local_input_paths(cfg, extra)
@@ -208,7 +215,7 @@ def run_merge_config(
             recorder.set_header("resources", meter.usage.to_json())
             _write_metadata(cfg, tmp, target, options, run, recorder, hub)
     if run.push_to_hub:
-        _publish(out_path, run, hub)
+        show_published(_publish(out_path, run, hub))
     return os.path.abspath(out_path)
 
 
@@ -219,6 +226,7 @@ def _run_distributed(
     run: RunOptions,
     ctx: dist_context.DistributedContext,
     hub: HubWing,
+    show_published: Callable[[str], None] = print,
 ) -> Optional[str]:
     """:func:`run_merge_config` on one of several ranks of a layerwise merge."""
     if not ctx.is_writer:
@@ -278,7 +286,7 @@ def _run_distributed(
         raise
     ctx.agree(None, "writing the output")
     if run.push_to_hub:
-        _publish(out_path, run, hub)
+        show_published(_publish(out_path, run, hub))
     return os.path.abspath(out_path)
 
 
@@ -364,20 +372,21 @@ def _write_metadata(
         _write_config_copy(cfg.source_text, tmp)
         hub.write_model_card(tmp, os.path.basename(target), run.push_to_hub)
     _write_config_copy(published, tmp)
+    # Last: every file in the fresh temporary folder is the merge's own. `publish` uploads
+    # these (and what the user names), never a note or a secret that lands in OUT_DIR later.
+    merge_record.write_manifest(tmp, written_by="mergekit-ext run")
 
 
-def _publish(out_path: str, run: RunOptions, hub: HubWing) -> None:
+def _publish(out_path: str, run: RunOptions, hub: HubWing) -> str:
     assert run.push_to_hub is not None
     phase(f"publishing to {run.push_to_hub}")
     try:
-        url = hub.publish(out_path, run)
+        return hub.publish(out_path, run)
     except PublishError as e:
         raise PublishError(
             f"the merge succeeded and is kept at {out_path}, but publishing failed: {e} "
-            f"— publish it later with `mergekit-ext publish {out_path} --repo-id "
-            f"{run.push_to_hub}`"
+            f"— publish it later with `{hub.publish_command(out_path, run)}`"
         ) from e
-    print(f"published: {url}")  # the one line a user needs, without -v
 
 
 def _donor_folder(cfg: ExtMergeConfig, options: MergeOptions) -> str:

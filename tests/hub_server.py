@@ -16,6 +16,7 @@ Routes (as called by huggingface_hub 2.x, see ``hf_api.py``, ``_commit_api.py``,
 - ``GET  /api/models/{ns}/{name}/tree/{rev}``         list the files (``delete_patterns``)
 - ``GET  /api/whoami-v2``                             the token's user, orgs and role
 - ``PUT  /api/models/{ns}/{name}/settings``           change the visibility
+- ``GET  /{ns}/{name}/resolve/{rev}/{path}``          a file's content (a branch or commit)
 
 Files whose sample contains a NUL byte (binary: safetensors, PNG) or that are larger than
 10 MB go through LFS, the others are sent base64-encoded inside the commit, like the Hub.
@@ -219,6 +220,7 @@ _ROUTES: list[tuple[str, re.Pattern[str], str]] = [
     ("GET", re.compile(rf"^/api/models/{_REPO}/tree/(?P<rev>[^/]+)/?$"), "tree"),
     ("GET", re.compile(r"^/api/whoami-v2$"), "whoami"),
     ("PUT", re.compile(rf"^/api/models/{_REPO}/settings$"), "settings"),
+    ("GET", re.compile(rf"^/{_REPO}/resolve/(?P<rev>[^/]+)/(?P<file>.+)$"), "resolve"),
 ]
 
 
@@ -260,7 +262,10 @@ class _HubHandler(BaseHTTPRequestHandler):
                 if route_method == method and match:
                     body = self._read_body()
                     status, payload = getattr(self, f"_{handler}")(match, query, body)
-                    self._send_json(status, payload)
+                    if isinstance(payload, bytes):
+                        self._send_bytes(status, payload)
+                    else:
+                        self._send_json(status, payload)
                     return
             self._read_body()
             raise _HTTPError(404, f"no route for {method} {path}")
@@ -303,6 +308,13 @@ class _HubHandler(BaseHTTPRequestHandler):
             self.close_connection = True
             raise _HTTPError(413, "request body too large")
         return self.rfile.read(length) if length else b""
+
+    def _send_bytes(self, status: int, data: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
 
     def _send_json(self, status: int, payload: Any, headers: Optional[dict] = None) -> None:
         data = json.dumps(payload).encode()
@@ -459,6 +471,21 @@ class _HubHandler(BaseHTTPRequestHandler):
             {"type": "file", "path": p, "size": len(c), "oid": git_blob_sha1(c)}
             for p, c in sorted(files.items())
         ]
+
+    def _resolve(self, match: re.Match[str], query: dict, body: bytes) -> tuple[int, Any]:
+        """A file at a branch or at a commit (``hf_hub_url``'s ``resolve`` route)."""
+        repo = self.state.repos.get(f"{match['ns']}/{match['name']}")
+        if repo is None:
+            raise _HTTPError(404, "Repository not found", "RepoNotFound")
+        if repo.private:
+            self._writable_repo(match)
+        rev = unquote(match["rev"])
+        commits = [c for b in repo.branches.values() for c in b if c.oid == rev]
+        files = commits[0].files if commits else repo.tree(self._branch(repo, rev))
+        path = unquote(match["file"])
+        if path not in files:
+            raise _HTTPError(404, f"{path} not found", "EntryNotFound")
+        return 200, files[path]
 
     def _whoami(self, match: re.Match[str], query: dict, body: bytes) -> tuple[int, Any]:
         return 200, self._token().whoami()

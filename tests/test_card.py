@@ -410,14 +410,15 @@ def test_hub_ids_license_agreement_and_datasets(hub_workspace) -> None:
     meta = check_round_trip(readme)
     assert meta["base_model"] == ["org-a/base-model", "org-b/expert-one"]
     assert meta["base_model_relation"] == "merge"
-    assert meta["license"] == "apache-2.0"
+    # org-a/base-model (not cached) declares no license: none is set (issue #50.2)
+    assert "license" not in meta
     assert meta["datasets"] == ["org-c/calib-text"]
     assert meta["tags"] == ["mergekit", "merge", "mergekit-ext", "linear"]
     text = Path(readme).read_text(encoding="utf-8")
     assert "[org-b/expert-one](https://huggingface.co/org-b/expert-one)" in text
     assert "| model | finetuned | `./local/finetuned` | local folder | apache-2.0 |" in text
     assert "| model | abs-expert | `./abs-expert` | local folder | apache-2.0 |" in text
-    assert "Inputs that declare none: base-model;" in text  # org-a/base-model is not cached
+    assert "Inputs that declare no license: base-model; the others use `apache-2.0`" in text
     assert str(out.parent.parent) not in text  # the absolute input is shown by folder name
     assert "The method recorded no diagnostics for this merge." in text
 
@@ -435,7 +436,10 @@ def test_card_rebuilt_elsewhere_keeps_the_recorded_sources(
     assert Path(readme).read_bytes() == first
     meta = check_round_trip(readme)
     assert meta["base_model"] == ["org-a/base-model", "org-b/expert-one"]
-    assert meta["license"] == "apache-2.0"  # recorded with the merge, not looked up again
+    # the licenses recorded with the merge, not looked up again (base-model declares none,
+    # so the merge gets none: issue #50.2)
+    assert "license" not in meta
+    assert "| `./local/finetuned` | local folder | apache-2.0 |" in Path(readme).read_text()
     text = Path(readme).read_text(encoding="utf-8")
     assert "| model | finetuned | `./local/finetuned` | local folder | apache-2.0 |" in text
     assert "(commit `0123456789ab`)" in text  # the cached commit the merge read

@@ -26,12 +26,13 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
 def _download_layout(folder: Path, commit: str = COMMIT) -> None:
-    """What ``hf download REPO --local-dir folder`` leaves: one metadata file per file."""
-    meta = folder / ".cache" / "huggingface" / "download"
-    meta.mkdir(parents=True, exist_ok=True)
-    for f in folder.iterdir():
+    """What ``hf download REPO --local-dir folder`` leaves: one metadata file per file,
+    written by huggingface_hub's own ``_local_folder.write_download_metadata``."""
+    from huggingface_hub._local_folder import write_download_metadata
+
+    for f in sorted(folder.iterdir()):
         if f.is_file():
-            (meta / f"{f.name}.metadata").write_text(f'{commit}\n"etag"\n1712656091.123\n')
+            write_download_metadata(folder, f.name, commit, f'"etag-{f.name}"')
 
 
 def _set_name_or_path(folder: Path, value: str) -> None:
@@ -146,7 +147,7 @@ def test_lineage_of_downloaded_inputs(workspace: Path) -> None:
 
     assert downloaded_hub_id(str(m / "expert0")) == (
         "org-a/expert0",
-        "config.json `_name_or_path`",
+        "config.json `_name_or_path`, a hint (its name is the folder's)",
         COMMIT,
     )
     assert downloaded_hub_id(str(m / "base")) == (None, None, None)
@@ -181,3 +182,46 @@ def test_lora_row_names_the_adapter(workspace: Path, tmp_path: Path) -> None:
     text = (out / "README.md").read_text(encoding="utf-8")
     assert "* LoRA adapter `./m/adapter` on `./m/base`" in text
     assert "| model | adapter | `./m/base + ./m/adapter` |" in text
+
+
+def test_downloaded_fine_tune_is_not_its_parent(workspace: Path) -> None:
+    """Issue #50.2: a fine-tune fetched with `hf download --local-dir` whose config.json
+    names its parent (`_name_or_path`) is not a copy of the parent: the download metadata
+    (the commit, and the Hub cache's snapshot of it) decides, and the card says which
+    source it used. A license is written only when every input declares the same one."""
+    m = workspace / "m"
+    parent = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    for name in ("expert0", "expert1"):
+        _set_name_or_path(m / name, parent)
+    _download_layout(m / "expert0", COMMIT)  # not in the Hub cache
+    _download_layout(m / "expert1", "e" * 40)  # its snapshot is cached, under its own id
+    (workspace / "hub-cache" / "models--bob--expert1" / "snapshots" / ("e" * 40)).mkdir(
+        parents=True
+    )
+    (m / "base" / "README.md").write_text("---\nlicense: apache-2.0\n---\n# base\n")
+    assert downloaded_hub_id(str(m / "expert0")) == (None, None, COMMIT)
+    assert downloaded_hub_id(str(m / "expert1")) == (
+        "bob/expert1",
+        "the Hub cache's snapshot of the downloaded commit",
+        "e" * 40,
+    )
+
+    out = _merge(workspace)
+    card = huggingface_hub.ModelCard.load(str(out / "README.md"))
+    assert card.data.base_model == ["bob/expert1"]  # never the parent
+    text = card.text
+    assert parent not in text
+    assert "local copy of [bob/expert1](https://huggingface.co/bob/expert1), id read from the " \
+        "Hub cache's snapshot of the downloaded commit" in text  # fmt: skip
+    row = next(line for line in text.splitlines() if "`./m/expert0`" in line and "|" in line)
+    assert f"(commit `{COMMIT[:12]}`)" in row and "| local folder |" in row
+    # two inputs declare no license: none is written, the card says why
+    assert card.data.license is None
+    assert "Inputs that declare no license: second, first" in text
+    assert "no license is set" in text
+
+    # every input declares apache-2.0: the merge carries it
+    for name in ("expert0", "expert1"):
+        (m / name / "README.md").write_text("---\nlicense: apache-2.0\n---\n")
+    out = _merge(workspace, "out-licensed")
+    assert huggingface_hub.ModelCard.load(str(out / "README.md")).data.license == "apache-2.0"

@@ -196,12 +196,13 @@ def test_durations_and_sizes_as_printed() -> None:
     assert format_duration(12.4) == "12 s"
     assert format_duration(72.3) == "1 min 12 s"
     assert format_duration(7384) == "2 h 03 min"
-    assert format_bytes(3.4e9) == "3.4 GB"
+    assert format_bytes(3.4e9) == "3.40 GB"  # tqdm's format_sizeof, in 1000s (issue #50.12)
+    assert format_bytes(123_456) == "123 kB" and format_bytes(999) == "999 B"
     assert format_bytes(812e6) == "812 MB"
     line = summary_line({"wall_time_s": 72.0, "peak_rss_bytes": 3.4e9, "peak_rss_scope": "merge"})
-    assert line == "merged in 1 min 12 s, peak memory 3.4 GB"
+    assert line == "merged in 1 min 12 s, peak memory 3.40 GB"
     cuda = {"wall_time_s": 5, "peak_rss_bytes": 2e9, "cuda_max_allocated_bytes": 1.5e9}
-    assert summary_line(cuda) == "merged in 5.0 s, peak memory 2.0 GB, CUDA max allocated 1.5 GB"
+    assert summary_line(cuda) == "merged in 5.0 s, peak memory 2.00 GB, CUDA max allocated 1.50 GB"
 
 
 @pytest.mark.parametrize("method", ["ties", "regmean", "symerge"])

@@ -41,6 +41,7 @@ from mergekit_ext.hub import publish as publish_mod
 from mergekit_ext.hub.card import render_card_for_repo, write_model_card
 from mergekit_ext.hub.publish import check_complete, list_upload_files, publish_folder
 
+MANIFEST = merge_record.MANIFEST_FILENAME
 WRITE_TOKEN = "hf_WriteTokenForTests0123456789abcdef"
 READ_TOKEN = "hf_ReadOnlyTokenForTests0123456789abc"
 BOB_TOKEN = "hf_BobTokenForTests0123456789abcdefgh"
@@ -159,7 +160,9 @@ def assert_files_arrived(hub: FakeHub, repo_id: str, folder: Path, branch: str =
     assert len(commits) == 2, [c.summary for c in commits]  # the repo's initial commit + ours
     commit = commits[-1]
     local = {f.path for f in list_upload_files(str(folder))}
-    assert set(commit.changed) == local == set(commit.files)
+    assert set(commit.changed) == local | {MANIFEST} == set(commit.files)
+    # the manifest uploaded with them names them: what a later publish may delete
+    assert set(json.loads(commit.files[MANIFEST])["files"]) == local | {MANIFEST}
     for path in local - {"README.md"}:  # text files naming local paths: redacted (#28, 8)
         expected_bytes = publish_mod.uploaded_bytes(str(folder), path, repo_id)
         assert commit.files[path] == (expected_bytes or (folder / path).read_bytes()), path
@@ -250,7 +253,8 @@ def test_publish_again_skips_unchanged_files(hub: FakeHub, folder: Path) -> None
     commits = hub.commits("alice/again")
     # The card shows the configuration (now edited): the two text files changed, nothing else.
     assert len(commits) == 3
-    assert sorted(commits[-1].changed) == ["README.md", "mergekit_config.yml"]
+    # (and the manifest, which records the card's hash)
+    assert sorted(commits[-1].changed) == sorted(["README.md", MANIFEST, "mergekit_config.yml"])
     assert len(hub.lfs_puts) == puts  # no LFS object was sent twice
 
 
@@ -492,7 +496,9 @@ def test_dry_run_lists_files_and_front_matter(hub: FakeHub, folder: Path) -> Non
     assert result.exit_code == 0, result.output
     out = result.output
     assert WRITE_TOKEN not in out
-    assert hub.requests == []  # nothing sent
+    # nothing sent: the repository was only read (what it holds decides what is deleted)
+    assert hub.requests and {method for method, _ in hub.requests} == {"GET"}
+    assert "Deleted on the Hub (in the same commit):\n  none (a new repository" in out
     assert "Token:          found (--token)" in out
     card = render_card_for_repo(str(folder), "alice/tiny").encode("utf-8")
     sizes = {f.path: f.size for f in list_upload_files(str(folder))} | {"README.md": len(card)}
@@ -503,7 +509,8 @@ def test_dry_run_lists_files_and_front_matter(hub: FakeHub, folder: Path) -> Non
     assert sizes["mergekit_config.yml"] < (folder / "mergekit_config.yml").stat().st_size
     for path, size in sizes.items():
         assert re.search(rf"^\s+{size:,}\s+.*\s{re.escape(path)}$", out, re.M), path
-    assert f"({sum(sizes.values()):,} bytes), one commit" in out
+    manifest_size = int(re.search(rf"^\s+([\d,]+)\s.*\s{MANIFEST}$", out, re.M)[1].replace(",", ""))
+    assert f"({sum(sizes.values()) + manifest_size:,} bytes), one commit" in out
     assert "Card front matter (README.md, as uploaded):\n---\n" in out
     assert "- mergekit-ext" in out and "pipeline_tag: text-generation" in out
 
@@ -514,7 +521,9 @@ def test_cli_publish_and_errors(hub: FakeHub, folder: Path) -> None:
     result = runner.invoke(publish_command, [*args, "--token", WRITE_TOKEN])
     assert result.exit_code == 0, result.output
     # stdout is the URL alone; the steps go to stderr (issue #28: what publishing waits for)
-    assert result.stdout.startswith(f"published: {hub.url}/alice/cli/commit/")
+    assert result.stdout.startswith(
+        f"published: {hub.url}/alice/cli (branch main, commit {hub.url}/alice/cli/commit/"
+    )
     assert "publishing: uploading" in result.stderr
     assert_files_arrived(hub, "alice/cli", folder)
 
@@ -629,7 +638,11 @@ def test_every_uploaded_file_is_redacted(
     local_root = str(tmp_path.parent).encode()
     leaks = [path for path, data in uploaded.items() if local_root in data]
     assert leaks == []
-    assert set(uploaded) == {f.path for f in list_upload_files(str(out))}
+    # What went is what the run recorded in its manifest as it wrote the folder, plus an
+    # uploaded manifest naming the same files.
+    recorded = set(merge_record.load_manifest(str(out))["files"])
+    assert recorded == {f.path for f in list_upload_files(str(out))}
+    assert set(uploaded) == recorded | {MANIFEST}
 
 
 def test_run_push_to_hub_is_checked_before_merging(
@@ -659,13 +672,28 @@ def test_run_push_to_hub_failure_keeps_the_merge(
     out = tmp_path / "merged"
     # The token may write (checked before merging); the Hub then fails the commit.
     hub.add_fault(Fault("POST", r"/commit/", status=403, times=None, message="quota exceeded"))
+    options = ["--revision", "dev", "--private", "--commit-message", "merge v2"]
     result = CliRunner().invoke(
-        main, ["run", str(config), str(out), "--push-to-hub", "alice/m", "--token", WRITE_TOKEN]
+        main,
+        [
+            "run",
+            str(config),
+            str(out),
+            "--push-to-hub",
+            "alice/m",
+            "--token",
+            WRITE_TOKEN,
+            *options,
+        ],
     )
     assert result.exit_code == 1
     assert "403" in result.output
     assert f"the merge succeeded and is kept at {out}" in result.output
-    assert f"mergekit-ext publish {out} --repo-id alice/m" in result.output
+    # the retry goes where this push went (#50.5), the token is not repeated
+    assert (
+        f"mergekit-ext publish {out} --repo-id alice/m --private --revision dev "
+        "--commit-message 'merge v2' --token YOUR_TOKEN`"
+    ) in result.output
     assert check_complete(str(out)) == []
 
 
@@ -689,6 +717,7 @@ def _single_file_merge(folder: Path, tmp_path: Path) -> Path:
         {k: torch.full_like(v, 0.5) for k, v in tensors.items()}, str(old / "model.safetensors")
     )
     (old / "images" / "old_method_plot.png").write_bytes(b"\x89PNG\r\n\x1a\n\0old")
+    merge_record.write_manifest(str(old))  # as `run` records what it wrote
     return old
 
 
@@ -713,7 +742,9 @@ def test_republish_removes_stale_weights_and_images(hub: FakeHub, folder: Path, 
     assert "images/old_method_plot.png" not in hub_files
     assert {"model.safetensors", "images/old_method_plot.png"} <= set(commits[-1].changed)
     assert hub_files["notes/eval.txt"] == b"mine"
-    assert set(hub_files) - {"notes/eval.txt"} == {f.path for f in list_upload_files(str(folder))}
+    assert set(hub_files) - {"notes/eval.txt"} == {
+        f.path for f in list_upload_files(str(folder))
+    } | {MANIFEST}
 
     snapshot = tmp_path / "snapshot"
     for path, data in hub_files.items():
@@ -760,7 +791,7 @@ def test_private_on_an_existing_public_repo(hub: FakeHub, folder: Path) -> None:
     "token, fine, needle",
     [
         (READ_TOKEN, None, "read-only"),
-        (BOB_TOKEN, None, "not a member of the organisation 'alice'"),
+        (BOB_TOKEN, None, "the token belongs to 'bob', not to 'alice'"),
         ("hf_NotAValidToken000000", None, "401"),
         ("hf_FineGrainedOther0123456789abcdefg", ("user:alice-other",), "grants no permission"),
     ],
@@ -821,7 +852,12 @@ def test_undeterminable_token_warns_and_publishes(
     commit = hub.commits("alice/m", "dev")[-1]
     assert commit.summary == "merge v2" and len(hub.commits("alice/m", "main")) == 1
     # (the progress bars, on stderr in a terminal, share one stream with stdout here)
-    assert re.search(rf"published: {re.escape(hub.url)}/alice/m/commit/[0-9a-f]+\n", result.output)
+    # the merge comes first, then where it went (#50.4)
+    assert result.output.index("merged model written") < result.output.index("published:")
+    repo = re.escape(f"{hub.url}/alice/m")
+    assert re.search(
+        rf"published: {repo} \(branch dev, commit {repo}/commit/[0-9a-f]+\)\n", result.output
+    )
     assert vague not in result.output
 
     result = CliRunner().invoke(
@@ -829,7 +865,10 @@ def test_undeterminable_token_warns_and_publishes(
                WRITE_TOKEN, "--create-pr", "--overwrite"]
     )  # fmt: skip
     assert result.exit_code == 0, result.output
-    assert f"published: {hub.url}/alice/m/discussions/1" in result.output
+    assert (
+        f"published: {hub.url}/alice/m (pull request {hub.url}/alice/m/discussions/1)"
+        in result.output
+    )
 
 
 def test_publish_options_are_one_group() -> None:
@@ -868,3 +907,312 @@ def test_foreign_card_is_kept(hub: FakeHub, folder: Path) -> None:
     uploaded = hub.commits("alice/theirs")[-1].files["README.md"].decode()
     assert "mergekit-ext" in uploaded and uploaded != theirs
     assert (folder / "README.md").read_text(encoding="utf-8") == theirs  # local file untouched
+
+
+# ----------------------------------------------------- issues #49.4, #49.5 and #50: what goes
+
+
+SECRET = "HF_TOKEN=hf_SecretInDotEnv0123456789abcdefgh\n"
+
+
+def _clutter(folder: Path) -> None:
+    """What lands in an output folder besides the merge: a secret, system clutter, notes,
+    links out of the folder (to a file and to a folder), a hidden cache."""
+    (folder / ".env").write_text(SECRET)
+    (folder / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")
+    (folder / "notes.txt").write_text("try a lower temperature\n")
+    (folder / "leak.txt").symlink_to("/etc/hostname")
+    (folder / "linked").symlink_to("/etc", target_is_directory=True)
+    (folder / ".cache" / "huggingface").mkdir(parents=True)
+    (folder / ".cache" / "huggingface" / "token").write_text("hf_CachedInFolder0123456789abcd\n")
+
+
+def test_only_the_merge_files_go(hub: FakeHub, folder: Path) -> None:
+    """#49.5: a secret, clutter, notes and links in OUT_DIR are never uploaded; the dry
+    run lists each one and why; --include sends what the user names (never a hidden file
+    or a link)."""
+    merge_files = {f.path for f in list_upload_files(str(folder))}
+    _clutter(folder)
+    args = [str(folder), "--repo-id", "alice/clean", "--endpoint", hub.url, "--token", WRITE_TOKEN]
+    dry = CliRunner().invoke(publish_command, [*args, "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    assert "Left out (not uploaded):" in dry.output
+    for line in (
+        "  .env: a hidden file: never uploaded",
+        "  .DS_Store: a hidden file: never uploaded",
+        "  .cache/: a hidden folder: never uploaded",
+        "  leak.txt: a symbolic link: never followed",
+        "  linked/: a symbolic link: links are never followed",
+        "  notes.txt: not written by the merge: pass --include to upload it",
+    ):
+        assert line in dry.output, line
+    assert "hf_SecretInDotEnv" not in dry.output
+
+    result = CliRunner().invoke(publish_command, args)
+    assert result.exit_code == 0, result.output
+    uploaded = hub.commits("alice/clean")[-1].files
+    assert set(uploaded) == merge_files | {MANIFEST}
+    hostname = Path("/etc/hostname").read_bytes() if Path("/etc/hostname").is_file() else None
+    for path, data in uploaded.items():
+        assert b"hf_SecretInDotEnv" not in data and b"hf_CachedInFolder" not in data, path
+        assert hostname is None or data != hostname, path
+
+    result = CliRunner().invoke(publish_command, [*args, "--include", "notes.txt"])
+    assert result.exit_code == 0, result.output
+    uploaded = hub.commits("alice/clean")[-1].files
+    assert uploaded["notes.txt"] == b"try a lower temperature\n"
+    manifest = json.loads(uploaded[MANIFEST])
+    assert manifest["included"] == ["notes.txt"] and "notes.txt" not in manifest["files"]
+    for pattern in (".env", "leak.txt", "linked/*", "nothing-*"):
+        result = CliRunner().invoke(publish_command, [*args, "--include", pattern])
+        assert result.exit_code == 1 and "matches no file" in result.output, pattern
+    # a file of the merge replaced by a link is refused, not skipped (nor followed)
+    (folder / "config.json").rename(folder / "elsewhere.json")
+    (folder / "config.json").symlink_to(folder / "elsewhere.json")
+    result = CliRunner().invoke(publish_command, args)
+    assert result.exit_code == 1 and "config.json is a symbolic link" in result.output
+
+
+def test_the_manifest_decides_not_the_names(hub: FakeHub, folder: Path) -> None:
+    """#49.5: with the manifest `run` writes, a file added afterwards is left out even when
+    its name is one a merge writes; without a manifest (an older version's folder) the
+    names decide."""
+    merge_record.write_manifest(str(folder), written_by="mergekit-ext run")
+    recorded = set(merge_record.load_manifest(str(folder))["files"])
+    (folder / "vocab.txt").write_text("[PAD]\n")
+    selection = publish_mod.select_upload_files(str(folder))
+    assert {f.path for f in selection.files} == recorded
+    assert ("vocab.txt", "not written by the merge: pass --include to upload it") in (
+        selection.left_out
+    )
+    assert selection.basis.startswith(MANIFEST)
+    (folder / MANIFEST).unlink()
+    selection = publish_mod.select_upload_files(str(folder))
+    assert {f.path for f in selection.files} == recorded | {"vocab.txt"}
+    assert selection.basis.startswith(f"no {MANIFEST}")
+
+
+HAND_ADDED = {
+    "my_lora.safetensors": b"\0lora",
+    "extra/vision.safetensors": b"\0vision",
+    "images/my_photo.png": b"\x89PNG\r\n\x1a\n\0me",
+    "pytorch_model.bin": b"\0pickle",
+    "adapter_model.bin": b"\0adapter",
+    "notes/eval.txt": b"mine",
+}
+
+
+def _add_by_hand(hub: FakeHub, repo_id: str, files: dict, branch: str = "main") -> None:
+    """Files the owner uploaded through the website (a commit of their own)."""
+    repo = hub.repos[repo_id]
+    head = repo.branches[branch][-1]
+    repo.branches[branch].append(
+        type(head)(
+            hashlib.sha1(repr(files).encode()).hexdigest(),
+            "by hand",
+            {**head.files, **files},
+            tuple(files),
+        )  # fmt: skip
+    )
+
+
+def test_republish_deletes_only_what_an_earlier_publish_wrote(
+    hub: FakeHub, folder: Path, tmp_path: Path
+) -> None:
+    """#49.4: a re-merge published over a merge plus files added by hand deletes the old
+    merge's files it lacks, names each one (dry run and run), and keeps every hand-added file."""
+    publish_folder(str(folder), "alice/keep", token=WRITE_TOKEN, endpoint=hub.url)
+    _add_by_hand(hub, "alice/keep", HAND_ADDED)
+    before = set(hub.commits("alice/keep")[-1].files)
+    remerge = _single_file_merge(folder, tmp_path)  # one model.safetensors, no shards
+    gone = sorted(p for p in before if p.startswith("model-") or p == SAFETENSORS_INDEX)
+    assert len(gone) >= 3
+
+    args = [str(remerge), "--repo-id", "alice/keep", "--endpoint", hub.url, "--token", WRITE_TOKEN]
+    dry = CliRunner().invoke(publish_command, [*args, "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    listed = dry.output.split("Deleted on the Hub (in the same commit):\n")[1].split("\n\n")[0]
+    assert listed.splitlines()[1:] == [f"  {p}" for p in gone]
+    assert f"known from the {MANIFEST} an earlier publish uploaded" in listed
+
+    result = CliRunner().invoke(publish_command, args)
+    assert result.exit_code == 0, result.output
+    for path in gone:
+        assert f"publishing: deleting {path} (an earlier publish wrote it" in result.stderr
+    assert f"deleted {len(gone)} file(s) an earlier publish wrote" in result.stdout
+    after = hub.commits("alice/keep")[-1].files
+    assert not set(gone) & set(after)
+    for path, data in HAND_ADDED.items():
+        assert after[path] == data, path
+    assert len(hub.commits("alice/keep")) == 4  # the deletions are in the publish's commit
+
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def test_republish_over_an_older_publish_without_manifest(hub: FakeHub, folder: Path) -> None:
+    """#49.4: a repository an older version published (its diagnostics, no manifest):
+    only files with the names a merge writes are deleted; hand-added ones stay."""
+    publish_folder(str(folder), "alice/old", token=WRITE_TOKEN, endpoint=hub.url)
+    repo = hub.repos["alice/old"]
+    head = repo.branches["main"][-1]
+    del head.files[MANIFEST]  # as an older version left it
+    head.files["model.safetensors"] = b"\0stale single file"
+    head.files["chat_template.jinja"] = b"{{ old }}"
+    _add_by_hand(hub, "alice/old", HAND_ADDED)
+    result = publish_folder(str(folder), "alice/old", token=WRITE_TOKEN, endpoint=hub.url)
+    assert sorted(result.deleted) == ["chat_template.jinja", "model.safetensors"]
+    after = hub.commits("alice/old")[-1].files
+    assert "model.safetensors" not in after and "chat_template.jinja" not in after
+    assert all(after[p] == d for p, d in HAND_ADDED.items())
+
+
+def _with_task_adapters(folder: Path, tmp_path: Path) -> Path:
+    """A SyMerge output: the body plus tasks/NAME/ adapters (config and weights)."""
+    import torch
+    from safetensors.torch import save_file
+
+    sy = Path(shutil.copytree(folder, tmp_path / "sy"))
+    for task in ("t0", "t1"):
+        (sy / "tasks" / task).mkdir(parents=True)
+        (sy / "tasks" / task / "adapter_config.json").write_text('{"peft_type": "LORA"}\n')
+        save_file({"w": torch.zeros(2)}, str(sy / "tasks" / task / "adapter_model.safetensors"))
+    merge_record.write_manifest(str(sy))
+    return sy
+
+
+def test_republish_removes_whole_task_folders(hub: FakeHub, folder: Path, tmp_path) -> None:
+    """#49.4: a `ties` merge published over a SyMerge one removes each task folder whole
+    (config and weights), not the weights alone."""
+    publish_folder(str(_with_task_adapters(folder, tmp_path)), "alice/sy", token=WRITE_TOKEN,
+                   endpoint=hub.url)  # fmt: skip
+    assert "tasks/t0/adapter_config.json" in hub.commits("alice/sy")[-1].files
+    merge_record.write_manifest(str(folder))
+    publish_folder(str(folder), "alice/sy", token=WRITE_TOKEN, endpoint=hub.url)
+    assert not [p for p in hub.commits("alice/sy")[-1].files if p.startswith("tasks/")]
+
+
+def test_stale_tokenizer_files_are_removed(hub: FakeHub, folder: Path) -> None:
+    """#50.1: the chat template of an earlier merge goes when the re-merge has none; a
+    file of the same kind added by hand stays."""
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m }}{% endfor %}")
+    merge_record.write_manifest(str(folder))
+    publish_folder(str(folder), "alice/chat", token=WRITE_TOKEN, endpoint=hub.url)
+    assert "chat_template.jinja" in hub.commits("alice/chat")[-1].files
+    _add_by_hand(hub, "alice/chat", {"chat_template_tool_use.jinja": b"{{ tools }}"})
+    (folder / "chat_template.jinja").unlink()
+    merge_record.write_manifest(str(folder))
+    result = publish_folder(str(folder), "alice/chat", token=WRITE_TOKEN, endpoint=hub.url)
+    assert result.deleted == ("chat_template.jinja",)
+    after = hub.commits("alice/chat")[-1].files
+    assert "chat_template.jinja" not in after and "chat_template_tool_use.jinja" in after
+
+
+def test_card_edited_on_the_hub_is_kept(hub: FakeHub, folder: Path) -> None:
+    """#50.3: a README edited on the Hub is not replaced without a word: the rest goes,
+    the card stays and the output says so; --replace-card replaces it."""
+    publish_folder(str(folder), "alice/card", token=WRITE_TOKEN, endpoint=hub.url)
+    edited = (
+        hub.commits("alice/card")[-1]
+        .files["README.md"]
+        .replace(b"---\n", b"---\nlicense: apache-2.0\n", 1)
+        + b"\n## Evaluation\n\nMMLU 41.2 (by hand)\n"
+    )
+    _add_by_hand(hub, "alice/card", {"README.md": edited})
+    (folder / "mergekit_config.yml").write_text(
+        "# v2\n" + (folder / "mergekit_config.yml").read_text()
+    )
+    args = [str(folder), "--repo-id", "alice/card", "--endpoint", hub.url, "--token", WRITE_TOKEN]
+    dry = CliRunner().invoke(publish_command, [*args, "--dry-run"])
+    assert "Card: README.md on the Hub was edited there" in dry.output
+    result = CliRunner().invoke(publish_command, args)
+    assert result.exit_code == 0, result.output
+    assert "README.md on the Hub was edited there" in result.stderr
+    after = hub.commits("alice/card")[-1].files
+    assert after["README.md"] == edited
+    assert after["mergekit_config.yml"].startswith(b"# v2\n")
+    # still edited next time (the manifest does not take the kept card for ours)
+    result = CliRunner().invoke(publish_command, [*args, "--dry-run"])
+    assert "Card: README.md on the Hub was edited there" in result.output
+
+    result = CliRunner().invoke(publish_command, [*args, "--replace-card"])
+    assert result.exit_code == 0, result.output
+    replaced = hub.commits("alice/card")[-1].files["README.md"]
+    assert b"MMLU 41.2" not in replaced and replaced == render_card_for_repo(
+        str(folder), "alice/card"
+    ).encode("utf-8")
+
+
+@pytest.mark.parametrize(
+    "options, branch",
+    [([], "main"), (["--revision", "dev"], "dev"), (["--create-pr"], "main"),
+     (["--private", "--make-private"], "main")],
+)  # fmt: skip
+def test_nothing_changed_is_said(hub: FakeHub, folder: Path, options, branch) -> None:
+    """#50.4: publishing what the repository already holds makes no commit (nor pull
+    request) and says so, once; `published:` names the repository and the commit."""
+    args = [str(folder), "--repo-id", "alice/same", "--endpoint", hub.url, "--token", WRITE_TOKEN]
+    first = [o for o in options if o != "--create-pr" and o not in ("--private", "--make-private")]
+    result = CliRunner().invoke(publish_command, [*args, *first])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith(f"published: {hub.url}/alice/same (branch {branch}, commit ")
+    commits = len(hub.commits("alice/same", branch))
+
+    result = CliRunner().invoke(publish_command, [*args, *options])
+    assert result.exit_code == 0, result.output
+    head = hub.commits("alice/same", branch)[-1].oid
+    assert result.stdout.startswith(
+        f"nothing to publish: {hub.url}/alice/same (branch {branch}) already holds these "
+        f"files, at {hub.url}/alice/same/commit/{head}; no commit was made"
+    ), result.stdout
+    assert "published:" not in result.output
+    assert "No files have been modified" not in result.output
+    assert len(hub.commits("alice/same", branch)) == commits
+    if "--create-pr" in options:
+        assert "no pull request opened" in result.stdout
+        assert hub.repos["alice/same"].pull_requests == []
+    if "--make-private" in options:
+        assert "the repository was made private" in result.stdout
+        assert hub.repos["alice/same"].private is True
+
+
+def test_retry_command_repeats_every_option() -> None:
+    """#50.5: the `publish` command suggested after a failed push goes where the push went."""
+    from mergekit_ext.hub.actions import HubActions
+    from mergekit_ext.runner import RunOptions
+
+    run = RunOptions(push_to_hub="alice/m", hub_private=True, hub_revision="dev",
+                     hub_commit_message="merge v2, it's better", hub_token=WRITE_TOKEN,
+                     hub_timeout=5.0, hub_make_private=True)  # fmt: skip
+    command = HubActions().publish_command("out dir", run)
+    assert command == (
+        "mergekit-ext publish 'out dir' --repo-id alice/m --private --make-private --revision "
+        "dev --commit-message 'merge v2, it'\"'\"'s better' --hub-timeout 5 --token YOUR_TOKEN"
+    )
+    pr = HubActions().publish_command("out", RunOptions(push_to_hub="a/b", hub_create_pr=True))
+    assert pr == "mergekit-ext publish out --repo-id a/b --create-pr"
+
+
+def test_token_origin_is_told(hub: FakeHub, tiny_llama_set, tmp_path: Path, monkeypatch) -> None:
+    """#50.6: a token from HF_TOKEN is called that (not --token)."""
+    from mergekit_ext.cli import main
+
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_TOKEN", READ_TOKEN)
+    config = _run_config(tmp_path, tiny_llama_set)
+    result = CliRunner().invoke(main, ["run", str(config), str(tmp_path / "o"),
+                                       "--push-to-hub", "alice/m"])  # fmt: skip
+    assert result.exit_code == 1
+    assert "the token from HF_TOKEN cannot write to alice/m" in result.output
+    assert "--token" not in result.output.split("cannot write")[0]
+
+
+def test_sizes_use_one_formatter(hub: FakeHub, folder: Path) -> None:
+    """#50.12: `publish` counts bytes in 1000s, like the run's summary."""
+    from mergekit_ext.resources import format_bytes
+
+    (folder / "notes.txt").write_bytes(b"x" * 1_500_000)
+    args = [str(folder), "--repo-id", "alice/s", "--dry-run", "--include", "notes.txt"]
+    result = CliRunner().invoke(publish_command, [*args, "--endpoint", hub.url])
+    assert re.search(r"^\s+1,500,000\s+1\.50 MB  notes\.txt  \(--include\)$", result.output, re.M)
+    assert format_bytes(1_500_000) == "1.50 MB"

@@ -35,10 +35,11 @@ class HubActions:
         write_model_card(folder, name=name, repo_id=repo_id, force=True)
 
     def publish(self, out_path: str, run: Any) -> str:
-        """Upload ``out_path`` to ``run.push_to_hub`` in one commit; returns the URL."""
+        """Upload ``out_path`` to ``run.push_to_hub`` in one commit; returns the line that
+        says what happened (the repository and the commit, or that nothing changed)."""
         from mergekit_ext.hub.publish import publish_folder
 
-        return publish_folder(
+        result = publish_folder(
             out_path,
             run.push_to_hub,
             private=run.hub_private,
@@ -49,3 +50,23 @@ class HubActions:
             token=run.hub_token,
             timeout=run.hub_timeout,
         )
+        return str(getattr(result, "summary", f"published: {result}"))
+
+    def publish_command(self, out_path: str, run: Any) -> str:
+        """``mergekit-ext publish`` with every publishing option ``run`` was given, so that a
+        retry goes where the failed upload was going (never ``main`` instead of a branch);
+        the token itself is never printed."""
+        import shlex
+
+        from mergekit_ext.hub.http import HUB_TIMEOUT_S
+
+        words = ["mergekit-ext", "publish", out_path, "--repo-id", run.push_to_hub]
+        words += ["--private"] if run.hub_private else []
+        words += ["--make-private"] if run.hub_make_private else []
+        words += ["--revision", run.hub_revision] if run.hub_revision else []
+        words += ["--commit-message", run.hub_commit_message] if run.hub_commit_message else []
+        words += ["--create-pr"] if run.hub_create_pr else []
+        if run.hub_timeout is not None and run.hub_timeout != HUB_TIMEOUT_S:
+            words += ["--hub-timeout", f"{run.hub_timeout:g}"]
+        command = shlex.join(words)
+        return command + (" --token YOUR_TOKEN" if run.hub_token else "")

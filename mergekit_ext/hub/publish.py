@@ -6,6 +6,12 @@ id is valid, then uses :class:`huggingface_hub.HfApi`: ``create_repo(exist_ok=Tr
 **one commit**: LFS/Xet objects are uploaded first and the commit that references them is
 created last, so an upload that fails half-way commits nothing.
 
+What goes (:func:`select_upload_files`): the merge's own files, which ``run`` records in
+``mergekit_ext_manifest.json`` as it writes the folder, the card's, and what ``--include``
+names; never a hidden file nor a symbolic link. A manifest of the upload goes with it, and a
+later publish deletes, in its commit, exactly the files that manifest names and the new
+upload lacks (:func:`plan_remote`); files added to the repository by hand stay.
+
 The card: the local ``README.md`` is written for the folder (its name as title, ``./NAME``
 in the loading snippets). The uploaded copy is rendered again for the target repository
 (:func:`card_to_upload`) and sent from a temporary view of the folder
@@ -36,28 +42,33 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from mergekit_ext import merge_record
 from mergekit_ext.errors import PublishError
 from mergekit_ext.hub.http import HUB_TIMEOUT_S, bounded_hub_requests
 from mergekit_ext.offline import hub_offline
+from mergekit_ext.resources import format_bytes
 
 LOG = logging.getLogger(__name__)
 
 LARGE_FOLDER_BYTES = 50 * 1024**3
 ONE_COMMIT_MAX_FILES = 256  # huggingface_hub 2.x's first commit batch with hf_xet
 SAFETENSORS_INDEX = "model.safetensors.index.json"
-# What a merge writes that an earlier merge in the same repository may have left behind:
-# weights, their indexes and the card's plots. Remote files matching these and absent from
-# the new upload are deleted in the same commit (``upload_folder(delete_patterns=...)``), so
-# ``from_pretrained`` never finds an old ``model.safetensors`` beside new shards. Other
-# files (a GGUF or a note the owner uploaded) are never touched.
-STALE_PATTERNS = (
-    "*.safetensors",
-    "*.safetensors.index.json",
-    "pytorch_model*.bin",
-    "pytorch_model.bin.index.json",
-    "adapter_model.bin",
-    "images/*",
-)
+MANIFEST_FILENAME = merge_record.MANIFEST_FILENAME
+# What a merge writes, by name. Used only where no manifest says which files are the merge's:
+# an output folder written by an older version (or by mergekit-yaml) uploads these, and a
+# repository an older version published may see these deleted when a new upload lacks them.
+# Task folders (``tasks/NAME/``, SyMerge) hold the same kinds of files. Images are the card's:
+# those its README.md links to.
+MERGE_FILE_NAMES = (
+    "README.md", "config.json", "generation_config.json",
+    "model.safetensors", "model-*-of-*.safetensors", SAFETENSORS_INDEX,
+    "adapter_config.json", "adapter_model.safetensors",
+    "mergekit_config.yml", merge_record.FILENAME, "mergekit_ext_diagnose.json",
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+    "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "spiece.model",
+    "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
+    "processor_config.json",
+)  # fmt: skip
 _TOKEN_PATTERN = re.compile(r"hf_[A-Za-z0-9_\-]{6,}")
 _IMAGE_LINK = re.compile(r"!\[[^\]]*\]\((?!https?://)([^)\s]+)\)")
 
@@ -210,18 +221,138 @@ def check_complete(out_dir: str) -> list[str]:
     return problems
 
 
-def list_upload_files(out_dir: str) -> list[FolderFile]:
-    """The files ``upload_folder`` sends (same listing and default ignore patterns)."""
-    from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
+def is_merge_file_name(path: str) -> bool:
+    """``path`` (POSIX, relative to the folder or repository) has the name of a file a merge
+    writes (:data:`MERGE_FILE_NAMES`), at the top or in a task folder ``tasks/NAME/``."""
+    import fnmatch
 
+    parts = path.split("/")
+    if not (len(parts) == 1 or (len(parts) == 3 and parts[0] == "tasks")):
+        return False
+    return any(fnmatch.fnmatchcase(parts[-1], name) for name in MERGE_FILE_NAMES)
+
+
+def _card_links(text: str) -> set[str]:
+    return {link.removeprefix("./") for link in _IMAGE_LINK.findall(text)}
+
+
+@dataclass(frozen=True)
+class UploadSelection:
+    """Which files of an output folder ``publish`` sends, and which it leaves out, and why."""
+
+    files: tuple[FolderFile, ...]
+    #: the files sent only because ``--include`` named them (never deleted by a later publish)
+    included: tuple[str, ...]
+    #: (path, why) of every file or folder left out; folders end with "/"
+    left_out: tuple[tuple[str, str], ...]
+    #: how the merge's own files were known (the manifest, or their names)
+    basis: str
+
+
+def _matches(path: str, pattern: str) -> bool:
+    """``--include`` patterns: shell patterns on the path (``*`` crosses folders), or a
+    folder (``extra`` / ``extra/``) for everything in it."""
+    import fnmatch
+
+    pattern = pattern.removeprefix("./")
+    folder = pattern.rstrip("/")
+    return fnmatch.fnmatchcase(path, pattern) or path.startswith(folder + "/")
+
+
+def select_upload_files(
+    out_dir: str, include: Sequence[str] = (), card_text: Optional[str] = None
+) -> UploadSelection:
+    """The merge's own files in ``out_dir`` plus those ``include`` names.
+
+    The merge's own: the files its manifest lists (:data:`MANIFEST_FILENAME`, written by
+    ``run`` once everything else was written), else, for a folder without one (an older
+    version, ``mergekit-yaml``), the files with the names a merge writes
+    (:data:`MERGE_FILE_NAMES`); and the card's: ``README.md``, the images ``card_text``
+    (default: the local README.md) links to, ``mergekit_ext_diagnose.json``. Never sent,
+    even when ``include`` names them: symbolic links (to files or folders, inside or outside
+    ``out_dir``: never followed), hidden files and folders (``.env``, ``.DS_Store``,
+    ``.cache/``), the local manifest (the upload carries its own) and ``README.md.bak*``.
+    Raises :class:`PublishError` when an ``include`` pattern matches no file that may go.
+    """
     root = Path(out_dir).expanduser().resolve()
-    rel_to_abs = {
-        p.relative_to(root).as_posix(): p for p in sorted(root.glob("**/*")) if p.is_file()
-    }
-    # README.md.bak*: a hand-edited card that `card --force` replaced, a local copy only
-    ignore = [*DEFAULT_IGNORE_PATTERNS, "README.md.bak*"]
-    kept = filter_repo_objects(list(rel_to_abs), ignore_patterns=ignore)
-    return [FolderFile(rel, rel_to_abs[rel].stat().st_size) for rel in kept]
+    manifest = merge_record.load_manifest(str(root))
+    own = set(manifest["files"]) if manifest is not None else None
+    basis = (
+        f"{MANIFEST_FILENAME} (the files the merge wrote)"
+        if own is not None
+        else f"no {MANIFEST_FILENAME} (an older version or another tool wrote the folder): "
+        "the files with the names a merge writes"
+    )
+    if card_text is None:
+        readme = root / "README.md"
+        card_text = readme.read_text(encoding="utf-8") if readme.is_file() else ""
+    card_files = {"README.md", "mergekit_ext_diagnose.json", *_card_links(card_text)}
+    chosen: list[FolderFile] = []
+    included: list[str] = []
+    left_out: list[tuple[str, str]] = []
+    used: set[str] = set()
+    for dirpath, dirs, names in os.walk(root, followlinks=False):
+        here = Path(dirpath)
+        rel_dir = here.relative_to(root).as_posix()
+        prefix = "" if rel_dir == "." else rel_dir + "/"
+        for name in sorted(dirs):
+            if os.path.islink(here / name):
+                left_out.append((f"{prefix}{name}/", "a symbolic link: links are never followed"))
+            elif name.startswith("."):
+                left_out.append((f"{prefix}{name}/", "a hidden folder: never uploaded"))
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and not (here / d).is_symlink())
+        for name in sorted(names):
+            rel, full = prefix + name, here / name
+            why = ""
+            if rel == MANIFEST_FILENAME:
+                continue  # the upload carries its own manifest (what this publish sent)
+            if full.is_symlink():
+                if (
+                    rel in card_files
+                    or (own is not None and rel in own)
+                    or (own is None and is_merge_file_name(rel))
+                ):  # the upload would lack a file of the merge: say so rather than skip it
+                    raise PublishError(
+                        f"{out_dir}/{rel} is a symbolic link: publish never follows links, and "
+                        "the merge needs that file. Replace the link with the file itself"
+                    )
+                why = "a symbolic link: never followed (its target is not uploaded)"
+            elif name.startswith("."):
+                why = "a hidden file: never uploaded (.env, .DS_Store, ...)"
+            elif not full.is_file():
+                why = "not a regular file"
+            elif not prefix and name.startswith("README.md.bak"):
+                why = "the copy of a hand-edited card that `card --force` replaced (local only)"
+            elif rel in card_files or (own is not None and rel in own):
+                pass
+            elif own is None and is_merge_file_name(rel):
+                pass
+            else:
+                patterns = [p for p in include if _matches(rel, p)]
+                if not patterns:
+                    why = "not written by the merge: pass --include to upload it"
+                else:
+                    used.update(patterns)
+                    included.append(rel)
+            if why:
+                left_out.append((rel, why))
+            else:
+                chosen.append(FolderFile(rel, full.stat().st_size))
+    unused = [p for p in include if p not in used]
+    if unused:
+        raise PublishError(
+            f"--include {unused[0]!r} matches no file in {out_dir} that may be uploaded (the "
+            "merge's own files go without it; hidden files and symbolic links never go): "
+            "check the pattern, relative to OUT_DIR"
+        )
+    chosen.sort(key=lambda f: f.path)
+    return UploadSelection(tuple(chosen), tuple(included), tuple(sorted(left_out)), basis)
+
+
+def list_upload_files(out_dir: str, include: Sequence[str] = ()) -> list[FolderFile]:
+    """The local files ``publish`` sends (:func:`select_upload_files`), without the
+    manifest the upload adds."""
+    return list(select_upload_files(out_dir, include).files)
 
 
 # --------------------------------------------------------------------------------- token
@@ -249,14 +380,6 @@ def _scrub(text: str, token: Optional[str]) -> str:
 
 
 # ------------------------------------------------------------------------------- helpers
-
-
-def _human(size: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if size < 1024 or unit == "TB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} TB"  # pragma: no cover
 
 
 def _default_commit_message(out_dir: str) -> str:
@@ -400,12 +523,20 @@ def _place(source: Path, target: Path) -> None:
 
 
 @contextlib.contextmanager
-def staged_folder(out_dir: str, card_text: str, repo_id: Optional[str] = None) -> Iterator[str]:
-    """A temporary view of ``out_dir`` whose ``README.md`` is ``card_text``.
+def staged_folder(
+    out_dir: str,
+    card_text: Optional[str],
+    repo_id: Optional[str] = None,
+    files: Optional[Sequence[FolderFile]] = None,
+    manifest_text: Optional[str] = None,
+) -> Iterator[str]:
+    """A temporary view of ``files`` of ``out_dir`` (default: :func:`list_upload_files`)
+    whose ``README.md`` is ``card_text`` (None: no README.md, the one on the Hub stays) and
+    which holds the upload's manifest ``manifest_text``.
 
     Every other file is a hard link (or a symbolic link, or a copy across file systems
-    without links) to the file in ``out_dir``, so ``upload_folder`` uploads exactly that
-    folder, in one commit, while ``out_dir`` itself is never modified; text files that name
+    without links) to the file in ``out_dir``, so ``upload_folder`` uploads exactly those
+    files, in one commit, while ``out_dir`` itself is never modified; text files that name
     local paths are written redacted instead (:func:`uploaded_bytes`), the card too.
     """
     import tempfile
@@ -421,19 +552,23 @@ def staged_folder(out_dir: str, card_text: str, repo_id: Optional[str] = None) -
         )
     except OutputError as e:
         raise PublishError(str(e)) from None
+    source = Path(out_dir).expanduser().resolve()
     with tempfile.TemporaryDirectory(prefix="mergekit-ext-publish-") as staging:
         root = Path(staging)
         redact = _redactor(out_dir)
-        for f in list_upload_files(out_dir):
-            if f.path == "README.md":
+        for f in list_upload_files(out_dir) if files is None else files:
+            if f.path in ("README.md", MANIFEST_FILENAME):
                 continue
             changed = uploaded_bytes(out_dir, f.path, repo_id or "", redact) if repo_id else None
             if changed is None:
-                _place(Path(out_dir).expanduser().resolve() / f.path, root / f.path)
+                _place(source / f.path, root / f.path)
             else:
                 (root / f.path).parent.mkdir(parents=True, exist_ok=True)
                 (root / f.path).write_bytes(changed)
-        (root / "README.md").write_text(redact(card_text), encoding="utf-8")
+        if card_text is not None:
+            (root / "README.md").write_text(redact(card_text), encoding="utf-8")
+        if manifest_text is not None:
+            (root / MANIFEST_FILENAME).write_text(manifest_text, encoding="utf-8")
         yield staging
 
 
@@ -536,7 +671,7 @@ def _publish_error(exc: BaseException, stage: str, target: _Target) -> PublishEr
                 f"no answer within {target.timeout:g} s ({type(network).__name__}); raise "
                 "--hub-timeout if the Hub is just slow"
             )
-        if stage in ("create", "branch"):
+        if stage in ("create", "branch", "read"):
             message = (
                 f"cannot reach the Hub at {target.endpoint} ({reason}): check the network "
                 "connection (or HF_ENDPOINT); nothing was uploaded"
@@ -570,12 +705,163 @@ def _publish_error(exc: BaseException, stage: str, target: _Target) -> PublishEr
     return PublishError(_scrub(message, target.token))
 
 
+# ------------------------------------------------------------------ the repository now
+
+
+@dataclass(frozen=True)
+class RemoteState:
+    """What the repository holds before the upload (read with the Hub's API)."""
+
+    exists: bool
+    head: Optional[str] = None  # the commit of the branch (of main for a new branch)
+    files: frozenset[str] = frozenset()
+    manifest: Optional[Mapping[str, Any]] = None  # of an earlier publish
+    card: Optional[str] = None  # README.md's text
+    error: str = ""  # why it could not be read (the dry run goes on without it)
+
+
+def _download_text(api: Any, repo_id: str, path: str, revision: str) -> Optional[str]:
+    """A small text file of the repository (None: not UTF-8)."""
+    from urllib.parse import quote
+
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+    # hf_hub_url's form, on api.endpoint (hf_hub_url keeps huggingface.co unless the
+    # endpoint is the process's default one)
+    url = f"{api.endpoint}/{repo_id}/resolve/{quote(revision, safe='')}/{quote(path)}"
+    response = get_session().get(
+        url, headers=build_hf_headers(token=api.token), follow_redirects=True
+    )
+    hf_raise_for_status(response)
+    try:
+        return response.content.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def read_remote(api: Any, repo_id: str, revision: str) -> RemoteState:
+    """The files, commit, manifest and card of ``repo_id`` at ``revision`` (a branch that
+    does not exist yet starts from main)."""
+    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+
+    try:
+        try:
+            info = api.repo_info(repo_id, revision=revision, repo_type="model")
+        except RevisionNotFoundError:
+            info = api.repo_info(repo_id, revision="main", repo_type="model")
+    except RepositoryNotFoundError:
+        return RemoteState(exists=False)
+    files = frozenset(s.rfilename for s in info.siblings or [])
+    manifest = card = None
+    if MANIFEST_FILENAME in files:
+        text = _download_text(api, repo_id, MANIFEST_FILENAME, info.sha)
+        manifest = merge_record.parse_manifest(text) if text is not None else None
+    if "README.md" in files:
+        card = _download_text(api, repo_id, "README.md", info.sha)
+    return RemoteState(True, info.sha, files, manifest, card)
+
+
+@dataclass(frozen=True)
+class RemotePlan:
+    """What the upload changes besides sending the files: deletions and the card."""
+
+    deletions: tuple[str, ...]
+    basis: str  # how the files of an earlier publish were known
+    upload_card: bool  # False: README.md on the Hub was edited there and stays
+    card_note: str  # what happens to README.md on the Hub, when worth saying
+    card_sha256: Optional[str]  # of the README.md the repository holds after the upload
+
+
+def _sha256(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def plan_remote(
+    remote: RemoteState, uploading: set[str], card_text: str, replace_card: bool
+) -> RemotePlan:
+    """Which files of the repository the upload deletes, and whether its card is replaced.
+
+    Deleted: exactly the files an earlier publish of ours wrote (the ``files`` of the
+    manifest it uploaded) that this upload lacks, so a file dropped from the merge
+    (``chat_template.jinja``, a shard, a task folder) leaves nothing stale behind; files
+    added by hand, and those an earlier ``--include`` sent, stay. A repository an older
+    version published (its diagnostics, no manifest): the files with the names a merge
+    writes (:func:`is_merge_file_name`). Any other repository: nothing.
+
+    The card: ``README.md`` on the Hub is replaced when it is the card an earlier publish
+    uploaded (the manifest's ``card_sha256``) or a signed, unedited mergekit-ext card; one
+    edited on the Hub (or written by someone else) stays unless ``replace_card``.
+    """
+    from mergekit_ext.hub.card import card_text_is_unedited
+
+    sha = _sha256(card_text)
+    if not remote.exists:
+        return RemotePlan((), "a new repository: nothing to delete", True, "", sha)
+    if remote.manifest is not None:
+        ours = set(remote.manifest["files"])
+        basis = f"the {MANIFEST_FILENAME} an earlier publish uploaded"
+    elif merge_record.FILENAME in remote.files:
+        ours = {f for f in remote.files if is_merge_file_name(f)}
+        basis = (
+            f"published by an older mergekit-ext (no {MANIFEST_FILENAME}): the files with the "
+            "names a merge writes"
+        )
+    else:
+        ours = set()
+        basis = "no earlier mergekit-ext publish in the repository: nothing is deleted"
+    keep = {"README.md", ".gitattributes", MANIFEST_FILENAME}
+    deletions = tuple(sorted((ours & remote.files) - uploading - keep))
+
+    remote_card = remote.card
+    previous_sha = (remote.manifest or {}).get("card_sha256")
+    if remote_card is None or remote_card == card_text:
+        return RemotePlan(deletions, basis, True, "", sha)
+    if _sha256(remote_card) == previous_sha or card_text_is_unedited(remote_card):
+        return RemotePlan(deletions, basis, True, "", sha)
+    if replace_card:
+        note = "README.md on the Hub (edited there, or not mergekit-ext's) is replaced (--replace-card)"
+        return RemotePlan(deletions, basis, True, note, sha)
+    note = (
+        "README.md on the Hub was edited there (or not written by mergekit-ext): it is kept "
+        "as it is and the new card is not uploaded; pass --replace-card to replace it (the "
+        "Hub keeps the old one in its history)"
+    )
+    kept_sha = previous_sha if isinstance(previous_sha, str) else None
+    return RemotePlan(deletions, basis, False, note, kept_sha)
+
+
+def upload_manifest(selection: UploadSelection, plan: RemotePlan) -> str:
+    """The manifest uploaded with the files: what a later publish may delete."""
+    import json as _json
+
+    own = {f.path for f in selection.files} - set(selection.included)
+    own.add(MANIFEST_FILENAME)
+    if not plan.upload_card:
+        own.discard("README.md")
+    data = {
+        "schema_version": merge_record.SCHEMA_VERSION,
+        "written_by": "mergekit-ext publish",
+        "files": sorted(own),
+        "included": sorted(selection.included),
+        "card_sha256": plan.card_sha256,
+    }
+    return _json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+
 # ------------------------------------------------------------------------------- publish
 
 
 def _status(line: str) -> None:
     """What publishing is waiting for, on stderr (a Hub call can take a while)."""
     print(line, file=sys.stderr, flush=True)
+
+
+def _deletion_lines(plan: RemotePlan) -> list[str]:
+    if not plan.deletions:
+        return [f"  none ({plan.basis})"]
+    return [f"  (known from {plan.basis})", *(f"  {p}" for p in plan.deletions)]
 
 
 def dry_run_report(
@@ -591,19 +877,21 @@ def dry_run_report(
     uploader: str,
     token_origin: str,
     card_text: str,
+    selection: Optional[UploadSelection] = None,
+    remote: Optional[RemoteState] = None,
+    plan: Optional[RemotePlan] = None,
 ) -> str:
     total = sum(f.size for f in files)
     width = max((len(f"{f.size:,}") for f in files), default=1)
+    included = set(selection.included) if selection else set()
     lines = [
         "Dry run: nothing was uploaded.",
         f"Repository:     {endpoint}/{repo_id} (model, {'private' if private else 'public'} "
         "if created now)",
         f"Branch:         {revision or 'main'}{' (created if missing)' if revision and revision != 'main' else ''}",
         f"Pull request:   {'yes' if create_pr else 'no'}",
-        "Stale files:    weights, indexes and images/ already in the repository and not in "
-        "this upload are deleted in the same commit",
         f"Commit message: {commit_message}",
-        f"Upload:         {uploader}, {len(files)} files, {_human(total)} ({total:,} bytes)"
+        f"Upload:         {uploader}, {len(files)} files, {format_bytes(total)} ({total:,} bytes)"
         + (
             ", one commit"
             if uploader == "upload_folder" and len(files) <= ONE_COMMIT_MAX_FILES
@@ -616,12 +904,24 @@ def dry_run_report(
             else "not found: run `hf auth login`, set HF_TOKEN or pass --token"
         ),
         "",
-        "Files:",
-        *(f"  {f.size:>{width},}  {_human(f.size):>9}  {f.path}" for f in files),
-        "",
-        "Card front matter (README.md, as uploaded):",
-        _front_matter_text(card_text),
+        "Files:" + (f" (the merge's own known from {selection.basis})" if selection else ""),
+        *(
+            f"  {f.size:>{width},}  {format_bytes(f.size):>9}  {f.path}"
+            + ("  (--include)" if f.path in included else "")
+            for f in files
+        ),
     ]
+    if selection is not None:
+        lines += ["", "Left out (not uploaded):"]
+        lines += [f"  {path}: {why}" for path, why in selection.left_out] or ["  nothing"]
+    lines += ["", "Deleted on the Hub (in the same commit):"]
+    if remote is not None and remote.error:
+        lines.append(f"  unknown: {repo_id} could not be read ({remote.error})")
+    elif plan is not None:
+        lines += _deletion_lines(plan)
+        if plan.card_note:
+            lines += ["", f"Card: {plan.card_note}"]
+    lines += ["", "Card front matter (README.md, as uploaded):", _front_matter_text(card_text)]
     return "\n".join(lines)
 
 
@@ -651,7 +951,11 @@ def _write_access(whoami: Mapping[str, Any], repo_id: str) -> tuple[Optional[boo
         if owner == user:
             return True, ""
         if owner not in orgs:
-            return False, f"'{user}' is not a member of the organisation '{owner}'"
+            return False, (
+                f"the token belongs to '{user}', not to '{owner}', and '{user}' is not a "
+                f"member of an organisation '{owner}' (log in as '{owner}', or use a "
+                f"namespace of '{user}' such as {user}/{repo_id.split('/')[1]})"
+            )
         if orgs[owner] == "read":
             return False, f"'{user}' has the read role in the organisation '{owner}'"
         return True, ""
@@ -680,7 +984,7 @@ def check_write_access(
     the answer does not tell."""
     from huggingface_hub import HfApi
 
-    resolved, origin = resolve_token(token)
+    resolved, origin = resolve_token(token)  # the token as given: its origin is told
     endpoint = _endpoint(endpoint)
     target = _Target(repo_id, endpoint, "main", resolved, origin, 0, timeout)
     try:
@@ -765,7 +1069,7 @@ def check_can_publish(
         with bounded_hub_requests(timeout) as bound:
             _status(f"--push-to-hub: checking the token and {repo_id} (each request gives up "
                     f"after {bound:g} s without an answer)")  # fmt: skip
-            check_write_access(repo_id, resolved, endpoint, bound)
+            check_write_access(repo_id, token, endpoint, bound)
             endpoint = _endpoint(endpoint)
             target = _Target(repo_id, endpoint, revision or "main", resolved, origin, 0, bound)
             check_visibility(
@@ -785,6 +1089,25 @@ def _check_options(revision: Optional[str], create_pr: bool) -> None:
         raise PublishError("--revision must name a branch")
 
 
+class PublishResult(str):
+    """What :func:`publish_folder` returns: the URL of the commit (or pull request) it made,
+    or of the commit the branch already had when nothing changed; :attr:`summary` is the
+    line to show."""
+
+    repo_url: str
+    changed: bool
+    deleted: tuple[str, ...]
+    summary: str
+
+    def __new__(
+        cls, url: str, *, repo_url: str, changed: bool, deleted: Sequence[str], summary: str
+    ) -> PublishResult:
+        result = super().__new__(cls, url)
+        result.repo_url, result.changed, result.summary = repo_url, changed, summary
+        result.deleted = tuple(deleted)
+        return result
+
+
 def publish_folder(
     out_dir: str,
     repo_id: str,
@@ -801,25 +1124,31 @@ def publish_folder(
     timeout: Optional[float] = None,
     replace_card: bool = False,
     make_private: bool = False,
+    include: Sequence[str] = (),
 ) -> str:
-    """Upload the merge in ``out_dir`` to ``repo_id``; returns the commit (or PR) URL.
+    """Upload the merge in ``out_dir`` to ``repo_id``; returns a :class:`PublishResult`
+    (the commit or PR URL; the dry run's report with ``dry_run``).
 
-    The uploaded ``README.md`` is the card rendered for ``repo_id`` (the repository's name
-    as title, ``repo_id`` in the loading snippets; ``template_dir`` as for ``card``); the
-    local one, written for the folder, is left as it is. ``keep_card`` uploads the local
-    file unchanged instead; a card mergekit-ext did not write as it is now (mergekit's, one
-    edited by hand) is uploaded unchanged unless ``replace_card``.
+    What goes: the merge's own files and those ``include`` names
+    (:func:`select_upload_files`; never a hidden file nor a symbolic link), plus a manifest
+    of them. The uploaded ``README.md`` is the card rendered for ``repo_id`` (the
+    repository's name as title, ``repo_id`` in the loading snippets; ``template_dir`` as
+    for ``card``); the local one, written for the folder, is left as it is. ``keep_card``
+    uploads the local file unchanged instead; a card mergekit-ext did not write as it is
+    now (mergekit's, one edited by hand) is uploaded unchanged unless ``replace_card``, and
+    so is one edited on the Hub kept there (:func:`plan_remote`).
 
-    Weights, indexes and images of an earlier upload that this one does not contain are
-    deleted in the same commit (:data:`STALE_PATTERNS`). ``private`` creates a private
-    repository; an existing public one is refused unless ``make_private``, which makes it
-    private before anything is uploaded.
+    Files an earlier publish of ours wrote that this one lacks are deleted in the same
+    commit, each one named on stderr; nothing else in the repository is touched
+    (:func:`plan_remote`). ``private`` creates a private repository; an existing public one
+    is refused unless ``make_private``, which makes it private before anything is uploaded.
 
-    With ``dry_run`` nothing is sent and the returned text lists the files, their sizes
-    and the card's front matter. Raises :class:`PublishError` with a message that says what
-    to do: invalid repo id, incomplete folder, not logged in, 401/403, network down, an
-    upload that failed half-way. Every Hub request gives up after ``timeout`` seconds
-    without an answer (:mod:`~mergekit_ext.hub.http`); each step is announced on stderr.
+    With ``dry_run`` nothing is sent (the repository is only read) and the returned text
+    lists the files, what is left out and why, what would be deleted, and the card's front
+    matter. Raises :class:`PublishError` with a message that says what to do: invalid repo
+    id, incomplete folder, not logged in, 401/403, network down, an upload that failed
+    half-way. Every Hub request gives up after ``timeout`` seconds without an answer
+    (:mod:`~mergekit_ext.hub.http`); each step is announced on stderr.
     """
     from huggingface_hub import HfApi
 
@@ -830,7 +1159,6 @@ def publish_folder(
         raise PublishError(
             f"{out_dir} is not a complete merge, refusing to publish: " + "; ".join(problems)
         )
-    files = list_upload_files(out_dir)
     redact = _redactor(out_dir)
     card_text = redact(
         card_to_upload(
@@ -841,22 +1169,28 @@ def publish_folder(
             replace_card=replace_card,
         )
     )
+    selection = select_upload_files(out_dir, include, card_text)
     sizes = {"README.md": len(card_text.encode("utf-8"))}
-    for f in files:
+    for f in selection.files:
         changed = (
             None if f.path == "README.md" else uploaded_bytes(out_dir, f.path, repo_id, redact)
         )
         if changed is not None:
             sizes[f.path] = len(changed)
-    files = [FolderFile(f.path, sizes.get(f.path, f.size)) for f in files]
+    files = [FolderFile(f.path, sizes.get(f.path, f.size)) for f in selection.files]
     endpoint = _endpoint(endpoint)
-    total = sum(f.size for f in files)
-    api = HfApi(endpoint=endpoint, token=token or None)
-    uploader = choose_uploader(total, create_pr, api)
-    message = commit_message or _default_commit_message(out_dir)
     resolved, origin = resolve_token(token)
+    api = HfApi(endpoint=endpoint, token=resolved)
+    message = commit_message or _default_commit_message(out_dir)
+    branch = "main" if create_pr else (revision or "main")
 
     if dry_run:
+        remote = _read_for_dry_run(api, repo_id, branch, timeout, resolved)
+        plan = plan_remote(remote, {f.path for f in files}, card_text, replace_card)
+        files.append(FolderFile(MANIFEST_FILENAME, len(upload_manifest(selection, plan))))
+        if not plan.upload_card:
+            files = [f for f in files if f.path != "README.md"]
+        total = sum(f.size for f in files)
         return _scrub(
             dry_run_report(
                 out_dir,
@@ -867,9 +1201,12 @@ def publish_folder(
                 revision=revision,
                 create_pr=create_pr,
                 commit_message=message,
-                uploader=uploader,
+                uploader=choose_uploader(total, create_pr, api),
                 token_origin=origin,
                 card_text=card_text,
+                selection=selection,
+                remote=remote,
+                plan=plan,
             ),
             resolved,
         )
@@ -881,14 +1218,27 @@ def publish_folder(
             "not logged in to the Hugging Face Hub: run `hf auth login`, set HF_TOKEN, or pass "
             "--token (a token with write permission)"
         )
-    api = HfApi(endpoint=endpoint, token=resolved)
-    target = _Target(repo_id, endpoint, revision or "main", resolved, origin, len(files))
+    target = _Target(repo_id, endpoint, revision or "main", resolved, origin, len(files) + 1)
     with bounded_hub_requests(timeout) as bound:
         target.timeout = bound
         return _create_and_upload(
-            api, out_dir, card_text, target, private, make_private, revision, uploader, message,
-            commit_message, create_pr, total,
+            api, out_dir, card_text, target, selection, files, private, make_private, revision,
+            message, commit_message, create_pr, replace_card,
         )  # fmt: skip
+
+
+def _read_for_dry_run(
+    api: Any, repo_id: str, branch: str, timeout: Optional[float], token: Optional[str]
+) -> RemoteState:
+    """The repository as it is, for the dry run; what could not be read is said, not raised."""
+    if hub_offline():
+        return RemoteState(exists=False, error="HF_HUB_OFFLINE is set")
+    try:
+        with bounded_hub_requests(timeout):
+            return read_remote(api, repo_id, branch)
+    except Exception as e:  # noqa: BLE001 - the dry run reports it
+        target = _Target(repo_id, api.endpoint, branch, token, "", 0)
+        return RemoteState(exists=False, error=str(_publish_error(e, "read", target)))
 
 
 def _create_and_upload(
@@ -896,32 +1246,26 @@ def _create_and_upload(
     out_dir: str,
     card_text: str,
     target: _Target,
+    selection: UploadSelection,
+    files: list[FolderFile],
     private: bool,
     make_private: bool,
     revision: Optional[str],
-    uploader: str,
     message: str,
     commit_message: Optional[str],
     create_pr: bool,
-    total: int,
-) -> str:
-    repo_id, endpoint, files = target.repo_id, target.endpoint, target.n_files
+    replace_card: bool,
+) -> PublishResult:
+    repo_id, endpoint = target.repo_id, target.endpoint
     bound = f"each request gives up after {target.timeout:g} s without an answer"
-    LOG.info(
-        "publishing %s to %s/%s (%d files, %s, %s)",
-        out_dir,
-        endpoint,
-        repo_id,
-        files,
-        _human(total),
-        uploader,
-    )
+    made_private = False
     if check_visibility(api, target, private, make_private) is False:
         try:
             api.update_repo_settings(repo_id, private=True, repo_type="model")
         except Exception as e:  # noqa: BLE001
             raise _publish_error(e, "settings", target) from None
         LOG.warning("%s was public: it is now private (--make-private)", repo_id)
+        made_private = True
     _status(f"publishing: creating (or finding) {repo_id} at {endpoint} ({bound})")
     try:
         api.create_repo(repo_id, private=private or make_private, exist_ok=True, repo_type="model")
@@ -933,9 +1277,72 @@ def _create_and_upload(
             api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
         except Exception as e:  # noqa: BLE001
             raise _publish_error(e, "branch", target) from None
-    _status(f"publishing: uploading {files} files ({_human(total)}) to {repo_id} ({bound})")
-    with staged_folder(out_dir, card_text, repo_id) as staging:
-        return _upload(api, staging, target, revision, uploader, message, commit_message, create_pr)
+    branch = "main" if create_pr else (revision or "main")
+    try:
+        remote = read_remote(api, repo_id, branch)
+    except Exception as e:  # noqa: BLE001
+        raise _publish_error(e, "read", target) from None
+    plan = plan_remote(remote, {f.path for f in files}, card_text, replace_card)
+    if plan.card_note:
+        LOG.warning("%s", plan.card_note)
+        _status(f"publishing: {plan.card_note}")
+    if not plan.upload_card:
+        files = [f for f in files if f.path != "README.md"]
+    manifest = upload_manifest(selection, plan)
+    total = sum(f.size for f in files) + len(manifest)
+    uploader = choose_uploader(total, create_pr, api)
+    LOG.info(
+        "publishing %s to %s/%s (%d files, %s, %s)",
+        out_dir, endpoint, repo_id, len(files) + 1, format_bytes(total), uploader,
+    )  # fmt: skip
+    for path in plan.deletions:  # every remote deletion is named
+        _status(f"publishing: deleting {path} (an earlier publish wrote it; this one lacks it)")
+    _status(
+        f"publishing: uploading {len(files) + 1} files ({format_bytes(total)}) to {repo_id} "
+        f"({bound})"
+    )
+    card = card_text if plan.upload_card else None
+    with staged_folder(out_dir, card, repo_id, files, manifest) as staging:
+        info = _upload(api, staging, target, revision, uploader, message, commit_message,
+                       create_pr, plan.deletions)  # fmt: skip
+    return _result(info, target, branch, remote, plan, create_pr, made_private)
+
+
+def _result(
+    info: Any,
+    target: _Target,
+    branch: str,
+    remote: RemoteState,
+    plan: RemotePlan,
+    create_pr: bool,
+    made_private: bool,
+) -> PublishResult:
+    """What happened, in one line: the repository, and the commit or pull request made, or
+    that nothing changed (huggingface_hub skips an empty commit and opens no pull request)."""
+    repo_url = f"{target.endpoint}/{target.repo_id}"
+    if not hasattr(info, "commit_url"):  # upload_large_folder: several commits, one URL
+        return PublishResult(info, repo_url=repo_url, changed=True, deleted=(),
+                             summary=f"published: {repo_url} (branch {branch}: {info})")  # fmt: skip
+    url = (info.pr_url if create_pr and info.pr_url else info.commit_url) or info.commit_url
+    unchanged = (create_pr and not info.pr_url) or (
+        not create_pr and remote.head is not None and info.oid == remote.head
+    )
+    if unchanged:
+        summary = (
+            f"nothing to publish: {repo_url} (branch {branch}) already holds these files, at "
+            f"{info.commit_url}; no commit was made"
+            + (" and no pull request opened" if create_pr else "")
+            + ("; the repository was made private (--make-private)" if made_private else "")
+        )
+        return PublishResult(info.commit_url, repo_url=repo_url, changed=False, deleted=(),
+                             summary=summary)  # fmt: skip
+    what = f"pull request {url}" if create_pr else f"branch {branch}, commit {url}"
+    summary = f"published: {repo_url} ({what})"
+    if plan.deletions:
+        summary += f"; deleted {len(plan.deletions)} file(s) an earlier publish wrote"
+    LOG.info("published %s", url)
+    return PublishResult(url, repo_url=repo_url, changed=True, deleted=plan.deletions,
+                         summary=summary)  # fmt: skip
 
 
 def _upload(
@@ -947,8 +1354,12 @@ def _upload(
     message: str,
     commit_message: Optional[str],
     create_pr: bool,
-) -> str:
-    """``upload_large_folder`` or ``upload_folder`` of ``folder``; the commit (or PR) URL."""
+    deletions: Sequence[str],
+) -> Any:
+    """``upload_large_folder`` or ``upload_folder`` of ``folder``; the commit info (the
+    branch's URL for ``upload_large_folder``)."""
+    import glob
+
     repo_id, endpoint = target.repo_id, target.endpoint
     try:
         if uploader == "upload_large_folder":
@@ -956,26 +1367,43 @@ def _upload(
                 LOG.warning(
                     "upload_large_folder writes its own commit messages; --commit-message is ignored"
                 )
-            LOG.warning(
-                "upload_large_folder cannot delete files: weights, indexes and images of an "
-                "earlier upload to %s stay beside the new ones; remove them on the Hub",
-                repo_id,
-            )
+            if deletions:
+                LOG.warning(
+                    "upload_large_folder cannot delete files: %s stay in %s beside the new "
+                    "ones; remove them on the Hub",
+                    ", ".join(deletions),
+                    repo_id,
+                )
             api.upload_large_folder(
                 repo_id=repo_id, folder_path=folder, repo_type="model", revision=revision
             )
             return f"{endpoint}/{repo_id}/tree/{revision or 'main'}"
-        info = api.upload_folder(
-            repo_id=repo_id,
-            folder_path=folder,
-            repo_type="model",
-            revision=revision,
-            commit_message=message,
-            create_pr=create_pr,
-            delete_patterns=list(STALE_PATTERNS),
-        )
+        with _quiet_empty_commit():
+            return api.upload_folder(
+                repo_id=repo_id,
+                folder_path=folder,
+                repo_type="model",
+                revision=revision,
+                commit_message=message,
+                create_pr=create_pr,
+                # exact paths: a name with * ? [ must not match others
+                delete_patterns=[glob.escape(p) for p in deletions] or None,
+            )
     except Exception as e:  # noqa: BLE001
         raise _publish_error(e, "upload", target) from None
-    url = (info.pr_url if create_pr and info.pr_url else info.commit_url) or info.commit_url
-    LOG.info("published %s", url)
-    return url
+
+
+@contextlib.contextmanager
+def _quiet_empty_commit() -> Iterator[None]:
+    """huggingface_hub warns "No files have been modified" (once per call on the way);
+    the result line says it instead (:func:`_result`)."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return "No files have been modified" not in record.getMessage()
+
+    logger = logging.getLogger("huggingface_hub.hf_api")
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)

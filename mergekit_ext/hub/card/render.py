@@ -756,6 +756,12 @@ def card_is_unedited(path: str) -> bool:
             text = fp.read()
     except (OSError, UnicodeDecodeError):
         return False
+    return card_text_is_unedited(text)
+
+
+def card_text_is_unedited(text: str) -> bool:
+    """``text`` is a card mergekit-ext wrote and signed, unchanged since (the Hub's copy
+    of a card uploaded with ``--keep-card`` is checked this way)."""
     match = _SIGNATURE.search(text)
     if match is None:
         return False
