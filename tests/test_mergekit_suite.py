@@ -35,6 +35,7 @@ def _run(mode: str, outcomes: dict[str, str], imported=None, routed=None, code=1
         mergekit_ext_imported=mode != "plain" if imported is None else imported,
         merges_routed=(3 if mode == "routed" else None) if routed is None else routed,
         seconds=1.0,
+        cpu_seconds=1.0,
         returncode=code,
         log=Path("/nowhere.log"),
     )
