@@ -203,6 +203,7 @@ def test_fails_everywhere():
 """
 
 
+@pytest.mark.slow
 def test_runner_end_to_end_on_a_fake_suite(tmp_path: Path, capsys: pytest.CaptureFixture):
     """Two real modes on a fake sdist: the routed plugin swaps both ways mergekit's tests reach
     ``run_merge``, the results plugin records them, and the runner reports the difference."""
