@@ -140,10 +140,10 @@ def test_known_failures_file_needs_a_reason_per_test(tmp_path: Path):
     assert all(reason.strip() for reason in {**listed.plain, **listed.ext_only}.values())
     bad = tmp_path / "known.yml"
     bad.write_text("plain:\n  tests/test_a.py::test_b: ''\n")
-    with pytest.raises(SystemExit, match="map each node id to why it fails"):
+    with pytest.raises(mk.SuiteError, match="map each node id to why it fails"):
         mk.load_known_failures(bad)
     bad.write_text("flaky:\n  tests/test_a.py::test_b: sometimes\n")
-    with pytest.raises(SystemExit, match="unknown section"):
+    with pytest.raises(mk.SuiteError, match="unknown section"):
         mk.load_known_failures(bad)
 
 
