@@ -52,16 +52,13 @@ def run_merge_via_ext(
         _inside = False
 
 
-def _swap_everywhere() -> int:
-    swapped = 0
+def _swap_everywhere() -> None:
     for module in list(sys.modules.values()):
         if module is sys.modules[__name__]:
             continue
         for name, value in list(getattr(module, "__dict__", {}).items()):
             if value is MERGEKIT_RUN_MERGE:
                 setattr(module, name, run_merge_via_ext)
-                swapped += 1
-    return swapped
 
 
 _swap_everywhere()
