@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo demo-tiny test lint format bench bench-smoke clean
+.PHONY: install demo demo-tiny test test-mergekit lint format bench bench-smoke clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,13 @@ format: $(STAMP)
 
 test: lint
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+	$(MAKE) test-mergekit
+
+# mergekit 0.1.5's own test suite (from its sdist), plain, with mergekit_ext imported and with
+# every merge through mergekit_ext.run_merge: the outcomes must agree (issue #48).
+# One mode or test: $(BIN)/python tests/mergekit_suite/run.py --mode routed -k della
+test-mergekit: $(STAMP)
+	$(BIN)/python tests/mergekit_suite/run.py
 
 clean:
 	rm -rf out examples/_build .pytest_cache

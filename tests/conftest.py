@@ -28,6 +28,10 @@ torch.set_num_threads(2)
 
 NUM_EXPERTS = 3
 
+# mergekit's own suite and its helpers run through tests/mergekit_suite/run.py
+# (`make test-mergekit`), in their own pytest processes, never in this one
+collect_ignore = ["mergekit_suite"]
+
 
 @dataclass(frozen=True)
 class TinySet:
