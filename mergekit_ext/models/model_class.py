@@ -17,6 +17,9 @@ Comparing tensor names across inputs would call such models incompatible; they a
 - :func:`saved_state_dict`: the tensors ``save_pretrained`` of the class writes, by their
   checkpoint names (Mixtral's per-expert ``block_sparse_moe.experts.N.w1.weight``, not the
   fused ``mlp.experts.gate_up_proj`` the class holds in memory).
+- :func:`load_report`: what ``from_pretrained`` of the class reports (missing, unexpected,
+  mismatched keys) for a checkpoint's names and shapes, by transformers' own loading run
+  on the meta device (the output completeness check).
 - :func:`fused_pieces`: where each checkpoint tensor of one fused in-memory tensor sits in
   it (strided views found by transformers' own reverted conversion run on a meta tensor),
   so a fused tensor is gathered from its checkpoint pieces and a merged one split back into
