@@ -91,7 +91,10 @@ def class_load_reports(
     if config is None:
         return None, name
     try:
-        reports = (model_class.load_report(config, written), model_class.load_report(config, base))
+        report = model_class.load_report(config, written)
+        # the base's names are usually the output's (the same layout): one report then
+        same = dict(base) == dict(written)
+        reports = (report, report if same else model_class.load_report(config, base))
     except Exception as e:  # noqa: BLE001 - whatever the class raises for this config
         LOG.debug("loading into %s on the meta device failed", name, exc_info=True)
         return None, f"{name} cannot be loaded on the meta device ({type(e).__name__}: {e})"
@@ -226,7 +229,9 @@ def _raise_problems(
             f"{len(missing)} tensor(s) that {holder[0]} are missing: {_listed(missing)}"
         )
     if wrong:
-        problems.append(f"{len(wrong)} tensor(s) have another shape: {_listed(wrong)}")
+        problems.append(
+            f"{len(wrong)} tensor(s) have another shape or do not convert: {_listed(wrong)}"
+        )
     if foreign:
         problems.append(
             f"{len(foreign)} tensor(s) are in a layout that {holder[1]}: {_listed(foreign)}"

@@ -539,18 +539,9 @@ def load_report(
     from transformers.utils import logging as hf_logging
 
     model = meta_model(config)  # a fresh one: loading replaces its parameters
+    module_state = model.state_dict()
     mapping = get_model_conversion_mapping(model)
     load_config = LoadStateDictConfig(device_map={"": "meta"}, weight_mapping=mapping)
-    # the key each checkpoint key is loaded as (transformers' step 1), to name an unexpected
-    # key by the checkpoint's own key
-    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
-    converters = [t for t in mapping if isinstance(t, WeightConverter)]
-    module_state = model.state_dict()
-    prefix = getattr(model, "base_model_prefix", None) or None
-    loaded_as: dict[str, str] = {}
-    for key in shapes:
-        renamed, _ = rename_source_key(key, renamings, converters, prefix, module_state)
-        loaded_as.setdefault(renamed, key)
     state = {k: torch.empty(tuple(int(d) for d in s), device="meta") for k, s in shapes.items()}
     bar = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # transformers' "Loading weights" bar, not ours to show
@@ -561,11 +552,30 @@ def load_report(
             hf_logging.enable_progress_bar()
     model.tie_weights(missing_keys=info.missing_keys, recompute_mapping=False)
     model._adjust_missing_and_unexpected_keys(info)
+    unexpected = set(info.unexpected_keys)
+    if unexpected - set(shapes):
+        # named by the checkpoint's own key: the one transformers renamed into it (step 1 of
+        # its loading, run again for these keys only)
+        renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
+        converters = [t for t in mapping if isinstance(t, WeightConverter)]
+        prefix = getattr(model, "base_model_prefix", None) or None
+        loaded_as: dict[str, str] = {}
+        for key in shapes:
+            renamed, _ = rename_source_key(key, renamings, converters, prefix, module_state)
+            loaded_as.setdefault(renamed, key)
+        unexpected = {k if k in shapes else loaded_as.get(k, k) for k in unexpected}
     return LoadReport(
         missing=frozenset(info.missing_keys),
-        unexpected=frozenset(
-            key if key in shapes else loaded_as.get(key, key) for key in info.unexpected_keys
-        ),
+        unexpected=frozenset(unexpected),
         mismatched={k: (tuple(got), tuple(want)) for k, got, want in info.mismatched_keys},
-        conversion_errors={k: str(v) for k, v in (info.conversion_errors or {}).items()},
+        conversion_errors={
+            k: _last_line(str(v)) for k, v in (info.conversion_errors or {}).items()
+        },
     )
+
+
+def _last_line(error: str) -> str:
+    """The exception line of a traceback transformers logged for a failed conversion."""
+    lines = [line.strip() for line in error.splitlines() if line.strip()]
+    caught = [line for line in lines if line[:1].isupper() and "Error" in line.split(":")[0]]
+    return caught[-1] if caught else (lines[-1] if lines else error)
