@@ -67,7 +67,10 @@ EXPECTED: dict[str, tuple[str, str]] = {
     # mergekit infers LLaVA's layout from transformers' in-memory names and converts the
     # checkpoint's with the model type's conversion mapping only, without the renames
     # transformers' from_pretrained adds (language_model.model. -> model.language_model.):
-    # it writes the vision tower and projector, none of the language model
+    # it writes the vision tower and projector, none of the language model. Describing the
+    # class by its checkpoint tensors (mergekit_definitions/checkpoint_layout.py, with the
+    # layer count taken from the layout: LlavaConfig has no num_hidden_layers) merges all
+    # 64; this entry then moves to the identical-layout kind
     "LlavaForConditionalGeneration": (INCOMPLETE, "model.language_model.embed_tokens.weight"),
 }
 
