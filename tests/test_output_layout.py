@@ -143,6 +143,45 @@ def test_moe_merge_keeps_checkpoint_layout(moe_set, method, tmp_path) -> None:
             assert not torch.allclose(merged[key], simple_mean, atol=1e-6), key
 
 
+def _written(folder, tensors: dict[str, torch.Tensor], config_from: str) -> str:
+    os.makedirs(folder)
+    transformers.AutoConfig.from_pretrained(config_from).save_pretrained(folder)
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    return str(folder)
+
+
+def test_check_follows_what_transformers_loads(moe_set, tmp_path) -> None:
+    """The verdict is from_pretrained's: the fused in-memory layout (what mergekit 0.1.5
+    writes for these classes) loads completely and passes; an expert matrix lost from it,
+    or a foreign tensor beside it, is refused by name."""
+    model_type, base, _ = moe_set
+    cls = getattr(transformers, tiny_architectures.ARCHITECTURES[model_type].model_class)
+    memory = {k: v.contiguous() for k, v in cls.from_pretrained(base).state_dict().items()}
+    assert set(memory) != set(tensor_shapes(base))  # fused in memory, per expert on disk
+    fused = _written(tmp_path / "fused", memory, base)
+    assert completeness.check_output_complete(fused, ("base", base)) == len(memory)
+    assert_loads_cleanly(fused)
+
+    on_disk = load_all(base)
+    victim = next(k for k in sorted(on_disk) if EXPERT_MARKER in k and "layers.1." in k)
+    lost = _written(tmp_path / "lost", {k: v for k, v in on_disk.items() if k != victim}, base)
+    with pytest.raises(TensorError) as err:
+        completeness.check_output_complete(lost, ("base", base))
+    # the fused tensor lacks a piece: too few experts stacked, or a concatenation that fails
+    said = str(err.value)
+    assert "have another shape or do not convert: model.layers.1.mlp.experts." in said, said
+    assert "[3, " in said or "transformers cannot convert it" in said, said
+
+    extra = _written(
+        tmp_path / "extra", {**on_disk, "model.layers.1.mlp.w9.weight": torch.zeros(2)}, base
+    )
+    with pytest.raises(
+        TensorError,
+        match=r"neither \w+ loads nor the base checkpoint holds: model\.layers\.1\.mlp\.w9\.weight",
+    ):
+        completeness.check_output_complete(extra, ("base", base))
+
+
 def test_dense_llama_passes_the_check(tiny_llama_set, tmp_path) -> None:
     out = merge("ties", tiny_llama_set.base, list(tiny_llama_set.experts[:2]), str(tmp_path / "o"))
     assert tensor_shapes(out) == tensor_shapes(tiny_llama_set.base)
@@ -198,7 +237,7 @@ def _tamper(monkeypatch, how: str, victim: str) -> None:
     "how, said",
     [
         ("drop", "missing"),
-        ("rename", "neither a LlamaForCausalLM checkpoint nor the base checkpoint uses"),
+        ("rename", "neither LlamaForCausalLM loads nor the base checkpoint holds"),
         ("transpose", "[64, 32] (expected [32, 64])"),
     ],
 )
@@ -245,9 +284,10 @@ def test_check_reads_only_the_checkpoints_own_files(tiny_llama_set, tmp_path) ->
     assert completeness.written_shapes(out) == tensor_shapes(tiny_llama_set.base)
 
 
-def test_optional_tensor_the_base_lacks_is_not_asked_for(tmp_path) -> None:
-    """ViTModel's class writes a pooler, but checkpoints saved without one (DINO-style) lack
-    it; mergekit's definition marks it optional, so the merge is as complete as its base."""
+def test_tensor_the_base_lacks_too_is_not_asked_for(tmp_path) -> None:
+    """ViTModel's class holds a pooler, but checkpoints saved without one (DINO-style) lack
+    it: transformers initialises it for the base model too, so the merge is as complete as
+    its base. A tensor the base holds is still required."""
     cfg = transformers.ViTConfig(
         image_size=16,
         patch_size=4,
@@ -267,15 +307,14 @@ def test_optional_tensor_the_base_lacks_is_not_asked_for(tmp_path) -> None:
     assert not [k for k in tensor_shapes(base) if "pooler" in k]
     out = merge("ties", base, experts, str(tmp_path / "out"))
     assert tensor_shapes(out) == tensor_shapes(base)
-    with pytest.raises(TensorError, match="pooler.dense.weight"):  # excused by mergekit only
-        completeness.check_output_complete(out, ("base", base))
-    # a tensor the base holds is still required, optional or not
+    assert completeness.check_output_complete(out, ("base", base)) == len(tensor_shapes(base))
+    # without the base to compare with, the pooler is missing
+    with pytest.raises(TensorError, match=r"ViTModel loads are missing: pooler\.dense\.bias"):
+        completeness.check_output_complete(out)
     os.remove(os.path.join(out, "model.safetensors"))
     kept = {k: v for k, v in load_all(base).items() if k != "layernorm.bias"}
     save_file(kept, os.path.join(out, "model.safetensors"))
-    with pytest.raises(TensorError, match="layernorm.bias"):
-        completeness.check_output_complete(
-            out,
-            ("base", base),
-            optional=lambda: {"pooler.dense.weight", "pooler.dense.bias", "layernorm.bias"},
-        )
+    with pytest.raises(
+        TensorError, match=r"1 tensor\(s\) that ViTModel loads are missing: layernorm\.bias\."
+    ):
+        completeness.check_output_complete(out, ("base", base))

@@ -2,20 +2,24 @@
 
 A merge can exit 0 and still write a checkpoint transformers cannot use as intended: before
 mergekit-ext described the checkpoint layout of DeepSeek-V3 to mergekit, a tensor-wise merge
-wrote none of its routed experts (transformers then loads them randomly initialised); for
-Mixtral and Qwen-MoE it wrote transformers 5's fused in-memory tensors
-(``mlp.experts.gate_up_proj``) instead of the per-expert tensors their checkpoints hold.
+wrote none of its routed experts (transformers then loads them randomly initialised), and
+mergekit 0.1.5 under transformers 5 writes no tensor of LLaVA's language model.
 :func:`check_output_complete` runs before the final rename, whatever method ran, and stops
-the merge when the output is not what ``save_pretrained`` of the model's class would write:
+the merge when ``from_pretrained`` of the output's class would not load it completely. The
+verdict is transformers' own: its loading runs on the meta device over the written names
+and shapes (:func:`mergekit_ext.models.model_class.load_report`, with the class's key
+renames and conversions), so an output transformers loads completely is never refused,
+whichever of the layouts transformers reads it is in:
 
-- **missing**: a tensor the class writes for the output's ``config.json`` is not in the
-  output (a tied ``lm_head`` is not written by the class, so it is never asked for). A
-  tensor the base checkpoint lacks too (ViTModel's pooler, for a checkpoint saved without
-  it) may be absent when mergekit's architecture definition marks it optional;
-- **wrong shape**: such a tensor has another shape;
-- **foreign**: the output holds a tensor the class does not write and the base checkpoint
-  does not hold (a buffer an old base checkpoint holds, such as ``rotary_emb.inv_freq``,
-  is its own layout, not a foreign one).
+- **missing**: a tensor of the class that loading leaves missing (transformers would
+  initialise it randomly). A tied ``lm_head`` and non-persistent buffers are never missing.
+  One that loading the base checkpoint leaves missing too (ViTModel's pooler, for a
+  checkpoint saved without it) is as the base has it, and only logged;
+- **wrong shape**: a tensor the class loads has another shape, or a conversion of
+  transformers (fused experts) fails on the written pieces;
+- **foreign**: a written tensor the class does not load and the base checkpoint does not
+  hold (a buffer an old base checkpoint holds, such as ``rotary_emb.inv_freq``, is its own
+  layout, not a foreign one).
 
 When transformers has no class for the output (remote code), the base checkpoint itself
 is the reference, less the tensors mergekit's architecture definition marks optional.
@@ -61,16 +65,8 @@ def written_shapes(folder: str) -> Shapes:
     return shapes
 
 
-def class_checkpoint_shapes(config_folder: str) -> tuple[Optional[Shapes], str]:
-    """What ``save_pretrained`` of the class named in ``config_folder/config.json`` writes.
-
-    Args:
-        config_folder: a folder with a ``config.json``.
-
-    Returns:
-        ``({checkpoint name: shape}, class name)``, or ``(None, why)`` when transformers
-        has no class for it or cannot build it on the meta device.
-    """
+def _config(config_folder: str) -> tuple[Optional[transformers.PretrainedConfig], str]:
+    """The config in ``config_folder`` when transformers has a class for it, else ``(None, why)``."""
     try:
         config = transformers.AutoConfig.from_pretrained(config_folder, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - remote code, an unknown model_type
@@ -78,12 +74,31 @@ def class_checkpoint_shapes(config_folder: str) -> tuple[Optional[Shapes], str]:
     cls = model_class.model_class(config)
     if cls is None:
         return None, f"transformers has no class {config.architectures}"
+    return config, cls.__name__
+
+
+def class_load_reports(
+    config_folder: str, written: Shapes, base: Shapes
+) -> tuple[Optional[tuple[model_class.LoadReport, model_class.LoadReport]], str]:
+    """What ``from_pretrained`` of the class in ``config_folder/config.json`` reports for the
+    output's and the base checkpoint's names and shapes (on the meta device).
+
+    Returns:
+        ``((output report, base report), class name)``, or ``(None, why)`` when transformers
+        has no class for it or cannot build it on the meta device.
+    """
+    config, name = _config(config_folder)
+    if config is None:
+        return None, name
     try:
-        model = model_class.meta_model(config)
-        state = model_class.saved_state_dict(model)
+        report = model_class.load_report(config, written)
+        # the base's names are usually the output's (the same layout): one report then
+        same = dict(base) == dict(written)
+        reports = (report, report if same else model_class.load_report(config, base))
     except Exception as e:  # noqa: BLE001 - whatever the class raises for this config
-        return None, f"{cls.__name__} cannot be built on the meta device ({type(e).__name__})"
-    return {k: tuple(v.shape) for k, v in state.items()}, cls.__name__
+        LOG.debug("loading into %s on the meta device failed", name, exc_info=True)
+        return None, f"{name} cannot be loaded on the meta device ({type(e).__name__}: {e})"
+    return reports, name
 
 
 def _listed(names: Sequence[str]) -> str:
@@ -126,14 +141,14 @@ def check_output_complete(
     Args:
         out_dir: the (temporary) output folder, with the merged ``config.json`` and weights.
         base: (label, local folder) of the base model (mergekit's donor: ``base_model``, or
-            the first model); its names are never foreign, and it is the reference when
-            transformers has no class for the output.
+            the first model); its names are never foreign, a tensor it lacks as well is
+            only logged, and it is the reference when transformers has no class for the
+            output.
         optional: the names mergekit's architecture definition marks optional, asked for
-            only when needed: they may be absent when the base checkpoint lacks them too,
-            and, when transformers has no class for the output, they are not required.
+            only when transformers has no class for the output: they are not required then.
 
     Returns:
-        The number of tensors the output was compared with.
+        The number of written tensors checked.
     """
     written = written_shapes(out_dir)
     base_shapes: Shapes = tensor_shapes(base[1]) if base and os.path.isdir(base[1]) else {}
@@ -141,54 +156,85 @@ def check_output_complete(
     if config_folder is None and base and os.path.isfile(os.path.join(base[1], "config.json")):
         config_folder = base[1]
     label = base[0] if base else "the base model"
-    expected, why = (None, "it has no config.json")
+    reports, why = (None, "it has no config.json")
     if config_folder is not None:
-        expected, why = class_checkpoint_shapes(config_folder)
-    holder = f"a {why} checkpoint"  # why is the class name when expected is known
-    if expected is None:
-        if not base_shapes:
-            LOG.warning(
-                "the merged model's tensors were not checked for completeness: %s, and the base "
-                "model has no safetensors to compare with",
-                why,
-            )
-            return 0
-        LOG.info("completeness checked against the base checkpoint: %s", why)
-        skip = set(optional() if optional else ())
-        expected = {k: v for k, v in base_shapes.items() if k not in skip}
-        holder = f"the base checkpoint {label}"
+        reports, why = class_load_reports(config_folder, written, base_shapes)
+    if reports is None:
+        return _check_against_base(written, base_shapes, label, why, optional)
+    report, base_report = reports
+    # why is the class name when the reports are known
+    holder = (f"{why} loads", f"neither {why} loads nor the base checkpoint holds")
+    missing = sorted(report.missing)
+    as_base = [n for n in missing if n in base_report.missing] if base_shapes else []
+    if as_base:
+        # e.g. ViTModel's pooler, absent from checkpoints saved without it: transformers
+        # initialises it for the base model too, so the output is as complete as the base
+        LOG.info(
+            "not written, as loading the base checkpoint leaves them missing too: %s",
+            _listed(as_base),
+        )
+        missing = [n for n in missing if n not in base_report.missing]
+    wrong = sorted(
+        f"{n} {list(got)} (expected {list(want)})" for n, (got, want) in report.mismatched.items()
+    ) + sorted(
+        f"{n} (transformers cannot convert it: {e})" for n, e in report.conversion_errors.items()
+    )
+    foreign = sorted(
+        n for n in report.unexpected if n not in base_shapes and n not in base_report.unexpected
+    )
+    _raise_problems(label, holder, missing, wrong, foreign)
+    LOG.debug("%s loads every tensor of the output (%d written)", why, len(written))
+    return len(written)
+
+
+def _check_against_base(
+    written: Shapes,
+    base_shapes: Shapes,
+    label: str,
+    why: str,
+    optional: Optional[Callable[[], Collection[str]]],
+) -> int:
+    """No class to load with (remote code): the base checkpoint's names and shapes are the
+    reference, less what mergekit's definition marks optional."""
+    if not base_shapes:
+        LOG.warning(
+            "the merged model's tensors were not checked for completeness: %s, and the base "
+            "model has no safetensors to compare with",
+            why,
+        )
+        return 0
+    LOG.info("completeness checked against the base checkpoint: %s", why)
+    skip = set(optional() if optional else ())
+    expected = {k: v for k, v in base_shapes.items() if k not in skip}
     missing, wrong, foreign = compare_layout(written, expected, base_shapes)
-    lacking = [n for n in missing if n not in base_shapes]
-    if lacking and base_shapes and optional is not None:
-        # e.g. ViTModel's pooler, absent from checkpoints saved without it: the base lacks it
-        # and mergekit's definition lets a merge omit it, so the output is as the base is
-        excused = set(lacking) & set(optional())
-        if excused:
-            LOG.info(
-                "not written, as the base checkpoint lacks them (optional): %s",
-                _listed(sorted(excused)),
-            )
-            missing = [n for n in missing if n not in excused]
+    holder = f"the base checkpoint {label}"
+    _raise_problems(label, (f"{holder} holds", f"{holder} does not hold"), missing, wrong, foreign)
+    return len(expected)
+
+
+def _raise_problems(
+    label: str,
+    holder: tuple[str, str],
+    missing: Sequence[str],
+    wrong: Sequence[str],
+    foreign: Sequence[str],
+) -> None:
+    """One :class:`TensorError` naming every problem (``holder``: what expects the missing
+    tensors, and what does not know the foreign ones, in words)."""
     if not (missing or wrong or foreign):
-        LOG.debug("the output holds every tensor %s holds (%d)", holder, len(expected))
-        return len(expected)
+        return
     problems = []
     if missing:
-        lacking = [n for n in missing if n not in base_shapes]
         problems.append(
-            f"{len(missing)} tensor(s) that {holder} holds are missing: {_listed(missing)}"
-            + (
-                f" (the base checkpoint lacks {_listed(lacking)} too)"
-                if lacking and base_shapes
-                else ""
-            )
+            f"{len(missing)} tensor(s) that {holder[0]} are missing: {_listed(missing)}"
         )
     if wrong:
-        problems.append(f"{len(wrong)} tensor(s) have another shape: {_listed(wrong)}")
+        problems.append(
+            f"{len(wrong)} tensor(s) have another shape or do not convert: {_listed(wrong)}"
+        )
     if foreign:
         problems.append(
-            f"{len(foreign)} tensor(s) are in a layout that neither {holder} nor the base "
-            f"checkpoint uses: {_listed(foreign)}"
+            f"{len(foreign)} tensor(s) are in a layout that {holder[1]}: {_listed(foreign)}"
         )
     raise TensorError(
         f"the merged model is not a complete checkpoint in the layout of {label}: "

@@ -17,6 +17,9 @@ Comparing tensor names across inputs would call such models incompatible; they a
 - :func:`saved_state_dict`: the tensors ``save_pretrained`` of the class writes, by their
   checkpoint names (Mixtral's per-expert ``block_sparse_moe.experts.N.w1.weight``, not the
   fused ``mlp.experts.gate_up_proj`` the class holds in memory).
+- :func:`load_report`: what ``from_pretrained`` of the class reports (missing, unexpected,
+  mismatched keys) for a checkpoint's names and shapes, by transformers' own loading run
+  on the meta device (the output completeness check).
 - :func:`fused_pieces`: where each checkpoint tensor of one fused in-memory tensor sits in
   it (strided views found by transformers' own reverted conversion run on a meta tensor),
   so a fused tensor is gathered from its checkpoint pieces and a merged one split back into
@@ -483,3 +486,96 @@ def check_tied_weights(base: Optional[TyingInput], experts: Sequence[TyingInput]
                     target,
                     source,
                 )
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What ``from_pretrained`` of a class reports for a checkpoint's tensor names and shapes.
+
+    Module keys (the class's ``state_dict`` names) except ``unexpected``: the checkpoint's
+    own keys that the class does not load (as transformers renamed them where a key cannot
+    be traced back, e.g. a fused target).
+    """
+
+    missing: frozenset[str]
+    unexpected: frozenset[str]
+    mismatched: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]  # key -> (got, expected)
+    conversion_errors: dict[str, str]  # module key -> why its conversion failed
+
+
+def load_report(
+    config: transformers.PretrainedConfig, shapes: Mapping[str, Sequence[int]]
+) -> LoadReport:
+    """Load a checkpoint of ``shapes`` into the class of ``config`` as ``from_pretrained`` does,
+    on the meta device (no weight is read or allocated).
+
+    transformers' own loading steps run on meta tensors of the checkpoint's shapes: the
+    model's conversion mapping (``get_model_conversion_mapping``: renames such as LLaVA's
+    ``language_model.model.`` → ``model.language_model.``, fused experts), the base-model
+    prefix added or stripped, ``convert_and_load_state_dict_in_model`` (its missing,
+    unexpected and mismatched keys), then tied weights (a tied ``lm_head`` absent from the
+    checkpoint is not missing) and the class's ``_keys_to_ignore_on_load_*`` patterns as
+    ``_finalize_model_loading`` applies them. Non-persistent buffers are no part of a
+    ``state_dict`` and are never missing.
+
+    Args:
+        config: the model's config (its ``architectures`` names the class).
+        shapes: ``{checkpoint key: shape}``.
+
+    Returns:
+        The :class:`LoadReport`.
+
+    Raises:
+        Exception: whatever transformers raises for this class and config.
+    """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (
+        WeightConverter,
+        WeightRenaming,
+        convert_and_load_state_dict_in_model,
+        rename_source_key,
+    )
+    from transformers.modeling_utils import LoadStateDictConfig
+    from transformers.utils import logging as hf_logging
+
+    model = meta_model(config)  # a fresh one: loading replaces its parameters
+    module_state = model.state_dict()
+    mapping = get_model_conversion_mapping(model)
+    load_config = LoadStateDictConfig(device_map={"": "meta"}, weight_mapping=mapping)
+    state = {k: torch.empty(tuple(int(d) for d in s), device="meta") for k, s in shapes.items()}
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # transformers' "Loading weights" bar, not ours to show
+    try:
+        info, _ = convert_and_load_state_dict_in_model(model, state, load_config)
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
+    model.tie_weights(missing_keys=info.missing_keys, recompute_mapping=False)
+    model._adjust_missing_and_unexpected_keys(info)
+    unexpected = set(info.unexpected_keys)
+    if unexpected - set(shapes):
+        # named by the checkpoint's own key: the one transformers renamed into it (step 1 of
+        # its loading, run again for these keys only)
+        renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
+        converters = [t for t in mapping if isinstance(t, WeightConverter)]
+        prefix = getattr(model, "base_model_prefix", None) or None
+        loaded_as: dict[str, str] = {}
+        for key in shapes:
+            renamed, _ = rename_source_key(key, renamings, converters, prefix, module_state)
+            loaded_as.setdefault(renamed, key)
+        unexpected = {k if k in shapes else loaded_as.get(k, k) for k in unexpected}
+    return LoadReport(
+        missing=frozenset(info.missing_keys),
+        unexpected=frozenset(unexpected),
+        mismatched={k: (tuple(got), tuple(want)) for k, got, want in info.mismatched_keys},
+        conversion_errors={
+            k: _last_line(str(v)) for k, v in (info.conversion_errors or {}).items()
+        },
+    )
+
+
+def _last_line(error: str) -> str:
+    """The exception line of a traceback transformers logged for a failed conversion."""
+    lines = [line.strip() for line in error.splitlines() if line.strip()]
+    caught = [line for line in lines if line[:1].isupper() and "Error" in line.split(":")[0]]
+    return caught[-1] if caught else (lines[-1] if lines else error)
