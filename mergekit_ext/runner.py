@@ -38,7 +38,7 @@ from mergekit_ext.errors import MergekitExtError, PublishError
 from mergekit_ext.methods.kinds import Adaptation, Layerwise, MethodKind
 from mergekit_ext.methods.layerwise import LayerwiseMethod
 from mergekit_ext.methods.registry import method_kind
-from mergekit_ext.models import completeness, tokenization
+from mergekit_ext.models import completeness, mergekit_definitions, tokenization
 from mergekit_ext.models.model_paths import (
     config_shapes,
     is_config_only,
@@ -144,7 +144,31 @@ def run_merge_config(
 ) -> Optional[str]:
     """Merge ``cfg`` into ``out_path``; returns the output folder (None for a dry run, and
     on ranks other than 0 of a distributed merge). A dry run hands its plan to
-    ``show_plan`` (printed by default). ``hub`` writes the card and publishes."""
+    ``show_plan`` (printed by default). ``hub`` writes the card and publishes.
+
+    mergekit sees our architecture definitions during this call only (issue #48): the MoE
+    checkpoint layout when the base (else the first model) stores its experts one matrix
+    each, and on return mergekit's own objects are as they were."""
+    refs = cfg.merge.referenced_models()
+    layout_model = cfg.merge.base_model or (refs[0] if refs else None)  # none: the checks say
+    names = (
+        mergekit_definitions.layout_tensor_names(str(layout_model), options.transformers_cache)
+        if layout_model is not None
+        else ()
+    )
+    with mergekit_definitions.our_architectures(names):
+        return _run_merge_config(cfg, out_path, options, run, hub=hub, show_plan=show_plan)
+
+
+def _run_merge_config(
+    cfg: ExtMergeConfig,
+    out_path: str,
+    options: MergeOptions,
+    run: Optional[RunOptions],
+    *,
+    hub: HubWing,
+    show_plan: Callable[[str], None],
+) -> Optional[str]:
     run = run or RunOptions()
     ctx = dist_context.current()
     check_distributable(cfg, ctx.world_size)
