@@ -34,7 +34,7 @@ from mergekit_ext import checks, finite, merge_record
 from mergekit_ext import distributed as dist_context
 from mergekit_ext.config import ExtMergeConfig
 from mergekit_ext.console import phase
-from mergekit_ext.errors import MergekitExtError, PublishError
+from mergekit_ext.errors import ExecutionError, PublishError
 from mergekit_ext.methods.kinds import Adaptation, Layerwise, MethodKind
 from mergekit_ext.methods.layerwise import LayerwiseMethod
 from mergekit_ext.methods.registry import method_kind
@@ -105,11 +105,11 @@ def check_distributable(cfg: ExtMergeConfig, world_size: int, planned: bool = Fa
     why = method_kind(cfg.method).single_process
     if why is not None:
         if planned:
-            raise MergekitExtError(
+            raise ExecutionError(
                 f"{cfg.method} runs in a single process ({why}): "
                 f"--world-size {world_size} cannot plan it; drop --world-size"
             )
-        raise MergekitExtError(
+        raise ExecutionError(
             f"{cfg.method} runs in a single process ({why}); launch it "
             f"without torchrun/accelerate (WORLD_SIZE is {world_size}), e.g. `mergekit-ext run "
             "CONFIG OUT`"

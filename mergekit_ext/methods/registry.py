@@ -222,7 +222,7 @@ def data_aware_method(info: MethodInfo) -> MergeMethod:
         TensorGroup,
     )
 
-    from mergekit_ext.errors import MergekitExtError
+    from mergekit_ext.errors import ConfigError
 
     spec = MergeMethodSpec(
         name=info.name,
@@ -245,9 +245,9 @@ def data_aware_method(info: MethodInfo) -> MergeMethod:
         # mergekit's planner validates every tensor's inputs before it writes anything:
         # the earliest point at which mergekit calls a method.
         def validate_inputs(self, *args: Any, **kwargs: Any) -> None:
-            raise MergekitExtError(message)
+            raise ConfigError(message)
 
         def merge_group(self, group: TensorGroup, /, **parameters: Any):  # type: ignore[override]
-            raise MergekitExtError(message)
+            raise ConfigError(message)
 
     return _ExecutorOnly()
