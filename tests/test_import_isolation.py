@@ -178,3 +178,36 @@ def test_our_runs_see_the_per_expert_layout_only_inside(make_config, per_expert:
     assert "model.layers.0.mlp.experts.gate_up_proj" not in inside
     after = {w.name for w in arch_info_for_config(cfg).all_weights(cfg)}
     assert per_expert not in after and "model.layers.0.mlp.experts.gate_up_proj" in after
+
+
+def test_the_layout_follows_the_checkpoint_on_disk(tmp_path, tiny_llama_set) -> None:
+    """save_pretrained writes experts one matrix each; a state_dict saved as it is (mergekit's
+    own output) holds them fused, and then mergekit's definition applies."""
+    from safetensors.torch import save_file
+
+    from mergekit_ext.models.mergekit_definitions import (
+        layout_tensor_names,
+        our_definitions,
+        stores_experts_separately,
+    )
+
+    cfg = _mixtral_config()
+    model = transformers.MixtralForCausalLM(cfg)
+    per_expert, fused, sharded = (str(tmp_path / n) for n in ("per_expert", "fused", "sharded"))
+    model.save_pretrained(per_expert)
+    model.save_pretrained(sharded, max_shard_size="20KB")
+    cfg.save_pretrained(fused)
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()},
+        os.path.join(fused, "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    assert os.path.isfile(os.path.join(sharded, "model.safetensors.index.json"))
+    for folder, separate in ((per_expert, True), (sharded, True), (fused, False)):
+        names = layout_tensor_names(folder)
+        assert names, folder
+        assert stores_experts_separately(names) is separate, folder
+        assert ("MixtralForCausalLM" in our_definitions(names)) is separate, folder
+    # classes whose layout does not depend on the checkpoint, and unreadable models: no probe
+    assert layout_tensor_names(tiny_llama_set.base) == frozenset()
+    assert layout_tensor_names(str(tmp_path / "missing")) == frozenset()
