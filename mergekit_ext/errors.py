@@ -12,7 +12,11 @@ class                         built-in             mergekit's own, for compariso
 ============================  ===================  ==========================================
 ConfigError                   ValueError           pydantic ``ValidationError``, a method's
                                                    ``validate_inputs``
+ConfigFileNotFoundError       ValueError,          ``open()`` of a missing file
+                              FileNotFoundError
 CalibrationError              ValueError           (datasets: ``ValueError`` for bad data)
+CalibrationFileNotFoundError  ValueError,          ``open()`` of a missing file
+                              FileNotFoundError
 ModelInputError               RuntimeError         "Tensor ... required but not present",
                                                    "--allow-crimes", "Unable to find model files"
 ModelNotFoundError            RuntimeError,        a missing shard (``FileNotFoundError``),
@@ -38,8 +42,17 @@ class ConfigError(MergekitExtError, ValueError):
     """The merge configuration (YAML) is invalid."""
 
 
+class ConfigFileNotFoundError(ConfigError, FileNotFoundError):
+    """A file the configuration or a command line names (the YAML, ``--heldout``, evaluation
+    results) does not exist."""
+
+
 class CalibrationError(MergekitExtError, ValueError):
     """Calibration data is missing, empty or does not fit the models."""
+
+
+class CalibrationFileNotFoundError(CalibrationError, FileNotFoundError):
+    """A calibration file or folder the configuration names does not exist."""
 
 
 class ModelInputError(MergekitExtError, RuntimeError):

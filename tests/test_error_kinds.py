@@ -18,7 +18,9 @@ from mergekit_ext.console import cli_errors
 from mergekit_ext.distributed import DistributedError
 from mergekit_ext.errors import (
     CalibrationError,
+    CalibrationFileNotFoundError,
     ConfigError,
+    ConfigFileNotFoundError,
     ExecutionError,
     MergekitExtError,
     ModelInputError,
@@ -35,7 +37,9 @@ from mergekit_ext.output import OutputError
 # class -> the built-in(s) mergekit (or the library it calls) raises in the same situation
 BUILTINS: dict[type[MergekitExtError], tuple[type[BaseException], ...]] = {
     ConfigError: (ValueError,),
+    ConfigFileNotFoundError: (ValueError, FileNotFoundError),
     CalibrationError: (ValueError,),
+    CalibrationFileNotFoundError: (ValueError, FileNotFoundError),
     TensorError: (ValueError,),
     ModelInputError: (RuntimeError,),
     ModelNotFoundError: (RuntimeError, FileNotFoundError),
@@ -110,6 +114,8 @@ def test_a_missing_model_is_a_file_not_found_error(tiny_llama_set, tmp_path) -> 
     }
     with pytest.raises(FileNotFoundError, match="no-such-model"):
         mergekit_ext.run_merge(config, str(tmp_path / "out"))
+    with pytest.raises(FileNotFoundError, match="missing.yml"):
+        mergekit_ext.run_merge(str(tmp_path / "missing.yml"), str(tmp_path / "out"))
 
 
 @pytest.mark.parametrize("cls", list(BUILTINS), ids=lambda c: c.__name__)

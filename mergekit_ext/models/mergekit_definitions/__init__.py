@@ -63,6 +63,13 @@ from mergekit_ext.models.mergekit_definitions.checkpoint_layout import (
     CHECKPOINT_LAYOUT_CLASSES,
     checkpoint_layout_architectures,
 )
+from mergekit_ext.models.model_paths import (
+    cached_snapshot,
+    model_paths,
+    split_revision,
+    tensor_shapes,
+)
+from mergekit_ext.offline import hub_offline
 
 LOG = logging.getLogger(__name__)
 
@@ -228,9 +235,6 @@ def layout_tensor_names(model: str, cache_dir: Optional[str] = None) -> frozense
             ``+lora``: the base part is read).
         cache_dir: the Hugging Face cache (``--transformers-cache``).
     """
-    from mergekit_ext.models.model_paths import cached_snapshot, model_paths, split_revision
-    from mergekit_ext.offline import hub_offline
-
     try:
         name, revision = split_revision(model_paths(model)[0])
         folder = (
@@ -242,7 +246,7 @@ def layout_tensor_names(model: str, cache_dir: Optional[str] = None) -> frozense
             return _folder_names(folder)
         if hub_offline():
             return frozenset()
-        return _hub_names(name, revision)
+        return _hub_names(name, revision, cache_dir)
     except Exception as e:  # noqa: BLE001 - the checks report unreadable models
         LOG.debug("tensor names of %s unknown (%s: %s)", model, type(e).__name__, e)
         return frozenset()
@@ -253,15 +257,14 @@ def _layout_class(config: Mapping) -> bool:
 
 
 def _folder_names(folder: str) -> frozenset[str]:
-    from mergekit_ext.models.model_paths import tensor_shapes
-
     with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
         if not _layout_class(json.load(f)):
             return frozenset()
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            return frozenset(json.load(f)["weight_map"])
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = os.path.join(folder, index_name)
+        if os.path.isfile(index):
+            with open(index, encoding="utf-8") as f:
+                return frozenset(json.load(f)["weight_map"])
     names = set(tensor_shapes(folder))
     if not names:  # pickled weights (--allow-pickle): names only, on the meta device
         import torch
@@ -272,10 +275,12 @@ def _folder_names(folder: str) -> frozenset[str]:
     return frozenset(names)
 
 
-def _hub_names(repo_id: str, revision: Optional[str]) -> frozenset[str]:
+def _hub_names(repo_id: str, revision: Optional[str], cache_dir: Optional[str]) -> frozenset[str]:
     import huggingface_hub
 
-    config_file = huggingface_hub.hf_hub_download(repo_id, "config.json", revision=revision)
+    config_file = huggingface_hub.hf_hub_download(
+        repo_id, "config.json", revision=revision, cache_dir=cache_dir
+    )
     with open(config_file, encoding="utf-8") as f:
         if not _layout_class(json.load(f)):
             return frozenset()
