@@ -9,6 +9,7 @@ of mergekit 0.1.5: ``test_mixtral_architecture_uses_json_v5_layout``,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -211,3 +212,22 @@ def test_the_layout_follows_the_checkpoint_on_disk(tmp_path, tiny_llama_set) -> 
     # classes whose layout does not depend on the checkpoint, and unreadable models: no probe
     assert layout_tensor_names(tiny_llama_set.base) == frozenset()
     assert layout_tensor_names(str(tmp_path / "missing")) == frozenset()
+
+
+def test_registering_never_replaces_one_of_mergekits_methods() -> None:
+    import mergekit.merge_methods as mk_methods
+
+    from mergekit_ext.methods.ace import INFO as ACE
+    from mergekit_ext.methods.registry import (
+        data_aware_method,
+        method_kind,
+        register_method,
+    )
+
+    ties = mk_methods.get("ties")
+    info = dataclasses.replace(ACE, name="ties")
+    with pytest.raises(ValueError, match="'ties' is one of mergekit's own"):
+        register_method(info, data_aware_method(info))
+    assert mk_methods.get("ties") is ties
+    assert not method_kind("ties").data_aware  # still mergekit's tensor-wise ties
+    register_method(ACE, mk_methods.get("ace"))  # ours again: idempotent

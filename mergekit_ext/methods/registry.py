@@ -88,7 +88,9 @@ _INFOS: dict[str, MethodInfo] = {}
 def register_method(info: MethodInfo, mergekit_method: MergeMethod) -> None:
     """Register ``mergekit_method`` with mergekit and ``info`` with mergekit-ext.
 
-    Idempotent for the same name (importing the package twice must not fail).
+    Idempotent for the same name (importing the package twice must not fail). A name
+    mergekit already has for a method of its own is refused: registering adds methods to
+    mergekit, it never changes one of mergekit's (issue #48).
     """
     if mergekit_method.spec.name != info.name:
         raise ValueError(
@@ -96,6 +98,10 @@ def register_method(info: MethodInfo, mergekit_method: MergeMethod) -> None:
         )
     if info.name not in {m.spec.name for m in mk_methods.registered_methods()}:
         mk_methods.register(mergekit_method)
+    elif info.name not in _INFOS:
+        raise ValueError(
+            f"merge method {info.name!r} is one of mergekit's own: give the new method another name"
+        )
     _INFOS[info.name] = info
 
 
