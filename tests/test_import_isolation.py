@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import transformers
 from mergekit.architecture import arch_info_for_config
 
@@ -231,3 +232,34 @@ def test_registering_never_replaces_one_of_mergekits_methods() -> None:
     assert mk_methods.get("ties") is ties
     assert not method_kind("ties").data_aware  # still mergekit's tensor-wise ties
     register_method(ACE, mk_methods.get("ace"))  # ours again: idempotent
+
+
+def test_our_run_writes_the_per_expert_layout_and_restores_mergekit(tmp_path) -> None:
+    from mergekit.architecture import json_definitions
+    from safetensors import safe_open
+
+    before = dict(json_definitions.NAME_TO_ARCH)
+    cfg = _mixtral_config()
+    folders = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        folders.append(str(tmp_path / f"m{seed}"))
+        transformers.MixtralForCausalLM(cfg).save_pretrained(folders[-1])
+    config = {
+        "merge_method": "linear",
+        "base_model": folders[0],
+        "models": [{"model": f, "parameters": {"weight": 0.5}} for f in folders],
+        "dtype": "float32",
+    }
+    mergekit_ext.run_merge(config, str(tmp_path / "out"))
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+        written = set(f.keys())
+    with safe_open(os.path.join(folders[0], "model.safetensors"), "pt") as f:
+        assert written == set(f.keys())  # per expert, as the base stores them
+    with pytest.raises(ValueError):  # a failing run restores mergekit too
+        mergekit_ext.run_merge(
+            {**config, "merge_method": "della", "parameters": {"epsilon": 1.35}},
+            str(tmp_path / "out2"),
+        )
+    assert json_definitions.NAME_TO_ARCH.keys() == before.keys()
+    assert all(json_definitions.NAME_TO_ARCH[k] is v for k, v in before.items())
