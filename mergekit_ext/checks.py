@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from typing import Any, Optional
 
 from mergekit_ext.config import ExtMergeConfig
-from mergekit_ext.errors import ConfigError, ModelInputError
+from mergekit_ext.errors import ConfigError, ModelInputError, ModelNotFoundError
 from mergekit_ext.methods.registry import all_method_names, ext_method_info, method_kind
 from mergekit_ext.models.model_files import check_model_files, read_json_object, safetensors_header
 from mergekit_ext.models.model_paths import (
@@ -65,7 +65,7 @@ def check_model_paths(cfg: ExtMergeConfig, allow_pickle: bool, dry_run: bool = F
                 if path is None:
                     continue  # downloaded (with a progress bar) when the merge opens it
             if not os.path.isdir(path):
-                raise ModelInputError(
+                raise ModelNotFoundError(
                     f"model path not found: {path!r} (referenced as {ref!r}); check the path "
                     "in the YAML (relative paths resolve against the current directory)"
                 )
@@ -91,13 +91,13 @@ def check_model_paths(cfg: ExtMergeConfig, allow_pickle: bool, dry_run: bool = F
                         "or pass --allow-pickle if you trust it"
                     )
             elif not has_safetensors:
-                raise ModelInputError(f"model {path!r} has no .safetensors weights")
+                raise ModelNotFoundError(f"model {path!r} has no .safetensors weights")
             if not os.path.exists(os.path.join(path, "config.json")):
-                raise ModelInputError(f"model {path!r} has no config.json")
+                raise ModelNotFoundError(f"model {path!r} has no config.json")
     weightless.sort()  # mergekit's referenced models come in no fixed order
     if weightless and not dry_run:
         one = len(weightless) == 1
-        raise ModelInputError(
+        raise ModelNotFoundError(
             f"model{'' if one else 's'} {', '.join(repr(p) for p in weightless)} "
             f"{'has' if one else 'have'} no weights (only config.json): download the "
             "*.safetensors files to merge; `mergekit-ext run CONFIG OUT --dry-run` plans the "

@@ -30,7 +30,7 @@ import mergekit_ext
 from mergekit_ext.cli_hub import publish_options
 from mergekit_ext.config import load_config
 from mergekit_ext.console import cli_errors
-from mergekit_ext.errors import MergekitExtError, plugin_exit_error
+from mergekit_ext.errors import PluginError, plugin_exit_error
 from mergekit_ext.methods.registry import all_method_names, describe_method
 
 LOG = logging.getLogger(__name__)
@@ -302,7 +302,7 @@ def _import_plugin(spec: str) -> None:
 
     if spec.endswith(".py"):
         if not os.path.isfile(spec):
-            raise MergekitExtError(f"--plugin file not found: {spec}")
+            raise PluginError(f"--plugin file not found: {spec}")
         name = "mergekit_ext_plugin_" + os.path.splitext(os.path.basename(spec))[0]
         module_spec = importlib.util.spec_from_file_location(name, spec)
         assert module_spec is not None and module_spec.loader is not None
@@ -316,7 +316,7 @@ def _import_plugin(spec: str) -> None:
         try:
             importlib.import_module(spec)
         except ModuleNotFoundError as e:
-            raise MergekitExtError(f"--plugin module {spec!r} cannot be imported: {e}") from e
+            raise PluginError(f"--plugin module {spec!r} cannot be imported: {e}") from e
         except SystemExit as e:
             raise plugin_exit_error(e, f"--plugin {spec} (while imported)") from None
 

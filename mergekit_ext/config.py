@@ -23,7 +23,7 @@ from mergekit.config import MergeConfiguration
 from pydantic import ValidationError
 
 from mergekit_ext.calibration.config import CalibrationSpec, rename_deprecated_fields
-from mergekit_ext.errors import ConfigError
+from mergekit_ext.errors import ConfigError, ConfigFileNotFoundError
 from mergekit_ext.yaml_input import load_yaml
 
 LOG = logging.getLogger(__name__)
@@ -187,7 +187,7 @@ def _warn_unknown_keys(mapping: dict[str, Any], known: list[str], where: str) ->
 
 def load_config(config_path: str) -> ExtMergeConfig:
     if not os.path.isfile(config_path):
-        raise ConfigError(f"config file not found: {config_path}")
+        raise ConfigFileNotFoundError(f"config file not found: {config_path}")
     with open(config_path, encoding="utf-8") as fp:
         return parse_config(fp.read(), config_path)
 

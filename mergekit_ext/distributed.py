@@ -50,7 +50,7 @@ MIN_TIMEOUT_S = 1.0
 DEFAULT_JOIN_TIMEOUT_S = 300.0
 
 
-class DistributedError(MergekitExtError):
+class DistributedError(MergekitExtError, RuntimeError):
     """A collective failed or another rank of the merge reported a failure."""
 
 

@@ -50,7 +50,7 @@ _STEM_MAX = 200
 _PATH_ROOM = 320
 
 
-class OutputError(MergekitExtError):
+class OutputError(MergekitExtError, OSError):
     """``OUT_DIR`` cannot be written safely."""
 
 

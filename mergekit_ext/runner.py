@@ -34,11 +34,11 @@ from mergekit_ext import checks, finite, merge_record
 from mergekit_ext import distributed as dist_context
 from mergekit_ext.config import ExtMergeConfig
 from mergekit_ext.console import phase
-from mergekit_ext.errors import MergekitExtError, PublishError
+from mergekit_ext.errors import ExecutionError, PublishError
 from mergekit_ext.methods.kinds import Adaptation, Layerwise, MethodKind
 from mergekit_ext.methods.layerwise import LayerwiseMethod
 from mergekit_ext.methods.registry import method_kind
-from mergekit_ext.models import completeness, tokenization
+from mergekit_ext.models import completeness, mergekit_definitions, tokenization
 from mergekit_ext.models.model_paths import (
     config_shapes,
     is_config_only,
@@ -105,11 +105,11 @@ def check_distributable(cfg: ExtMergeConfig, world_size: int, planned: bool = Fa
     why = method_kind(cfg.method).single_process
     if why is not None:
         if planned:
-            raise MergekitExtError(
+            raise ExecutionError(
                 f"{cfg.method} runs in a single process ({why}): "
                 f"--world-size {world_size} cannot plan it; drop --world-size"
             )
-        raise MergekitExtError(
+        raise ExecutionError(
             f"{cfg.method} runs in a single process ({why}); launch it "
             f"without torchrun/accelerate (WORLD_SIZE is {world_size}), e.g. `mergekit-ext run "
             "CONFIG OUT`"
@@ -151,7 +151,40 @@ def run_merge_config(
     on ranks other than 0 of a distributed merge). A dry run hands its plan to
     ``show_plan`` (printed by default). ``hub`` writes the card and publishes; the line
     that says what publishing did goes to ``show_published`` (the CLI shows it after
-    "merged model written")."""
+    "merged model written").
+
+    mergekit sees our architecture definitions during this call only (issue #48): the MoE
+    checkpoint layout when the base (else the first model) stores its experts one matrix
+    each, and on return mergekit's own objects are as they were."""
+    refs = cfg.merge.referenced_models()
+    layout_model = cfg.merge.base_model or (refs[0] if refs else None)  # none: the checks say
+    names = (
+        mergekit_definitions.layout_tensor_names(str(layout_model), options.transformers_cache)
+        if layout_model is not None
+        else ()
+    )
+    with mergekit_definitions.our_architectures(names):
+        return _run_merge_config(
+            cfg,
+            out_path,
+            options,
+            run,
+            hub=hub,
+            show_plan=show_plan,
+            show_published=show_published,
+        )
+
+
+def _run_merge_config(
+    cfg: ExtMergeConfig,
+    out_path: str,
+    options: MergeOptions,
+    run: Optional[RunOptions],
+    *,
+    hub: HubWing,
+    show_plan: Callable[[str], None],
+    show_published: Callable[[str], None],
+) -> Optional[str]:
     run = run or RunOptions()
     ctx = dist_context.current()
     check_distributable(cfg, ctx.world_size)

@@ -48,6 +48,7 @@ from mergekit_ext.hub.card import (
     write_model_card,
 )
 from mergekit_ext.methods.layerwise import LinearGroup, TaskStatistics
+from mergekit_ext.models.mergekit_definitions import layout_tensor_names, our_architectures
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 EMBEDDING_MARKERS = ("embed", "lm_head", "word_embeddings", "position_embedding")
@@ -82,7 +83,8 @@ def ace_merge(base: str, experts: list[str], out_dir: Path, *, extra_yaml: str =
         config_sha256=cfg.sha256,
         inputs=card_mod.input_records(cfg),  # as the runner records them
     )
-    with merge_record.recording(recorder):
+    # with the architecture definitions mergekit-ext's runner gives mergekit
+    with merge_record.recording(recorder), our_architectures(layout_tensor_names(base)):
         run_merge(
             cfg.merge,
             str(out_dir),

@@ -24,12 +24,13 @@ from mergekit.merge import run_merge
 from mergekit.options import MergeOptions
 from safetensors.torch import load_file, save_file
 
-import mergekit_ext  # noqa: F401  (registers methods and architectures)
+import mergekit_ext  # noqa: F401  (registers the methods)
 from mergekit_ext import merge_record
 from mergekit_ext.methods.ace import ace_merge_simple, ace_merge_tensor
 from mergekit_ext.models.mergekit_definitions import (
-    register_architectures,
-    registered_architectures,
+    layout_tensor_names,
+    our_architectures,
+    our_definitions,
 )
 
 SETS = [
@@ -80,11 +81,13 @@ def merge(tiny, method: str, out: str, parameters=None, model_parameters=None) -
             "dtype": "float32",
         }
     )
-    run_merge(
-        config,
-        out,
-        MergeOptions(write_model_card=False, copy_tokenizer=False, quiet=True, random_seed=0),
-    )
+    # mergekit's own run_merge, given our definitions as mergekit-ext's runs give them
+    with our_architectures(layout_tensor_names(tiny.base)):
+        run_merge(
+            config,
+            out,
+            MergeOptions(write_model_card=False, copy_tokenizer=False, quiet=True, random_seed=0),
+        )
     return out
 
 
@@ -234,10 +237,11 @@ def test_ties_merges_every_tensor(tiny, tmp_path) -> None:
 
 def test_definitions_name_every_checkpoint_tensor(tiny) -> None:
     config = transformers.AutoConfig.from_pretrained(tiny.base)
-    arch = arch_info_for_config(config)
-    assert arch is not None, f"mergekit has no definition for {tiny.architecture}"
-    if tiny.architecture in OWN_DEFINITIONS:
-        assert arch is registered_architectures()[tiny.architecture]
+    with our_architectures(layout_tensor_names(tiny.base)) as ours:
+        arch = arch_info_for_config(config)
+        assert arch is not None, f"mergekit has no definition for {tiny.architecture}"
+        if tiny.architecture in OWN_DEFINITIONS:
+            assert arch is ours[tiny.architecture]
     names = {w.name for w in arch.all_weights(config)}
     required = {w.name for w in arch.all_weights(config) if not w.optional}
     checkpoint = set(load_tensors(tiny.base))
@@ -245,22 +249,46 @@ def test_definitions_name_every_checkpoint_tensor(tiny) -> None:
     assert checkpoint <= names
 
 
-def test_registration_is_idempotent_and_repairs_bert() -> None:
-    before = {name: list(c) for name, c in mk_json.NAME_TO_ARCH.items()}
-    n_json = len(mk_json.JSON_ARCHITECTURES)
-    assert set(register_architectures()) == OWN_DEFINITIONS
-    assert {name: len(c) for name, c in mk_json.NAME_TO_ARCH.items()} == {
-        name: len(c) for name, c in before.items()
-    }
-    assert len(mk_json.JSON_ARCHITECTURES) == n_json
-    for name in OWN_DEFINITIONS:
-        assert mk_json.NAME_TO_ARCH[name][0] is registered_architectures()[name]
+def test_definitions_apply_inside_and_restore_mergekit_exactly() -> None:
+    before = dict(mk_json.NAME_TO_ARCH)  # name -> the list object itself
+    contents = {name: list(c) for name, c in before.items()}
+    per_expert = {"model.layers.0.block_sparse_moe.experts.0.w1.weight"}
+    assert set(our_definitions(per_expert)) == OWN_DEFINITIONS
+    assert mk_json.NAME_TO_ARCH == before  # computing them changed nothing
+    with our_architectures(per_expert) as ours:
+        assert set(ours) == OWN_DEFINITIONS
+        for name in OWN_DEFINITIONS:
+            assert mk_json.NAME_TO_ARCH[name][0] is ours[name]
+        # mergekit's own candidates stay behind ours (BertModel's is replaced by its repair)
+        for name in OWN_DEFINITIONS & set(contents) - {"BertModel"}:
+            behind = mk_json.NAME_TO_ARCH[name][1:]
+            assert len(behind) == len(contents[name])
+            assert all(a is b for a, b in zip(behind, contents[name])), name
+        with pytest.raises(KeyError):
+            with our_architectures(()):
+                raise KeyError("inside a nested run")
+        assert mk_json.NAME_TO_ARCH["MixtralForCausalLM"][0] is ours["MixtralForCausalLM"]
+    assert set(mk_json.NAME_TO_ARCH) == set(before)
+    for name, candidates in before.items():
+        assert mk_json.NAME_TO_ARCH[name] is candidates, name
+        assert candidates == contents[name], name
     # mergekit's BertModel had aliases on its optional position_ids, which crashes its planner.
-    bert = registered_architectures()["BertModel"]
+    bert = ours["BertModel"]
     module = bert.modules["default"].architecture.definition
     weights = module.pre_weights + module.layer_templates.weights + module.post_weights
     assert not [w.name for w in weights if w.optional and w.aliases]
     assert any(w.aliases for w in weights)  # the other aliases are kept
+    mergekit_bert = mk_json.NAME_TO_ARCH["BertModel"][0].modules["default"].architecture
+    d = mergekit_bert.definition
+    assert any(w.optional and w.aliases for w in d.pre_weights + d.layer_templates.weights)
+
+
+def test_fused_or_unknown_checkpoints_keep_mergekits_moe_definitions() -> None:
+    fused = {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"}
+    for names in (fused, set()):
+        table = our_definitions(names)
+        assert "MixtralForCausalLM" not in table and "Qwen3MoeForCausalLM" not in table
+        assert "ViTModel" in table  # the definitions mergekit lacks apply whatever the layout
 
 
 def test_transformers4_clip_vision_layout_merges_through_aliases(

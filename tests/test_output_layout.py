@@ -91,12 +91,15 @@ def moe_set(request, tmp_path_factory):
 
 
 def test_mergekit_is_given_the_checkpoint_tensors(moe_set) -> None:
-    """The architecture mergekit plans with names exactly the checkpoint's tensors."""
+    """The architecture mergekit plans with in our runs names exactly the checkpoint's tensors."""
     from mergekit.architecture import arch_info_for_config
+
+    from mergekit_ext.models.mergekit_definitions import layout_tensor_names, our_architectures
 
     _, base, _ = moe_set
     config = transformers.AutoConfig.from_pretrained(base)
-    weights = arch_info_for_config(config).all_weights(config)
+    with our_architectures(layout_tensor_names(base)):
+        weights = arch_info_for_config(config).all_weights(config)
     names = [w.name for w in weights]
     assert len(names) == len(set(names))
     assert set(names) == set(tensor_shapes(base))

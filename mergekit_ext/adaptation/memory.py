@@ -37,7 +37,7 @@ from mergekit_ext.models.model_paths import checkpoint_shapes
 LOG = logging.getLogger(__name__)
 
 
-class AdaptationMemoryError(MergekitExtError):
+class AdaptationMemoryError(MergekitExtError, MemoryError):
     """The adaptation would not fit the machine's available memory."""
 
 

@@ -74,7 +74,13 @@ from mergekit_ext.diagnose.heldout import (
     parse_heldout,
 )
 from mergekit_ext.diagnose.verdict import compare_with_references, evaluated_on
-from mergekit_ext.errors import CalibrationError, ConfigError, MergekitExtError, ModelInputError
+from mergekit_ext.errors import (
+    CalibrationError,
+    ConfigError,
+    ExecutionError,
+    MergekitExtError,
+    ModelInputError,
+)
 from mergekit_ext.executor.blocks import (
     BlockCall,
     BlockCallRecorder,
@@ -425,7 +431,7 @@ class _Walker:
         except StopForward:
             pass
         if self.sink.hidden is None or len(self.sink.calls) != len(self.blocks):
-            raise MergekitExtError(
+            raise ExecutionError(
                 f"{type(self.backbone).__name__}.forward called {len(self.sink.calls)} of "
                 f"{len(self.blocks)} blocks"
             )
@@ -474,7 +480,7 @@ class _Walker:
             self._install(self.recorders)
         logits = getattr(out, "logits", None)
         if logits is None:
-            raise MergekitExtError(f"{type(self.skeleton).__name__} returned no logits")
+            raise ExecutionError(f"{type(self.skeleton).__name__} returned no logits")
         return logits.to(torch.float32)
 
 

@@ -18,7 +18,7 @@ from mergekit_ext.calibration.sources import (
     NoUnusedCalibrationData,
     load_calibration,
 )
-from mergekit_ext.errors import CalibrationError, ConfigError
+from mergekit_ext.errors import CalibrationError, ConfigError, ConfigFileNotFoundError
 from mergekit_ext.yaml_input import load_yaml
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ def parse_heldout(values: Sequence[str]) -> dict[Optional[str], dict[str, Any]]:
                 mapping = load_yaml(text, f"--heldout {value}")
             else:
                 if not os.path.isfile(text):
-                    raise ConfigError(f"--heldout {value}: no such file")
+                    raise ConfigFileNotFoundError(f"--heldout {value}: no such file")
                 with open(text, encoding="utf-8") as fp:
                     mapping = load_yaml(fp.read(), text) or {}
             if not isinstance(mapping, dict):

@@ -20,7 +20,7 @@ from mergekit.options import MergeOptions
 
 from mergekit_ext.config import ExtMergeConfig
 from mergekit_ext.distributed import DistributedContext
-from mergekit_ext.errors import MergekitExtError
+from mergekit_ext.errors import ExecutionError
 from mergekit_ext.executor.plan import MemoryEstimate, MergePlan, build_plan
 from mergekit_ext.executor.sequential import SequentialExecutor, resolve_device
 from mergekit_ext.methods.layerwise import LayerwiseMethod
@@ -70,7 +70,7 @@ def run_layerwise_merge(
         from mergekit_ext.executor.model_output_checks import check_model_output_memory
 
         if distributed is not None and distributed.enabled:
-            raise MergekitExtError(
+            raise ExecutionError(
                 f"{method.name} with the model-output objective runs in a single process; "
                 "launch it without torchrun/accelerate"
             )

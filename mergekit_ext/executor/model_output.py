@@ -42,7 +42,7 @@ import torch
 from tqdm.auto import tqdm
 
 from mergekit_ext import finite
-from mergekit_ext.errors import MergekitExtError, ModelInputError
+from mergekit_ext.errors import ExecutionError, ModelInputError
 from mergekit_ext.executor.blocks import TaskState, group_name, orient
 from mergekit_ext.executor.model_output_checks import VJP_CHUNK
 from mergekit_ext.executor.plan import MergePlan
@@ -460,7 +460,7 @@ class ModelOutputExecutor(SequentialExecutor):
         finally:
             handle.remove()
         if "eps" not in captured:  # pragma: no cover - every block's linears run
-            raise MergekitExtError(f"the forward pass did not call {module_path}")
+            raise ExecutionError(f"the forward pass did not call {module_path}")
         return out, captured["x"], captured["eps"]
 
     @staticmethod

@@ -33,7 +33,7 @@ LOG = logging.getLogger(__name__)
 VJP_CHUNK = 32
 
 
-class ModelOutputMemoryError(MergekitExtError):
+class ModelOutputMemoryError(MergekitExtError, MemoryError):
     """The whole-model path would not fit the available memory."""
 
 

@@ -30,7 +30,13 @@ from mergekit_ext.calibration.sources import (
 from mergekit_ext.calibration.statistics import gram_chunk_rows
 from mergekit_ext.config import ExtMergeConfig, ExtModelEntry
 from mergekit_ext.distributed import batch_share, task_ranks
-from mergekit_ext.errors import CalibrationError, ConfigError, MergekitExtError, ModelInputError
+from mergekit_ext.errors import (
+    CalibrationError,
+    ConfigError,
+    ExecutionError,
+    ModelInputError,
+    ModelNotFoundError,
+)
 from mergekit_ext.executor.compute import ComputeChoice, kept_dtype, resolve_compute_dtype
 from mergekit_ext.executor.model_output_checks import (
     check_model_output_supported,
@@ -219,7 +225,7 @@ class MergePlan:
     def check_weights(self) -> None:
         """Refuse to merge a plan whose inputs have no weights (only a dry run plans them)."""
         if self.weightless:
-            raise ModelInputError(
+            raise ModelNotFoundError(
                 f"{', '.join(self.weightless)}: no weights (only config.json); download the "
                 "*.safetensors files to merge, or plan the merge with --dry-run"
             )
@@ -438,7 +444,7 @@ def build_plan(
 ) -> MergePlan:
     """Validate the merge and plan it (see the module docstring)."""
     if not isinstance(method, LayerwiseMethod):
-        raise MergekitExtError(
+        raise ExecutionError(
             f"{getattr(method, 'name', method)!r} is not a layerwise method; the sequential "
             "executor runs LayerwiseMethod implementations"
         )

@@ -73,7 +73,7 @@ from mergekit_ext.calibration.statistics import (
 )
 from mergekit_ext.console import phase
 from mergekit_ext.distributed import DistributedContext, check_shares
-from mergekit_ext.errors import MergekitExtError, TensorError
+from mergekit_ext.errors import ExecutionError, TensorError
 from mergekit_ext.executor.blocks import (
     BlockCallRecorder,
     CallSink,
@@ -155,13 +155,13 @@ def resolve_device(device: Optional[str]) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise MergekitExtError(
+        raise ExecutionError(
             f"device {name!r} requested but CUDA is not available; use --device cpu (or auto)"
         )
     try:
         return torch.device(name)
     except RuntimeError as e:
-        raise MergekitExtError(f"unknown device {name!r}: use cpu, cuda or auto") from e
+        raise ExecutionError(f"unknown device {name!r}: use cpu, cuda or auto") from e
 
 
 def _on(stats: TaskStatistics, device: Any) -> TaskStatistics:
@@ -466,11 +466,11 @@ class SequentialExecutor:
             except StopForward:
                 pass
             else:  # pragma: no cover - every supported backbone calls its blocks
-                raise MergekitExtError(
+                raise ExecutionError(
                     f"{type(self.backbone).__name__}.forward returned without calling its last block"
                 )
             if self.sink.hidden is None or len(self.sink.calls) != len(self.blocks):
-                raise MergekitExtError(
+                raise ExecutionError(
                     f"{type(self.backbone).__name__}.forward called {len(self.sink.calls)} of "
                     f"{len(self.blocks)} blocks"
                 )
@@ -738,7 +738,7 @@ class SequentialExecutor:
                         self._run_block(block.index, params, hidden, state.calls[b][block.index])
                     except StopForward:
                         continue
-                    raise MergekitExtError(  # pragma: no cover - the group is in the block
+                    raise ExecutionError(  # pragma: no cover - the group is in the block
                         f"block {block.index} ran without calling {group.modules[0]}"
                     )
             finally:

@@ -88,7 +88,9 @@ _INFOS: dict[str, MethodInfo] = {}
 def register_method(info: MethodInfo, mergekit_method: MergeMethod) -> None:
     """Register ``mergekit_method`` with mergekit and ``info`` with mergekit-ext.
 
-    Idempotent for the same name (importing the package twice must not fail).
+    Idempotent for the same name (importing the package twice must not fail). A name
+    mergekit already has for a method of its own is refused: registering adds methods to
+    mergekit, it never changes one of mergekit's (issue #48).
     """
     if mergekit_method.spec.name != info.name:
         raise ValueError(
@@ -96,6 +98,10 @@ def register_method(info: MethodInfo, mergekit_method: MergeMethod) -> None:
         )
     if info.name not in {m.spec.name for m in mk_methods.registered_methods()}:
         mk_methods.register(mergekit_method)
+    elif info.name not in _INFOS:
+        raise ValueError(
+            f"merge method {info.name!r} is one of mergekit's own: give the new method another name"
+        )
     _INFOS[info.name] = info
 
 
@@ -222,7 +228,7 @@ def data_aware_method(info: MethodInfo) -> MergeMethod:
         TensorGroup,
     )
 
-    from mergekit_ext.errors import MergekitExtError
+    from mergekit_ext.errors import ConfigError
 
     spec = MergeMethodSpec(
         name=info.name,
@@ -245,9 +251,9 @@ def data_aware_method(info: MethodInfo) -> MergeMethod:
         # mergekit's planner validates every tensor's inputs before it writes anything:
         # the earliest point at which mergekit calls a method.
         def validate_inputs(self, *args: Any, **kwargs: Any) -> None:
-            raise MergekitExtError(message)
+            raise ConfigError(message)
 
         def merge_group(self, group: TensorGroup, /, **parameters: Any):  # type: ignore[override]
-            raise MergekitExtError(message)
+            raise ConfigError(message)
 
     return _ExecutorOnly()

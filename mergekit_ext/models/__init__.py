@@ -7,7 +7,8 @@
 - :mod:`~mergekit_ext.models.checkpoint`: reading tensors under their checkpoint names;
 - :mod:`~mergekit_ext.models.lora`: PEFT adapters folded into their base;
 - :mod:`~mergekit_ext.models.families`: where a network's blocks and linear layers are;
-- :mod:`~mergekit_ext.models.mergekit_definitions`: architecture definitions for mergekit;
+- :mod:`~mergekit_ext.models.mergekit_definitions`: architecture definitions mergekit uses
+  inside our runs only (``our_architectures``);
 - :mod:`~mergekit_ext.models.tokenization`: the output's tokenizer and chat template;
 - :mod:`~mergekit_ext.models.completeness`: the written checkpoint is complete and in layout.
 

@@ -32,7 +32,7 @@ from mergekit.io import LazyTensorLoader, ShardedTensorIndex
 from safetensors import safe_open
 from torch import nn
 
-from mergekit_ext.errors import ModelInputError
+from mergekit_ext.errors import ModelInputError, ModelNotFoundError
 from mergekit_ext.models import model_class
 from mergekit_ext.models.families import ModelFamily
 from mergekit_ext.models.model_files import check_model_files, read_json_object
@@ -186,7 +186,7 @@ class ModelSource:
     def _check_readable(self) -> None:
         # The runner refuses such inputs before anything loads; this guards direct API use.
         if self.weightless:
-            raise ModelInputError(
+            raise ModelNotFoundError(
                 f"model {self.label}: {self.path!r} has no weights (only config.json); "
                 "it can be planned (--dry-run), not merged"
             )
@@ -214,7 +214,7 @@ def compute_tensor(
 
 def read_config(path: str, what: str) -> transformers.PretrainedConfig:
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ModelInputError(f"{what}: {path!r} has no config.json")
+        raise ModelNotFoundError(f"{what}: {path!r} has no config.json")
     try:
         return transformers.AutoConfig.from_pretrained(path)
     except Exception as e:
@@ -230,7 +230,7 @@ def _header_shapes(path: str, what: str) -> tuple[dict[str, tuple[int, ...]], di
     try:
         index = ShardedTensorIndex.from_disk(path)
     except RuntimeError as e:
-        raise ModelInputError(f"{what}: no model weights in {path!r} ({e})") from e
+        raise ModelNotFoundError(f"{what}: no model weights in {path!r} ({e})") from e
     if not index.is_safetensors:
         raise ModelInputError(
             f"{what}: {path!r} has only pickle (.bin) weights; the sequential executor reads "

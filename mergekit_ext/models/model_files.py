@@ -14,7 +14,7 @@ import logging
 import os
 from typing import Any
 
-from mergekit_ext.errors import ModelInputError
+from mergekit_ext.errors import ModelInputError, ModelNotFoundError
 
 LOG = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ def check_index(
             )
     for shard in sorted(set(weight_map.values())) if require_shards else ():
         if not os.path.isfile(os.path.join(folder, shard)):
-            raise ModelInputError(
+            raise ModelNotFoundError(
                 f"{what}: {path} names shard {shard!r}, which is not in {folder}; download the "
                 "missing shard"
             )

@@ -12,7 +12,7 @@ import os
 import re
 from typing import Any, Optional
 
-from mergekit_ext.errors import ModelInputError
+from mergekit_ext.errors import ModelInputError, ModelNotFoundError
 from mergekit_ext.models.model_files import read_json_object, safetensors_header
 from mergekit_ext.offline import hub_offline
 
@@ -249,14 +249,14 @@ def resolve_model_folder(
     if folder is not None:
         return folder
     if not _is_repo_id(name):
-        raise ModelInputError(
+        raise ModelNotFoundError(
             f"{what}: model path not found: {name!r}; give a local folder (relative paths "
             "resolve against the current directory) or a Hub id such as org/name"
         )
     if hub_offline():
         from huggingface_hub import constants
 
-        raise ModelInputError(
+        raise ModelNotFoundError(
             f"{what}: {name!r} is not a local folder nor in the Hugging Face cache "
             f"({cache_dir or constants.HF_HUB_CACHE}), and HF_HUB_OFFLINE is set: download it "
             f"first (`hf download {name}`), or unset HF_HUB_OFFLINE"

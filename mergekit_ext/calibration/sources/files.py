@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from mergekit_ext.calibration.chat import CHAT_COLUMNS
 from mergekit_ext.calibration.config import CalibrationSpec
-from mergekit_ext.errors import CalibrationError, plugin_exit_error
+from mergekit_ext.errors import CalibrationError, CalibrationFileNotFoundError, plugin_exit_error
 
 if TYPE_CHECKING:
     pass
@@ -220,7 +220,7 @@ def _path_format(spec: CalibrationSpec, task: str) -> str:
             f"model {task}: calibration folder {path!r} is neither a dataset saved with "
             f"datasets.save_to_disk nor a folder of images ({', '.join(IMAGE_EXTENSIONS)})"
         )
-    raise CalibrationError(
+    raise CalibrationFileNotFoundError(
         f"model {task}: calibration path {path!r} not found (relative paths resolve against "
         f"the working directory {os.getcwd()!r})"
     )

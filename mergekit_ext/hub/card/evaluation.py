@@ -10,7 +10,7 @@ from typing import Any
 
 from huggingface_hub import EvalResult
 
-from mergekit_ext.errors import ConfigError
+from mergekit_ext.errors import ConfigError, ConfigFileNotFoundError
 
 LOG = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def load_eval_results(path: str) -> list[dict[str, Any]]:
         with open(path, encoding="utf-8") as fp:
             data = json.load(fp)
     except FileNotFoundError as e:
-        raise ConfigError(f"evaluation results file not found: {path}") from e
+        raise ConfigFileNotFoundError(f"evaluation results file not found: {path}") from e
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: invalid JSON: {e}") from e
     eval_results_to_card(data, "check", where=path)  # validates

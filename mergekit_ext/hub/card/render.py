@@ -19,7 +19,7 @@ import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from mergekit_ext import merge_record
-from mergekit_ext.errors import MergekitExtError
+from mergekit_ext.errors import ExecutionError, MergekitExtError, ModelNotFoundError
 from mergekit_ext.hub.card.evaluation import (
     eval_results_to_card,
 )
@@ -49,7 +49,7 @@ CONFIG_FILENAME = "mergekit_config.yml"
 TAGS = ("mergekit", "merge", "mergekit-ext")
 
 
-class CardError(MergekitExtError):
+class CardError(MergekitExtError, FileExistsError):
     """The model card cannot be written without losing the user's edits."""
 
 
@@ -551,7 +551,7 @@ def build_card_context(
     cwd = os.path.abspath(cwd or os.getcwd())
     config_path = os.path.join(out_dir, CONFIG_FILENAME)
     if not os.path.isfile(config_path):
-        raise MergekitExtError(
+        raise ModelNotFoundError(
             f"{out_dir} has no {CONFIG_FILENAME}: it is not the output of a finished merge"
         )
     with open(config_path, encoding="utf-8") as fp:
@@ -560,7 +560,7 @@ def build_card_context(
     cfg.base_dir = cwd  # relative paths in the YAML resolve against the CWD, like mergekit
     model_config = _read_json(os.path.join(out_dir, "config.json"))
     if model_config is None:
-        raise MergekitExtError(f"{out_dir} has no readable config.json: re-run the merge")
+        raise ModelNotFoundError(f"{out_dir} has no readable config.json: re-run the merge")
     diag = merge_record.load(out_dir)
     arch = architecture_info(model_config)
     model_name = _model_name(out_dir, name, repo_id)
@@ -700,7 +700,7 @@ def render_model_card(context: CardContext, template_dir: Optional[str] = None) 
     try:
         template = env.get_template(context.template)
     except jinja2.TemplateNotFound as e:
-        raise MergekitExtError(
+        raise ExecutionError(
             f"model card template {context.template!r} not found in "
             f"{template_dir or TEMPLATES_DIR}; reinstall mergekit-ext"
         ) from e

@@ -1,4 +1,5 @@
-"""Architecture definitions that mergekit 0.1.5 lacks or gets wrong under transformers 5.
+"""Architecture definitions that mergekit 0.1.5 lacks or gets wrong under transformers 5,
+for mergekit-ext's own runs only.
 
 mergekit finds a model's tensors through ``mergekit.architecture.json_definitions.NAME_TO_ARCH``
 (architecture class name → candidate :class:`~mergekit.architecture.ModelArchitecture`).
@@ -8,7 +9,10 @@ When a class is missing there it *infers* the layout from the transformers model
 the checkpoint): every encoder tensor is then marked optional and silently dropped. For
 ``CLIPModel`` inference fails outright (``get_input_embeddings`` is not implemented).
 
-Importing this package (done by ``import mergekit_ext``) registers, in memory only:
+Importing mergekit-ext changes none of mergekit's definitions (issue #48): a program that
+imports both gets mergekit's own behaviour from mergekit's functions. Our entry points
+(``mergekit-ext run``, :func:`mergekit_ext.run_merge`) run inside :func:`our_architectures`,
+which gives mergekit, for the duration of the run only:
 
 - the JSON definitions shipped in ``definitions/`` (ViTModel, ViTForImageClassification,
   CLIPVisionModel, CLIPVisionModelWithProjection, CLIPModel), written in mergekit's own JSON
@@ -19,20 +23,33 @@ Importing this package (done by ``import mergekit_ext``) registers, in memory on
   ``BertModel``'s ``embeddings.position_ids``): mergekit's planner concatenates a list and the
   alias tuple for such weights and raises ``TypeError`` on every merge. The repaired copy
   keeps the primary name only (``position_ids`` is a non-persistent buffer in transformers 5).
+- when the checkpoint that sets the output's layout (the base model, else the first model)
+  stores its routed experts one matrix each (``experts.0.w1.weight``), a *checkpoint layout*
+  for the classes transformers 5 fuses in memory (Mixtral, Qwen2-MoE, Qwen3-MoE,
+  DeepSeek-V3): :mod:`.checkpoint_layout` lists the tensors ``save_pretrained`` writes, so
+  merges read and write the per-expert matrices. A checkpoint saved fused
+  (``mlp.experts.gate_up_proj``, as mergekit itself writes) gets mergekit's own definition.
 
-- a *checkpoint layout* for the classes transformers 5 holds in a fused layout that their
-  checkpoints do not use (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3: experts fused in
-  memory, per expert on disk): :mod:`.checkpoint_layout` lists the tensors
-  ``save_pretrained`` writes, so merges read and write the per-expert matrices.
-
-Registration puts our definition first in the candidate list of its class name, so it wins
-over any same-``model_type`` definition mergekit ships; nothing on disk is changed.
+Our definition goes first in the candidate list of its class name, so it wins over any
+same-``model_type`` definition mergekit ships; on exit every entry is the very list object it
+was before. mergekit's ``run_merge`` has no parameter for the architecture (it asks
+``get_architecture_info``), hence the temporary entries; one lock keeps two of our runs in
+one process from interleaving them (mergekit's loader cache is per process anyway).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import glob
 import importlib.resources
+import json
 import logging
+import os
+import re
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Optional
 
 from mergekit.architecture import json_definitions
 from mergekit.architecture.base import ModelArchitecture, ModuleDefinition, WeightInfo
@@ -43,14 +60,31 @@ from mergekit.architecture.json_definitions import (
 )
 
 from mergekit_ext.models.mergekit_definitions.checkpoint_layout import (
+    CHECKPOINT_LAYOUT_CLASSES,
     checkpoint_layout_architectures,
 )
+from mergekit_ext.models.model_paths import (
+    cached_snapshot,
+    model_paths,
+    split_revision,
+    tensor_shapes,
+)
+from mergekit_ext.offline import hub_offline
 
 LOG = logging.getLogger(__name__)
 
 DEFINITIONS_FOLDER = "definitions"
 
-_REGISTERED: dict[str, ModelArchitecture] = {}
+# A routed expert stored as its own matrix: ``block_sparse_moe.experts.0.w1.weight``,
+# ``mlp.experts.3.gate_proj.weight``; fused checkpoints hold ``mlp.experts.gate_up_proj``.
+_PER_EXPERT_NAME = re.compile(r"\.experts\.\d+\.")
+
+_LOCK = threading.RLock()  # reentrant: a run's own checks ask again from inside it
+
+
+@functools.cache
+def _shipped() -> tuple[ModelArchitecture, ...]:
+    return tuple(load_definitions())
 
 
 def load_definitions() -> list[ModelArchitecture]:
@@ -115,49 +149,150 @@ def repair_optional_aliases(arch: ModelArchitecture) -> ModelArchitecture | None
     return arch.model_copy(update={"modules": modules})
 
 
-def _put_first(name: str, arch: ModelArchitecture) -> None:
-    previous = _REGISTERED.get(name)
-    candidates = [
-        c
-        for c in json_definitions.NAME_TO_ARCH.get(name, [])
-        if c is not arch and c is not previous
-    ]
-    json_definitions.NAME_TO_ARCH[name] = [arch, *candidates]
-    _REGISTERED[name] = arch
+def stores_experts_separately(checkpoint_names: Iterable[str]) -> bool:
+    """Whether a checkpoint's tensor names hold routed experts one matrix each
+    (``experts.0.w1.weight``), the layout transformers 5's ``save_pretrained`` writes."""
+    return any(_PER_EXPERT_NAME.search(name) for name in checkpoint_names)
 
 
-def register_architectures() -> list[str]:
-    """Register the shipped definitions and repairs with mergekit; idempotent.
+def our_definitions(checkpoint_names: Iterable[str] = ()) -> dict[str, list[ModelArchitecture]]:
+    """The candidate lists mergekit-ext gives mergekit for the classes it changes.
 
-    Returns the architecture class names registered or repaired (sorted).
+    Computed from mergekit's current ``NAME_TO_ARCH``, which is not modified.
+
+    Args:
+        checkpoint_names: the tensor names of the checkpoint that sets the output layout
+            (:func:`layout_tensor_names`); the MoE checkpoint layout applies only when they
+            store routed experts one matrix each.
+
+    Returns:
+        Architecture class name → candidates, ours first.
     """
-    for arch in load_definitions():
+    current = json_definitions.NAME_TO_ARCH
+    table: dict[str, list[ModelArchitecture]] = {}
+
+    def put_first(name: str, arch: ModelArchitecture) -> None:
+        candidates = table.get(name, current.get(name, []))
+        table[name] = [arch, *(c for c in candidates if c is not arch)]
+
+    for arch in _shipped():
         for name in arch.architectures:
-            _put_first(name, arch)
-        if arch not in json_definitions.JSON_ARCHITECTURES:
-            json_definitions.JSON_ARCHITECTURES.append(arch)
-    for arch in checkpoint_layout_architectures():
-        for name in arch.architectures:
-            _put_first(name, arch)
-    for name, candidates in list(json_definitions.NAME_TO_ARCH.items()):
-        repaired = [repair_optional_aliases(c) for c in candidates]
+            put_first(name, arch)
+    if stores_experts_separately(checkpoint_names):
+        for arch in checkpoint_layout_architectures():
+            for name in arch.architectures:
+                put_first(name, arch)
+    for name in set(current) | set(table):
+        candidates = table[name] if name in table else current[name]
+        repaired = [repair_optional_aliases(c) for c in candidates]  # < 1 ms for all
         if any(r is not None for r in repaired):
-            LOG.debug("repaired aliases of optional weights in mergekit's %s", name)
-            json_definitions.NAME_TO_ARCH[name] = [r or c for r, c in zip(repaired, candidates)]
-            _REGISTERED[name] = next(r for r in repaired if r is not None)
-    return sorted(_REGISTERED)
+            table[name] = [r or c for r, c in zip(repaired, candidates)]
+    return table
 
 
-def registered_architectures() -> dict[str, ModelArchitecture]:
-    """Architecture class name → the definition mergekit-ext registered for it."""
-    return dict(_REGISTERED)
+@contextlib.contextmanager
+def our_architectures(
+    checkpoint_names: Iterable[str] = (),
+) -> Iterator[Mapping[str, ModelArchitecture]]:
+    """Inside: mergekit's architecture lookup (``arch_info_for_config``,
+    ``get_architecture_info``, hence ``mergekit.merge.run_merge``) sees our definitions.
+
+    On exit, ``NAME_TO_ARCH`` holds exactly the entries (the same list objects) it held on
+    entry, whatever happened inside.
+
+    Args:
+        checkpoint_names: as for :func:`our_definitions`.
+
+    Yields:
+        Architecture class name → the definition mergekit picks for it inside.
+    """
+    with _LOCK:
+        names = json_definitions.NAME_TO_ARCH
+        table = our_definitions(checkpoint_names)
+        missing = object()
+        saved = {name: names.get(name, missing) for name in table}
+        try:
+            names.update(table)
+            yield {name: candidates[0] for name, candidates in table.items()}
+        finally:
+            for name, before in saved.items():
+                if before is missing:
+                    names.pop(name, None)
+                else:
+                    names[name] = before
 
 
-register_architectures()
+def layout_tensor_names(model: str, cache_dir: Optional[str] = None) -> frozenset[str]:
+    """The tensor names of checkpoint ``model`` when its class is one whose layout on disk
+    decides its definition (:data:`~.checkpoint_layout.CHECKPOINT_LAYOUT_CLASSES`).
+
+    Reads the safetensors index or headers (no weight), a cached Hub snapshot, or, online,
+    the Hub's safetensors metadata. Never raises: a model it cannot read gives an empty set
+    (then mergekit's own definition applies, and the run's checks report the model).
+
+    Args:
+        model: a model reference as in a config (folder or Hub id, ``@revision``,
+            ``+lora``: the base part is read).
+        cache_dir: the Hugging Face cache (``--transformers-cache``).
+    """
+    try:
+        name, revision = split_revision(model_paths(model)[0])
+        folder = (
+            name
+            if os.path.isdir(name)
+            else cached_snapshot(name, revision=revision, cache_dir=cache_dir)
+        )
+        if folder is not None:
+            return _folder_names(folder)
+        if hub_offline():
+            return frozenset()
+        return _hub_names(name, revision, cache_dir)
+    except Exception as e:  # noqa: BLE001 - the checks report unreadable models
+        LOG.debug("tensor names of %s unknown (%s: %s)", model, type(e).__name__, e)
+        return frozenset()
+
+
+def _layout_class(config: Mapping) -> bool:
+    return any(a in CHECKPOINT_LAYOUT_CLASSES for a in config.get("architectures") or ())
+
+
+def _folder_names(folder: str) -> frozenset[str]:
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        if not _layout_class(json.load(f)):
+            return frozenset()
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = os.path.join(folder, index_name)
+        if os.path.isfile(index):
+            with open(index, encoding="utf-8") as f:
+                return frozenset(json.load(f)["weight_map"])
+    names = set(tensor_shapes(folder))
+    if not names:  # pickled weights (--allow-pickle): names only, on the meta device
+        import torch
+
+        for file in sorted(glob.glob(os.path.join(glob.escape(folder), "*.bin"))):
+            state = torch.load(file, map_location="meta", weights_only=True, mmap=True)
+            names.update(state)
+    return frozenset(names)
+
+
+def _hub_names(repo_id: str, revision: Optional[str], cache_dir: Optional[str]) -> frozenset[str]:
+    import huggingface_hub
+
+    config_file = huggingface_hub.hf_hub_download(
+        repo_id, "config.json", revision=revision, cache_dir=cache_dir
+    )
+    with open(config_file, encoding="utf-8") as f:
+        if not _layout_class(json.load(f)):
+            return frozenset()
+    meta = huggingface_hub.get_safetensors_metadata(repo_id, revision=revision)
+    return frozenset(meta.weight_map)
+
 
 __all__ = [
+    "layout_tensor_names",
     "load_definitions",
-    "register_architectures",
-    "registered_architectures",
+    "our_architectures",
+    "our_definitions",
     "repair_optional_aliases",
+    "stores_experts_separately",
 ]
