@@ -17,7 +17,12 @@ from typing import Any, Optional
 
 from mergekit_ext.config import ExtMergeConfig
 from mergekit_ext.errors import ConfigError, ModelInputError, ModelNotFoundError
-from mergekit_ext.methods.registry import all_method_names, ext_method_info, method_kind
+from mergekit_ext.methods.registry import (
+    all_method_names,
+    ext_method_info,
+    mergekit_method,
+    method_kind,
+)
 from mergekit_ext.models.model_files import check_model_files, read_json_object, safetensors_header
 from mergekit_ext.models.model_paths import (
     PICKLE_PATTERNS,
@@ -182,9 +187,7 @@ def check_parameter_names(cfg: ExtMergeConfig) -> list[str]:
 
     mergekit silently ignores misspelt parameters; a typo then merges with a default.
     """
-    import mergekit.merge_methods as mk_methods
-
-    method = mk_methods.get(cfg.method)
+    method = mergekit_method(cfg.method)
     known = {p.name for p in method.spec.parameters}
     info = ext_method_info(cfg.method)
     if info is not None:

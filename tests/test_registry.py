@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 
-import mergekit.merge_methods as mk_methods
 import pytest
 from pydantic import ValidationError
 
@@ -12,17 +11,17 @@ from mergekit_ext.errors import ConfigError, MergekitExtError
 from mergekit_ext.methods import ext_methods
 from mergekit_ext.methods.kinds import TENSORWISE, Layerwise
 from mergekit_ext.methods.parameters import MethodParameters, describe_allowed
-from mergekit_ext.methods.registry import describe_method
+from mergekit_ext.methods.registry import describe_method, mergekit_method
 
 EXPECTED = {"ace", "regmean", "chain_of_merges", "qp_projection", "symerge", "wudi"}
 
 
-def test_every_method_is_registered_with_mergekit_and_with_us():
+def test_every_method_has_its_mergekit_face_and_our_info():
     names = {info.name for info in ext_methods()}
     assert EXPECTED <= names
     for info in ext_methods():
         assert issubclass(info.parameters_model, MethodParameters)
-        assert mk_methods.get(info.name).spec.name == info.name
+        assert mergekit_method(info.name).spec.name == info.name
         if isinstance(info.kind, Layerwise):  # the executor's object uses the same declaration
             assert getattr(info.kind.method, "parameters_model", None) in (
                 None,
@@ -45,7 +44,7 @@ def test_listing_mergekit_spec_and_model_agree(name):
     info = next(i for i in ext_methods() if i.name == name)
     fields = info.parameters_model.model_fields
     listed = {p["name"]: p for p in describe_method(name)["parameters"]}
-    spec = {p.name: p for p in mk_methods.get(name).spec.parameters}
+    spec = {p.name: p for p in mergekit_method(name).spec.parameters}
     assert set(listed) == set(fields) == set(spec)
     defaults = info.parameters_model()
     for field_name, field in fields.items():
@@ -60,7 +59,7 @@ def test_listing_mergekit_spec_and_model_agree(name):
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_mergekit_validation_enforces_the_same_ranges(name):
     info = next(i for i in ext_methods() if i.name == name)
-    spec = {p.name: p for p in mk_methods.get(name).spec.parameters}
+    spec = {p.name: p for p in mergekit_method(name).spec.parameters}
     for field_name, field in info.parameters_model.model_fields.items():
         for m in field.metadata:
             for attr, outside in (("ge", -1.0), ("le", 1.0), ("gt", 0.0), ("lt", 0.0)):
@@ -99,7 +98,7 @@ def test_describe_allowed_words():
 
 @pytest.mark.parametrize("name", ["regmean", "chain_of_merges", "qp_projection", "symerge"])
 def test_data_aware_methods_refuse_mergekits_executor_before_writing(name):
-    method = mk_methods.get(name)
+    method = mergekit_method(name)
     with pytest.raises(MergekitExtError, match=r"mergekit-ext run"):
         method.validate_inputs()
 

@@ -70,10 +70,11 @@ def check_values(
     Raises:
         ConfigError: naming the site, the parameter, the value and what is allowed.
     """
-    import mergekit.merge_methods as mk_methods
     from pydantic import ValidationError
 
-    specs = {p.name: p for p in mk_methods.get(method).spec.parameters}
+    from mergekit_ext.methods.registry import mergekit_method
+
+    specs = {p.name: p for p in mergekit_method(method).spec.parameters}
     for name, setting in values.items():
         spec = specs.get(name)
         if spec is None:

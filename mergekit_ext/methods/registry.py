@@ -23,7 +23,7 @@ import mergekit.merge_methods as mk_methods
 import torch
 from mergekit.merge_methods.base import MergeMethod
 
-from mergekit_ext.methods.kinds import TENSORWISE, MethodKind
+from mergekit_ext.methods.kinds import TENSORWISE, MethodKind, Tensorwise
 from mergekit_ext.methods.parameters import MethodParameters, ParameterDoc
 
 LOG = logging.getLogger(__name__)
@@ -83,10 +83,22 @@ class MethodInfo:
 
 
 _INFOS: dict[str, MethodInfo] = {}
+# Each of our methods' mergekit face (its ``MergeMethod``: name, parameter specs). Only the
+# tensor-wise ones go into mergekit's own registry: mergekit's contract for a registered
+# method is that it merges a group of tensors (its own suite calls every registered method
+# on state dicts), which a data-aware method cannot do. The data-aware faces stay here,
+# where our validation and listing find them (issue #48: importing us changes nothing of
+# what mergekit does, it only adds methods mergekit can run).
+_FACES: dict[str, MergeMethod] = {}
+
+
+def _mergekit_names() -> set[str]:
+    return {m.spec.name for m in mk_methods.registered_methods()}
 
 
 def register_method(info: MethodInfo, mergekit_method: MergeMethod) -> None:
-    """Register ``mergekit_method`` with mergekit and ``info`` with mergekit-ext.
+    """Register ``info`` with mergekit-ext and, for a tensor-wise method, ``mergekit_method``
+    with mergekit.
 
     Idempotent for the same name (importing the package twice must not fail). A name
     mergekit already has for a method of its own is refused: registering adds methods to
@@ -96,13 +108,24 @@ def register_method(info: MethodInfo, mergekit_method: MergeMethod) -> None:
         raise ValueError(
             f"MethodInfo name {info.name!r} != mergekit spec name {mergekit_method.spec.name!r}"
         )
-    if info.name not in {m.spec.name for m in mk_methods.registered_methods()}:
-        mk_methods.register(mergekit_method)
-    elif info.name not in _INFOS:
+    in_mergekit = info.name in _mergekit_names()
+    if in_mergekit and info.name not in _INFOS:
         raise ValueError(
             f"merge method {info.name!r} is one of mergekit's own: give the new method another name"
         )
+    if isinstance(info.kind, Tensorwise) and not in_mergekit:
+        mk_methods.register(mergekit_method)
+    _FACES[info.name] = mergekit_method
     _INFOS[info.name] = info
+
+
+def mergekit_method(name: str) -> MergeMethod:
+    """The ``MergeMethod`` (name, parameter specs) of any method, ours or mergekit's.
+
+    Raises mergekit's own ``RuntimeError`` ("Unimplemented merge method") for an unknown name.
+    """
+    face = _FACES.get(name)
+    return face if face is not None else mk_methods.get(name)
 
 
 def ext_method_info(name: str) -> Optional[MethodInfo]:
@@ -121,12 +144,12 @@ def ext_methods() -> tuple[MethodInfo, ...]:
 
 
 def all_method_names() -> list[str]:
-    return sorted(m.spec.name for m in mk_methods.registered_methods())
+    return sorted(_mergekit_names() | set(_FACES))
 
 
 def describe_method(name: str) -> dict[str, Any]:
     """A plain description of any registered method (mergekit's or ours), for ``methods``."""
-    mk = mk_methods.get(name)
+    mk = mergekit_method(name)
     info = _INFOS.get(name)
     params = []
     docs = {p.name: p for p in info.parameters} if info else {}
@@ -214,11 +237,11 @@ def tensorwise_method(
 def data_aware_method(info: MethodInfo) -> MergeMethod:
     """The mergekit-side face of a layerwise/adaptation method.
 
-    mergekit's registry needs a ``MergeMethod`` so that ``mergekit-ext methods`` and YAML
-    validation see the method and its parameters. Such a method cannot run one tensor at a
-    time, so mergekit's own executor (``mergekit-yaml``, ``mergekit.merge.run_merge``) gets a
-    clear error while planning, before it writes anything, pointing to ``mergekit-ext run``
-    and :func:`mergekit_ext.run_merge`.
+    Its name and parameter specs let ``mergekit-ext methods`` and YAML validation treat it as
+    any mergekit method. It stays in our registry (:func:`mergekit_method`), never in
+    mergekit's: such a method cannot run one tensor at a time. Called through mergekit's
+    planner anyway, it fails before anything is written, pointing to ``mergekit-ext run`` and
+    :func:`mergekit_ext.run_merge`.
     """
     from mergekit.merge_methods.base import (
         BasePolicy,
