@@ -726,3 +726,14 @@ def test_default_merge_of_an_ill_posed_group_stays_in_range_and_ridge_0_stops(me
     json.dumps(merge_record.jsonable(record))  # the record is written as JSON
     with pytest.raises(TensorError, match="above max_norm_ratio = 10"):
         method.merge_linear_group(group, {**params, "ridge": 0.0})
+
+
+def test_auto_range_rule_where_no_ridge_reaches_the_limit():
+    """A limit below the experts' mean's ratio: the largest ridge (the mean), and the record
+    says that no ridge reached the limit (the result guard then judges the group)."""
+    xs, ws = weak_direction(0)
+    grams = [x.T @ x / x.shape[0] for x in xs]
+    mean = float((sum(ws) / 3).norm()) / max(float(w.norm()) for w in ws)
+    auto = regmean_solve(ws, grams, 1.0, ridge="auto", norm_range=norm_range_of(ws, 0.5 * mean))
+    assert auto.ridge == 1e6 and "no ridge up to 1e+06 brings every linear" in auto.ridge_reason
+    assert float((auto.merged_weight - sum(ws) / 3).norm() / (sum(ws) / 3).norm()) < 1e-4

@@ -81,6 +81,12 @@ class RangeFit:
 
 def reason(first: str, fit: RangeFit, floor: float, limit: float) -> str:
     """The ``ridge_reason`` of a ridge the range rule raised (``first``: why the first one)."""
+    if not fit.after <= limit:  # even the experts' mean is outside (a limit below 1, say)
+        return (
+            f"{first}; the solution at ridge {floor:g} had {fit.before:.3g}x the largest "
+            f"expert's norm, above {limit:g}x, and no ridge up to {_RIDGE_MAX:g} brings every "
+            f"linear within it: ridge {fit.ridge:.3g} (the experts' mean, {fit.after:.3g}x)"
+        )
     return (
         f"{first}; the solution at ridge {floor:g} had {fit.before:.3g}x the largest expert's "
         f"norm, above {limit:g}x: ridge {fit.ridge:.3g}, the smallest that keeps every linear "
@@ -174,7 +180,7 @@ def dense_ridge_in_range(
 
     solution = solve(ridge)
     after = target.worst(solution)
-    for _ in range(_WRITTEN_RETRIES):
+    for _ in range(_WRITTEN_RETRIES if found is not None else 0):
         if after <= target.limit:
             break
         ridge = _round_up(ridge * _WRITTEN_STEP)
