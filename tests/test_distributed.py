@@ -530,6 +530,54 @@ def test_two_round_reduction_with_row_terms_equals_the_whole_merge(monkeypatch, 
     assert reduced[1] == expected_diag
 
 
+def _weak_three_tasks(
+    q_rows: int, k_rows: int, kept_rows: bool
+) -> tuple[list[dict[str, torch.Tensor]], list[TaskStatistics], list[TaskStatistics]]:
+    """:func:`_three_tasks` whose last input is weak (~1e-2) and correlated with input 0 by
+    a slope that differs per task: the exact solution (condition number ~1e3, so ``auto``
+    first solves exactly) leaves the experts' range and the range rule raises the ridge."""
+    gen = torch.Generator().manual_seed(9)
+    weights = [
+        {"q": torch.randn(q_rows, 6, generator=gen), "k": torch.randn(k_rows, 6, generator=gen)}
+        for _ in range(3)
+    ]
+    tokens, stats = (4, _row_stats) if kept_rows else (40, _stats)
+
+    def inputs(k: int) -> torch.Tensor:
+        x = torch.randn(tokens, 6, generator=gen, dtype=torch.float64)
+        x[:, -1] = 0.01 * (x[:, -1] + (k - 1) * 2.0 * x[:, 0])
+        return x
+
+    expert = [stats(inputs(k)) for k in range(3)]
+    merged_path = [stats(inputs(k)) for k in range(3)]
+    return weights, expert, merged_path
+
+
+@pytest.mark.parametrize("method", [RegMeanMethod(), ChainOfMergesMethod()])
+@pytest.mark.parametrize(
+    "parameters, kept_rows, shape",
+    [
+        ({}, False, (3, 2)),  # α = 1: two rounds, the numerator's
+        ({}, True, (12, 9)),  # α = 1, 21 outputs > 12 tokens: two rounds, the row terms
+        ({"reduce_non_diagonal": 0.9}, False, (3, 2)),  # one round
+    ],
+)
+def test_auto_range_rule_over_two_ranks_equals_one_process(method, parameters, kept_rows, shape):
+    """``ridge: auto`` raising the ridge of an out-of-range group decides on the solving
+    rank from the reduced sums exactly as one process does: the same ridge, the same bytes."""
+    weights, expert, merged_path = _weak_three_tasks(*shape, kept_rows)
+    expected, expected_diag = method.merge_linear_group(
+        _group([0, 1, 2], weights, expert, merged_path), parameters
+    )
+    assert expected_diag["norm_ratio_before_ridge"] > 1.5 >= expected_diag["max_norm_ratio"]
+    assert expected_diag["ridge"] > 0.0 and expected_diag["guard"] == "ok"
+    reduced = _reduce_like_two_ranks(method, parameters, weights, expert, merged_path)
+    assert reduced is not None, "a dense group must not be gathered"
+    for name in expected:
+        assert torch.equal(reduced[0][name], expected[name]), name
+    assert reduced[1] == expected_diag
+
+
 @pytest.mark.parametrize("method, parameters", REDUCTION_CASES)
 def test_a_span_group_is_gathered_and_a_dense_one_is_not(method, parameters):
     """Rows kept and fewer tokens in all than inputs (with a ridge): the span solve needs every

@@ -439,3 +439,34 @@ def test_auto_ridge_on_an_ill_conditioned_system_then_solves_in_the_span():
         and got.condition_number_unregularized > 1e6
     )
     assert rel(got.merged_weight, closed_form(ws, xs, 1.0, [1.0, 1.0], AUTO_RIDGE)) < 1e-9
+
+
+def test_range_rule_after_an_ill_conditioned_system_re_solves_in_the_span_like_dense():
+    """The same group as above with a range its 1e-2 solution leaves (a tight limit here): the
+    span solve re-solves at larger ridges and the dense solve bisects on its eigenvalues;
+    both bring the group within the limit at the smallest ridge (to their precisions), the
+    closed form's at that ridge, and record the same first ratio and why."""
+    xs = [inputs(62, 12), inputs(63, 12)]
+    ws = expert_weights(2, 200)
+    grams = [x.T @ x / x.shape[0] for x in xs]
+    largest = max(float(w.double().norm()) for w in ws)
+    first = regmean_solve(ws, grams, 1.0, ridge="auto", tokens=24)
+    at_floor = float(first.merged_weight.double().norm()) / largest
+    mean = float(sum(w.double() for w in ws).norm()) / 2 / largest  # a huge ridge's ratio
+    assert mean < at_floor
+    target = least_squares.NormRange(
+        (200,), (largest,), lambda m: [float(m.double().norm()) / largest], (mean + at_floor) / 2
+    )
+    got = regmean_solve(ws, grams, 1.0, ridge="auto", tokens=24, rows=xs, norm_range=target)
+    dense = regmean_solve(ws, grams, 1.0, ridge="auto", tokens=24, norm_range=target)
+    assert got.solver == "cholesky in the span of 24 tokens"
+    assert dense.solver.startswith("pinv, ridge from the eigendecomposition")
+    for solution in (got, dense):
+        assert solution.ridge > AUTO_RIDGE
+        assert float(solution.merged_weight.double().norm()) / largest <= target.limit
+        expected = closed_form(ws, xs, 1.0, [1.0, 1.0], solution.ridge)
+        assert rel(solution.merged_weight, expected) < 1e-6  # float32 weights
+        assert solution.norm_ratio_before_ridge == pytest.approx(at_floor, rel=1e-6)
+        assert "above 1e+06; the solution at ridge 0.01 had" in solution.ridge_reason
+        assert solution.condition_number_unregularized == first.condition_number_unregularized
+    assert got.ridge == pytest.approx(dense.ridge, rel=0.02)  # 7 re-solves: within 2 %

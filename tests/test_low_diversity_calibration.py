@@ -449,6 +449,13 @@ def test_card_section_leads_with_the_worst_layer_and_keeps_inf_and_nan():
     text = template.render(s={"summary": summary})
     assert text.lstrip().startswith("**Worst layer:** `m.1.qkv`, relative output error NaN")
     assert "max ∞ (1 singular)" in text and "`m.0.o_proj` (3.5×)" in text
+    assert summary["kept_in_range"] == [] and "raised the ridge" not in text
+    # a group whose solution auto brought back into range is named with where it started
+    section["layers"][0].update(norm_ratio_before_ridge=11.6, ridge=6.64e-4)
+    summary = summarize_layerwise(section)
+    assert summary["kept_in_range"] == [{"layer": "m.0.qkv", "before": 11.6, "ridge": 6.64e-4}]
+    text = template.render(s={"summary": summary})
+    assert "raised the ridge of 1 group(s)" in text and "`m.0.qkv` (11.6× → ridge" in text
     # without the NaN layer the inf one is the worst
     summary = summarize_layerwise({"layers": section["layers"][:2]})
     assert summary["worst"]["layer"] == "m.0.o_proj" and summary["worst"]["error"] == math.inf

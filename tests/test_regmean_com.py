@@ -587,3 +587,153 @@ def test_w2_is_diagonal_when_the_reference_kept_moments_only():
     diagonal, diagonal_kind = covariate_shift_w2(a, b_full, full_covariance_max_dim=0)
     assert kind == diagonal_kind == "diagonal"
     assert distance == pytest.approx(diagonal, rel=1e-12)
+
+
+# ------------------------------------------------------------- ridge: auto's range rule
+
+
+def weak_direction(seed: int, tokens: int = 40, dim: int = IN, eps: float = 0.01):
+    """Three tasks whose last input is weak (~eps) and correlated with input 0 with a slope
+    that differs per task (−2, 0, 2): ``Σ G`` stays well-conditioned enough (~1e3 at
+    eps = 0.01) for ``auto``'s exact solution, which follows ``(W_3 − W_1)[:, 0] / eps``
+    along that direction, far outside the experts' norms (issue #47's ``o_proj`` groups)."""
+    gen = torch.Generator().manual_seed(seed)
+    xs, ws = [], []
+    for k in range(3):
+        x = torch.randn(tokens, dim, generator=gen, dtype=torch.float64)
+        x[:, -1] = eps * (x[:, -1] + (k - 1) * 2.0 * x[:, 0])
+        xs.append(x)
+        ws.append(torch.randn(OUT, dim, generator=gen, dtype=torch.float64))
+    return xs, ws
+
+
+def norm_range_of(ws, limit=least_squares_module.AUTO_MAX_NORM_RATIO):
+    """The range of a one-linear group of float64 weights (nothing rounded on writing)."""
+    reference = max(float(w.norm()) for w in ws)
+    return least_squares_module.NormRange(
+        (int(ws[0].shape[0]),),
+        (reference,),
+        lambda m: [float(m.double().norm()) / reference],
+        limit,
+    )
+
+
+def ls_closed_form(ws, xs, alpha, omegas, ridge):
+    """``(Σ ω W_k G̃_k + λ/Σω Σ ω W_k)(Σ ω G̃_k + λ I)⁻¹``, λ = ridge · mean diag (float64)."""
+    grams = [x.T @ x / x.shape[0] for x in xs]
+    shrunk = [alpha * g + (1 - alpha) * torch.diag(torch.diag(g)) for g in grams]
+    system = sum(o * g for o, g in zip(omegas, shrunk))
+    lam = ridge * float(torch.diag(system).mean())
+    numerator = sum(o * w @ g for o, w, g in zip(omegas, ws, shrunk))
+    numerator = numerator + lam / sum(omegas) * sum(o * w for o, w in zip(omegas, ws))
+    system = system + lam * torch.eye(system.shape[0], dtype=torch.float64)
+    return torch.linalg.solve(system, numerator.T).T
+
+
+@pytest.mark.parametrize("alpha, omegas", [(1.0, [1.0, 1.0, 1.0]), (0.9, [0.5, 2.0, 1.25])])
+def test_auto_takes_the_smallest_ridge_that_keeps_the_group_in_range(alpha, omegas):
+    xs, ws = weak_direction(0)
+    grams = [x.T @ x / x.shape[0] for x in xs]
+    target = norm_range_of(ws)
+    largest = max(float(w.norm()) for w in ws)
+    exact = regmean_solve(ws, grams, alpha, task_weights=omegas, ridge=0.0)
+    before = float(exact.merged_weight.norm()) / largest
+    assert before > 3.0 and exact.condition_number < 1e6  # below the old threshold: kept exact
+    # without a range (the old rule) auto keeps that exact solution
+    old = regmean_solve(ws, grams, alpha, task_weights=omegas, ridge="auto")
+    assert old.ridge == 0.0 and torch.equal(old.merged_weight, exact.merged_weight)
+
+    auto = regmean_solve(ws, grams, alpha, task_weights=omegas, ridge="auto", norm_range=target)
+    ratio = float(auto.merged_weight.norm()) / largest
+    assert 0.0 < auto.ridge < 1.0
+    assert 0.99 * target.limit < ratio <= target.limit  # at the limit: the smallest such ridge
+    # it is the regularised least-squares solution at the ridge it reports ...
+    expected = ls_closed_form(ws, xs, alpha, omegas, auto.ridge)
+    assert float((auto.merged_weight - expected).norm() / expected.norm()) < 1e-9
+    # ... and 2 % less ridge leaves the range
+    smaller = regmean_solve(ws, grams, alpha, task_weights=omegas, ridge=0.98 * auto.ridge)
+    assert float(smaller.merged_weight.norm()) / largest > target.limit
+    assert auto.norm_ratio_before_ridge == pytest.approx(before, rel=1e-9)
+    assert auto.condition_number_unregularized == pytest.approx(exact.condition_number)
+    assert auto.condition_number < exact.condition_number
+    assert f"ridge {auto.ridge:.3g}, the smallest" in auto.ridge_reason
+    assert "(exact solution); the solution at ridge 0 had" in auto.ridge_reason
+
+
+def test_auto_keeps_an_exact_solution_in_range_bit_for_bit(data):
+    xs, ws = data
+    grams = [x.T @ x / x.shape[0] for x in xs]
+    exact = regmean_solve(ws, grams, 1.0, ridge=0.0)
+    auto = regmean_solve(ws, grams, 1.0, ridge="auto", norm_range=norm_range_of(ws))
+    assert auto.ridge == 0.0 and auto.norm_ratio_before_ridge is None
+    assert torch.equal(auto.merged_weight, exact.merged_weight)
+    assert auto.ridge_reason.endswith("(exact solution)")
+
+
+def test_auto_range_rule_on_the_row_terms_equals_the_numerator_path():
+    """More outputs than tokens with every task's rows: the exact solve takes the row terms
+    (no numerator formed); the range rule then starts from their sum and reaches the same
+    ridge and, to float64 rounding, the same weight as from the numerator."""
+    xs, _ = weak_direction(1, tokens=8)
+    gen = torch.Generator().manual_seed(5)
+    ws = [torch.randn(40, IN, generator=gen, dtype=torch.float64) for _ in range(3)]
+    grams = [x.T @ x / x.shape[0] for x in xs]
+    target = norm_range_of(ws)
+    by_rows = regmean_solve(ws, grams, 1.0, ridge="auto", norm_range=target, gram_rows=xs)
+    dense = regmean_solve(ws, grams, 1.0, ridge="auto", norm_range=target)
+    assert by_rows.norm_ratio_before_ridge is not None and by_rows.ridge > 0.0
+    assert by_rows.ridge == pytest.approx(dense.ridge, rel=1e-2)
+    expected = ls_closed_form(ws, xs, 1.0, [1.0] * 3, by_rows.ridge)
+    assert float((by_rows.merged_weight - expected).norm() / expected.norm()) < 1e-9
+
+
+def test_auto_range_rule_on_the_span_solve():
+    """Fewer tokens than inputs (span solve, floor 1e-2): a solution out of a (here tight)
+    range re-solves at larger ridges; the one taken is in range, 3 % less is not."""
+    xs, ws = weak_direction(2, tokens=4, dim=16, eps=0.1)
+    first = regmean_solve(ws, [None] * 3, 1.0, ridge="auto", rows=xs, tokens=12)
+    largest = max(float(w.norm()) for w in ws)
+    at_floor = float(first.merged_weight.norm()) / largest
+    target = norm_range_of(ws, limit=0.9 * at_floor)
+    auto = regmean_solve(ws, [None] * 3, 1.0, ridge="auto", rows=xs, tokens=12, norm_range=target)
+    assert auto.solver.startswith("cholesky in the span")
+    assert auto.ridge > first.ridge == least_squares_module.AUTO_RIDGE
+    assert float(auto.merged_weight.norm()) / largest <= target.limit
+    assert (
+        float((auto.merged_weight - ls_closed_form(ws, xs, 1.0, [1.0] * 3, auto.ridge)).norm())
+        < 1e-9
+    )
+    smaller = regmean_solve(ws, [None] * 3, 1.0, ridge=0.97 * auto.ridge, rows=xs, tokens=12)
+    assert float(smaller.merged_weight.norm()) / largest > target.limit
+    assert auto.norm_ratio_before_ridge == pytest.approx(at_floor)
+    assert "auto: 12 calibration tokens for 16 inputs" in auto.ridge_reason
+    assert "the smallest that keeps every linear" in auto.ridge_reason
+
+
+@pytest.mark.parametrize("method", [RegMeanMethod(), ChainOfMergesMethod()])
+def test_default_merge_of_an_ill_posed_group_stays_in_range_and_ridge_0_stops(method):
+    """The group record says which ridge and why; the written weights (bf16 here) are in
+    range; an explicit ridge: 0 writes the exact solution only up to the guard's limit."""
+    xs, ws = weak_direction(3, eps=0.004)
+    group = make_group(xs, ws, merged_xs=xs, two_weights=True)
+    group.output_dtypes = {name: torch.bfloat16 for name in group.weights}
+    params = {} if isinstance(method, RegMeanMethod) else dict(COM_OFF)
+    merged, record = method.merge_linear_group(group, params)
+    assert record["guard"] == "ok" and record["ridge_setting"] == "auto"
+    assert record["max_norm_ratio"] <= least_squares_module.AUTO_MAX_NORM_RATIO
+    assert record["norm_ratio_before_ridge"] > 10.0 and record["ridge"] > 0.0
+    assert "the smallest that keeps every linear of the group within 1.5x" in record["ridge_reason"]
+    json.dumps(merge_record.jsonable(record))  # the record is written as JSON
+    with pytest.raises(TensorError, match="above max_norm_ratio = 10"):
+        method.merge_linear_group(group, {**params, "ridge": 0.0})
+
+
+def test_auto_range_rule_where_no_ridge_reaches_the_limit():
+    """A limit below the experts' mean's ratio: the largest ridge (the mean), and the record
+    says that no ridge reached the limit (the result guard then judges the group)."""
+    xs, ws = weak_direction(0)
+    grams = [x.T @ x / x.shape[0] for x in xs]
+    mean = float((sum(ws) / 3).norm()) / max(float(w.norm()) for w in ws)
+    auto = regmean_solve(ws, grams, 1.0, ridge="auto", norm_range=norm_range_of(ws, 0.5 * mean))
+    assert auto.ridge == 1e6 and "no ridge up to 1e+06 brings every linear" in auto.ridge_reason
+    assert float((auto.merged_weight - sum(ws) / 3).norm() / (sum(ws) / 3).norm()) < 1e-4

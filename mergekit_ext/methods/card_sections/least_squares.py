@@ -191,6 +191,16 @@ def summarize_layerwise(section: Mapping[str, Any], parameters: Any = None) -> d
             if layer.get("guard") in ("warned", "allowed")
         ],
         "ridged": sum(1 for layer in layers if as_float(layer.get("ridge")) > 0.0),
+        # groups whose solution ridge: auto brought back into the experts' range
+        "kept_in_range": [
+            {
+                "layer": layer.get("layer"),
+                "before": _measured(layer.get("norm_ratio_before_ridge")),
+                "ridge": _measured(layer.get("ridge")),
+            }
+            for layer in layers
+            if layer.get("norm_ratio_before_ridge") is not None
+        ],
         "tasks": rows,
         "settings": settings,
         "shift_measured": any(math.isfinite(v) for r in rows for v in (r["shift"]["max"],)),

@@ -22,6 +22,10 @@ from __future__ import annotations
 from mergekit_ext.methods.least_squares.group import (
     merge_group_least_squares,
 )
+from mergekit_ext.methods.least_squares.in_range import (
+    AUTO_MAX_NORM_RATIO,
+    NormRange,
+)
 from mergekit_ext.methods.least_squares.measures import (
     FULL_COVARIANCE_W2_MAX_DIM,
     covariate_shift_w2,
@@ -66,6 +70,7 @@ from mergekit_ext.methods.least_squares.solve import (
 )
 
 __all__ = [
+    "AUTO_MAX_NORM_RATIO",
     "AUTO_RIDGE",
     "AUTO_RIDGE_MAX_CONDITION",
     "EXACT_CONDITION_MAX_DIM",
@@ -73,6 +78,7 @@ __all__ = [
     "FactoredSystem",
     "Fallback",
     "LeastSquaresReduction",
+    "NormRange",
     "RegMeanParameters",
     "RegMeanSolution",
     "Ridge",

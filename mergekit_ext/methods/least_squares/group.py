@@ -19,6 +19,7 @@ from mergekit_ext.methods.guard import (
     warn_output_errors,
 )
 from mergekit_ext.methods.layerwise import LinearGroup, TaskStatistics
+from mergekit_ext.methods.least_squares.in_range import NormRange
 from mergekit_ext.methods.least_squares.measures import (
     FULL_COVARIANCE_W2_MAX_DIM,
     covariate_shift_w2,
@@ -195,6 +196,23 @@ def _token_rows(stats: Sequence[TaskStatistics]) -> Optional[list[torch.Tensor]]
     return rows  # type: ignore[return-value]
 
 
+def norm_range(group: LinearGroup, rows: Sequence[int], reference: Sequence[float]) -> NormRange:
+    """The group's range for ``ridge: auto`` (:class:`~.in_range.NormRange`), measured as the
+    result guard measures it: each linear's part of the stacked merged weight in the
+    experts' dtype, rounded as written, over ``reference`` (its largest expert norm)."""
+    weights = list(group.weights)
+    dtypes = [group.experts[0][w].dtype for w in weights]
+
+    def ratios(merged: torch.Tensor) -> list[float]:
+        parts = torch.split(merged, list(rows), dim=0)
+        written = {
+            w: group.as_written(w, part.to(dtype)) for w, part, dtype in zip(weights, parts, dtypes)
+        }
+        return list(norm_ratios(written, dict(zip(weights, reference))).values())
+
+    return NormRange(tuple(int(r) for r in rows), tuple(float(r) for r in reference), ratios)
+
+
 def merge_group_least_squares(
     group: LinearGroup,
     *,
@@ -277,6 +295,7 @@ def merge_group_least_squares(
         solve_rows = [
             r / r.norm(dim=1, keepdim=True).clamp_min(torch.finfo(r.dtype).tiny) for r in raw_rows
         ]
+    reference_norms = expert_norms(group.experts, group.weights)
     solution = regmean_solve(
         stacked,
         grams,  # type: ignore[arg-type]  # checked non-None above
@@ -290,6 +309,7 @@ def merge_group_least_squares(
         rows=solve_rows,
         compute_dtype=group.compute_dtype,
         gram_rows=None if use_normalized_gram else [_kept_rows(st) for st in chosen],
+        norm_range=norm_range(group, rows, [reference_norms[w] for w in group.weights]),
     )
     del solve_rows
     merged_parts = torch.split(solution.merged_weight, rows, dim=0)
@@ -303,7 +323,7 @@ def merge_group_least_squares(
     guard = guard_group(
         method,
         group.name,
-        norm_ratios(written, expert_norms(group.experts, group.weights)),
+        norm_ratios(written, reference_norms),
         max_norm_ratio,
     )
 
@@ -357,4 +377,5 @@ def _solve_record(solution: RegMeanSolution, ridge: Ridge) -> dict[str, Any]:
         "ridge": solution.ridge,
         "ridge_setting": ridge if isinstance(ridge, str) else float(ridge),
         "ridge_reason": solution.ridge_reason,
+        "norm_ratio_before_ridge": solution.norm_ratio_before_ridge,
     }

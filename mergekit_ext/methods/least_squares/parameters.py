@@ -10,6 +10,7 @@ from pydantic import Field
 from mergekit_ext.methods.guard import (
     max_norm_ratio_field,
 )
+from mergekit_ext.methods.least_squares.in_range import AUTO_MAX_NORM_RATIO
 from mergekit_ext.methods.least_squares.solve import (
     AUTO_RIDGE,
     Fallback,
@@ -47,7 +48,10 @@ class RegMeanParameters(MethodParameters):
         "to the inverted matrix (and the matching term to the numerator); auto: "
         f"{AUTO_RIDGE:g} for a group whose calibration tokens are fewer than its inputs (a "
         "rank-deficient Gram: unseen directions keep the experts' mean instead of 0, and the "
-        "solve runs in the span of the tokens), exactly 0 otherwise (outputs as with ridge: 0)",
+        "solve runs in the span of the tokens) or an ill-conditioned system, exactly 0 otherwise "
+        "(outputs as with ridge: 0); then, where a merged linear of the group leaves "
+        f"{AUTO_MAX_NORM_RATIO:g}x the largest expert's norm, the smallest larger ridge that "
+        "brings every linear back (docs/methods.md, ridge: auto)",
     )
     solver: Solver = Field(
         "pinv",

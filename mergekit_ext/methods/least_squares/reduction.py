@@ -24,6 +24,7 @@ from mergekit_ext.methods.least_squares.group import (
     _stacked_weights,
     _task_output_error,
     _token_rows,
+    norm_range,
 )
 from mergekit_ext.methods.least_squares.measures import (
     FULL_COVARIANCE_W2_MAX_DIM,
@@ -36,6 +37,7 @@ from mergekit_ext.methods.least_squares.solve import (
     Solver,
     factor_regmean_system,
     factored_solution,
+    finish_in_range,
     regmean_add_numerator,
     regmean_add_row_term,
     regmean_add_system,
@@ -275,8 +277,10 @@ class LeastSquaresReduction(SumReduction):
             self._references = [reference for _, reference in parts]
         else:
             self._products = self._task_products()
+        # auto's range rule may need Σ ω W_k after the solve (finish_in_range), with no ridge too
+        weighted = bool(shared["ridge"]) or isinstance(self.ridge, str)
         return regmean_zero_numerator_sums(
-            self._stacked[0].shape, with_weighted_experts=bool(shared["ridge"]), device=device
+            self._stacked[0].shape, with_weighted_experts=weighted, device=device
         )
 
     def add_task(self, sums: dict[str, torch.Tensor], position: int) -> None:
@@ -304,6 +308,9 @@ class LeastSquaresReduction(SumReduction):
         elif self._by_rows:
             if omega > 0.0:
                 regmean_add_row_term(sums, self._products[position], omega)  # type: ignore[arg-type]
+            if "weighted_experts" in sums:  # as weighted_expert_sum adds it, every task
+                scratch = torch.empty(weight.shape, dtype=torch.float64, device=weight.device)
+                sums["weighted_experts"].add_(scratch.copy_(weight).mul_(omega))
         else:
             regmean_add_numerator(
                 sums, weight, gram, self.reduce_non_diagonal, omega, self._products[position]
@@ -328,6 +335,8 @@ class LeastSquaresReduction(SumReduction):
         reference_norms = first["expert_norm_max"].tolist()
         out_dtype = reference[group.weights[0]].dtype
         name = f"linear group {group.name}"
+        # auto's range, as the single process's (norm_range): the same reference norms
+        target = norm_range(group, self._rows, reference_norms)
         if self.rounds == 1:
             solution = solve_regmean_sums(
                 {k: v for k, v in sums.items() if k != "expert_norm_max"},
@@ -336,16 +345,32 @@ class LeastSquaresReduction(SumReduction):
                 solver=self.solver,
                 name=name,
                 out_dtype=out_dtype,
+                norm_range=target,
             )
         else:
             assert self._factored is not None
-            solution = (
-                factored_solution(self._factored, sums["numerator"].to(out_dtype), tokens)
-                if self._by_rows
-                else solve_factored(
-                    self._factored, dict(sums), name=name, out_dtype=out_dtype, tokens=tokens
+            if self._by_rows and self._factored.auto:
+                solution = finish_in_range(
+                    self._factored,
+                    sums["numerator"],
+                    lambda: sums["weighted_experts"],
+                    target,
+                    tokens,
+                    out_dtype,
                 )
-            )
+            elif self._by_rows:
+                solution = factored_solution(
+                    self._factored, sums["numerator"].to(out_dtype), tokens
+                )
+            else:
+                solution = solve_factored(
+                    self._factored,
+                    dict(sums),
+                    name=name,
+                    out_dtype=out_dtype,
+                    tokens=tokens,
+                    norm_range=target,
+                )
         parts = torch.split(solution.merged_weight, self._rows, dim=0)
         merged = {
             weight_name: part.to(reference[weight_name].dtype).contiguous()

@@ -16,6 +16,13 @@ from mergekit_ext.bf16_products import float32_product, holds_bfloat16
 from mergekit_ext.calibration.statistics import symmetrized
 from mergekit_ext.errors import TensorError
 from mergekit_ext.finite import is_finite
+from mergekit_ext.methods.least_squares.in_range import (
+    NormRange,
+    RangeFit,
+    dense_ridge_in_range,
+    reason,
+    span_ridge_in_range,
+)
 from mergekit_ext.wide_sums import dot64
 
 LOG = logging.getLogger(__name__)
@@ -88,6 +95,9 @@ class RegMeanSolution:
     # the condition number of Σ ω G̃ before ``auto`` added its ridge (None: no ridge added
     # by ``auto``, or the span solve, whose unregularised system is rank-deficient by count)
     condition_number_unregularized: Optional[float] = None
+    # ``auto``'s range rule raised the ridge: the largest written norm ratio of the solution
+    # at the ridge first solved (None: that solution was in range, or no rule applied)
+    norm_ratio_before_ridge: Optional[float] = None
 
 
 def _pinv_tolerance(eigenvalues: torch.Tensor, n: int) -> float:
@@ -310,6 +320,7 @@ def regmean_solve(
     rows: Optional[Sequence[torch.Tensor]] = None,
     compute_dtype: torch.dtype = torch.float32,
     gram_rows: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    norm_range: Optional[NormRange] = None,
 ) -> RegMeanSolution:
     """``W = (Σ_k ω_k W_k G̃_k)(Σ_k ω_k G̃_k)⁻¹`` with diagnostics (RegMean eq. 3; CoM eq. for ω).
 
@@ -322,7 +333,9 @@ def regmean_solve(
       (so a huge ridge gives the weighted mean of the experts, not zero). ``"auto"``:
       :data:`AUTO_RIDGE` when ``tokens < in`` (:func:`resolve_ridge`) or when ``Σ ω G̃`` is
       singular or its condition number exceeds :data:`AUTO_RIDGE_MAX_CONDITION`, else 0
-      (the exact solution); the solution says which and why (``ridge_reason``).
+      (the exact solution); then, given a ``norm_range``, where that solution leaves the
+      experts' range, the smallest larger ridge that brings every linear of the group back
+      (:mod:`.in_range`); the solution says which and why (``ridge_reason``).
     - ``solver``: ``pinv`` (Moore–Penrose pseudo-inverse, the CoM paper's choice) or
       ``solve`` (falls back to pinv with a warning when the matrix is singular). ``pinv`` is
       computed as a Cholesky solve when ``Σ ω G̃`` is positive definite and its condition
@@ -398,17 +411,21 @@ def regmean_solve(
             )
         span_tokens = sum(r.shape[0] for r, omega in zip(rows, weights) if omega > 0.0)
         if span_solve_applies(reduce_non_diagonal, relative_ridge, span_tokens, n_in):
-            return span_solve(
-                expert_weights,
-                grams,
-                rows,
-                reduce_non_diagonal,
-                task_weights=weights,
-                ridge=relative_ridge,
-                tokens=tokens,
-                ridge_reason=_ridge_reason(ridge, relative_ridge, n_in, tokens),
-                product_dtype=span_product_dtype(compute_dtype, out_dtype),
-            )
+
+            def at(value: float) -> RegMeanSolution:
+                return span_solve(
+                    expert_weights,
+                    grams,
+                    rows,  # type: ignore[arg-type]
+                    reduce_non_diagonal,
+                    task_weights=weights,
+                    ridge=value,
+                    tokens=tokens,
+                    ridge_reason=_ridge_reason(ridge, relative_ridge, n_in, tokens),
+                    product_dtype=span_product_dtype(compute_dtype, out_dtype),
+                )
+
+            return _span_in_range(at, at(relative_ridge), ridge, norm_range)
     if any(g is None for g in grams):
         assert rows is not None
         grams = [_gram_of(r) if g is None else g for g, r in zip(grams, rows)]
@@ -428,20 +445,27 @@ def regmean_solve(
         counts = [int(rows[k].shape[0]) for k in positive]
         if span_solve_pays(shape[0], n_in, counts):
             del sums
-            solution = span_solve(
-                expert_weights,
-                grams,
-                rows,
-                reduce_non_diagonal,
-                task_weights=weights,
-                ridge=factored.ridge,
-                tokens=tokens,
-                ridge_reason=factored.reason,
-                product_dtype=span_product_dtype(compute_dtype, out_dtype),
-                condition=(factored.condition, factored.condition_method),
-            )
-            solution.condition_number_unregularized = factored.unregularized
-            return solution
+
+            def at_factored(value: float) -> RegMeanSolution:
+                solution = span_solve(
+                    expert_weights,
+                    grams,
+                    rows,  # type: ignore[arg-type]
+                    reduce_non_diagonal,
+                    task_weights=weights,
+                    ridge=value,
+                    tokens=tokens,
+                    ridge_reason=factored.reason,
+                    product_dtype=span_product_dtype(compute_dtype, out_dtype),
+                    # the factored system's condition number, at the ridge it holds
+                    condition=(factored.condition, factored.condition_method)
+                    if value == factored.ridge
+                    else None,
+                )
+                solution.condition_number_unregularized = factored.unregularized
+                return solution
+
+            return _span_in_range(at_factored, at_factored(factored.ridge), ridge, norm_range)
     by_rows = gram_rows is not None and all(gram_rows[k] is not None for k in positive)
     row_tokens = sum(int(gram_rows[k].shape[0]) for k in positive) if by_rows else 0  # type: ignore[index,union-attr]
     sums.update(
@@ -463,7 +487,17 @@ def regmean_solve(
             del term
             references.append(reference)
         del scratch
-        solution = factored_solution(factored, sums["numerator"].to(out_dtype), tokens)
+        if factored.auto and norm_range is not None:
+            solution = finish_in_range(
+                factored,
+                sums["numerator"],
+                lambda: weighted_expert_sum(expert_weights, weights),
+                norm_range,
+                tokens,
+                out_dtype,
+            )
+        else:
+            solution = factored_solution(factored, sums["numerator"].to(out_dtype), tokens)
         solution.references = references if keep_references else None
         return solution
     narrow = (
@@ -482,9 +516,35 @@ def regmean_solve(
         del wide
     del scratch, narrow, product
     solution = solve_factored(
-        factored, sums, name=name, out_dtype=out_dtype, tokens=tokens, consume=True
+        factored,
+        sums,
+        name=name,
+        out_dtype=out_dtype,
+        tokens=tokens,
+        consume=True,
+        norm_range=norm_range,
+        weighted_experts=lambda: weighted_expert_sum(expert_weights, weights),
     )
     solution.references = references if keep_references else None
+    return solution
+
+
+def _span_in_range(
+    at: Callable[[float], RegMeanSolution],
+    first: RegMeanSolution,
+    ridge: Ridge,
+    norm_range: Optional[NormRange],
+) -> RegMeanSolution:
+    """``auto``'s range rule on a span solution: ``first`` where it is in range, else the
+    span solution ``at`` the smallest larger ridge found in range (:func:`span_ridge_in_range`)."""
+    if not isinstance(ridge, str) or norm_range is None:
+        return first
+    found = span_ridge_in_range(at, lambda s: s.merged_weight, first, first.ridge, norm_range)
+    if found is None:
+        return first
+    solution, fit = found
+    solution.ridge_reason = reason(first.ridge_reason, fit, first.ridge, norm_range.limit)
+    solution.norm_ratio_before_ridge = fit.before
     return solution
 
 
@@ -1026,6 +1086,9 @@ class FactoredSystem:
     unregularized: Optional[float]  # the condition number before auto added its ridge
     numerator_ridge: float  # λ / Σω: the numerator gains it times Σ ω W_k
     solver: Solver
+    diagonal_mean: float = 0.0  # mean(diag(Σ ω G̃)): a relative ridge ρ adds ρ times it
+    auto: bool = False  # ``ridge: auto``: the range rule applies (:func:`finish_in_range`)
+    total_weight: float = 1.0  # Σ ω
 
     @property
     def cholesky_solves(self) -> bool:
@@ -1063,6 +1126,7 @@ def factor_regmean_system(
     torch.diagonal(system).add_(sums["system_diagonal"].double())
     system = symmetrized(system)  # exact symmetry for eigh
     numerator_ridge = 0.0
+    diagonal_mean = float(torch.diagonal(system).mean())  # add_ridge's, before any ridge
 
     def add_ridge(value: float) -> None:
         nonlocal numerator_ridge
@@ -1112,6 +1176,9 @@ def factor_regmean_system(
         unregularized,
         numerator_ridge,
         solver,
+        diagonal_mean,
+        auto,
+        float(sums["task_weight_sum"].sum()),
     )
 
 
@@ -1124,6 +1191,7 @@ def solve_regmean_sums(
     out_dtype: torch.dtype = torch.float32,
     tokens: Optional[int] = None,
     consume: bool = False,
+    norm_range: Optional[NormRange] = None,
 ) -> RegMeanSolution:
     """``W = numerator · system⁻¹`` from the sums of :func:`regmean_add_task`.
 
@@ -1132,11 +1200,18 @@ def solve_regmean_sums(
     :func:`solve_factored`. ``auto`` needs ``sums["weighted_experts"]``. ``tokens`` is
     recorded in the solution. The ``solver`` choice is :func:`regmean_solve`'s.
     ``consume``: the caller no longer needs ``sums``, so the out x in ones are solved in
-    place instead of copied first (the same values).
+    place instead of copied first (the same values). ``norm_range``: the group's range,
+    which ``auto`` keeps the solution within (:func:`finish_in_range`).
     """
     factored = factor_regmean_system(sums, ridge=ridge, solver=solver, tokens=tokens, name=name)
     return solve_factored(
-        factored, sums, name=name, out_dtype=out_dtype, tokens=tokens, consume=consume
+        factored,
+        sums,
+        name=name,
+        out_dtype=out_dtype,
+        tokens=tokens,
+        consume=consume,
+        norm_range=norm_range,
     )
 
 
@@ -1148,17 +1223,24 @@ def solve_factored(
     out_dtype: torch.dtype = torch.float32,
     tokens: Optional[int] = None,
     consume: bool = False,
+    norm_range: Optional[NormRange] = None,
+    weighted_experts: Optional[Callable[[], torch.Tensor]] = None,
 ) -> RegMeanSolution:
     """``W = (numerator + λ/Σω Σ ω W_k) · system⁻¹`` with the factored system; ``sums`` needs
-    ``numerator`` and, where a ridge was added, ``weighted_experts``."""
+    ``numerator`` and, where a ridge was added, ``weighted_experts``. With ``auto`` and a
+    ``norm_range``, :func:`finish_in_range` then keeps the solution within it, reading
+    ``Σ ω W_k`` from ``sums["weighted_experts"]`` or, where the sums lack it, from
+    ``weighted_experts()`` (:func:`weighted_expert_sum`)."""
     numerator = sums["numerator"].double()
     if not consume or numerator is not sums["numerator"]:
         numerator = numerator.clone()
+    ranged = factored.auto and norm_range is not None
     if factored.ridge > 0.0:
         weighted = sums["weighted_experts"].double()
-        if consume and weighted is sums["weighted_experts"]:
+        if consume and weighted is sums["weighted_experts"] and not ranged:
             numerator += weighted.mul_(factored.numerator_ridge)  # in place: no copy
         else:
+            # the same bits: μ · S rounded, then added (the range rule reads S after)
             numerator += factored.numerator_ridge * weighted
     system, cholesky, solver = factored.system, factored.cholesky, factored.solver
     condition, condition_method = factored.condition, factored.condition_method
@@ -1196,9 +1278,89 @@ def solve_factored(
         pinv, eigenvalues = _symmetric_pinv(system)
         merged = numerator @ pinv
         condition, condition_method = _condition_number(eigenvalues), "exact"
+    del numerator
+    if ranged and merged.dtype == torch.float64 and factored.cholesky is not None:
+
+        def weighted_sum() -> torch.Tensor:
+            if "weighted_experts" in sums:
+                return sums["weighted_experts"]
+            assert weighted_experts is not None, "auto's range rule needs Σ ω W_k"
+            return weighted_experts()
+
+        return finish_in_range(
+            factored,
+            merged,
+            weighted_sum,
+            norm_range,
+            tokens,
+            out_dtype,
+            used,  # type: ignore[arg-type]
+        )
     return factored_solution(
         factored, merged.to(out_dtype), tokens, used, condition, condition_method
     )
+
+
+def weighted_expert_sum(
+    expert_weights: Sequence[torch.Tensor], task_weights: Sequence[float]
+) -> torch.Tensor:
+    """``Σ_k ω_k W_k`` in float64, bit for bit as :func:`regmean_add_numerator` sums it
+    (``ω · W`` rounded, then added, in task order), for the range rule of a solve whose
+    sums did not carry it (no ridge, so no ``weighted_experts``)."""
+    total = torch.zeros(expert_weights[0].shape, dtype=torch.float64)
+    total = total.to(expert_weights[0].device)
+    scratch = torch.empty_like(total)
+    for weight, omega in zip(expert_weights, task_weights):
+        total.add_(scratch.copy_(weight).mul_(omega))
+    return total
+
+
+def finish_in_range(
+    factored: FactoredSystem,
+    merged: torch.Tensor,
+    weighted_experts: Callable[[], torch.Tensor],
+    norm_range: NormRange,
+    tokens: Optional[int],
+    out_dtype: torch.dtype,
+    used: Optional[str] = None,
+) -> RegMeanSolution:
+    """``auto``'s range rule on a dense solution (:mod:`.in_range`): ``merged`` (float64, at
+    the ridge :func:`factor_regmean_system` decided) where every linear of the group is
+    within ``norm_range`` as written; else the solution at the smallest larger ridge that
+    brings them all back, from an eigendecomposition of the factored system (the record
+    says which ridge and why). Every process that holds the same sums gets the same bytes."""
+    fit = dense_ridge_in_range(
+        merged,
+        factored.system,
+        weighted_experts(),
+        factored.total_weight,
+        factored.diagonal_mean,
+        factored.ridge,
+        norm_range,
+    )
+    if fit is None:
+        return factored_solution(factored, merged.to(out_dtype), tokens, used)
+    return _fitted_solution(factored, fit, norm_range, tokens, out_dtype, used)
+
+
+def _fitted_solution(
+    factored: FactoredSystem,
+    fit: RangeFit,
+    norm_range: NormRange,
+    tokens: Optional[int],
+    out_dtype: torch.dtype,
+    used: Optional[str],
+) -> RegMeanSolution:
+    solution = factored_solution(
+        factored, fit.merged.to(out_dtype), tokens, used, fit.condition, "exact"
+    )
+    solution.solver = f"{solution.solver}, ridge from the eigendecomposition of Σ ω G̃"
+    solution.ridge = fit.ridge
+    solution.ridge_reason = reason(factored.reason, fit, factored.ridge, norm_range.limit)
+    solution.norm_ratio_before_ridge = fit.before
+    if factored.unregularized is None:  # the first solve was unregularised
+        solution.condition_number_unregularized = factored.condition
+    return solution
 
 
 def factored_solution(
