@@ -279,9 +279,15 @@ def tiny_falcon_set(tmp_path_factory):
 
 
 def _batches(
-    cfg: ExtMergeConfig, index: int, heldout: bool = True
+    cfg: ExtMergeConfig, index: int, heldout: Optional[bool] = None
 ) -> list[dict[str, torch.Tensor]]:
-    """The batches diagnose runs for task ``index``: by default the held-out examples."""
+    """The batches diagnose runs for task ``index``: by default the examples the merge did
+    not read (all of them for a data-free method such as TIES, which reads none)."""
+    from mergekit_ext.methods.registry import ext_method_info
+
+    if heldout is None:
+        info = ext_method_info(str(cfg.merge.merge_method))
+        heldout = info is not None and info.needs_calibration
     entry = cfg.models[index]
     used = [s for e in cfg.models if (s := cfg.calibration_for(e)) is not None]
     return load_calibration(
@@ -382,11 +388,21 @@ def test_depth_mismatch_is_refused_before_weights_load(
         diagnose(cfg, deeper)
 
 
-def test_missing_calibration_is_refused_before_weights_load(tiny_llama_set, data_dir, no_weights):
+def test_missing_calibration_is_refused_before_weights_load(
+    tiny_llama_set, tiny_vit_set, data_dir, no_weights
+):
+    # an image task without data gets no generic probe: it needs --heldout
+    experts = list(tiny_vit_set.experts[:2])
+    cfg = _config(tiny_vit_set.base, experts, [os.path.join(data_dir, "images0"), None])
+    with pytest.raises(CalibrationError, match=r"task 'task1'.*no calibration data.*--heldout"):
+        diagnose(cfg, tiny_vit_set.base)
+    # a text task without data is measured on the probe (issue #50): planned, not refused
     experts = list(tiny_llama_set.experts[:2])
     cfg = _config(tiny_llama_set.base, experts, [_texts(data_dir, 1)[0], None])
-    with pytest.raises(CalibrationError, match=r"task 'task1'.*no calibration data"):
-        diagnose(cfg, tiny_llama_set.base)
+    plan = plan_diagnosis(cfg, [tiny_llama_set.base])
+    assert plan.tasks[1].data_info["kind"] == "probe" and plan.tasks[1].data is plan.tasks[1].probe
+    with pytest.raises(CalibrationError, match=r"task 'task1'.*--calibration-data"):
+        diagnose(cfg, tiny_llama_set.base, data="calibration")
     cfg = _config(tiny_llama_set.base, experts[:1], [os.path.join(data_dir, "missing.jsonl")])
     with pytest.raises(CalibrationError, match="missing.jsonl"):
         diagnose(cfg, tiny_llama_set.base)
