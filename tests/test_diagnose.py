@@ -457,13 +457,20 @@ def test_cli_writes_table_json_and_plot(tiny_bert_classifier_set, data_dir, tmp_
     assert all(isinstance(b["relative_error"], float) for b in first["blocks"])
     assert (plots / "diagnose_block_errors.png").stat().st_size > 1000
 
-    # bad input: one line, exit 1, nothing written
+    # a text task without data (a data-free merge): measured on the generic probe
     raw["models"][1].pop("calibration")
+    config.write_text(yaml.safe_dump(raw))
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    second = os.path.basename(models.experts[1])
+    assert json.loads(out_json.read_text())["data"][second]["kind"] == "probe"
+    # bad input: one line, exit 1, nothing written
+    raw["models"][1]["calibration"] = {"path": str(tmp_path / "missing.jsonl")}
     config.write_text(yaml.safe_dump(raw))
     out_json.unlink()
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 1
-    assert "has no calibration data" in result.output and not out_json.exists()
+    assert "missing.jsonl" in result.output and not out_json.exists()
     # the output may not overwrite an input
     result = CliRunner().invoke(
         main, ["diagnose", models.experts[0], str(config), "--json", str(config)]
