@@ -162,7 +162,7 @@ def load_evaluation_data(
     if reads_data and modality == "text" and (not given or same_source(spec, task.calibration)):
         warnings = diversity_warnings(data, f"task {task.name}'s calibration source")
         for w in warnings:
-            LOG.warning("%s", w)
+            LOG.info("%s", w)  # printed with the data lines of the report
     task.data = data
     task.data_info = {
         "kind": "held-out" if heldout else "calibration",

@@ -396,15 +396,27 @@ def _diagnose_section(
     from mergekit_ext.plots import as_float, plot_block_errors
 
     rows = []
-    base = ((result.get("references") or {}).get("base") or {}).get("tasks") or {}
-    for task, t in (result.get("tasks") or {}).items():
+    base_row = (result.get("references") or {}).get("base") or {}
+    base = base_row.get("tasks") or {}
+    base_probe = (base_row.get("probe") or {}).get("tasks") or {}
+    probe = (result.get("probe") or {}).get("tasks") or {}
+    tasks = result.get("tasks") or {}
+    # the probe's rows (generic prose) below the held-out ones; a task whose only data is
+    # the probe has one row
+    listed = [(task, t, base.get(task), "") for task, t in tasks.items()]
+    listed += [
+        (task, t, base_probe.get(task), " (generic prose probe)")
+        for task, t in probe.items()
+        if t != tasks.get(task)
+    ]
+    for task, t, b, suffix in listed:
         worst = t.get("worst_block") or {}
         rows.append(
             {
-                "task": task,
+                "task": task + suffix,
                 "agreement": t.get("agreement"),
                 "kl": t.get("kl"),
-                "base_kl": (base.get(task) or {}).get("kl"),
+                "base_kl": (b or {}).get("kl"),
                 "worst": f"{worst['index']} ({_fmt(as_float(worst.get('relative_error')))})"
                 if worst
                 else "—",
@@ -415,6 +427,12 @@ def _diagnose_section(
                 "output": t.get("output"),
             }
         )
+    warnings = [
+        f"{task}: {w}"
+        for task, d in (result.get("data") or {}).items()
+        for w in (d.get("warnings") or [])
+    ]
+    warnings += [f"this merge: {w}" for w in result.get("merge_warnings") or []]
     plots = []
     if render_images and rows:
         plots.append(plot_block_errors(dict(result), images_dir, DIAGNOSE_PLOT))
@@ -423,7 +441,12 @@ def _diagnose_section(
         "mean_agreement": result.get("mean_agreement"),
         "mean_kl": result.get("mean_kl"),
         "verdict": result.get("verdict"),
-        "heldout": result.get("evaluated_on") == "held-out",
+        "heldout": all(
+            d.get("kind") in ("held-out", "probe") for d in (result.get("data") or {}).values()
+        ),
+        "has_probe": bool(probe),
+        "probe_skipped": result.get("probe_skipped"),
+        "warnings": warnings,
         "has_base": bool(base),
         "next_token": any(r["output"] == "next_token" for r in rows),
         "plots": plots,
