@@ -171,6 +171,7 @@ def _calibration_rows(diag: Mapping[str, Any], cfg: Any, cwd: str) -> list[dict[
                 ),
                 "samples": info.get("samples", spec.samples if spec else None),
                 "tokens": info.get("tokens"),
+                "split": getattr(spec, "split", None),
                 "max_length": getattr(spec, "max_length", None),
                 "chat_template": chat if isinstance(chat, bool) else None,
                 "modality": info.get("modality") or "",
@@ -187,6 +188,7 @@ def _calibration_rows(diag: Mapping[str, Any], cfg: Any, cwd: str) -> list[dict[
                     "source": _display_source(str(info.get("source") or ""), cwd),
                     "samples": info.get("samples"),
                     "tokens": info.get("tokens"),
+                    "split": None,
                     "max_length": None,
                     "chat_template": None,
                     "modality": info.get("modality") or "",
@@ -579,7 +581,9 @@ def build_card_context(
         )
     with open(config_path, encoding="utf-8") as fp:
         config_text = fp.read()
-    cfg = parse_config(config_text, config_path)
+    # the merge warned about unknown keys when it read the config; its copy (inside a
+    # temporary `.partial-*` folder during the run) does not warn again
+    cfg = parse_config(config_text, config_path, warn_unknown=False)
     cfg.base_dir = cwd  # relative paths in the YAML resolve against the CWD, like mergekit
     model_config = _read_json(os.path.join(out_dir, "config.json"))
     if model_config is None:
