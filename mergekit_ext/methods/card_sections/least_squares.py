@@ -217,18 +217,20 @@ def _error_order(value: Any) -> tuple[int, float]:
 def worst_layer_record(layers: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
     """The worst layer, with its task, output error, norm ratio, condition number and ridge.
 
-    A layer the result guard flagged (outside the experts' range) is worse than any layer
-    within it, so the card's "worst layer" line names the same layer as its warnings list:
-    among flagged layers the largest norm ratio; otherwise the largest per-task relative
-    output error (measured on the weights as written). None when nothing was recorded.
+    A layer whose output error is NaN or inf is broken and the worst; after it, a layer the
+    result guard flagged (outside the experts' range) is worse than any layer within it, so
+    the card's "worst layer" line names the same layer as its warnings list: among flagged
+    layers the largest norm ratio; otherwise the largest per-task relative output error
+    (measured on the weights as written). None when nothing was recorded.
     Ties (e.g. two NaN) go to the first layer.
     """
+    worst = _worst_error(*layers)
+    broken = worst is not None and _error_order(worst["error"])[0] > 0  # a NaN or inf error
     flagged = [layer for layer in layers if layer.get("guard") in ("warned", "allowed")]
-    if flagged:
+    if flagged and not broken:
         layer = max(flagged, key=lambda g: _error_order(g.get("max_norm_ratio")))
         record = _worst_error(layer) or {"layer": layer.get("layer"), "task": None, "error": None}
         return {**record, "out_of_range": True}
-    worst = _worst_error(*layers)
     return {**worst, "out_of_range": False} if worst is not None else None
 
 
