@@ -109,7 +109,15 @@ def _tiny_config(tmp_path, base, experts, method="task_arithmetic", **extra) -> 
 
 
 def test_typo_warned_once_and_no_torch_dtype_notice(tiny_llama_set, tmp_path):
-    config = _tiny_config(tmp_path, tiny_llama_set.base, tiny_llama_set.experts[:2], dtyp="float32")
+    # `dtype:` set: mergekit sets config.torch_dtype on the output (the notice's source,
+    # checked by hand to print before this fix); `dtyp:` a typo beside it
+    config = _tiny_config(
+        tmp_path,
+        tiny_llama_set.base,
+        tiny_llama_set.experts[:2],
+        dtype="float32",
+        dtyp="float32",
+    )
     result = CliRunner().invoke(main, ["run", config, str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
     assert result.output.count("unknown key 'dtyp'") == 1, result.output
