@@ -1,4 +1,4 @@
-from mergekit_ext.cli import main
+from mergekit_ext.entry import main
 
 if __name__ == "__main__":
     main()

@@ -216,3 +216,232 @@ def run_merge(
     from mergekit_ext import merge_record
 
     return MergeResult(path=path, diagnostics=merge_record.load(path))
+
+
+# ------------------------------------------------------------------------------------------
+# diagnose, card, publish: what the commands of the same names run (they print; these return)
+
+
+def _check_diagnose_outputs(
+    cfg: ExtMergeConfig,
+    merged_dirs: list[str],
+    outputs: list[tuple[str, str]],
+    heldout: Optional[list[str]] = None,
+) -> None:
+    """``--json`` / ``--plots`` may not be nor lie inside an input: the config's models,
+    tokenizer source, data and config, the held-out data, and the merged folders themselves
+    (their own records)."""
+    from mergekit_ext.checks import local_input_paths
+    from mergekit_ext.output import check_write_path
+
+    inputs = [*local_input_paths(cfg), *merged_dirs]
+    inputs += [h.split("=", 1)[-1] for h in heldout or [] if not h.lstrip().startswith("{")]
+    for option, out in outputs:
+        check_write_path(
+            out,
+            inputs,
+            what=option,
+            advice="write it outside every model, data file and config the diagnosis reads "
+            "(`mergekit-ext card MERGED_DIR --diagnose CONFIG` keeps a diagnosis with the merge)",
+        )
+
+
+def write_diagnosis_json(result: Union[dict[str, Any], list[dict[str, Any]]], path: str) -> None:
+    """Write a diagnosis as JSON (``inf``/``nan`` as strings)."""
+    import json
+
+    from mergekit_ext.diagnose import jsonable
+
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fp:
+        json.dump(jsonable(result), fp, indent=2)
+        fp.write("\n")
+
+
+def diagnose_merge(
+    merged: Union[str, os.PathLike[str], list[Union[str, os.PathLike[str]]]],
+    config: ConfigLike,
+    *,
+    heldout: Union[str, list[str], tuple[str, ...]] = (),
+    calibration_data: bool = False,
+    references: bool = True,
+    probe: bool = True,
+    device: str = "cpu",
+    trust_remote_code: bool = False,
+    json_path: Optional[str] = None,
+    plots_dir: Optional[str] = None,
+    progress: bool = True,
+) -> Union[dict[str, Any], list[dict[str, Any]]]:
+    """Compare merged folders with each expert of ``config``, as ``mergekit-ext diagnose``
+    (``mergekit_ext.diagnose`` is the subpackage, hence this name).
+
+    Args:
+        merged: one merged folder (the result is a dict) or several (a list of dicts,
+            sharing the experts' passes).
+        config: the merge YAML (see :func:`as_config`).
+        heldout: ``--heldout`` values (a path, ``TASK=PATH``, a YAML file or an inline
+            mapping); ``calibration_data``: measure on what the merge read instead.
+        references: the base model and each expert alone as reference rows (the verdict).
+        probe: also measure on the generic prose probe (text models).
+        json_path / plots_dir: also write the JSON / the per-block plot there (never into
+            an input).
+        progress: a progress bar on stderr.
+
+    Returns:
+        The diagnosis (``docs/methods.md``, "Diagnose"; ``verdict`` in words).
+    """
+    from mergekit_ext.diagnose import diagnose as run_diagnosis
+    from mergekit_ext.diagnose import plot_block_errors
+
+    cfg = as_config(config)
+    single = isinstance(merged, (str, os.PathLike))
+    dirs = [os.fspath(merged)] if single else [os.fspath(m) for m in merged]  # type: ignore[union-attr]
+    values = [heldout] if isinstance(heldout, str) else list(heldout)
+    plot_file = os.path.join(plots_dir, "diagnose_block_errors.png") if plots_dir else None
+    outputs = [("--json", json_path), ("--plots", plots_dir), ("--plots", plot_file)]
+    _check_diagnose_outputs(cfg, dirs, [(o, p) for o, p in outputs if p], values)
+    results = run_diagnosis(
+        cfg,
+        dirs,
+        device=device,
+        trust_remote_code=trust_remote_code,
+        heldout=values,
+        data="calibration" if calibration_data else "heldout",
+        references=references,
+        probe=probe,
+        progress=progress,
+    )
+    assert isinstance(results, list)
+    if json_path:
+        write_diagnosis_json(results[0] if len(results) == 1 else results, json_path)
+    if plots_dir:
+        plot_block_errors(results, plots_dir, "diagnose_block_errors.png")
+    return results[0] if single else results
+
+
+@dataclass(frozen=True)
+class CardResult:
+    """What :func:`write_card` did: the card's path, where a hand-edited card it replaced
+    was kept (None), and the diagnosis it shows (None without ``diagnose_config``)."""
+
+    path: str
+    backup: Optional[str] = None
+    diagnosis: Optional[dict[str, Any]] = None
+
+
+def _check_card_outputs(
+    out_dir: str, given: list[Optional[str]], diagnose_config: Optional[str]
+) -> None:
+    """What ``card`` writes (README.md, images/, the diagnosis) may not be nor lie inside
+    a file it reads: ``--eval``, ``--template-dir``, and every input of ``--diagnose``."""
+    from mergekit_ext.hub.card import DIAGNOSE_FILENAME, README_FILENAME
+    from mergekit_ext.output import check_write_path
+
+    inputs = [p for p in given if p]
+    if diagnose_config:
+        from mergekit_ext.checks import local_input_paths
+
+        inputs += local_input_paths(load_config(diagnose_config))
+    for name in ("", README_FILENAME, "images", DIAGNOSE_FILENAME):
+        check_write_path(
+            os.path.join(out_dir, name) if name else out_dir,
+            inputs,
+            what="the model card",
+            advice="the card is written into OUT_DIR (README.md, images/): keep --eval, "
+            "--template-dir and the models and data of --diagnose outside it",
+        )
+
+
+def _card_diagnosis(out_dir: str, config_path: str, device: str) -> dict[str, Any]:
+    """Diagnose ``out_dir`` for its card (no local path in it); saved next to it."""
+    import json
+
+    from mergekit_ext.diagnose import jsonable
+    from mergekit_ext.hub.card import DIAGNOSE_FILENAME, display_path
+
+    result = diagnose_merge(out_dir, config_path, device=device)
+    assert isinstance(result, dict)
+    result["config"] = os.path.basename(config_path)
+    result["merged"] = os.path.basename(os.path.abspath(out_dir))
+
+    def shown(label: str) -> str:
+        return "+".join(display_path(p) for p in str(label).split("+"))
+
+    refs = result.get("references") or {}
+    rows = [
+        result,
+        *([refs["base"]] if refs.get("base") else []),
+        *refs.get("experts", {}).values(),
+    ]
+    for row in rows:
+        if row is not result:
+            row["model"] = shown(row["model"])
+        for part in (row["tasks"], (row.get("probe") or {}).get("tasks") or {}):
+            for task in part.values():
+                task["model"] = shown(task["model"])
+    for data in (result.get("data") or {}).values():
+        local = str(data["source"])
+        data["source"] = display_path(local)
+        data["note"] = data["note"].replace(local, data["source"])
+    with open(os.path.join(out_dir, DIAGNOSE_FILENAME), "w", encoding="utf-8") as fp:
+        json.dump(jsonable(result), fp, indent=2)
+        fp.write("\n")
+    return result
+
+
+def write_card(
+    out_dir: Union[str, os.PathLike[str]],
+    *,
+    eval_results: Optional[Union[str, list[dict[str, Any]]]] = None,
+    name: Optional[str] = None,
+    repo_id: Optional[str] = None,
+    template_dir: Optional[str] = None,
+    diagnose_config: Optional[str] = None,
+    device: str = "cpu",
+    force: bool = False,
+) -> CardResult:
+    """Rebuild ``README.md`` (and ``images/``) of a finished merge, as ``mergekit-ext card``.
+
+    Args:
+        out_dir: the merged folder.
+        eval_results: an evaluation results JSON file, or its parsed list.
+        name / repo_id / template_dir: the card's title, the repo id of its loading snippet,
+            your own templates.
+        diagnose_config: a merge YAML: diagnose the folder against its experts and add the
+            section (the diagnosis is saved as ``mergekit_ext_diagnose.json``).
+        force: replace a README.md edited by hand (kept as ``README.md.bak``).
+
+    Raises:
+        CardError: a README.md edited by hand without ``force`` (checked before the diagnosis).
+    """
+    from mergekit_ext.hub.card import keep_edited_card, load_eval_results, write_model_card
+
+    out = os.fspath(out_dir)
+    eval_path = eval_results if isinstance(eval_results, str) else None
+    _check_card_outputs(out, [eval_path, template_dir], diagnose_config)
+    if not force:  # refused before the (slow) diagnosis
+        keep_edited_card(out, force=False)
+    results = load_eval_results(eval_path) if eval_path else eval_results
+    diagnosis = _card_diagnosis(out, diagnose_config, device) if diagnose_config else None
+    backup = keep_edited_card(out, force=force)
+    path = write_model_card(
+        out,
+        eval_results=results,  # type: ignore[arg-type]
+        name=name,
+        repo_id=repo_id,
+        template_dir=template_dir,
+        diagnose=diagnosis,
+        force=True,  # checked (and kept) just above
+    )
+    return CardResult(path, backup, diagnosis)
+
+
+def publish(out_dir: Union[str, os.PathLike[str]], repo_id: str, **options: Any) -> str:
+    """Upload a finished merge to the Hub in one commit, as ``mergekit-ext publish``;
+    returns the commit (or pull request) URL, or with ``dry_run=True`` what would be
+    uploaded. ``options``: those of ``mergekit_ext.hub.publish.publish_folder``
+    (``private``, ``revision``, ``token``, ``dry_run``, ``timeout``, ...)."""
+    from mergekit_ext.hub.publish import publish_folder
+
+    return publish_folder(os.fspath(out_dir), repo_id, **options)

@@ -27,13 +27,19 @@ import click
 from mergekit.options import MergeOptions, PrettyPrintHelp, add_merge_options
 
 import mergekit_ext
-from mergekit_ext.cli_hub import publish_options
-from mergekit_ext.config import load_config
-from mergekit_ext.console import cli_errors
-from mergekit_ext.errors import PluginError, plugin_exit_error
-from mergekit_ext.methods.registry import all_method_names, describe_method
+
+mergekit_ext._register()  # the command registers here: mergekit_ext.entry skipped it for speed
+
+from mergekit_ext.cli_hub import publish_options  # noqa: E402
+from mergekit_ext.config import load_config  # noqa: E402
+from mergekit_ext.console import cli_errors  # noqa: E402
+from mergekit_ext.errors import PluginError, plugin_exit_error  # noqa: E402
+from mergekit_ext.methods.registry import all_method_names, describe_method  # noqa: E402
 
 LOG = logging.getLogger(__name__)
+
+# where the diagnose helpers live now (the Python API); the names stay importable from here
+from mergekit_ext.api import _check_diagnose_outputs, write_diagnosis_json  # noqa: E402,F401
 
 
 class Terminated(KeyboardInterrupt):
@@ -349,8 +355,10 @@ def methods_command(name: Optional[str], as_json: bool, verbose: int) -> None:
         for p in d["parameters"]:
             default = "required" if p["required"] else f"default {p['default']!r}"
             scope = "" if p["scope"] == "shared" else f", per {p['scope'].replace('_', '-')}"
-            if p.get("allowed") and " | " not in p["allowed"]:  # choices are in the description
-                scope += f", in {p['allowed']}"
+            allowed = p.get("allowed") or ""
+            # plain choices are in the description; a range (alone or beside a choice) is not
+            if allowed and (" | " not in allowed or any(c in allowed for c in "[(")):
+                scope += f", in {allowed}"
             desc = f" — {p['description']}" if p["description"] else ""
             click.echo(f"    {p['name']} ({default}{scope}){desc}")
         if d["source"] == "mergekit-ext":  # the numbers behind the defaults live there
@@ -374,6 +382,12 @@ def methods_command(name: Optional[str], as_json: bool, verbose: int) -> None:
     "--calibration-data",
     is_flag=True,
     help="Measure on the calibration data the merge read (optimistic; the old behaviour)",
+)
+@click.option(
+    "--no-probe",
+    is_flag=True,
+    help="Skip the generic prose probe (text models; faster, but a merge broken outside its "
+    "calibration template may then pass)",
 )
 @click.option(
     "--no-references",
@@ -406,6 +420,7 @@ def diagnose_command(
     config_file: str,
     heldout: tuple[str, ...],
     calibration_data: bool,
+    no_probe: bool,
     no_references: bool,
     json_path: Optional[str],
     plots_dir: Optional[str],
@@ -423,69 +438,29 @@ def diagnose_command(
     share the experts' passes. By default each task is measured on the examples of its
     calibration data that the merge did not read (docs/methods.md, "Diagnose").
     """
-    from mergekit_ext.diagnose import diagnose, format_report, plot_block_errors
+    from mergekit_ext.api import diagnose_merge
+    from mergekit_ext.diagnose import format_report
 
     for plugin in plugins:
         _import_plugin(plugin)
-    cfg = load_config(config_file)
-    plot_file = os.path.join(plots_dir, "diagnose_block_errors.png") if plots_dir else None
-    outputs = [("--json", json_path), ("--plots", plots_dir), ("--plots", plot_file)]
-    _check_diagnose_outputs(
-        cfg, list(merged_dirs), [(o, p) for o, p in outputs if p], list(heldout)
-    )
-    results = diagnose(
-        cfg,
+    results = diagnose_merge(
         list(merged_dirs),
+        load_config(config_file),
+        heldout=list(heldout),
+        calibration_data=calibration_data,
+        references=not no_references,
+        probe=not no_probe,
         device=device,
         trust_remote_code=trust_remote_code,
-        heldout=heldout,
-        data="calibration" if calibration_data else "heldout",
-        references=not no_references,
+        json_path=json_path,
+        plots_dir=plots_dir,
     )
     assert isinstance(results, list)
     click.echo(format_report(results))
     if json_path:
-        write_diagnosis_json(results[0] if len(results) == 1 else results, json_path)
         click.echo(f"diagnosis written to {json_path}")
     if plots_dir:
-        plot = plot_block_errors(results, plots_dir, "diagnose_block_errors.png")
-        click.echo(f"plot written to {plots_dir}/{plot.path.rsplit('/', 1)[-1]}")
-
-
-def _check_diagnose_outputs(
-    cfg: Any,
-    merged_dirs: list[str],
-    outputs: list[tuple[str, str]],
-    heldout: Optional[list[str]] = None,
-) -> None:
-    """``--json`` / ``--plots`` may not be nor lie inside an input: the config's models,
-    tokenizer source, data and config, the held-out data, and the merged folders themselves
-    (their own records)."""
-    from mergekit_ext.checks import local_input_paths
-    from mergekit_ext.output import check_write_path
-
-    inputs = [*local_input_paths(cfg), *merged_dirs]
-    inputs += [h.split("=", 1)[-1] for h in heldout or [] if not h.lstrip().startswith("{")]
-    for option, out in outputs:
-        check_write_path(
-            out,
-            inputs,
-            what=option,
-            advice="write it outside every model, data file and config the diagnosis reads "
-            "(`mergekit-ext card MERGED_DIR --diagnose CONFIG` keeps a diagnosis with the merge)",
-        )
-
-
-def write_diagnosis_json(result: dict[str, Any] | list[dict[str, Any]], path: str) -> None:
-    import os
-
-    from mergekit_ext.diagnose import jsonable
-
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as fp:
-        json.dump(jsonable(result), fp, indent=2)
-        fp.write("\n")
+        click.echo(f"plot written to {os.path.join(plots_dir, 'diagnose_block_errors.png')}")
 
 
 def _register_hub_commands() -> None:

@@ -103,90 +103,24 @@ def card_command(
     A README.md edited by hand is never replaced silently: the command refuses, or with
     --force keeps it as README.md.bak (which `publish` does not upload).
     """
-    from mergekit_ext.hub.card import keep_edited_card, load_eval_results, write_model_card
+    from mergekit_ext.api import write_card
+    from mergekit_ext.diagnose import format_table
 
-    _check_card_outputs(out_dir, [eval_path, template_dir], diagnose_config)
-    if not force:  # refused before the (slow) diagnosis
-        keep_edited_card(out_dir, force=False)
-    results = load_eval_results(eval_path) if eval_path else None
-    diagnosis = _diagnose(out_dir, diagnose_config, device) if diagnose_config else None
-    backup = keep_edited_card(out_dir, force=force)
-    path = write_model_card(
+    result = write_card(
         out_dir,
-        eval_results=results,
+        eval_results=eval_path,
         name=name,
         repo_id=repo_id,
         template_dir=template_dir,
-        diagnose=diagnosis,
-        force=True,  # checked (and kept) just above
+        diagnose_config=diagnose_config,
+        device=device,
+        force=force,
     )
-    click.echo(f"model card written to {path}")
-    if backup:
-        click.echo(f"the README.md it replaced (edited by hand) is kept as {backup}")
-
-
-def _check_card_outputs(
-    out_dir: str, given: list[Optional[str]], diagnose_config: Optional[str]
-) -> None:
-    """What ``card`` writes (README.md, images/, the diagnosis) may not be nor lie inside
-    a file it reads: ``--eval``, ``--template-dir``, and every input of ``--diagnose``."""
-    import os
-
-    from mergekit_ext.hub.card import DIAGNOSE_FILENAME, README_FILENAME
-    from mergekit_ext.output import check_write_path
-
-    inputs = [p for p in given if p]
-    if diagnose_config:
-        from mergekit_ext.checks import local_input_paths
-        from mergekit_ext.config import load_config
-
-        inputs += local_input_paths(load_config(diagnose_config))
-    for name in ("", README_FILENAME, "images", DIAGNOSE_FILENAME):
-        check_write_path(
-            os.path.join(out_dir, name) if name else out_dir,
-            inputs,
-            what="the model card",
-            advice="the card is written into OUT_DIR (README.md, images/): keep --eval, "
-            "--template-dir and the models and data of --diagnose outside it",
-        )
-
-
-def _diagnose(out_dir: str, config_path: str, device: str) -> dict[str, Any]:
-    """Run ``mergekit-ext diagnose`` on ``out_dir``; the result is also saved next to it."""
-    import json
-    import os
-
-    from mergekit_ext.config import load_config
-    from mergekit_ext.diagnose import diagnose, format_table, jsonable
-    from mergekit_ext.hub.card import DIAGNOSE_FILENAME, display_path
-
-    result = diagnose(load_config(config_path), out_dir, device=device)
-    result["config"] = os.path.basename(config_path)
-    result["merged"] = os.path.basename(os.path.abspath(out_dir))  # no local path in a card
-
-    def shown(label: str) -> str:
-        return "+".join(display_path(p) for p in str(label).split("+"))
-
-    refs = result.get("references") or {}
-    rows = [
-        result,
-        *([refs["base"]] if refs.get("base") else []),
-        *refs.get("experts", {}).values(),
-    ]
-    for row in rows:
-        if row is not result:
-            row["model"] = shown(row["model"])
-        for task in row["tasks"].values():
-            task["model"] = shown(task["model"])
-    for data in (result.get("data") or {}).values():
-        local = str(data["source"])
-        data["source"] = display_path(local)
-        data["note"] = data["note"].replace(local, data["source"])
-    click.echo(format_table(result))
-    with open(os.path.join(out_dir, DIAGNOSE_FILENAME), "w", encoding="utf-8") as fp:
-        json.dump(jsonable(result), fp, indent=2)
-        fp.write("\n")
-    return result
+    if result.diagnosis is not None:
+        click.echo(format_table(result.diagnosis))
+    click.echo(f"model card written to {result.path}")
+    if result.backup:
+        click.echo(f"the README.md it replaced (edited by hand) is kept as {result.backup}")
 
 
 @click.command("publish")
@@ -261,9 +195,9 @@ def publish_command(
     Files an earlier publish of mergekit-ext wrote that this upload lacks are deleted in
     the same commit, each one named; files added to the repository by hand stay.
     """
-    from mergekit_ext.hub.publish import publish_folder
+    from mergekit_ext.api import publish
 
-    result = publish_folder(
+    result = publish(
         out_dir,
         repo_id,
         private=private,

@@ -111,8 +111,14 @@ def _task_name(model: str) -> str:
     return name if name not in (".", "..") else "model"
 
 
-def parse_config(source_text: str, config_path: str = "<string>") -> ExtMergeConfig:
-    """Parse and validate a YAML text; errors name the field and say what to do."""
+def parse_config(
+    source_text: str, config_path: str = "<string>", *, warn_unknown: bool = True
+) -> ExtMergeConfig:
+    """Parse and validate a YAML text; errors name the field and say what to do.
+
+    ``warn_unknown=False``: no warning for unknown keys (``dtyp:``), for a config that was
+    checked before (the copy a merge writes into its output folder, read for its card).
+    """
     raw = load_yaml(source_text, config_path)
     if not isinstance(raw, dict):
         raise ConfigError(f"{config_path}: expected a YAML mapping with merge_method and models")
@@ -128,7 +134,8 @@ def parse_config(source_text: str, config_path: str = "<string>") -> ExtMergeCon
             f"{config_path}: the `models:` list is empty; list the models to merge "
             "(- model: ./expert-a, ...) and set base_model where the method needs one"
         )
-    _warn_unknown_keys(raw, sorted([*MergeConfiguration.model_fields, "calibration"]), config_path)
+    warn = _warn_unknown_keys if warn_unknown else _ignore_unknown_keys
+    warn(raw, sorted([*MergeConfiguration.model_fields, "calibration"]), config_path)
     entries: list[ExtModelEntry] = []
     mk_raw = {k: v for k, v in raw.items() if k != "calibration"}
     if isinstance(raw.get("models"), list):
@@ -137,7 +144,7 @@ def parse_config(source_text: str, config_path: str = "<string>") -> ExtMergeCon
             if not isinstance(m, dict) or "model" not in m:
                 raise ConfigError(f"{config_path}: models[{i}] needs a 'model' field")
             model = str(m["model"])
-            _warn_unknown_keys(m, _MODEL_KEYS, f"{config_path}: models[{i}] ({model})")
+            warn(m, _MODEL_KEYS, f"{config_path}: models[{i}] ({model})")
             cal = None
             if m.get("calibration") is not None:
                 cal = _parse_calibration(
@@ -173,6 +180,10 @@ def parse_config(source_text: str, config_path: str = "<string>") -> ExtMergeCon
         else os.getcwd(),
         path=config_path if config_path != "<string>" else None,
     )
+
+
+def _ignore_unknown_keys(mapping: dict[str, Any], known: list[str], where: str) -> None:
+    pass
 
 
 def _warn_unknown_keys(mapping: dict[str, Any], known: list[str], where: str) -> None:

@@ -23,8 +23,9 @@ from typing import Any
 
 from mergekit_ext.errors import MergekitExtError
 
+# Shown without -v by the commands (configure_logging sets its level); library code never
+# sets a level or a handler, so a script's own logging setup decides what it sees.
 PHASES = logging.getLogger("mergekit_ext.phases")
-PHASES.setLevel(logging.INFO)  # shown without -v: a short status line per phase
 
 
 def phase(message: str) -> None:
@@ -71,6 +72,7 @@ def configure_logging(verbosity: int) -> None:
     root.setLevel(
         logging.DEBUG if verbosity > 1 else logging.INFO if verbosity == 1 else logging.WARNING
     )
+    PHASES.setLevel(logging.DEBUG if verbosity > 1 else logging.INFO)  # a line per phase
     logging.captureWarnings(True)  # Python warnings in the same `warning:` style
 
 

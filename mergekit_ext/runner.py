@@ -470,15 +470,38 @@ def _run_tensorwise(cfg: ExtMergeConfig, out_dir: str, options: MergeOptions) ->
         changes["lora_merge_cache"] = lora_cache
         LOG.info("model+LoRA inputs: full-size merged copies go to %s (removed after)", lora_cache)
     try:
-        run_merge(
-            with_cached_snapshots(cfg.merge),
-            out_dir,
-            options=_mergekit_options(options, **changes),
-            config_source=cfg.source_text,
-        )
+        with _no_torch_dtype_notice():
+            run_merge(
+                with_cached_snapshots(cfg.merge),
+                out_dir,
+                options=_mergekit_options(options, **changes),
+                config_source=cfg.source_text,
+            )
     finally:
         if lora_cache is not None:
             shutil.rmtree(lora_cache, ignore_errors=True)
+
+
+class _TorchDtypeNotice(logging.Filter):
+    """Drops transformers' "`torch_dtype` is deprecated" notice, nothing else."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "`torch_dtype` is deprecated" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _no_torch_dtype_notice() -> Iterator[None]:
+    """mergekit 0.1.5 sets ``config.torch_dtype`` on the output config
+    (``mergekit.merge._model_out_config``), and transformers >= 4.56 answers with a
+    deprecation notice on every run that the user cannot act on; the attribute still
+    works (it sets ``dtype``). Only that message of that logger is dropped, only here."""
+    logger = logging.getLogger("transformers.configuration_utils")
+    notice = _TorchDtypeNotice()
+    logger.addFilter(notice)
+    try:
+        yield
+    finally:
+        logger.removeFilter(notice)
 
 
 def _execute(

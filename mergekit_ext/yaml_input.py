@@ -82,6 +82,17 @@ def load_yaml(text: str, where: str) -> Any:
                 "out, or use fewer levels of aliases"
             )
         return loader.construct_document(node)
+    except yaml.composer.ComposerError as e:
+        if "expected a single document" not in str(e):
+            raise ConfigError(f"{where}: invalid YAML: {e}".replace("\n", " ")) from e
+        line = e.problem_mark.line + 1 if e.problem_mark is not None else None
+        raise ConfigError(
+            f"{where} holds several YAML documents (the second starts at line {line}): a "
+            "mergekit-multi file, one merge per document. mergekit-ext runs one merge per "
+            "file: save each document as its own file and run `mergekit-ext run PART.yml "
+            "OUT_DIR` for each, in order (a later document names an earlier one's output "
+            "folder as its model), or run the file with `mergekit-multi`"
+        ) from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{where}: invalid YAML: {e}".replace("\n", " ")) from e
     finally:

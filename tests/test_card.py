@@ -693,7 +693,7 @@ def test_data_aware_sections_summaries_and_plots(llama_merge: Path, tmp_path: Pa
 
     # Calibration summary: source, samples, tokens, hash; never an absolute path.
     # (a task the config does not name: no max length / chat template to show)
-    assert "| math | `math.jsonl` | 64 | 4,096 | — | — | text | `" + "a" * 64 + "` |" in text
+    assert "| math | `math.jsonl` | — | 64 | 4,096 | — | — | text | `" + "a" * 64 + "` |" in text
     assert "/data/secret" not in text
 
     assert check_images(out, readme) == sorted(

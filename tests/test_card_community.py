@@ -106,12 +106,21 @@ def test_calibration_rows_in_model_order(workspace: Path) -> None:
     """Item 8: one calibration row per model, in the order of `models:`, with max_length
     and the chat-template flag."""
     text = (_merge(workspace) / "README.md").read_text(encoding="utf-8")
-    header = "| Model | Source | Samples | Tokens | Max length | Chat template |"
+    header = "| Model | Source | Split | Samples | Tokens | Max length | Chat template |"
     assert header in text
     rows = re.findall(
-        r"^\| (second|first) \| `([^`]+)` \| 4 \| [\d,]+ \| (\d+) \| (\w+) \|", text, re.M
+        r"^\| (second|first) \| `([^`]+)` \| — \| 4 \| [\d,]+ \| (\d+) \| (\w+) \|", text, re.M
     )
     assert rows == [("second", "b.jsonl", "12", "no"), ("first", "a.jsonl", "8", "no")]
+    # a dataset's `split:` is shown (issue #50, item 14)
+    from mergekit_ext.config import parse_config
+    from mergekit_ext.hub.card.render import _calibration_rows
+
+    cfg = parse_config(
+        "merge_method: regmean\nbase_model: b\nmodels:\n  - model: e\n    calibration:\n"
+        "      dataset: some/set\n      split: 'validation[:50]'\n"
+    )
+    assert _calibration_rows({}, cfg, ".")[0]["split"] == "validation[:50]"
 
 
 def test_chat_usage_example(workspace: Path) -> None:

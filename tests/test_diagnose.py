@@ -279,9 +279,15 @@ def tiny_falcon_set(tmp_path_factory):
 
 
 def _batches(
-    cfg: ExtMergeConfig, index: int, heldout: bool = True
+    cfg: ExtMergeConfig, index: int, heldout: Optional[bool] = None
 ) -> list[dict[str, torch.Tensor]]:
-    """The batches diagnose runs for task ``index``: by default the held-out examples."""
+    """The batches diagnose runs for task ``index``: by default the examples the merge did
+    not read (all of them for a data-free method such as TIES, which reads none)."""
+    from mergekit_ext.methods.registry import ext_method_info
+
+    if heldout is None:
+        info = ext_method_info(str(cfg.merge.merge_method))
+        heldout = info is not None and info.needs_calibration
     entry = cfg.models[index]
     used = [s for e in cfg.models if (s := cfg.calibration_for(e)) is not None]
     return load_calibration(
@@ -382,11 +388,21 @@ def test_depth_mismatch_is_refused_before_weights_load(
         diagnose(cfg, deeper)
 
 
-def test_missing_calibration_is_refused_before_weights_load(tiny_llama_set, data_dir, no_weights):
+def test_missing_calibration_is_refused_before_weights_load(
+    tiny_llama_set, tiny_vit_set, data_dir, no_weights
+):
+    # an image task without data gets no generic probe: it needs --heldout
+    experts = list(tiny_vit_set.experts[:2])
+    cfg = _config(tiny_vit_set.base, experts, [os.path.join(data_dir, "images0"), None])
+    with pytest.raises(CalibrationError, match=r"task 'task1'.*no calibration data.*--heldout"):
+        diagnose(cfg, tiny_vit_set.base)
+    # a text task without data is measured on the probe (issue #50): planned, not refused
     experts = list(tiny_llama_set.experts[:2])
     cfg = _config(tiny_llama_set.base, experts, [_texts(data_dir, 1)[0], None])
-    with pytest.raises(CalibrationError, match=r"task 'task1'.*no calibration data"):
-        diagnose(cfg, tiny_llama_set.base)
+    plan = plan_diagnosis(cfg, [tiny_llama_set.base])
+    assert plan.tasks[1].data_info["kind"] == "probe" and plan.tasks[1].data is plan.tasks[1].probe
+    with pytest.raises(CalibrationError, match=r"task 'task1'.*--calibration-data"):
+        diagnose(cfg, tiny_llama_set.base, data="calibration")
     cfg = _config(tiny_llama_set.base, experts[:1], [os.path.join(data_dir, "missing.jsonl")])
     with pytest.raises(CalibrationError, match="missing.jsonl"):
         diagnose(cfg, tiny_llama_set.base)
@@ -441,13 +457,20 @@ def test_cli_writes_table_json_and_plot(tiny_bert_classifier_set, data_dir, tmp_
     assert all(isinstance(b["relative_error"], float) for b in first["blocks"])
     assert (plots / "diagnose_block_errors.png").stat().st_size > 1000
 
-    # bad input: one line, exit 1, nothing written
+    # a text task without data (a data-free merge): measured on the generic probe
     raw["models"][1].pop("calibration")
+    config.write_text(yaml.safe_dump(raw))
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    second = os.path.basename(models.experts[1])
+    assert json.loads(out_json.read_text())["data"][second]["kind"] == "probe"
+    # bad input: one line, exit 1, nothing written
+    raw["models"][1]["calibration"] = {"path": str(tmp_path / "missing.jsonl")}
     config.write_text(yaml.safe_dump(raw))
     out_json.unlink()
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 1
-    assert "has no calibration data" in result.output and not out_json.exists()
+    assert "missing.jsonl" in result.output and not out_json.exists()
     # the output may not overwrite an input
     result = CliRunner().invoke(
         main, ["diagnose", models.experts[0], str(config), "--json", str(config)]

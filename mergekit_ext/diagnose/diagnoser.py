@@ -56,7 +56,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 import torch
+from mergekit.common import ModelReference
 from torch import nn
+from tqdm.auto import tqdm
 
 from mergekit_ext.calibration.config import CalibrationSpec
 from mergekit_ext.calibration.sources import (
@@ -65,14 +67,16 @@ from mergekit_ext.calibration.sources import (
     check_tokenizers_match,
 )
 from mergekit_ext.calibration.statistics import flatten_tokens
-from mergekit_ext.config import ExtMergeConfig
+from mergekit_ext.config import ExtMergeConfig, ExtModelEntry
 from mergekit_ext.diagnose.agreement import chunked_kl_top1, kl_and_agreement
 from mergekit_ext.diagnose.heldout import (
     DataMode,
     evaluation_spec,
     load_evaluation_data,
+    load_probe_data,
     parse_heldout,
 )
+from mergekit_ext.diagnose.probe import record_warnings
 from mergekit_ext.diagnose.verdict import compare_with_references, evaluated_on
 from mergekit_ext.errors import (
     CalibrationError,
@@ -91,6 +95,7 @@ from mergekit_ext.executor.blocks import (
     trim_heap,
 )
 from mergekit_ext.executor.plan import OpenedModels, Source, expert_entries
+from mergekit_ext.methods.registry import ext_method_info
 from mergekit_ext.models.checkpoint import (
     HEAD_PREFIX,
     canonical_name,
@@ -123,6 +128,8 @@ class DiagnosisTask:
     evaluation: Optional[CalibrationSpec] = None  # what diagnose runs (None: calibration)
     data: Optional[CalibrationData] = None
     data_info: dict[str, Any] = field(default_factory=dict)  # which data, for the output
+    probe: Optional[CalibrationData] = None  # the off-distribution probe (text models)
+    probe_info: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -145,6 +152,10 @@ class DiagnosisPlan:
     num_blocks: int
     references: list[MergedModel] = field(default_factory=list)  # the base, each expert
     with_references: bool = True  # False: the caller skipped them (no verdict on the base)
+    # the base model is one of the merged models (SLERP's endpoint): a task, not the floor
+    base_is_input: bool = False
+    method: Optional[str] = None  # the config's merge_method
+    reads_data: bool = True  # the method reads calibration data (else nothing is excluded)
 
     @property
     def compared(self) -> list[MergedModel]:
@@ -222,6 +233,24 @@ def _check_same_body(merged: MergedModel, task: DiagnosisTask, family: ModelFami
             )
 
 
+def _task_entries(
+    cfg: ExtMergeConfig,
+) -> tuple[list[tuple[ExtModelEntry, ModelReference]], bool]:
+    """The tasks of a diagnosis and whether the base model is one of them.
+
+    The base model is the floor a merge must beat, unless it is also one of the models merged
+    (SLERP and NuSLERP interpolate between the base and the other model): then it is an
+    endpoint of the merge, a task like the others, and no floor row is measured.
+    """
+    base = cfg.merge.base_model
+    mk_models = cfg.merge.models or []
+    if base is not None and len(mk_models) == len(cfg.models):
+        is_base = [mk.model == base for mk in mk_models]
+        if any(is_base) and not all(is_base):
+            return list(zip(cfg.models, (mk.model for mk in mk_models))), True
+    return expert_entries(cfg), False
+
+
 def plan_diagnosis(
     cfg: ExtMergeConfig,
     merged_dirs: Sequence[str],
@@ -232,16 +261,23 @@ def plan_diagnosis(
     heldout: Sequence[str] = (),
     data: DataMode = "heldout",
     references: bool = True,
+    probe: bool = True,
 ) -> DiagnosisPlan:
     """Check everything that needs no weights and load (tokenize) the evaluation data.
 
     ``heldout``: ``--heldout`` values (:func:`parse_heldout`); ``data="calibration"``
     measures on the calibration data the merge read instead of held-out data;
-    ``references``: add the base model and each expert alone as reference rows.
+    ``references``: add the base model and each expert alone as reference rows;
+    ``probe``: also measure every text model on the generic prose probe
+    (:mod:`~mergekit_ext.diagnose.probe`).
+
+    A task without calibration data (a data-free merge such as SLERP or TIES) is measured on
+    its ``--heldout`` data, else on the probe alone (text models; a vision task needs
+    ``--heldout``).
 
     Raises a one-line :class:`MergekitExtError` naming the model, task or tensor for a
     config without ``models:``, a missing model, an unsupported family, an architecture
-    mismatch, missing or unreadable calibration data and tokenizers that differ.
+    mismatch, missing or unreadable data and tokenizers that differ.
     """
     if data == "calibration" and heldout:
         raise ConfigError("--heldout and --calibration-data exclude each other; give one")
@@ -255,7 +291,7 @@ def plan_diagnosis(
     if not cfg.models or cfg.raw.get("slices") or cfg.raw.get("modules"):
         raise no_list
     try:
-        entries = expert_entries(cfg)
+        entries, base_is_input = _task_entries(cfg)
     except ConfigError:
         raise no_list from None
     if not entries:
@@ -263,6 +299,9 @@ def plan_diagnosis(
             "the config lists no expert besides the base model; diagnose compares the merged "
             "model with each entry of `models:`"
         )
+    method = str(cfg.merge.merge_method) if cfg.merge.merge_method else None
+    info = ext_method_info(method) if method else None
+    reads_data = info is not None and info.needs_calibration
     opened = OpenedModels(cache_dir)
     merged: list[MergedModel] = []
     for path in merged_dirs:
@@ -276,6 +315,7 @@ def plan_diagnosis(
             raise ModelInputError(
                 f"merged models {merged[0].label} and {other.label} are of different families"
             )
+    text = family.modality == "text"
 
     names = [entry.name for entry, _ in entries]
     unknown = [t for t in heldout_fields if t is not None and t not in names]
@@ -288,27 +328,41 @@ def plan_diagnosis(
     ref_models: list[MergedModel] = []
     for entry, ref in entries:
         spec = cfg.calibration_for(entry)
-        if spec is None or not spec.has_data:
-            raise CalibrationError(
-                f"model {entry.model} (task {entry.name!r}) has no calibration data, which "
-                "diagnose runs through the expert and the merged model: add `calibration: "
-                "{path: data.jsonl, field: text}` to its entry (or a top-level `calibration:`)"
-            )
+        has_data = spec is not None and spec.has_data
+        fields = {**heldout_fields.get(None, {}), **heldout_fields.get(entry.name, {})}
         what = f"model {entry.model} (task {entry.name!r})"
+        if not has_data and data == "calibration":
+            raise CalibrationError(
+                f"{what} has no calibration data, so --calibration-data has nothing to measure "
+                "on: leave it out (diagnose then uses --heldout data or the generic probe)"
+            )
+        if not has_data and not fields and not text:
+            raise CalibrationError(
+                f"{what} has no calibration data and a {family.modality} model gets no generic "
+                "probe: give evaluation data with --heldout PATH (or add `calibration: {path: "
+                "DATA}` to its entry)"
+            )
         source, data_path = opened.reference(ref, entry.model, None, what)
-        task = DiagnosisTask(entry.name, entry.model, source, data_path, spec)
+        task = DiagnosisTask(
+            entry.name, entry.model, source, data_path, spec if has_data else CalibrationSpec()
+        )
         for m in merged:
             _check_same_body(m, task, family)
-        check_calibration(spec, task=entry.name, modality=family.modality)
-        if data == "heldout" and heldout_fields:
+        if has_data:
+            assert spec is not None
+            check_calibration(spec, task=entry.name, modality=family.modality)
+        if data == "heldout" and fields:
             task.evaluation = evaluation_spec(task, heldout_fields)
             if not task.evaluation.has_data:
-                raise ConfigError(f"--heldout gives task {entry.name!r} no data")
+                raise ConfigError(
+                    f"--heldout gives task {entry.name!r} no data"
+                    + ("" if has_data else " (it has no calibration source to read again)")
+                )
             check_calibration(task.evaluation, task=entry.name, modality=family.modality)
         tasks.append(task)
         if references:
             ref_models.append(MergedModel(entry.model, source, "expert", entry.name))
-    if references and cfg.merge.base_model is not None:
+    if references and cfg.merge.base_model is not None and not base_is_input:
         base_label = str(cfg.merge.base_model)
         try:
             base_source, _ = opened.reference(
@@ -325,17 +379,27 @@ def plan_diagnosis(
             if r.task != task.name:
                 _check_same_body(r, task, family)
 
-    if family.modality == "text":
+    if text:
         paths = [t.data_path for t in tasks] + [m.source.path for m in merged]
         paths = [p for p in dict.fromkeys(paths) if has_tokenizer(p)]
         if len(paths) > 1:
             check_tokenizers_match(paths)
     _, num_blocks = _num_blocks(merged[0].source, family)
     if load_data:
-        # every spec the merge loaded: a held-out example is read by none of them
-        merge_specs = [s for e in cfg.models if (s := cfg.calibration_for(e)) is not None]
+        # every spec the merge loaded: a held-out example is read by none of them (a
+        # data-free method read nothing, so nothing is left out)
+        merge_specs = (
+            [s for e in cfg.models if (s := cfg.calibration_for(e)) is not None]
+            if reads_data
+            else []
+        )
         for t in tasks:
-            load_evaluation_data(t, merge_specs, data, family.modality, trust_remote_code)
+            if t.calibration.has_data or t.evaluation is not None:
+                load_evaluation_data(
+                    t, merge_specs, data, family.modality, trust_remote_code, method, reads_data
+                )
+            if text and (probe or not t.data_info):
+                load_probe_data(t, trust_remote_code, as_evaluation=not t.data_info)
     return DiagnosisPlan(
         family=family,
         merged=merged,
@@ -343,6 +407,9 @@ def plan_diagnosis(
         num_blocks=num_blocks,
         references=ref_models,
         with_references=references,
+        base_is_input=base_is_input,
+        method=method,
+        reads_data=reads_data,
     )
 
 
@@ -503,9 +570,10 @@ class _Path:
 class Diagnoser:
     """Runs a :class:`DiagnosisPlan`; :meth:`run` returns one result per merged model."""
 
-    def __init__(self, plan: DiagnosisPlan, device: torch.device) -> None:
+    def __init__(self, plan: DiagnosisPlan, device: torch.device, progress: bool = True) -> None:
         self.plan = plan
         self.device = device
+        self.progress = progress  # a tqdm bar on stderr, one step per block of each pass
         self.family = plan.family
         self._merged_walkers: dict[int, _Walker] = {}
 
@@ -568,30 +636,58 @@ class Diagnoser:
             if n not in skip
         }
 
+    def _passes(self) -> list[tuple[DiagnosisTask, CalibrationData, bool]]:
+        """(task, data, is the probe) for every pass; a task whose evaluation data is the
+        probe runs once."""
+        out = []
+        for task in self.plan.tasks:
+            assert task.data is not None, "plan_diagnosis loads the evaluation data"
+            out.append((task, task.data, False))
+            if task.probe is not None and task.probe is not task.data:
+                out.append((task, task.probe, True))
+        return out
+
     def run(self) -> list[dict[str, Any]]:
         """One result per merged model, each with the reference rows and its verdict."""
         compared = self.plan.compared
         rows: list[dict[str, Any]] = [{"tasks": {}} for _ in compared]
-        with torch.no_grad():
-            for task in self.plan.tasks:
+        probes: list[dict[str, Any]] = [{"tasks": {}} for _ in compared]
+        passes = self._passes()
+        # one block of one pass: the expert's and every compared model's (shared passes)
+        progress = tqdm(
+            total=len(passes) * self.plan.num_blocks,
+            desc="diagnose",
+            unit="block",
+            disable=not self.progress,
+        )
+        with torch.no_grad(), progress:
+            for task, data, is_probe in passes:
+                progress.set_postfix_str(f"{task.name}{' (probe)' if is_probe else ''}")
                 start = time.perf_counter()
-                per_model = self._run_task(task)
+                per_model = self._run_task(task, data, progress)
                 seconds = time.perf_counter() - start
                 LOG.info(
-                    "task %s: %d model(s) compared with the expert in %.1fs",
+                    "task %s%s: %d model(s) compared with the expert in %.1fs",
                     task.name,
+                    " (probe)" if is_probe else "",
                     len(per_model),
                     seconds,
                 )
                 for i, task_result in per_model.items():
                     task_result["seconds"] = round(seconds, 3)
-                    rows[i]["tasks"][task.name] = task_result
-        for row in rows:
+                    (probes if is_probe else rows)[i]["tasks"][task.name] = task_result
+                    if not is_probe and task.probe is data:  # the probe is its only data
+                        probes[i]["tasks"][task.name] = task_result
+        for row, probe in zip(rows, probes):
             row.update(summarize(row["tasks"]))
+            if probe["tasks"]:
+                probe.update(summarize(probe["tasks"]))
+                row["probe"] = probe
         references: dict[str, Any] = {
             "base": None,
             "experts": {},
             "skipped": not self.plan.with_references,
+            "base_is_input": self.plan.base_is_input,
         }
         for model, row in zip(compared, rows):
             if model.role == "base":
@@ -599,20 +695,31 @@ class Diagnoser:
             elif model.role == "expert":
                 assert model.task is not None
                 references["experts"][model.task] = {"model": model.label, **row}
-        data = {t.name: dict(t.data_info) for t in self.plan.tasks}
+        data_info = {t.name: dict(t.data_info) for t in self.plan.tasks}
+        probe_info = {t.name: dict(t.probe_info) for t in self.plan.tasks if t.probe_info}
         results = []
         for model, row in zip(self.plan.merged, rows):
             result = {"merged": model.label, "family": self.family.name, **row}
-            result["data"] = data
-            result["evaluated_on"] = evaluated_on(data)
+            result["data"] = data_info
+            result["probe_data"] = probe_info
+            if self.family.modality != "text":
+                result["probe_skipped"] = (
+                    f"no generic probe for {self.family.modality} models: give off-distribution "
+                    "data with --heldout"
+                )
+            result["evaluated_on"] = evaluated_on(data_info)
+            result["method"] = self.plan.method
             result["references"] = references
+            result["merge_warnings"] = record_warnings(model.source.path)
             result.update(compare_with_references(result))
             results.append(result)
         return results
 
-    def _run_task(self, task: DiagnosisTask) -> dict[int, dict[str, Any]]:
-        """Results on one task by index in ``plan.compared``; the task's expert runs once."""
-        assert task.data is not None, "plan_diagnosis loads the evaluation data"
+    def _run_task(
+        self, task: DiagnosisTask, data: CalibrationData, progress: Optional[Any] = None
+    ) -> dict[int, dict[str, Any]]:
+        """Results on one task's ``data`` by index in ``plan.compared``; the task's expert
+        runs once."""
         device = self.device
         expert = _Walker(task.source, self.family, device)
         expert_path = self._expert_path(expert)
@@ -625,10 +732,10 @@ class Diagnoser:
 
         inputs = [
             {k: v.to(device) for k, v in self.family.forward_inputs(b).items()}
-            for b in task.data.batches
+            for b in data.batches
         ]
         masks = []
-        for b in task.data.batches:
+        for b in data.batches:
             mask = self.family.token_mask(b)
             masks.append(mask.to(device).bool() if mask is not None else None)
 
@@ -663,6 +770,8 @@ class Diagnoser:
                 err = 0.0 if p == 0 else relative_error(hidden[0], hidden[p], masks)
                 errors[p].append({"index": index, "relative_error": err})
             trim_heap()
+            if progress is not None:
+                progress.update(1)
 
         outputs = self._outputs(expert, paths, inputs, masks, hidden)
         results: dict[int, dict[str, Any]] = {}
@@ -671,9 +780,9 @@ class Diagnoser:
             path = paths[p]
             result: dict[str, Any] = {
                 "model": task.label,
-                "samples": task.data.num_samples,
-                "tokens": task.data.num_tokens,
-                "data": task.data_info.get("kind"),
+                "samples": data.num_samples,
+                "tokens": data.num_tokens,
+                "data": "probe" if data is task.probe else task.data_info.get("kind"),
                 **outputs[p],
                 "head": "expert" if path.from_expert else "merged",
                 "expert_tensors_used": [n.removeprefix(HEAD_PREFIX) for n in path.from_expert],
@@ -824,12 +933,15 @@ def diagnose(
     heldout: Sequence[str] = (),
     data: DataMode = "heldout",
     references: bool = True,
+    probe: bool = True,
+    progress: bool = True,
 ) -> list[dict[str, Any]] | dict[str, Any]:
     """Diagnose one merged folder (a dict) or several against the same experts (a list).
 
     Several merged folders share the experts' forward passes (each expert block runs once
     per task, then each compared model's block). ``heldout`` / ``data`` / ``references``:
-    see :func:`plan_diagnosis`.
+    ``probe``: see :func:`plan_diagnosis`. ``progress``: a progress bar with the
+    time left on stderr (one step per block of each task's pass).
     """
     from mergekit_ext.executor.sequential import resolve_device
 
@@ -845,8 +957,9 @@ def diagnose(
         heldout=heldout,
         data=data,
         references=references,
+        probe=probe,
     )
-    results = Diagnoser(plan, torch_device).run()
+    results = Diagnoser(plan, torch_device, progress=progress).run()
     seconds = round(time.perf_counter() - start, 3)
     for r in results:
         r["seconds"] = seconds

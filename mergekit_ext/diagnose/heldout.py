@@ -17,7 +17,9 @@ from mergekit_ext.calibration.sources import (
     CalibrationData,
     NoUnusedCalibrationData,
     load_calibration,
+    same_source,
 )
+from mergekit_ext.diagnose.probe import PROBE_NAME, diversity_warnings, load_probe
 from mergekit_ext.errors import CalibrationError, ConfigError, ConfigFileNotFoundError
 from mergekit_ext.yaml_input import load_yaml
 
@@ -97,8 +99,14 @@ def load_evaluation_data(
     mode: DataMode,
     modality: str,
     trust_remote_code: bool,
+    method: Optional[str] = None,
+    reads_data: bool = True,
 ) -> None:
-    """Load the task's evaluation data and describe it in ``task.data_info``."""
+    """Load the task's evaluation data and describe it in ``task.data_info``.
+
+    ``reads_data``: the merge method reads calibration data; a data-free method (``method``,
+    e.g. SLERP) read nothing, so nothing is left out and the note says so.
+    """
 
     def load(spec: CalibrationSpec, exclude: Sequence[CalibrationSpec]) -> CalibrationData:
         return load_calibration(
@@ -123,9 +131,14 @@ def load_evaluation_data(
             data = load(task.calibration, ())
     if not data.batches:
         raise CalibrationError(f"model {task.label} (task {task.name!r}): no evaluation batches")
-    heldout = mode == "heldout" and fallback is None
+    heldout = (mode == "heldout" and fallback is None) or not reads_data
     amount = f"{data.num_samples} samples, {data.num_tokens} tokens of {data.source}"
-    if heldout and given:
+    if data.split:
+        amount += f" ({data.split})"
+    data_free = f"the merge read no data: {method or 'its method'} is data-free"
+    if not reads_data:
+        note = f"{'--heldout data' if given else 'data'}: {amount} ({data_free})"
+    elif heldout and given:
         note = f"held-out data (--heldout): {amount}"
         if data.rows_excluded:
             note += f", leaving out the {data.rows_excluded} examples the merge read"
@@ -143,14 +156,52 @@ def load_evaluation_data(
             f"calibration data (--calibration-data): {amount}, all read by the merge; "
             "the numbers flatter the merge"
         )
+    warnings: list[str] = []
+    # the diversity of what the merge fitted: the evaluation rows stand for it when they come
+    # from the calibration's own source (the default, or --heldout '{samples: ...}')
+    if reads_data and modality == "text" and (not given or same_source(spec, task.calibration)):
+        warnings = diversity_warnings(data, f"task {task.name}'s calibration source")
+        for w in warnings:
+            LOG.info("%s", w)  # printed with the data lines of the report
     task.data = data
     task.data_info = {
         "kind": "held-out" if heldout else "calibration",
         "heldout": heldout,
         "source": data.source,
+        "split": data.split,
         "samples": data.num_samples,
         "tokens": data.num_tokens,
         "sha256": data.sha256,
         "excluded_examples": data.rows_excluded,
         "note": note,
+        "warnings": warnings,
     }
+
+
+def load_probe_data(task: DiagnosisTask, trust_remote_code: bool, as_evaluation: bool) -> None:
+    """The generic prose probe for a text task (:mod:`~mergekit_ext.diagnose.probe`).
+
+    ``as_evaluation``: the task has no data of its own (a data-free merge without
+    ``--heldout``): the probe is its evaluation data too, and is run once.
+    """
+    batch_size = task.calibration.batch_size if task.calibration.has_data else 8
+    data = load_probe(task.name, task.data_path, batch_size, trust_remote_code)
+    info = {
+        "kind": "probe",
+        "heldout": True,
+        "source": PROBE_NAME,
+        "split": data.split,
+        "samples": data.num_samples,
+        "tokens": data.num_tokens,
+        "sha256": data.sha256,
+        "excluded_examples": 0,
+        "note": f"probe: {data.num_samples} samples, {data.num_tokens} tokens of {PROBE_NAME}",
+        "warnings": [],
+    }
+    task.probe, task.probe_info = data, info
+    if as_evaluation:
+        task.data = data
+        task.data_info = {
+            **info,
+            "note": info["note"] + " (the task has no data of its own; --heldout gives some)",
+        }

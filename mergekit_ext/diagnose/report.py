@@ -25,15 +25,17 @@ def _head_words(t: dict[str, Any]) -> str:
     return "own" if t["output"] else "no head (blocks only)"
 
 
-def _model_rows(label: str, row: dict[str, Any]) -> list[tuple[str, ...]]:
+def _task_rows(
+    label: str, tasks: dict[str, dict[str, Any]], means: dict[str, Any], suffix: str
+) -> list[tuple[str, ...]]:
     rows = []
-    for name, t in row["tasks"].items():
+    for name, t in tasks.items():
         worst = t.get("worst_block")
         last = t["blocks"][-1]["relative_error"] if t["blocks"] else None
         rows.append(
             (
                 label,
-                name,
+                name + suffix,
                 _cell(t["agreement"]),
                 _cell(t["kl"], 5),
                 f"{worst['index']} ({_cell(worst['relative_error'])})" if worst else "—",
@@ -42,18 +44,30 @@ def _model_rows(label: str, row: dict[str, Any]) -> list[tuple[str, ...]]:
             )
         )
         label = ""
-    if len(row["tasks"]) > 1:
+    if len(tasks) > 1:
         rows.append(
             (
                 label,
-                "mean",
-                _cell(row.get("mean_agreement")),
-                _cell(row.get("mean_kl"), 5),
+                "mean" + suffix,
+                _cell(means.get("mean_agreement")),
+                _cell(means.get("mean_kl"), 5),
                 "",
-                _cell(row.get("mean_last_block_error")),
+                _cell(means.get("mean_last_block_error")),
                 "",
             )
         )
+    return rows
+
+
+def _model_rows(label: str, row: dict[str, Any]) -> list[tuple[str, ...]]:
+    rows = _task_rows(label, row["tasks"], row, "")
+    probe = row.get("probe") or {}
+    # the probe's rows below the held-out ones (a task measured on the probe alone: once)
+    extra = {
+        name: t for name, t in (probe.get("tasks") or {}).items() if t is not row["tasks"].get(name)
+    }
+    if extra:
+        rows += _task_rows("", extra, probe if len(extra) == len(probe["tasks"]) else {}, " probe")
     return rows
 
 
@@ -66,6 +80,12 @@ def format_report(results: Sequence[dict[str, Any]]) -> str:
     lines = ["Evaluation data:"]
     for name, d in (first.get("data") or {}).items():
         lines.append(f"  {name}: {d['note']}")
+        lines += [f"  {name}: WARNING: {w}" for w in d.get("warnings") or []]
+    for name, d in (first.get("probe_data") or {}).items():
+        if (first.get("data") or {}).get(name, {}).get("kind") != "probe":
+            lines.append(f"  {name}: {d['note']} (off-distribution check)")
+    if first.get("probe_skipped"):
+        lines.append(f"  {first['probe_skipped']}")
     table = [("model", "task", "agreement", "KL", "worst block (rel. error)", "last block", "head")]
     for r in results:
         table += _model_rows(f"{r['merged']} (merged)", r)
@@ -78,7 +98,10 @@ def format_report(results: Sequence[dict[str, Any]]) -> str:
     body = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
     body.insert(1, "  ".join("-" * w for w in widths))
     lines += body
-    lines.append("KL: mean KL(expert ‖ model) on the task's data; agreement: top-1 / argmax.")
+    lines.append(
+        "KL: mean KL(expert ‖ model) on the task's data; agreement: top-1 / argmax; "
+        "'probe': the same on generic prose (the mean row is over the held-out rows)."
+    )
     for r in results:
         for name, t in r["tasks"].items():
             if t["expert_tensors_used"]:
@@ -90,10 +113,19 @@ def format_report(results: Sequence[dict[str, Any]]) -> str:
     for r in results:
         ratio = r.get("base_ratio")
         lines.append(f"  {r['merged']} {r.get('verdict', '')}")
-        if ratio is not None:
+        if r.get("best_single_ratio") is not None:
+            lines.append(
+                f"    best_single_ratio {_cell(r['best_single_ratio'], 3)} (the closest input "
+                f"model's {r['ratio_measure']} alone / this model's)"
+            )
+        elif ratio is not None:
             lines.append(
                 f"    base_ratio {_cell(ratio, 3)} (base model's {r['ratio_measure']} / this model's)"
             )
+        if r.get("probe_ratio") is not None:
+            lines.append(f"    probe_ratio {_cell(r['probe_ratio'], 3)} (the same on the probe)")
+        for w in r.get("merge_warnings") or []:
+            lines.append(f"    merge record: {w}")
     return "\n".join(lines)
 
 

@@ -38,9 +38,46 @@ class ParameterDoc:
 
 
 def describe_allowed(field: FieldInfo) -> str:
-    """The allowed values of ``field`` in words: an interval from its bounds, or the choices."""
+    """The allowed values of ``field`` in words: an interval from its bounds, or the choices;
+    for a union (``ridge: auto | [0, inf)``) every member's."""
+    from typing import Union, get_origin
+
+    if get_origin(field.annotation) is Union and not any(
+        hasattr(m, a) for m in field.metadata for a in ("ge", "gt", "le", "lt")
+    ):
+        parts = [_describe_member(arg) for arg in _union_args(field.annotation)]
+        if len([p for p in parts if p]) > 1:
+            return " | ".join(p for p in parts if p)
+    return _interval(field.metadata) or " | ".join(
+        str(c) for c in _literal_choices(field.annotation)
+    )
+
+
+def _union_args(annotation: Any) -> tuple[Any, ...]:
+    from typing import get_args
+
+    return tuple(a for a in get_args(annotation) if a is not type(None))
+
+
+def _describe_member(annotation: Any) -> str:
+    """One member of a union: its choices, or the interval of ``Annotated[float, Field(...)]``."""
+    from typing import Annotated, get_args, get_origin
+
+    if get_origin(annotation) is Annotated:
+        metadata = []
+        for m in get_args(annotation)[1:]:
+            metadata += list(getattr(m, "metadata", [])) or [m]
+        return _interval(metadata) or get_args(annotation)[0].__name__
+    choices = _literal_choices(annotation)
+    if choices:
+        return " | ".join(str(c) for c in choices)
+    return getattr(annotation, "__name__", "")
+
+
+def _interval(metadata: Any) -> str:
+    """``[lo, hi)`` from ``ge``/``gt``/``le``/``lt`` constraints ('' without any)."""
     lo, hi, lo_open, hi_open = None, None, False, False
-    for m in field.metadata:
+    for m in metadata:
         for attr, is_open in (("ge", False), ("gt", True)):
             if getattr(m, attr, None) is not None:
                 lo, lo_open = getattr(m, attr), is_open
@@ -48,8 +85,7 @@ def describe_allowed(field: FieldInfo) -> str:
             if getattr(m, attr, None) is not None:
                 hi, hi_open = getattr(m, attr), is_open
     if lo is None and hi is None:
-        choices = _literal_choices(field.annotation)
-        return " | ".join(str(c) for c in choices) if choices else ""
+        return ""
     left = "(" if lo_open or lo is None else "["
     right = ")" if hi_open or hi is None else "]"
     return (

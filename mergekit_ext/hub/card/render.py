@@ -171,6 +171,7 @@ def _calibration_rows(diag: Mapping[str, Any], cfg: Any, cwd: str) -> list[dict[
                 ),
                 "samples": info.get("samples", spec.samples if spec else None),
                 "tokens": info.get("tokens"),
+                "split": getattr(spec, "split", None),
                 "max_length": getattr(spec, "max_length", None),
                 "chat_template": chat if isinstance(chat, bool) else None,
                 "modality": info.get("modality") or "",
@@ -187,6 +188,7 @@ def _calibration_rows(diag: Mapping[str, Any], cfg: Any, cwd: str) -> list[dict[
                     "source": _display_source(str(info.get("source") or ""), cwd),
                     "samples": info.get("samples"),
                     "tokens": info.get("tokens"),
+                    "split": None,
                     "max_length": None,
                     "chat_template": None,
                     "modality": info.get("modality") or "",
@@ -396,15 +398,27 @@ def _diagnose_section(
     from mergekit_ext.plots import as_float, plot_block_errors
 
     rows = []
-    base = ((result.get("references") or {}).get("base") or {}).get("tasks") or {}
-    for task, t in (result.get("tasks") or {}).items():
+    base_row = (result.get("references") or {}).get("base") or {}
+    base = base_row.get("tasks") or {}
+    base_probe = (base_row.get("probe") or {}).get("tasks") or {}
+    probe = (result.get("probe") or {}).get("tasks") or {}
+    tasks = result.get("tasks") or {}
+    # the probe's rows (generic prose) below the held-out ones; a task whose only data is
+    # the probe has one row
+    listed = [(task, t, base.get(task), "") for task, t in tasks.items()]
+    listed += [
+        (task, t, base_probe.get(task), " (generic prose probe)")
+        for task, t in probe.items()
+        if t != tasks.get(task)
+    ]
+    for task, t, b, suffix in listed:
         worst = t.get("worst_block") or {}
         rows.append(
             {
-                "task": task,
+                "task": task + suffix,
                 "agreement": t.get("agreement"),
                 "kl": t.get("kl"),
-                "base_kl": (base.get(task) or {}).get("kl"),
+                "base_kl": (b or {}).get("kl"),
                 "worst": f"{worst['index']} ({_fmt(as_float(worst.get('relative_error')))})"
                 if worst
                 else "—",
@@ -415,6 +429,12 @@ def _diagnose_section(
                 "output": t.get("output"),
             }
         )
+    warnings = [
+        f"{task}: {w}"
+        for task, d in (result.get("data") or {}).items()
+        for w in (d.get("warnings") or [])
+    ]
+    warnings += [f"this merge: {w}" for w in result.get("merge_warnings") or []]
     plots = []
     if render_images and rows:
         plots.append(plot_block_errors(dict(result), images_dir, DIAGNOSE_PLOT))
@@ -423,7 +443,12 @@ def _diagnose_section(
         "mean_agreement": result.get("mean_agreement"),
         "mean_kl": result.get("mean_kl"),
         "verdict": result.get("verdict"),
-        "heldout": result.get("evaluated_on") == "held-out",
+        "heldout": all(
+            d.get("kind") in ("held-out", "probe") for d in (result.get("data") or {}).values()
+        ),
+        "has_probe": bool(probe),
+        "probe_skipped": result.get("probe_skipped"),
+        "warnings": warnings,
         "has_base": bool(base),
         "next_token": any(r["output"] == "next_token" for r in rows),
         "plots": plots,
@@ -556,7 +581,9 @@ def build_card_context(
         )
     with open(config_path, encoding="utf-8") as fp:
         config_text = fp.read()
-    cfg = parse_config(config_text, config_path)
+    # the merge warned about unknown keys when it read the config; its copy (inside a
+    # temporary `.partial-*` folder during the run) does not warn again
+    cfg = parse_config(config_text, config_path, warn_unknown=False)
     cfg.base_dir = cwd  # relative paths in the YAML resolve against the CWD, like mergekit
     model_config = _read_json(os.path.join(out_dir, "config.json"))
     if model_config is None:

@@ -71,6 +71,30 @@ def summarize_ace(section: Mapping[str, Any], parameters: Any) -> dict[str, Any]
     }
 
 
+def threshold_bins(
+    values: list[float], threshold: float, count: int = 30
+) -> tuple[list[float], bool]:
+    """Histogram bin edges with ``threshold`` on an edge, and whether the axis is logarithmic.
+
+    γ spans orders of magnitude (most weights near 0.01, a few near 1): on a linear axis
+    almost every weight falls into the first bin, the threshold inside it. With positive
+    values and threshold the edges are geometric (``count`` bins over the values' range, the
+    threshold one of them), else linear, still with the threshold on an edge.
+    """
+    positive = [v for v in values if v > 0]
+    if positive and threshold > 0:
+        lo, hi = min(min(positive), threshold), max(max(positive), threshold)
+        step = math.log(hi / lo) / count if hi > lo else 0.1
+        below = math.ceil(math.log(threshold / lo) / step + 1e-9)
+        above = math.ceil(math.log(hi / threshold) / step + 1e-9)
+        return [threshold * math.exp(step * k) for k in range(-below, above + 1)], True
+    lo, hi = min([*values, threshold]), max([*values, threshold])
+    step = (hi - lo) / count if hi > lo else 0.5
+    below = math.ceil((threshold - lo) / step + 1e-9)
+    above = math.ceil((hi - threshold) / step + 1e-9)
+    return [threshold + step * k for k in range(-below, max(above, 1) + 1)], False
+
+
 def plot_ace(section: Mapping[str, Any], images_dir: str, parameters: Any) -> list[Plot]:
     """Heterogeneity distribution (normalized vs not, with the threshold), normalization share."""
     key, label, gamma_threshold = heterogeneity_rule(parameters)
@@ -84,10 +108,11 @@ def plot_ace(section: Mapping[str, Any], images_dir: str, parameters: Any) -> li
     fig, (ax,) = new_figure()
     everything = gammas_norm + gammas_raw
     if everything:
-        lo, hi = min(everything), max(everything)
-        if lo == hi:
-            lo, hi = lo - 0.5, hi + 0.5
-        bins = [lo + (hi - lo) * i / 30 for i in range(31)]
+        bins, log_axis = threshold_bins(everything, gamma_threshold)
+        if log_axis:  # a γ of exactly 0 (equal energies) lands in the first bin
+            gammas_raw = [max(g, bins[0]) for g in gammas_raw]
+            gammas_norm = [max(g, bins[0]) for g in gammas_norm]
+            ax.set_xscale("log")
         ax.hist(
             [gammas_raw, gammas_norm],
             bins=bins,

@@ -225,9 +225,27 @@ def _error_order(value: Any) -> tuple[int, float]:
 
 
 def worst_layer_record(layers: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
-    """The layer whose largest per-task relative output error (measured on the weights as
-    written) is the worst, with its task, norm ratio, condition number and ridge; None when
-    no error was recorded. Ties (e.g. two NaN) go to the first layer."""
+    """The worst layer, with its task, output error, norm ratio, condition number and ridge.
+
+    A layer whose output error is NaN or inf is broken and the worst; after it, a layer the
+    result guard flagged (outside the experts' range) is worse than any layer within it, so
+    the card's "worst layer" line names the same layer as its warnings list: among flagged
+    layers the largest norm ratio; otherwise the largest per-task relative output error
+    (measured on the weights as written). None when nothing was recorded.
+    Ties (e.g. two NaN) go to the first layer.
+    """
+    worst = _worst_error(*layers)
+    broken = worst is not None and _error_order(worst["error"])[0] > 0  # a NaN or inf error
+    flagged = [layer for layer in layers if layer.get("guard") in ("warned", "allowed")]
+    if flagged and not broken:
+        layer = max(flagged, key=lambda g: _error_order(g.get("max_norm_ratio")))
+        record = _worst_error(layer) or {"layer": layer.get("layer"), "task": None, "error": None}
+        return {**record, "out_of_range": True}
+    return {**worst, "out_of_range": False} if worst is not None else None
+
+
+def _worst_error(*layers: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The layer and task with the worst relative output error among ``layers``."""
     worst: dict[str, Any] | None = None
     order = (-1, 0.0)
     for layer in layers:
