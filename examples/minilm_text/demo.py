@@ -107,7 +107,8 @@ def main() -> int:
 
     start = time.perf_counter()
     method = args.method or default_method()
-    suite = TextSuite(args.cache_dir, smoke=args.smoke)
+    # absolute: the merge runs in a subprocess with the work folder as its directory
+    suite = TextSuite(os.path.abspath(args.cache_dir), smoke=args.smoke)
     base_dir, base_record = suite.base()
     experts = {task: suite.expert("full", task) for task in suite.tasks}
     for task in suite.tasks:
