@@ -9,7 +9,12 @@ these hashes byte-identical:
     ... change the code ...
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python -m benchmarks.merge_hashes --check hashes.json
 
-``--only NAME`` (repeatable) runs a subset (the test in tests/test_architecture_rules.py does).
+``--only NAME`` (repeatable) runs a subset (the tests in tests/test_architecture_rules.py do).
+
+The bytes depend on the CPU's kernels (MKL, oneDNN and ATen pick their code per CPU, so their
+sums round differently), so the file holds one record per environment (library versions,
+CPU, kernel variables): ``--write`` adds or replaces this machine's record, ``--check``
+compares with it and says so when there is none (record one on the start commit first).
 """
 
 from __future__ import annotations
@@ -90,12 +95,21 @@ def _hashes(folder: str) -> dict[str, str]:
 
 
 def run_cases(names: list[str]) -> dict[str, dict[str, str]]:
-    """Run the named merges in a fresh temporary folder; return {case: {weight file: sha256}}."""
+    """Run the named merges in a fresh temporary folder, on one thread; return
+    {case: {weight file: sha256}}."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _run_cases(names)
+    finally:
+        torch.set_num_threads(threads)  # a caller's (a test process's) setting is its own
+
+
+def _run_cases(names: list[str]) -> dict[str, dict[str, str]]:
     from click.testing import CliRunner
 
     from mergekit_ext.cli import main
 
-    torch.set_num_threads(1)
     results: dict[str, dict[str, str]] = {}
     with tempfile.TemporaryDirectory() as root:
         base, experts = _models(root)
@@ -136,18 +150,53 @@ def _cpu() -> str:
     return " ".join([*parts, torch.backends.cpu.get_cpu_capability()])
 
 
+#: variables that change which kernels run (benchmarks/cpu_kernels.py), and so the bytes
+KERNEL_VARIABLES = (
+    "ATEN_CPU_CAPABILITY",
+    "MKL_ENABLE_INSTRUCTIONS",
+    "MKL_CBWR",
+    "ONEDNN_MAX_CPU_ISA",
+)
+
+
 def environment() -> dict[str, str]:
-    """The library versions and the CPU the hashes depend on (another torch, or another CPU's
-    BLAS kernels, may round differently)."""
+    """The library versions, the CPU and the kernel variables set, which the hashes depend on
+    (another torch, or another CPU's kernels, may round differently)."""
     import safetensors
     import transformers
 
-    return {
+    out = {
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "safetensors": safetensors.__version__,
         "cpu": _cpu(),
     }
+    out.update({k: os.environ[k] for k in KERNEL_VARIABLES if os.environ.get(k)})
+    return out
+
+
+def load_records(path: str) -> list[dict[str, Any]]:
+    """The ``{"environment": ..., "hashes": {case: {file: sha256}}}`` records in ``path``
+    (none if it does not exist)."""
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as fp:
+        return json.load(fp)["records"]
+
+
+def recorded(path: str, env: dict[str, str]) -> dict[str, dict[str, str]] | None:
+    """The hashes recorded in ``path`` for ``env``, or None."""
+    return next((r["hashes"] for r in load_records(path) if r["environment"] == env), None)
+
+
+def write_record(path: str, env: dict[str, str], hashes: dict[str, dict[str, str]]) -> None:
+    """Add (or replace) the record of ``env`` in ``path``, keeping the others."""
+    records = [r for r in load_records(path) if r["environment"] != env]
+    records.append({"environment": env, "hashes": dict(sorted(hashes.items()))})
+    records.sort(key=lambda r: json.dumps(r["environment"], sort_keys=True))
+    with open(path, "w", encoding="utf-8") as fp:
+        json.dump({"records": records}, fp, indent=1, sort_keys=True)
+        fp.write("\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,20 +210,18 @@ def main(argv: list[str] | None = None) -> int:
     for name, files in results.items():
         for path, digest in files.items():
             print(f"{digest}  {name}/{path}")
-    if args.write:
-        with open(args.write, "w", encoding="utf-8") as fp:
-            json.dump({"_environment": environment(), **results}, fp, indent=1, sort_keys=True)
-            fp.write("\n")
     if args.check:
-        with open(args.check, encoding="utf-8") as fp:
-            expected = json.load(fp)
-        if expected.get("_environment") not in (None, environment()):
-            print(f"note: hashes recorded with {expected['_environment']}, now {environment()}")
+        expected = recorded(args.check, environment())
+        if expected is None:
+            print(f"no hashes recorded in {args.check} for {environment()}: record them first")
+            return 2
         bad = [n for n in names if expected.get(n) != results[n]]
         if bad:
             print(f"DIFFERENT: {', '.join(bad)}")
             return 1
         print(f"identical: {len(names)} merges")
+    if args.write:
+        write_record(args.write, environment(), results)
     return 0
 
 

@@ -161,6 +161,36 @@ def test_merges_or_refuses(model_type, method, checkpoints, data, tmp_path, monk
 # RegMean against a whole-model closed form
 
 
+# The executor forms its Gram products in float32 from float32 activations: the system it
+# solves is known to about float32's relative precision ε, whatever CPU rounds it.
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def _solve_error(got: torch.Tensor, expected: torch.Tensor, system: torch.Tensor):
+    """The relative data-norm error ``‖(W − W_ref) G^½‖ / ‖W_ref G^½‖`` of a merged weight
+    (the error of the merged linear's outputs on the calibration inputs), and the tolerance
+    the system's conditioning allows it: ``κ·ε``, κ = λmax / λmin over the eigenvalues of ``G``
+    that the (pseudo-)inverse keeps (``torch.linalg.pinv``'s cut-off, n·ε64·λmax; all of them
+    for a nonsingular system).
+
+    A solve amplifies the system's relative error by up to κ (the standard forward bound),
+    so how the directions the data barely spans come out depends on the CPU's rounding: a
+    fixed 1e-4 held on the CPU it was set on, while ridge 0 Mixtral down_projs gave 2.6e-4
+    (κ 1.5e4) on an AMD EPYC with AVX2 and 2.0e-3 (κ 7.7e5) on another CPU (issue #47).
+    Measured: at most 0.15·κ·ε, under four kernel settings of the AMD machine (torch's
+    AVX2 and default kernels, MKL's default and COMPATIBLE branches); on well-conditioned
+    linears (κ ~ 50: 6e-6) that is tighter than the 1e-4 it replaces. Routing weights
+    applied unsquared give 29-505·κ·ε (:func:`test_regmean_mixtral_equals_per_expert_reference`).
+    """
+    delta = got.detach().double() - expected
+    error = torch.trace(delta @ system @ delta.T) / torch.trace(expected @ system @ expected.T)
+    eigenvalues = torch.linalg.eigvalsh(system).abs()
+    kept = eigenvalues[
+        eigenvalues > system.shape[0] * torch.finfo(system.dtype).eps * eigenvalues.max()
+    ]
+    return float(error) ** 0.5, float(kept.max() / kept.min()) * EPS32
+
+
 def _block_linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """Every linear-like module inside the model's block list (whole-model module names)."""
     out = {}
@@ -216,10 +246,8 @@ def _input_grams(model, modules, batches) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("model_type", ["gemma2", "phi3", "gpt2", "bert", "deberta-v2"])
 def test_regmean_equals_whole_model_reference(model_type, checkpoints, data, tmp_path):
     """Per linear: ``W = (Σ_k W_k G_k)(Σ_k G_k)⁻¹`` with ``G_k`` from expert k's own forward
-    passes (hooks on each whole expert model), to 1e-4 in the relative data-norm error
-    ``‖(W − W_ref) G^½‖ / ‖W_ref G^½‖`` with ``G = Σ_k G_k`` (the error of the merged
-    linear's outputs on the calibration inputs; the executor forms its Gram products in
-    float32, so directions the data barely spans differ more)."""
+    passes (hooks on each whole expert model), to κ·ε in the relative data-norm error
+    ``‖(W − W_ref) G^½‖ / ‖W_ref G^½‖`` with ``G = Σ_k G_k`` (:func:`_solve_error`)."""
     arch = tiny_architectures.ARCHITECTURES[model_type]
     base, experts = checkpoints(model_type)
     cfg = _config("regmean", base, experts, data[arch.modality], ridge=0.0)
@@ -249,17 +277,13 @@ def test_regmean_equals_whole_model_reference(model_type, checkpoints, data, tmp
         system = sum(g[name] for g in grams)
         rhs = sum(w[name] @ g[name] for w, g in zip(weights, grams))
         expected = torch.linalg.solve(system, rhs.T).T
-        got = (module.weight.T if is_transposed_linear(module) else module.weight).double()
-        delta = got.detach() - expected
-        error = (
-            float(
-                torch.trace(delta @ system @ delta.T) / torch.trace(expected @ system @ expected.T)
-            )
-            ** 0.5
+        got = module.weight.T if is_transposed_linear(module) else module.weight
+        error, tolerance = _solve_error(got, expected, system)
+        worst = max(worst, error / tolerance)
+        assert error <= tolerance, (
+            f"{model_type} {name}: relative data-norm error {error:.2e} > κ·ε = {tolerance:.2e}"
         )
-        worst = max(worst, error)
-        assert error <= 1e-4, f"{model_type} {name}: relative data-norm error {error:.2e}"
-    print(f"{model_type}: worst relative data-norm error {worst:.2e}")
+    print(f"{model_type}: worst relative data-norm error {worst:.3f} κ·ε")
 
 
 def test_coverage_doc_is_current():
@@ -383,10 +407,11 @@ def test_lora_experts_on_conv1d_equal_premerged_checkpoints(checkpoints, data, t
 # Mixture-of-experts: per-expert RegMean against a whole-model closed form
 
 
-def _routed_grams(model, batches) -> dict[tuple[int, int, str], torch.Tensor]:
+def _routed_grams(model, batches, power: int = 2) -> dict[tuple[int, int, str], torch.Tensor]:
     """Per (block, expert, "gate_up" | "down"): ``(1/N) Σ r² x xᵀ`` over the tokens the
     model's own router sends to the expert (N: the task's non-padding tokens), from a forward
-    hook on each block's experts module; the intermediate rows ``silu(gate x) * up x`` by hand."""
+    hook on each block's experts module; the intermediate rows ``silu(gate x) * up x`` by hand.
+    ``power``: the routing weight's exponent (1: the wrong statistics the test must reject)."""
     sums: dict[tuple[int, int, str], torch.Tensor] = {}
     tokens = [0]
     mask: list[Any] = [None]
@@ -396,7 +421,7 @@ def _routed_grams(model, batches) -> dict[tuple[int, int, str], torch.Tensor]:
             hidden, index, weights = (a.double() for a in args[:3])
             index = index.long()
             keep = mask[0].reshape(-1).bool()
-            hidden, index, weights = hidden[keep], index[keep], weights[keep]
+            hidden, index, weights = hidden[keep], index[keep], weights[keep] ** (power / 2)
             for e in range(module.gate_up_proj.shape[0]):
                 token, slot = torch.where(index == e)
                 x, r = hidden[token], weights[token, slot][:, None]
@@ -427,8 +452,13 @@ def _routed_grams(model, batches) -> dict[tuple[int, int, str], torch.Tensor]:
 def test_regmean_mixtral_equals_per_expert_reference(checkpoints, data, tmp_path):
     """Each routed expert's ``gate_up`` and ``down``: ``(Σ_k W_k G_k)(Σ_k G_k)⁺`` with
     ``G_k`` from the tokens expert model k's own router sends to it, rows weighted by the
-    squared routing weight; to 1e-4 in the relative data-norm error. The router is an
-    ordinary linear group (the same closed form on the block's normed input)."""
+    squared routing weight; to κ·ε in the relative data-norm error (:func:`_solve_error`: a
+    down_proj sees fewer routed tokens than its 128 inputs, so its system is singular and
+    the directions it barely spans depend on the CPU's rounding). The same comparison with
+    rows weighted by the routing weight itself (not squared) fails on every gate_up, by
+    ~30-500 κ·ε (a down_proj with fewer routed tokens than inputs fits each of them exactly
+    whatever the rows' weights, so no weighting shows there). The router is an ordinary
+    linear group (the same closed form on the block's normed input)."""
     arch = tiny_architectures.ARCHITECTURES["mixtral"]
     base, experts = checkpoints("mixtral")
     # ridge 0: the exact solve; a down_proj (128 inputs) of an expert sees fewer routed
@@ -440,13 +470,14 @@ def test_regmean_mixtral_equals_per_expert_reference(checkpoints, data, tmp_path
     cls = getattr(transformers, arch.model_class)
     merged = cls.from_pretrained(out, dtype=torch.float32)
     grams, weights = [], []
-    router_grams = []
+    router_grams, unsquared = [], []
     for k, path in enumerate(experts):
         model = cls.from_pretrained(path, dtype=torch.float32).eval()
         batches = load_calibration(
             cfg.calibration_for(cfg.models[k]), path, task=f"task{k}", modality="text"
         ).batches
         grams.append(_routed_grams(model, batches))
+        unsquared.append(_routed_grams(model, batches, power=1))
         routers = {
             f"model.layers.{i}.mlp.gate": layer.mlp.gate
             for i, layer in enumerate(model.model.layers)
@@ -470,26 +501,26 @@ def test_regmean_mixtral_equals_per_expert_reference(checkpoints, data, tmp_path
         expected = sum(w[key] @ g[key] for w, g in zip(weights, task_grams)) @ torch.linalg.pinv(
             system, hermitian=True
         )
-        delta = got.detach().double() - expected
-        return (
-            float(
-                torch.trace(delta @ system @ delta.T) / torch.trace(expected @ system @ expected.T)
-            )
-            ** 0.5
-        )
+        return _solve_error(got, expected, system)
 
-    worst = 0.0
+    worst, nearest_wrong = 0.0, float("inf")
     for i, layer in enumerate(merged.model.layers):
         for e in range(layer.mlp.experts.gate_up_proj.shape[0]):
             for part in ("gate_up", "down"):
                 got = getattr(layer.mlp.experts, f"{part}_proj")[e]
-                err = error(got, (i, e, part), grams)
-                worst = max(worst, err)
-                assert err <= 1e-4, f"layer {i} expert {e} {part}: {err:.2e}"
+                err, tol = error(got, (i, e, part), grams)
+                worst = max(worst, err / tol)
+                assert err <= tol, f"layer {i} expert {e} {part}: {err:.2e} > κ·ε = {tol:.2e}"
+                if part == "gate_up":  # a bug in the routed statistics fails by far
+                    wrong, wrong_tol = error(got, (i, e, part), unsquared)
+                    nearest_wrong = min(nearest_wrong, wrong / wrong_tol)
         name = f"model.layers.{i}.mlp.gate"
-        err = error(layer.mlp.gate.weight, name, router_grams)
-        assert err <= 1e-4, f"{name}: {err:.2e}"
-    print(f"mixtral: worst relative data-norm error {worst:.2e}")
+        err, tol = error(layer.mlp.gate.weight, name, router_grams)
+        assert err <= tol, f"{name}: {err:.2e} > κ·ε = {tol:.2e}"
+    print(
+        f"mixtral: worst error {worst:.3f} κ·ε; unsquared routing weights {nearest_wrong:.0f} κ·ε"
+    )
+    assert nearest_wrong > 10.0
     assert result["moe"]["experts_without_tokens"] == {
         i: {"module": "mlp.experts", "count": 0, "experts": []} for i in range(2)
     }
