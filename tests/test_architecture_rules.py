@@ -267,8 +267,12 @@ def test_merge_hashes_match_the_recorded_ones():
             "the_process checks this machine): `python -m benchmarks.merge_hashes --write "
             "benchmarks/merge_hashes.json` on an unchanged commit records them"
         )
-    results = merge_hashes.run_cases(["ties", "regmean"])
-    assert results == {name: expected[name] for name in ("ties", "regmean")}
+    # a record lacks the cases a change meant to alter until that machine re-records them
+    names = [name for name in ("ties", "regmean") if name in expected]
+    if not names:
+        pytest.skip(f"ties and regmean are not recorded for {environment}: re-record them there")
+    results = merge_hashes.run_cases(names)
+    assert results == {name: expected[name] for name in names}
 
 
 def test_merge_hashes_do_not_depend_on_the_process(tmp_path):
