@@ -54,9 +54,9 @@ def test_version_loads_no_heavy_module():
 def test_import_still_registers_every_method():
     script = (
         "import logging, mergekit_ext\n"
-        "from mergekit.merge_methods.registry import get\n"
+        "from mergekit_ext.methods.registry import mergekit_method\n"
         "for name in ('regmean', 'chain_of_merges', 'ace', 'qp_projection', 'symerge', 'wudi'):\n"
-        "    get(name)\n"
+        "    mergekit_method(name)\n"
         "assert logging.getLogger().handlers == [], logging.getLogger().handlers\n"
         "print(sorted(type(h).__name__ for h in logging.getLogger('mergekit_ext').handlers))\n"
         "logging.basicConfig()\n"  # a script's own setup, at WARNING
