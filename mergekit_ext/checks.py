@@ -293,6 +293,7 @@ def tokenizer_sources(cfg: ExtMergeConfig) -> list[str]:
     ``referenced_models()`` leaves out; ``base`` and ``union`` name no extra model.
     """
     from mergekit.common import ModelReference
+    from mergekit.tokenizer.config import ModelTokenEmbedding
 
     merge = cfg.merge
     found: list[Any] = [merge.tokenizer_source]
@@ -300,7 +301,9 @@ def tokenizer_sources(cfg: ExtMergeConfig) -> list[str]:
         found.append(merge.tokenizer.source)
         for token in (merge.tokenizer.tokens or {}).values():
             source = token.source
-            found.append(getattr(source, "model", source))
+            # ``{kind: model_token, model: M}`` names M; a bare ``source: M`` is M itself
+            # (a ModelReference has a ``model`` attribute too: its ModelPath, not a reference).
+            found.append(source.model if isinstance(source, ModelTokenEmbedding) else source)
     return list(dict.fromkeys(str(s) for s in found if isinstance(s, ModelReference)))
 
 

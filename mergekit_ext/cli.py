@@ -467,21 +467,17 @@ def _check_diagnose_outputs(
             out,
             inputs,
             what=option,
+            folder=option == "--plots",
             advice="write it outside every model, data file and config the diagnosis reads "
             "(`mergekit-ext card MERGED_DIR --diagnose CONFIG` keeps a diagnosis with the merge)",
         )
 
 
 def write_diagnosis_json(result: dict[str, Any] | list[dict[str, Any]], path: str) -> None:
-    import os
-
     from mergekit_ext.diagnose import jsonable
+    from mergekit_ext.output import write_file
 
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as fp:
-        json.dump(jsonable(result), fp, indent=2)
-        fp.write("\n")
+    write_file(path, json.dumps(jsonable(result), indent=2) + "\n")
 
 
 def _register_hub_commands() -> None:

@@ -133,8 +133,10 @@ def _check_card_outputs(
     import os
 
     from mergekit_ext.hub.card import DIAGNOSE_FILENAME, README_FILENAME
-    from mergekit_ext.output import check_write_path
+    from mergekit_ext.output import check_file_destination, check_write_path
 
+    for name in (README_FILENAME, DIAGNOSE_FILENAME):  # files, written new (never a link)
+        check_file_destination(os.path.join(out_dir, name))
     inputs = [p for p in given if p]
     if diagnose_config:
         from mergekit_ext.checks import local_input_paths
@@ -159,6 +161,7 @@ def _diagnose(out_dir: str, config_path: str, device: str) -> dict[str, Any]:
     from mergekit_ext.config import load_config
     from mergekit_ext.diagnose import diagnose, format_table, jsonable
     from mergekit_ext.hub.card import DIAGNOSE_FILENAME, display_path
+    from mergekit_ext.output import write_file
 
     result = diagnose(load_config(config_path), out_dir, device=device)
     result["config"] = os.path.basename(config_path)
@@ -183,9 +186,9 @@ def _diagnose(out_dir: str, config_path: str, device: str) -> dict[str, Any]:
         data["source"] = display_path(local)
         data["note"] = data["note"].replace(local, data["source"])
     click.echo(format_table(result))
-    with open(os.path.join(out_dir, DIAGNOSE_FILENAME), "w", encoding="utf-8") as fp:
-        json.dump(jsonable(result), fp, indent=2)
-        fp.write("\n")
+    write_file(
+        os.path.join(out_dir, DIAGNOSE_FILENAME), json.dumps(jsonable(result), indent=2) + "\n"
+    )
     return result
 
 

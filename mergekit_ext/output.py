@@ -4,6 +4,9 @@
   of ``run``, ``diagnose --json/--plots``, the card, ``publish``'s staging folder): never
   an input, nor inside one (model and adapter folders, the tokenizer source, calibration
   data, the config, plugin files; for ``diagnose`` the merged folder too).
+- :func:`write_file` is the one way a command writes a file into an existing folder: a new
+  file under a temporary name, renamed over the old one; a destination that is a symbolic
+  link, a folder or a file with other hard links is refused (:func:`check_file_destination`).
 - :func:`resolve_output` turns ``OUT_DIR`` into the folder actually written (a symbolic
   link's target) and refuses locations that would put inputs at risk: an input itself, a
   folder holding or inside an input, the current or home directory, a filesystem root, a
@@ -85,6 +88,8 @@ def check_write_path(
         The absolute, symlink-free path.
     """
     shown = shown or path
+    if not folder and os.path.lexists(path) and not os.path.isdir(path):
+        check_file_destination(path, shown)  # a file: never written through a link
     target = os.path.realpath(path)
     for given in dict.fromkeys(inputs):
         real = os.path.realpath(given)
@@ -98,6 +103,68 @@ def check_write_path(
             f"refusing to write {what} to {shown}: it {relation} the input {given}; {advice}"
         )
     return target
+
+
+def check_file_destination(path: str, shown: str = "") -> None:
+    """Refuse a file destination that writing would reach *through*: a symbolic link (its
+    target, maybe a model's ``config.json``, would change), a file with other hard links
+    (the same file under another name would change), or a folder.
+
+    :func:`write_file` checks it again as it writes; commands call it before their work too,
+    so a slow diagnosis never ends in this refusal.
+    """
+    shown = shown or path
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise OutputError(
+            f"refusing to write {shown}: it is a symbolic link (to {os.readlink(path)}), and "
+            "writing through it would change the file it points to; remove the link or "
+            "choose another path"
+        )
+    if stat.S_ISDIR(st.st_mode):
+        raise OutputError(
+            f"refusing to write {shown}: it is a folder, where a file is written; move or "
+            "rename that folder, or choose another path"
+        )
+    if st.st_nlink > 1:
+        raise OutputError(
+            f"refusing to write {shown}: it has {st.st_nlink} hard links, so it is the same "
+            "file as another name (a model's config.json, say) and writing it would change "
+            "that one too; remove it or choose another path"
+        )
+
+
+def write_file(path: str, data: str | bytes, shown: str = "") -> str:
+    """Write ``data`` (text as UTF-8) as the file ``path``: the one way every command writes
+    a file into a folder that already exists (``diagnose --json``, the card, its images).
+
+    The file is always created new, under a temporary name beside ``path``, and renamed over
+    it: an existing ``path`` is replaced, never opened, so nothing is written through a link
+    (:func:`check_file_destination` refuses links and folders, naming them), and a reader
+    never sees half a file. The new file gets the permissions of the user's umask.
+
+    Returns:
+        ``path``.
+    """
+    check_file_destination(path, shown)
+    parent, name = os.path.split(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+    fd, tmp = tempfile.mkstemp(prefix=f".{name[:200]}.", suffix=".tmp", dir=parent)
+    try:
+        with os.fdopen(fd, "wb") as fp:
+            fp.write(raw)
+        os.chmod(tmp, 0o666 & ~current_umask())
+        check_file_destination(path, shown)  # again: a link may have appeared meanwhile
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path
 
 
 def _limits(path: str) -> tuple[int, int]:

@@ -49,6 +49,7 @@ from mergekit_ext.models.model_paths import (
 from mergekit_ext.output import (
     atomic_output_dir,
     check_replaceable,
+    check_write_path,
     exclusive_output,
     resolve_output,
 )
@@ -133,6 +134,35 @@ class HubWing(Protocol):
         """Upload ``out_path`` to ``run.push_to_hub``; returns the URL."""
 
 
+def _checked_destinations(
+    cfg: ExtMergeConfig, out_path: str, options: MergeOptions, run: RunOptions
+) -> str:
+    """``OUT_DIR`` resolved (:func:`resolve_output`) and checked replaceable; the folders
+    a merge writes besides it (``--lora-merge-cache``: a full-size merged copy of each
+    model+LoRA; ``--transformers-cache``: downloads) follow the same rule: never an input,
+    nor inside one."""
+    plugins = [p for p in run.plugins if p.endswith(".py")]
+    caches = [p for p in (options.lora_merge_cache, options.transformers_cache) if p]
+    target = resolve_output(out_path, checks.local_input_paths(cfg, plugins + caches))
+    for option, cache in (
+        ("--lora-merge-cache", options.lora_merge_cache),
+        ("--transformers-cache", options.transformers_cache),
+    ):
+        if not cache:
+            continue
+        check_write_path(
+            cache,
+            checks.local_input_paths(cfg, plugins),
+            what=option,
+            folder=True,
+            advice="give a cache folder apart from every model, adapter and data file the "
+            "merge reads, or leave the option out (the merge then keeps those copies in its "
+            "own temporary folder)",
+        )
+    check_replaceable(target, run.overwrite, out_path)
+    return target
+
+
 def run_merge_config(
     cfg: ExtMergeConfig,
     out_path: str,
@@ -150,11 +180,7 @@ def run_merge_config(
     check_distributable(cfg, ctx.world_size)
     if ctx.enabled and not run.dry_run:
         return _run_distributed(cfg, out_path, options, run, ctx, hub)
-    extra = [p for p in run.plugins if p.endswith(".py")]
-    extra += [p for p in (options.lora_merge_cache, options.transformers_cache) if p]
-    inputs = checks.local_input_paths(cfg, extra)
-    target = resolve_output(out_path, inputs)
-    check_replaceable(target, run.overwrite, out_path)
+    target = _checked_destinations(cfg, out_path, options, run)
     if run.push_to_hub:
         hub.check_can_publish(run)
     kind = method_kind(cfg.method)
@@ -236,10 +262,7 @@ def _run_distributed(
     prologue = True  # the checks; afterwards, the merge and then writing the output
     merged = False
     try:
-        extra = [p for p in run.plugins if p.endswith(".py")]
-        extra += [p for p in (options.lora_merge_cache, options.transformers_cache) if p]
-        target = resolve_output(out_path, checks.local_input_paths(cfg, extra))
-        check_replaceable(target, run.overwrite, out_path)
+        target = _checked_destinations(cfg, out_path, options, run)
         if run.push_to_hub:
             hub.check_can_publish(run)
         out_tokenizer = tokenization.plan_output_tokenizer(cfg.merge, options, cfg.method)
