@@ -84,15 +84,27 @@ def _friendly_errors(verbose_of: Callable[[dict[str, Any]], int]) -> Callable:
 
         @functools.wraps(f)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            from mergekit_ext.output import placed_outputs
+
+            earlier = len(placed_outputs())
             try:
                 return inner(*args, **kwargs)
             except KeyboardInterrupt as e:
-                if isinstance(e, Terminated):
-                    name = signal.Signals(e.signum).name
-                    click.echo(f"terminated ({name}); no output was written", err=True)
-                    sys.exit(128 + e.signum)
-                click.echo("interrupted; no output was written", err=True)
-                sys.exit(130)
+                what = (
+                    f"terminated ({signal.Signals(e.signum).name})"
+                    if isinstance(e, Terminated)
+                    else "interrupted"
+                )
+                placed = placed_outputs()[earlier:]
+                if placed:  # the signal came after the final rename
+                    click.echo(
+                        f"{what} after the merge was complete: {placed[-1]} is written and "
+                        "whole (only the closing messages were cut short)",
+                        err=True,
+                    )
+                else:
+                    click.echo(f"{what}; no output was written", err=True)
+                sys.exit(128 + e.signum if isinstance(e, Terminated) else 130)
 
         return wrapper
 
@@ -250,20 +262,50 @@ def run_command(
             ),
             hub=HubActions(),
         )
-    if result is not None:
-        click.echo(f"merged model written to {result}")
-        from mergekit_ext import merge_record
-        from mergekit_ext.resources import summary_line
+        if result is not None:  # a signal while this prints is still reported (issue #49.7)
+            click.echo(f"merged model written to {result}")
+            from mergekit_ext import merge_record
+            from mergekit_ext.resources import summary_line
 
-        line = summary_line(merge_record.load(result).get("resources"))
-        if line:
-            click.echo(line)
+            line = summary_line(merge_record.load(result).get("resources"))
+            if line:
+                click.echo(line)
 
 
-# mergekit's option is `-v` only; `--verbose` as on every other command
+class _ShardSize(click.ParamType):
+    """mergekit's ``--out-shard-size`` type raises a bare ``ValueError(value)`` (a traceback)."""
+
+    name = "size"
+
+    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Any) -> int:
+        from mergekit_ext.runner import parse_shard_size
+
+        try:
+            return parse_shard_size(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+def _checked_merge_option(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    """mergekit's options that fail late (``torch.device``, ``set_num_threads``) checked as
+    they are parsed: a usage error naming the option."""
+    from mergekit_ext.runner import merge_option_problem
+
+    problem = merge_option_problem(str(param.name), value)
+    if problem is not None:
+        raise click.BadParameter(problem, ctx=ctx, param=param)
+    return value
+
+
 for _param in run_command.params:
-    if _param.name == "verbosity" and isinstance(_param, click.Option):
+    if not isinstance(_param, click.Option):
+        continue
+    if _param.name == "verbosity":  # mergekit's option is `-v` only; `--verbose` as elsewhere
         _param.opts.append("--verbose")
+    if _param.name == "out_shard_size":
+        _param.type = _ShardSize()
+    if _param.name in ("device", "num_threads", "write_threads", "random_seed"):
+        _param.callback = _checked_merge_option
 
 
 def _check_distributed_timeout(value: Optional[float]) -> Optional[float]:

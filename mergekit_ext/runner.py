@@ -34,7 +34,7 @@ from mergekit_ext import checks, finite, merge_record
 from mergekit_ext import distributed as dist_context
 from mergekit_ext.config import ExtMergeConfig
 from mergekit_ext.console import phase
-from mergekit_ext.errors import MergekitExtError, PublishError
+from mergekit_ext.errors import ConfigError, MergekitExtError, PublishError
 from mergekit_ext.methods.kinds import Adaptation, Layerwise, MethodKind
 from mergekit_ext.methods.layerwise import LayerwiseMethod
 from mergekit_ext.methods.registry import method_kind
@@ -79,6 +79,65 @@ class RunOptions:
     hub_commit_message: Optional[str] = None
     hub_create_pr: bool = False
     plugins: tuple[str, ...] = ()  # --plugin modules or .py files (the files are inputs too)
+
+
+def parse_shard_size(value: Any) -> int:
+    """``--out-shard-size``: parameters per output shard, ``500M``, ``5B``, ``1000000``.
+
+    Raises:
+        ValueError: not a size, or not positive (the message says what is accepted).
+    """
+    from mergekit.common import parse_kmb
+
+    hint = "a positive number of parameters per shard, such as 500M, 5B or 1000000"
+    try:
+        size = parse_kmb(value if isinstance(value, int) else str(value).strip())
+    except (ValueError, IndexError):
+        raise ValueError(f"{value!r} is not a size: give {hint}") from None
+    if isinstance(size, bool) or size <= 0:
+        raise ValueError(f"{value!r}: give {hint}")
+    return size
+
+
+def merge_option_problem(name: str, value: Any) -> Optional[str]:
+    """What is wrong with mergekit's option ``name`` set to ``value`` (None: nothing).
+
+    mergekit takes these as they come and fails late: ``torch.device`` deep in the merge
+    (``Invalid device string``), ``torch.set_num_threads`` without naming ``-j``, numpy's
+    seed range.
+    """
+    import torch
+
+    if value is None:
+        return None
+    if name == "device":
+        if value == "auto":
+            return None
+        try:
+            torch.device(value)
+        except (RuntimeError, TypeError):
+            return f"{value!r} is not a device torch knows: use cpu, cuda, cuda:N, mps, xpu or auto"
+    elif name in ("num_threads", "write_threads"):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return f"{value!r}: give a whole number of threads, 1 or more"
+    elif name == "random_seed":
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32:
+            return f"{value!r}: give a whole number from 0 to {2**32 - 1} (numpy's seed range)"
+    elif name == "out_shard_size":
+        try:
+            parse_shard_size(value)
+        except ValueError as e:
+            return str(e)
+    return None
+
+
+def check_merge_options(options: MergeOptions, spell: Callable[[str], str]) -> None:
+    """Refuse a value of mergekit's options that would fail late, naming it as ``spell``
+    writes it (``--device`` on the command line, ``options['device']`` in Python)."""
+    for name in ("device", "num_threads", "write_threads", "random_seed", "out_shard_size"):
+        problem = merge_option_problem(name, getattr(options, name))
+        if problem is not None:
+            raise ConfigError(f"{spell(name)} {problem}")
 
 
 def validate(cfg: ExtMergeConfig, options: MergeOptions, run: RunOptions) -> list[str]:

@@ -405,3 +405,100 @@ def test_lora_merge_cache_may_not_lie_inside_an_input(work, monkeypatch):
     assert _snapshot(work) == before
     result = _invoke(["run", "ace.yml", "out", "--lora-merge-cache", "cache"])
     assert result.exit_code == 0, result.output
+
+
+# ------------------------------------ issue #49.7, .8: a signal after the rename; the lock
+
+SIGNAL_AFTER = """
+import os
+import signal
+
+import {module} as target
+
+_original = target.{name}
+
+
+def _then_sigterm(*args, **kwargs):
+    result = _original(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGTERM)
+    return result
+
+
+target.{name} = _then_sigterm
+"""
+
+
+@pytest.mark.parametrize(
+    "module, name",
+    [("mergekit_ext.output", "_rename_into"), ("mergekit_ext.resources", "summary_line")],
+)
+def test_sigterm_after_the_final_rename_says_the_output_is_whole(work, monkeypatch, module, name):
+    """``--overwrite`` killed by SIGTERM just after the final rename (or while the closing
+    lines print) exited 143 with no message: now it says the output is written."""
+    monkeypatch.chdir(work)
+    _merged(work)
+    (work / "plugins" / "late.py").write_text(SIGNAL_AFTER.format(module=module, name=name))
+    code, text = test_safety._finish(
+        test_safety._cli(
+            "run",
+            "ace.yml",
+            "out",
+            "--overwrite",
+            "--plugin",
+            "plugins/late.py",
+            cwd=work,
+            env=_env(),
+        )
+    )
+    assert code == 143, text
+    assert f"terminated (SIGTERM) after the merge was complete: {work / 'out'} is written" in text
+    assert "no output was written" not in text
+    assert load_file(str(work / "out" / "model.safetensors"))
+    assert (work / "out" / output.MARKER_FILE).is_file()
+    assert _leftovers(work) == [] and not (work / ".out.lock").exists()
+
+
+def test_a_lock_that_is_not_a_plain_file_is_refused_and_kept(work, monkeypatch):
+    """A ``.OUT.lock`` symbolic link (to a user file, or dangling) or folder: refused naming
+    it, nothing touched (the link was deleted by the failed run, ELOOP/EISDIR shown)."""
+    monkeypatch.chdir(work)
+    lock = work / ".out.lock"
+    for make, kind in (
+        (lambda: lock.symlink_to("notes/todo.txt"), "a symbolic link (to notes/todo.txt)"),
+        (lambda: lock.symlink_to("nowhere"), "a symbolic link (to nowhere)"),
+        (lambda: lock.mkdir(), "a folder"),
+    ):
+        make()
+        before = sorted(os.listdir(work)), (work / "notes" / "todo.txt").read_text()
+        result = _invoke(["run", "ace.yml", "out"])
+        assert result.exit_code == 1, result.output
+        assert f"the lock file {lock} is {kind}" in result.output
+        assert (sorted(os.listdir(work)), (work / "notes" / "todo.txt").read_text()) == before
+        assert os.path.lexists(lock)
+        lock.rmdir() if lock.is_dir() and not lock.is_symlink() else lock.unlink()
+    _merged(work)  # a plain stale lock file left by a killed merge is fine
+    lock.write_text("12345\n")
+    result = _invoke(["run", "ace.yml", "out2"])
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.skipif(not _unshare_works(), reason="needs root and mount namespaces (unshare -m)")
+def test_read_only_out_parent_is_named(work):
+    """A read-only folder holding OUT_DIR gave the raw errno on the internal lock name."""
+    (work / "ro").mkdir()
+    script = (
+        "mount --make-rprivate / && mount --bind ro ro && mount -o remount,ro,bind ro && "
+        f"{sys.executable} -m mergekit_ext run ace.yml ro/out"
+    )
+    proc = subprocess.run(
+        ["unshare", "-m", "sh", "-c", script],
+        cwd=work,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "cannot write beside ro/out (Read-only file system)" in proc.stderr
+    assert f"({work / 'ro'}) must be writable" in proc.stderr
+    assert ".lock" not in proc.stderr
