@@ -154,6 +154,10 @@ def validate(cfg: ExtMergeConfig, options: MergeOptions, run: RunOptions) -> lis
     warnings += checks.check_parameter_names(cfg)
     warnings += checks.warn_tokenizers_differ(cfg)
     checks.check_calibration_present(cfg)
+    if not data_aware:  # data-aware methods resolved it when planning their tokenizer
+        # mergekit resolves it only after writing the weights, then logs a traceback and
+        # writes no tokenizer at all (exit 0)
+        tokenization.resolve_chat_template(cfg.merge, options.trust_remote_code)
     return warnings
 
 
