@@ -154,6 +154,7 @@ def parse_config(source_text: str, config_path: str = "<string>") -> ExtMergeCon
             raise ConfigError(
                 f"{config_path}: duplicate task name(s) {dupes}; give each model entry a unique 'name:'"
             )
+    _refuse_empty_parameters(raw, config_path)
     try:
         merge = MergeConfiguration.model_validate(mk_raw)
     except ValidationError as e:
@@ -174,6 +175,27 @@ def parse_config(source_text: str, config_path: str = "<string>") -> ExtMergeCon
         else os.getcwd(),
         path=config_path if config_path != "<string>" else None,
     )
+
+
+def _refuse_empty_parameters(raw: dict[str, Any], where: str) -> None:
+    """``compute_dtype:`` with no value (null) failed in mergekit's ``ConditionalParameter``
+    validator, whose message names its own internals."""
+    found = [("parameters", raw.get("parameters"))]
+    models = raw.get("models") if isinstance(raw.get("models"), list) else []
+    found += [
+        (f"models[{i}] ({m.get('model')}).parameters", m.get("parameters"))
+        for i, m in enumerate(models)
+        if isinstance(m, dict)
+    ]
+    for place, params in found:
+        if not isinstance(params, dict):
+            continue
+        for key, value in params.items():
+            if value is None:
+                raise ConfigError(
+                    f"{where}: {place}.{key} has no value (null); give it one, or remove "
+                    "the line to use the default"
+                )
 
 
 def _check_dtypes(merge: MergeConfiguration, where: str) -> None:

@@ -48,13 +48,35 @@ def describe_allowed(field: FieldInfo) -> str:
             if getattr(m, attr, None) is not None:
                 hi, hi_open = getattr(m, attr), is_open
     if lo is None and hi is None:
-        choices = _literal_choices(field.annotation)
-        return " | ".join(str(c) for c in choices) if choices else ""
+        choices = [str(c) for c in _literal_choices(field.annotation)]
+        choices += _annotated_intervals(field.annotation)  # ridge: auto | a number in [0, inf)
+        return " | ".join(choices)
+    return _interval(lo, hi, lo_open, hi_open)
+
+
+def _interval(lo: Any, hi: Any, lo_open: bool, hi_open: bool) -> str:
     left = "(" if lo_open or lo is None else "["
     right = ")" if hi_open or hi is None else "]"
     return (
         f"{left}{'-inf' if lo is None else f'{lo:g}'}, {'inf' if hi is None else f'{hi:g}'}{right}"
     )
+
+
+def _annotated_intervals(annotation: Any) -> list[str]:
+    """``a number in [0, inf)`` for each bounded number a Union of the annotation allows."""
+    from typing import Union, get_args, get_origin
+
+    if get_origin(annotation) is not Union:
+        return []
+    found = []
+    for arg in get_args(annotation):
+        if get_origin(arg) is not Annotated:
+            continue
+        inner = FieldInfo.from_annotation(arg)
+        interval = describe_allowed(inner)
+        if interval:
+            found.append(f"a number in {interval}")
+    return found
 
 
 def _literal_choices(annotation: Any) -> list[Any]:
@@ -123,6 +145,16 @@ class MethodParameters(BaseModel):
         if isinstance(values, cls):
             return values
         given = {k: v for k, v in (values or {}).items() if v is not None}
+        for name, value in given.items():
+            field = cls.model_fields.get(name)
+            if isinstance(value, bool) and field is not None and not _allows_bool(field):
+                # pydantic's lax mode reads true as 1.0: a number was meant, or a typo
+                allowed = describe_allowed(field)
+                raise ConfigError(
+                    f"{method}: parameters.{name} = {value!r} is not valid: true/false is "
+                    f"not a value of {name}{f' (allowed: {allowed})' if allowed else ''}; "
+                    "fix it in the YAML's parameters: section"
+                )
         try:
             return cls.model_validate(given)
         except ValidationError as e:
@@ -136,9 +168,12 @@ class MethodParameters(BaseModel):
             field = cls.model_fields.get(name)
             allowed = describe_allowed(field) if field is not None else ""
             where = f" (allowed: {allowed})" if allowed else ""
+            # a Union (ridge: auto or a number): pydantic's first message names one branch
+            branches = sum(1 for err in e.errors() if err["loc"][:1] == (name,))
+            why = "it is none of the allowed values" if branches > 1 else first["msg"].lower()
             raise ConfigError(
                 f"{method}: parameters.{name} = {given.get(name)!r} is not valid: "
-                f"{first['msg'].lower()}{where}; fix it in the YAML's parameters: section"
+                f"{why}{where}; fix it in the YAML's parameters: section"
             ) from e
 
     @classmethod
@@ -174,6 +209,19 @@ class MethodParameters(BaseModel):
                 )
             )
         return tuple(specs)
+
+
+def _allows_bool(field: FieldInfo) -> bool:
+    from typing import Union, get_args, get_origin
+
+    def allows(annotation: Any) -> bool:
+        if annotation is bool or annotation is Any:
+            return True
+        if get_origin(annotation) in (Union, Annotated):
+            return any(allows(a) for a in get_args(annotation))
+        return False
+
+    return allows(field.annotation)
 
 
 def _plain(value: Any) -> Any:
