@@ -30,7 +30,7 @@ import mergekit_ext
 from mergekit_ext.cli_hub import publish_options
 from mergekit_ext.config import load_config
 from mergekit_ext.console import cli_errors
-from mergekit_ext.errors import MergekitExtError, plugin_exit_error
+from mergekit_ext.errors import MergekitExtError, PluginError, plugin_exit_error
 from mergekit_ext.methods.registry import all_method_names, describe_method
 
 LOG = logging.getLogger(__name__)
@@ -330,6 +330,29 @@ def _no_exit_from(plugins: tuple[str, ...]) -> Iterator[None]:
     except SystemExit as e:
         who = f"code loaded with --plugin {', '.join(plugins)}" if plugins else "user code"
         raise plugin_exit_error(e, who) from None
+    except MergekitExtError:
+        raise
+    except Exception as e:  # raised inside a --plugin file: name it (was "error (X): boom")
+        where = _plugin_frame(e, plugins)
+        if where is None:
+            raise
+        raise PluginError(
+            f"--plugin {where[0]} raised {type(e).__name__}: {e} (at {where[1]}); fix the "
+            "plugin (run with -v for the traceback)"
+        ) from e
+
+
+def _plugin_frame(error: BaseException, plugins: tuple[str, ...]) -> Optional[tuple[str, str]]:
+    """(the plugin, FILE:LINE) of the innermost traceback frame in a ``--plugin`` file."""
+    files = {os.path.abspath(p): p for p in plugins if p.endswith(".py")}
+    found = None
+    tb = error.__traceback__
+    while tb is not None:
+        name = os.path.abspath(tb.tb_frame.f_code.co_filename)
+        if name in files:
+            found = (files[name], f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}")
+        tb = tb.tb_next
+    return found
 
 
 def _import_plugin(spec: str) -> None:
@@ -350,6 +373,15 @@ def _import_plugin(spec: str) -> None:
             module_spec.loader.exec_module(module)
         except SystemExit as e:
             raise plugin_exit_error(e, f"--plugin {spec} (while imported)") from None
+        except MergekitExtError:
+            raise
+        except Exception as e:
+            where = _plugin_frame(e, (spec,))
+            raise PluginError(
+                f"--plugin {spec} failed while imported: {type(e).__name__}: {e}"
+                f"{f' (at {where[1]})' if where else ''}; fix the plugin (run with -v for "
+                "the traceback)"
+            ) from e
     else:
         try:
             importlib.import_module(spec)
@@ -357,6 +389,13 @@ def _import_plugin(spec: str) -> None:
             raise MergekitExtError(f"--plugin module {spec!r} cannot be imported: {e}") from e
         except SystemExit as e:
             raise plugin_exit_error(e, f"--plugin {spec} (while imported)") from None
+        except MergekitExtError:
+            raise
+        except Exception as e:
+            raise PluginError(
+                f"--plugin {spec} failed while imported: {type(e).__name__}: {e}; fix the "
+                "plugin (run with -v for the traceback)"
+            ) from e
 
 
 @main.command("methods")

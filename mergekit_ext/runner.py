@@ -490,6 +490,31 @@ def _mergekit_options(options: MergeOptions, **changes: Any) -> MergeOptions:
     return options.model_copy(update=changes)
 
 
+def _missing_parameter(cfg: ExtMergeConfig, message: str) -> Optional[str]:
+    """mergekit's ``Missing required parameter weight for MODEL.TENSOR`` (the model's path
+    and the tensor glued by a dot) as a message naming each and where to add it."""
+    import re
+
+    match = re.fullmatch(r"Missing required parameter (\S+) for (.+)", message.strip())
+    if match is None:
+        return None
+    name, location = match.groups()
+    refs = sorted((str(m) for m in cfg.merge.referenced_models()), key=len, reverse=True)
+    for ref in refs:
+        for shown in dict.fromkeys((ref, os.path.abspath(ref))):
+            if location.startswith(shown + "."):
+                tensor = location[len(shown) + 1 :]
+                return (
+                    f"{cfg.method}: parameter {name!r} is missing for the model {ref} (first "
+                    f"needed by the tensor {tensor}); give it under that model's parameters: "
+                    f"(e.g. {name}: 1.0), or once for every model in the top-level parameters:"
+                )
+    return (
+        f"{cfg.method}: parameter {name!r} is missing for {location}; give it under each "
+        f"model's parameters: (e.g. {name}: 1.0), or once in the top-level parameters:"
+    )
+
+
 def _run_tensorwise(cfg: ExtMergeConfig, out_dir: str, options: MergeOptions) -> None:
     """mergekit's own planner and executor; its card generator is replaced by ours.
 
@@ -520,6 +545,11 @@ def _run_tensorwise(cfg: ExtMergeConfig, out_dir: str, options: MergeOptions) ->
             options=_mergekit_options(options, **changes),
             config_source=cfg.source_text,
         )
+    except RuntimeError as e:
+        missing = _missing_parameter(cfg, str(e))
+        if missing is None:
+            raise
+        raise ConfigError(missing) from e
     finally:
         if lora_cache is not None:
             shutil.rmtree(lora_cache, ignore_errors=True)

@@ -20,7 +20,12 @@ from tqdm.auto import tqdm
 
 from mergekit_ext.calibration.chat import CHAT_COLUMNS
 from mergekit_ext.calibration.config import CalibrationSpec
-from mergekit_ext.errors import CalibrationError, plugin_exit_error
+from mergekit_ext.errors import (
+    CalibrationError,
+    MergekitExtError,
+    PluginError,
+    plugin_exit_error,
+)
 
 if TYPE_CHECKING:
     pass
@@ -465,6 +470,15 @@ def _datasets_local_only() -> Iterator[None]:
         config.HF_HUB_OFFLINE, config.HF_UPDATE_DOWNLOAD_COUNTS = saved
 
 
+def _raised_at(error: BaseException) -> str:
+    """`` (at FILE:LINE)``: the innermost frame of ``error``'s traceback."""
+    tb, where = error.__traceback__, ""
+    while tb is not None:
+        where = f" (at {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno})"
+        tb = tb.tb_next
+    return where
+
+
 def _first_bad_json_line(path: str) -> Optional[str]:
     """``line N: ...`` of the first line of a JSON-lines file that is not a JSON object."""
     with open(path, encoding="utf-8", errors="replace") as fp:
@@ -523,6 +537,14 @@ def _open_whole(spec: CalibrationSpec, *, task: str, modality: str) -> _OpenedSo
             raise plugin_exit_error(
                 e, f"model {task}: calibration source {spec.source!r} ({_qualname(fn)})"
             ) from None
+        except MergekitExtError:
+            raise
+        except Exception as e:  # user code: say whose, with its own words
+            raise PluginError(
+                f"model {task}: calibration source {spec.source!r} ({_qualname(fn)}) failed: "
+                f"{type(e).__name__}: {e}{_raised_at(e)}; fix that source (run with -v for "
+                "the traceback)"
+            ) from e
         if items and all(isinstance(item, dict) for item in items):
             columns = sorted({key for item in items for key in item})
             field = _resolve_field(columns, spec, modality, f"source {spec.source!r}", task)
