@@ -20,14 +20,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Union
 
+import pydantic
 import yaml
 from mergekit.config import MergeConfiguration
 from mergekit.options import MergeOptions
 
 from mergekit_ext.config import ExtMergeConfig, load_config, parse_config
-from mergekit_ext.errors import ConfigError
+from mergekit_ext.errors import ConfigError, MergekitExtError
 from mergekit_ext.hub.actions import HubActions
-from mergekit_ext.runner import RunOptions, run_merge_config
+from mergekit_ext.runner import (
+    RunOptions,
+    check_merge_options,
+    merge_option_problem,
+    run_merge_config,
+)
 
 ConfigLike = Union[str, "os.PathLike[str]", Mapping[str, Any], ExtMergeConfig, MergeConfiguration]
 
@@ -158,21 +164,59 @@ def _merge_options(options: Optional[Union[MergeOptions, Mapping[str, Any]]]) ->
             f"not {type(options).__name__}"
         )
     _checked_keys(options, sorted(MergeOptions.model_fields), "options")
-    return MergeOptions.model_validate(dict(options))
+    for name, value in options.items():  # before pydantic, whose text names no option
+        problem = merge_option_problem(name, value)
+        if problem is not None:
+            raise ConfigError(f"run_merge: options[{name!r}] {problem}")
+    try:
+        return MergeOptions.model_validate(dict(options))
+    except pydantic.ValidationError as e:
+        first = e.errors()[0]
+        name = ".".join(str(p) for p in first["loc"])
+        raise ConfigError(
+            f"run_merge: options[{name!r}] = {first.get('input')!r}: {first['msg']}"
+        ) from None
+
+
+def _checked_run_options(run: RunOptions) -> RunOptions:
+    """A dataclass takes any value: ``overwrite='yes please'`` would count as True."""
+    for f in fields(RunOptions):
+        value = getattr(run, f.name)
+        if f.type in (bool, "bool") and not isinstance(value, bool):
+            raise ConfigError(
+                f"run_merge: run_options[{f.name!r}] must be True or False, not {value!r}"
+            )
+    return run
 
 
 def _run_options(run_options: Optional[Union[RunOptions, Mapping[str, Any]]]) -> RunOptions:
     if run_options is None:
         return RunOptions()
     if isinstance(run_options, RunOptions):
-        return run_options
+        return _checked_run_options(run_options)
     if not isinstance(run_options, Mapping):
         raise ConfigError(
             f"run_merge: run_options must be mergekit_ext.RunOptions or a mapping of its "
             f"fields, not {type(run_options).__name__}"
         )
     _checked_keys(run_options, _RUN_OPTION_KEYS, "run_options")
-    return RunOptions(**dict(run_options))
+    return _checked_run_options(RunOptions(**dict(run_options)))
+
+
+# The command line's flags in messages, as a Python caller writes them.
+_API_SPELLING = (
+    ("rerun with --overwrite", "rerun with run_options={'overwrite': True}"),
+    ("pass --overwrite", "pass run_options={'overwrite': True}"),
+    ("--overwrite refused", "overwrite=True refused"),
+)
+
+
+def _in_python_terms(error: MergekitExtError) -> None:
+    message = str(error)
+    for flag, python in _API_SPELLING:
+        message = message.replace(flag, python)
+    if message != str(error):
+        error.args = (message,)
 
 
 def run_merge(
@@ -202,13 +246,23 @@ def run_merge(
     Raises:
         MergekitExtError: bad input (the message says what to do); nothing is written.
     """
+    if not isinstance(out_path, (str, os.PathLike)):
+        raise ConfigError(
+            f"run_merge: out_path must be the output folder (a str or path), not "
+            f"{type(out_path).__name__}"
+        )
     merge_options = _merge_options(options)
+    check_merge_options(merge_options, lambda name: f"run_merge: options[{name!r}]")
     run = _run_options(run_options)
     cfg = as_config(config)
     plans: list[str] = []
-    path = run_merge_config(
-        cfg, os.fspath(out_path), merge_options, run, hub=HubActions(), show_plan=plans.append
-    )
+    try:
+        path = run_merge_config(
+            cfg, os.fspath(out_path), merge_options, run, hub=HubActions(), show_plan=plans.append
+        )
+    except MergekitExtError as e:
+        _in_python_terms(e)
+        raise
     if run.dry_run:
         return MergeResult(path=None, plan="\n".join(plans) or None)
     if path is None:  # a rank other than 0 of a distributed merge: rank 0 writes
@@ -241,6 +295,7 @@ def _check_diagnose_outputs(
             out,
             inputs,
             what=option,
+            folder=option == "--plots",
             advice="write it outside every model, data file and config the diagnosis reads "
             "(`mergekit-ext card MERGED_DIR --diagnose CONFIG` keeps a diagnosis with the merge)",
         )
@@ -251,12 +306,10 @@ def write_diagnosis_json(result: Union[dict[str, Any], list[dict[str, Any]]], pa
     import json
 
     from mergekit_ext.diagnose import jsonable
+    from mergekit_ext.output import write_file
 
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as fp:
-        json.dump(jsonable(result), fp, indent=2)
-        fp.write("\n")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    write_file(path, json.dumps(jsonable(result), indent=2) + "\n")
 
 
 def diagnose_merge(
@@ -336,8 +389,10 @@ def _check_card_outputs(
     """What ``card`` writes (README.md, images/, the diagnosis) may not be nor lie inside
     a file it reads: ``--eval``, ``--template-dir``, and every input of ``--diagnose``."""
     from mergekit_ext.hub.card import DIAGNOSE_FILENAME, README_FILENAME
-    from mergekit_ext.output import check_write_path
+    from mergekit_ext.output import check_file_destination, check_write_path
 
+    for name in (README_FILENAME, DIAGNOSE_FILENAME):  # files, written new (never a link)
+        check_file_destination(os.path.join(out_dir, name))
     inputs = [p for p in given if p]
     if diagnose_config:
         from mergekit_ext.checks import local_input_paths
@@ -359,6 +414,7 @@ def _card_diagnosis(out_dir: str, config_path: str, device: str) -> dict[str, An
 
     from mergekit_ext.diagnose import jsonable
     from mergekit_ext.hub.card import DIAGNOSE_FILENAME, display_path
+    from mergekit_ext.output import write_file
 
     result = diagnose_merge(out_dir, config_path, device=device)
     assert isinstance(result, dict)
@@ -384,9 +440,9 @@ def _card_diagnosis(out_dir: str, config_path: str, device: str) -> dict[str, An
         local = str(data["source"])
         data["source"] = display_path(local)
         data["note"] = data["note"].replace(local, data["source"])
-    with open(os.path.join(out_dir, DIAGNOSE_FILENAME), "w", encoding="utf-8") as fp:
-        json.dump(jsonable(result), fp, indent=2)
-        fp.write("\n")
+    write_file(
+        os.path.join(out_dir, DIAGNOSE_FILENAME), json.dumps(jsonable(result), indent=2) + "\n"
+    )
     return result
 
 

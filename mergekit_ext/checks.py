@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import glob
 import hashlib
+import json
 import logging
 import os
 import re
@@ -296,6 +297,7 @@ def tokenizer_sources(cfg: ExtMergeConfig) -> list[str]:
     ``referenced_models()`` leaves out; ``base`` and ``union`` name no extra model.
     """
     from mergekit.common import ModelReference
+    from mergekit.tokenizer.config import ModelTokenEmbedding
 
     merge = cfg.merge
     found: list[Any] = [merge.tokenizer_source]
@@ -303,7 +305,9 @@ def tokenizer_sources(cfg: ExtMergeConfig) -> list[str]:
         found.append(merge.tokenizer.source)
         for token in (merge.tokenizer.tokens or {}).values():
             source = token.source
-            found.append(getattr(source, "model", source))
+            # ``{kind: model_token, model: M}`` names M; a bare ``source: M`` is M itself
+            # (a ModelReference has a ``model`` attribute too: its ModelPath, not a reference).
+            found.append(source.model if isinstance(source, ModelTokenEmbedding) else source)
     return list(dict.fromkeys(str(s) for s in found if isinstance(s, ModelReference)))
 
 
@@ -333,6 +337,15 @@ def _layer_counts(config: dict[str, Any]) -> dict[str, int]:
     return counts
 
 
+def _layer_values(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Every layer-count key of a config.json with its raw value, sub-models included."""
+    found = {f"{prefix}{k}": config[k] for k in _LAYER_KEYS if k in config}
+    for sub, value in config.items():
+        if sub.endswith("_config") and isinstance(value, dict):
+            found.update(_layer_values(value, f"{prefix}{sub}."))
+    return found
+
+
 def check_layer_counts(cfg: ExtMergeConfig) -> None:
     """With ``models:`` every full input must have as many layers as the others.
 
@@ -344,7 +357,18 @@ def check_layer_counts(cfg: ExtMergeConfig) -> None:
         return
     refs = [r for r in _referenced(cfg) if "+" not in r]
     local = [r for r in refs if os.path.isfile(os.path.join(model_paths(r)[0], "config.json"))]
-    counts = {r: _layer_counts(read_config_json(model_paths(r)[0])) for r in local}
+    configs = {r: read_config_json(model_paths(r)[0]) for r in local}
+    for ref, config in configs.items():
+        for key, value in _layer_values(config).items():
+            if value is None:  # some configs leave an unused key empty
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                path = os.path.join(model_paths(ref)[0], "config.json")
+                raise ModelInputError(
+                    f"{path}: {key} is {value!r}, not a whole number of layers; fix that "
+                    "config.json"
+                )
+    counts = {r: _layer_counts(c) for r, c in configs.items()}
     if len({tuple(sorted(c.items())) for c in counts.values()}) > 1:
         listed = "; ".join(
             f"{r}: {', '.join(f'{k}={v}' for k, v in sorted(c.items())) or 'unknown'}"
@@ -364,8 +388,23 @@ def _tokenizer_digest(folder: str) -> Optional[str]:
         path = os.path.join(folder, name)
         if os.path.isfile(path):
             with open(path, "rb") as fp:
-                return f"{name}:{hashlib.sha256(fp.read()).hexdigest()}"
+                data = fp.read()
+            if name == "tokenizer.json":
+                _check_tokenizer_json(path, data)
+            return f"{name}:{hashlib.sha256(data).hexdigest()}"
     return None
+
+
+def _check_tokenizer_json(path: str, data: bytes) -> None:
+    """A damaged tokenizer.json read as "the tokenizers differ" and then as a missing one."""
+    try:
+        json.loads(data)
+    except ValueError as e:
+        raise ModelInputError(
+            f"{path} is damaged: it is not JSON ({e}); copy a good tokenizer.json from "
+            "where the model came from (or remove it if the folder has tokenizer.model / "
+            "vocab files the tokenizer can be built from)"
+        ) from None
 
 
 def warn_tokenizers_differ(cfg: ExtMergeConfig) -> list[str]:

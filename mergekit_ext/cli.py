@@ -33,7 +33,7 @@ mergekit_ext._register()  # the command registers here: mergekit_ext.entry skipp
 from mergekit_ext.cli_hub import publish_options  # noqa: E402
 from mergekit_ext.config import load_config  # noqa: E402
 from mergekit_ext.console import cli_errors  # noqa: E402
-from mergekit_ext.errors import PluginError, plugin_exit_error  # noqa: E402
+from mergekit_ext.errors import MergekitExtError, PluginError, plugin_exit_error  # noqa: E402
 from mergekit_ext.methods.registry import all_method_names, describe_method  # noqa: E402
 
 LOG = logging.getLogger(__name__)
@@ -90,15 +90,27 @@ def _friendly_errors(verbose_of: Callable[[dict[str, Any]], int]) -> Callable:
 
         @functools.wraps(f)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            from mergekit_ext.output import placed_outputs
+
+            earlier = len(placed_outputs())
             try:
                 return inner(*args, **kwargs)
             except KeyboardInterrupt as e:
-                if isinstance(e, Terminated):
-                    name = signal.Signals(e.signum).name
-                    click.echo(f"terminated ({name}); no output was written", err=True)
-                    sys.exit(128 + e.signum)
-                click.echo("interrupted; no output was written", err=True)
-                sys.exit(130)
+                what = (
+                    f"terminated ({signal.Signals(e.signum).name})"
+                    if isinstance(e, Terminated)
+                    else "interrupted"
+                )
+                placed = placed_outputs()[earlier:]
+                if placed:  # the signal came after the final rename
+                    click.echo(
+                        f"{what} after the merge was complete: {placed[-1]} is written and "
+                        "whole (only the closing messages were cut short)",
+                        err=True,
+                    )
+                else:
+                    click.echo(f"{what}; no output was written", err=True)
+                sys.exit(128 + e.signum if isinstance(e, Terminated) else 130)
 
         return wrapper
 
@@ -258,22 +270,52 @@ def run_command(
             hub=HubActions(),
             show_published=published.append,
         )
-    if result is not None:
-        click.echo(f"merged model written to {result}")
-        from mergekit_ext import merge_record
-        from mergekit_ext.resources import summary_line
+        if result is not None:  # a signal while this prints is still reported (issue #49.7)
+            click.echo(f"merged model written to {result}")
+            from mergekit_ext import merge_record
+            from mergekit_ext.resources import summary_line
 
-        line = summary_line(merge_record.load(result).get("resources"))
-        if line:
+            line = summary_line(merge_record.load(result).get("resources"))
+            if line:
+                click.echo(line)
+        for line in published:
             click.echo(line)
-    for line in published:
-        click.echo(line)
 
 
-# mergekit's option is `-v` only; `--verbose` as on every other command
+class _ShardSize(click.ParamType):
+    """mergekit's ``--out-shard-size`` type raises a bare ``ValueError(value)`` (a traceback)."""
+
+    name = "size"
+
+    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Any) -> int:
+        from mergekit_ext.runner import parse_shard_size
+
+        try:
+            return parse_shard_size(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+def _checked_merge_option(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    """mergekit's options that fail late (``torch.device``, ``set_num_threads``) checked as
+    they are parsed: a usage error naming the option."""
+    from mergekit_ext.runner import merge_option_problem
+
+    problem = merge_option_problem(str(param.name), value)
+    if problem is not None:
+        raise click.BadParameter(problem, ctx=ctx, param=param)
+    return value
+
+
 for _param in run_command.params:
-    if _param.name == "verbosity" and isinstance(_param, click.Option):
+    if not isinstance(_param, click.Option):
+        continue
+    if _param.name == "verbosity":  # mergekit's option is `-v` only; `--verbose` as elsewhere
         _param.opts.append("--verbose")
+    if _param.name == "out_shard_size":
+        _param.type = _ShardSize()
+    if _param.name in ("device", "num_threads", "write_threads", "random_seed"):
+        _param.callback = _checked_merge_option
 
 
 def _check_distributed_timeout(value: Optional[float]) -> Optional[float]:
@@ -298,6 +340,29 @@ def _no_exit_from(plugins: tuple[str, ...]) -> Iterator[None]:
     except SystemExit as e:
         who = f"code loaded with --plugin {', '.join(plugins)}" if plugins else "user code"
         raise plugin_exit_error(e, who) from None
+    except MergekitExtError:
+        raise
+    except Exception as e:  # raised inside a --plugin file: name it (was "error (X): boom")
+        where = _plugin_frame(e, plugins)
+        if where is None:
+            raise
+        raise PluginError(
+            f"--plugin {where[0]} raised {type(e).__name__}: {e} (at {where[1]}); fix the "
+            "plugin (run with -v for the traceback)"
+        ) from e
+
+
+def _plugin_frame(error: BaseException, plugins: tuple[str, ...]) -> Optional[tuple[str, str]]:
+    """(the plugin, FILE:LINE) of the innermost traceback frame in a ``--plugin`` file."""
+    files = {os.path.abspath(p): p for p in plugins if p.endswith(".py")}
+    found = None
+    tb = error.__traceback__
+    while tb is not None:
+        name = os.path.abspath(tb.tb_frame.f_code.co_filename)
+        if name in files:
+            found = (files[name], f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}")
+        tb = tb.tb_next
+    return found
 
 
 def _import_plugin(spec: str) -> None:
@@ -318,6 +383,15 @@ def _import_plugin(spec: str) -> None:
             module_spec.loader.exec_module(module)
         except SystemExit as e:
             raise plugin_exit_error(e, f"--plugin {spec} (while imported)") from None
+        except MergekitExtError:
+            raise
+        except Exception as e:
+            where = _plugin_frame(e, (spec,))
+            raise PluginError(
+                f"--plugin {spec} failed while imported: {type(e).__name__}: {e}"
+                f"{f' (at {where[1]})' if where else ''}; fix the plugin (run with -v for "
+                "the traceback)"
+            ) from e
     else:
         try:
             importlib.import_module(spec)
@@ -325,6 +399,13 @@ def _import_plugin(spec: str) -> None:
             raise PluginError(f"--plugin module {spec!r} cannot be imported: {e}") from e
         except SystemExit as e:
             raise plugin_exit_error(e, f"--plugin {spec} (while imported)") from None
+        except MergekitExtError:
+            raise
+        except Exception as e:
+            raise PluginError(
+                f"--plugin {spec} failed while imported: {type(e).__name__}: {e}; fix the "
+                "plugin (run with -v for the traceback)"
+            ) from e
 
 
 @main.command("methods")

@@ -161,6 +161,7 @@ def parse_config(
             raise ConfigError(
                 f"{config_path}: duplicate task name(s) {dupes}; give each model entry a unique 'name:'"
             )
+    _refuse_empty_parameters(raw, config_path)
     try:
         merge = MergeConfiguration.model_validate(mk_raw)
     except ValidationError as e:
@@ -169,6 +170,7 @@ def parse_config(
         raise ConfigError(f"{config_path}: field '{loc}': {first['msg']}") from e
     except Exception as e:  # mergekit's own validators raise RuntimeError
         raise ConfigError(f"{config_path}: {e}") from e
+    _check_dtypes(merge, config_path)
     return ExtMergeConfig(
         merge=merge,
         source_text=source_text,
@@ -186,6 +188,42 @@ def _ignore_unknown_keys(mapping: dict[str, Any], known: list[str], where: str) 
     pass
 
 
+def _refuse_empty_parameters(raw: dict[str, Any], where: str) -> None:
+    """``compute_dtype:`` with no value (null) failed in mergekit's ``ConditionalParameter``
+    validator, whose message names its own internals."""
+    found = [("parameters", raw.get("parameters"))]
+    models = raw.get("models") if isinstance(raw.get("models"), list) else []
+    found += [
+        (f"models[{i}] ({m.get('model')}).parameters", m.get("parameters"))
+        for i, m in enumerate(models)
+        if isinstance(m, dict)
+    ]
+    for place, params in found:
+        if not isinstance(params, dict):
+            continue
+        for key, value in params.items():
+            if value is None:
+                raise ConfigError(
+                    f"{where}: {place}.{key} has no value (null); give it one, or remove "
+                    "the line to use the default"
+                )
+
+
+def _check_dtypes(merge: MergeConfiguration, where: str) -> None:
+    """``dtype: float33`` failed deep in mergekit (``Unimplemented dtype``), naming no field."""
+    from mergekit.common import dtype_from_name
+
+    for key in ("dtype", "out_dtype"):
+        value = getattr(merge, key, None)
+        try:
+            dtype_from_name(value)
+        except RuntimeError:
+            raise ConfigError(
+                f"{where}: {key}: {value!r} is not a dtype mergekit knows; use bfloat16, "
+                "float16, float32 or float64"
+            ) from None
+
+
 def _warn_unknown_keys(mapping: dict[str, Any], known: list[str], where: str) -> None:
     """mergekit ignores keys it does not know: a typo (``dtyp:``) would merge with a default."""
     for key in mapping:
@@ -197,10 +235,20 @@ def _warn_unknown_keys(mapping: dict[str, Any], known: list[str], where: str) ->
 
 
 def load_config(config_path: str) -> ExtMergeConfig:
-    if not os.path.isfile(config_path):
+    """Read and parse the YAML at ``config_path``: a file, or a stream such as
+    ``/dev/stdin`` or ``<(...)`` (read once; everything later uses the text read)."""
+    if not os.path.exists(config_path) or os.path.isdir(config_path):
         raise ConfigFileNotFoundError(f"config file not found: {config_path}")
-    with open(config_path, encoding="utf-8") as fp:
-        return parse_config(fp.read(), config_path)
+    with open(config_path, "rb") as fp:
+        data = fp.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{config_path} is not a YAML text file (byte {e.start} is not UTF-8); give the "
+            "merge config, a .yml file"
+        ) from None
+    return parse_config(text, config_path)
 
 
 def _parse_calibration(value: Any, where: str) -> CalibrationSpec:

@@ -53,6 +53,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
+from mergekit_ext.output import write_file
+
 SCHEMA_VERSION = 1
 FILENAME = "mergekit_ext_diagnostics.json"
 #: The list of the files a merge wrote into its output folder, written last by the runner
@@ -148,9 +150,7 @@ class DiagnosticsRecorder:
         with self._lock:
             data = _map_strings(self.data, redact) if redact is not None else self.data
             text = json.dumps(data, indent=2, sort_keys=True, allow_nan=False)
-        with open(path, "w", encoding="utf-8") as fp:
-            fp.write(text + "\n")
-        return path
+        return write_file(path, text + "\n")
 
 
 _ACTIVE: Optional[DiagnosticsRecorder] = None

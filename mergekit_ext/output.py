@@ -4,6 +4,9 @@
   of ``run``, ``diagnose --json/--plots``, the card, ``publish``'s staging folder): never
   an input, nor inside one (model and adapter folders, the tokenizer source, calibration
   data, the config, plugin files; for ``diagnose`` the merged folder too).
+- :func:`write_file` is the one way a command writes a file into an existing folder: a new
+  file under a temporary name, renamed over the old one; a destination that is a symbolic
+  link, a folder or a file with other hard links is refused (:func:`check_file_destination`).
 - :func:`resolve_output` turns ``OUT_DIR`` into the folder actually written (a symbolic
   link's target) and refuses locations that would put inputs at risk: an input itself, a
   folder holding or inside an input, the current or home directory, a filesystem root, a
@@ -31,6 +34,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import stat
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -85,6 +89,8 @@ def check_write_path(
         The absolute, symlink-free path.
     """
     shown = shown or path
+    if not folder and os.path.lexists(path) and not os.path.isdir(path):
+        check_file_destination(path, shown)  # a file: never written through a link
     target = os.path.realpath(path)
     for given in dict.fromkeys(inputs):
         real = os.path.realpath(given)
@@ -98,6 +104,68 @@ def check_write_path(
             f"refusing to write {what} to {shown}: it {relation} the input {given}; {advice}"
         )
     return target
+
+
+def check_file_destination(path: str, shown: str = "") -> None:
+    """Refuse a file destination that writing would reach *through*: a symbolic link (its
+    target, maybe a model's ``config.json``, would change), a file with other hard links
+    (the same file under another name would change), or a folder.
+
+    :func:`write_file` checks it again as it writes; commands call it before their work too,
+    so a slow diagnosis never ends in this refusal.
+    """
+    shown = shown or path
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise OutputError(
+            f"refusing to write {shown}: it is a symbolic link (to {os.readlink(path)}), and "
+            "writing through it would change the file it points to; remove the link or "
+            "choose another path"
+        )
+    if stat.S_ISDIR(st.st_mode):
+        raise OutputError(
+            f"refusing to write {shown}: it is a folder, where a file is written; move or "
+            "rename that folder, or choose another path"
+        )
+    if st.st_nlink > 1:
+        raise OutputError(
+            f"refusing to write {shown}: it has {st.st_nlink} hard links, so it is the same "
+            "file as another name (a model's config.json, say) and writing it would change "
+            "that one too; remove it or choose another path"
+        )
+
+
+def write_file(path: str, data: str | bytes, shown: str = "") -> str:
+    """Write ``data`` (text as UTF-8) as the file ``path``: the one way every command writes
+    a file into a folder that already exists (``diagnose --json``, the card, its images).
+
+    The file is always created new, under a temporary name beside ``path``, and renamed over
+    it: an existing ``path`` is replaced, never opened, so nothing is written through a link
+    (:func:`check_file_destination` refuses links and folders, naming them), and a reader
+    never sees half a file. The new file gets the permissions of the user's umask.
+
+    Returns:
+        ``path``.
+    """
+    check_file_destination(path, shown)
+    parent, name = os.path.split(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+    fd, tmp = tempfile.mkstemp(prefix=f".{name[:200]}.", suffix=".tmp", dir=parent)
+    try:
+        with os.fdopen(fd, "wb") as fp:
+            fp.write(raw)
+        os.chmod(tmp, 0o666 & ~current_umask())
+        check_file_destination(path, shown)  # again: a link may have appeared meanwhile
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path
 
 
 def _limits(path: str) -> tuple[int, int]:
@@ -219,9 +287,16 @@ def check_replaceable(target: str, overwrite: bool, shown: str) -> None:
     entries = _user_entries(target)
     if not entries:
         return  # written in place (see atomic_output_dir)
+    ours = os.path.isfile(os.path.join(target, MARKER_FILE))
+    if not overwrite and not ours:  # both at once: --overwrite would be refused next
+        raise OutputError(
+            f"output folder {shown} already exists and was not written by mergekit-ext (it "
+            f"has no {MARKER_FILE}), so --overwrite would not replace it either: choose "
+            "another OUT_DIR, or move or remove that folder yourself"
+        )
     if not overwrite:
         raise OutputError(f"output folder {shown} already exists; pass --overwrite to replace it")
-    if not os.path.isfile(os.path.join(target, MARKER_FILE)):
+    if not ours:
         raise OutputError(
             f"--overwrite refused: {shown} was not written by mergekit-ext (it has no "
             f"{MARKER_FILE}), so replacing it could destroy your files; choose another "
@@ -370,6 +445,27 @@ def remove_stale_partials(target: str) -> list[str]:
     return removed
 
 
+def _check_lock_file(path: str) -> None:
+    """A lock file that is not a plain file is not ours: never followed nor removed."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(st.st_mode):
+        return
+    kind = (
+        f"a symbolic link (to {os.readlink(path)})"
+        if stat.S_ISLNK(st.st_mode)
+        else "a folder"
+        if stat.S_ISDIR(st.st_mode)
+        else "not a plain file"
+    )
+    raise OutputError(
+        f"the lock file {path} is {kind}; mergekit-ext makes it as a plain file and never "
+        "follows nor removes anything else: move or remove it yourself, then rerun"
+    )
+
+
 @contextlib.contextmanager
 def exclusive_output(target: str, shown: str) -> Iterator[None]:
     """Hold the lock ``.NAME.lock`` beside ``target``; fail at once when another merge has it.
@@ -391,9 +487,10 @@ def exclusive_output(target: str, shown: str) -> Iterator[None]:
     lock = None
     path = _lock_path(target)
     try:
-        os.makedirs(parent, exist_ok=True)
-        lock = FileLock(path, timeout=0, on_acquired=_record_owner)
+        _check_lock_file(path)
         try:
+            os.makedirs(parent, exist_ok=True)
+            lock = FileLock(path, timeout=0, on_acquired=_record_owner)
             lock.acquire()
         except Timeout:
             lock = None
@@ -401,6 +498,14 @@ def exclusive_output(target: str, shown: str) -> Iterator[None]:
                 f"another mergekit-ext merge ({_lock_owner(path)}) is writing {shown} right "
                 "now; wait for it to finish or choose another OUT_DIR"
             ) from None
+        except OSError as e:
+            lock = None
+            raise OutputError(
+                f"cannot write beside {shown} ({e.strerror or e}): a "
+                "merge puts its lock file and temporary folder next to OUT_DIR, so the "
+                f"folder that holds it ({parent}) must be writable; choose an OUT_DIR in a "
+                "folder you can write to"
+            ) from e
         remove_stale_partials(target)
         yield
     finally:
@@ -522,12 +627,22 @@ def _move_into(tmp: str, target: str, shown: str) -> None:
     """
     names = sorted(os.listdir(tmp), key=lambda n: (n == MARKER_FILE, n))
     moved: list[str] = []
+    placed = False
     try:
-        for entry in names:
+        for entry in names[:-1]:
             os.rename(os.path.join(tmp, entry), os.path.join(target, entry))
             moved.append(entry)
-        os.rmdir(tmp)
+        with _signals_held():  # the last one (the marker) completes the output
+            for entry in names[-1:]:
+                os.rename(os.path.join(tmp, entry), os.path.join(target, entry))
+                moved.append(entry)
+            placed = True
+            _PLACED.append(target)
     except BaseException as e:
+        if placed:  # a signal just after the last move: the output is complete
+            with contextlib.suppress(OSError):
+                os.rmdir(tmp)
+            raise
         for entry in reversed(moved):
             with contextlib.suppress(OSError):
                 os.rename(os.path.join(target, entry), os.path.join(tmp, entry))
@@ -538,6 +653,32 @@ def _move_into(tmp: str, target: str, shown: str) -> None:
                 f"{shown} was left empty and the merge was discarded"
             ) from e
         raise
+    os.rmdir(tmp)  # complete: a signal from here on leaves the output in place
+
+
+# Outputs this process has put in place: a signal that ends the command after the final
+# rename is reported as such (the output is complete), not as "no output was written".
+_PLACED: list[str] = []
+_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
+
+
+def placed_outputs() -> list[str]:
+    """The output folders this process renamed into place (oldest first)."""
+    return list(_PLACED)
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Ctrl-C, SIGTERM and SIGHUP wait (they are delivered after) while the final rename and
+    its record happen together: a signal never falls between the two."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 _CANNOT_RENAME = (errno.EBUSY, errno.EXDEV, errno.EPERM, errno.EACCES, errno.ENOTEMPTY)
@@ -547,13 +688,21 @@ def _rename_into(tmp: str, target: str, shown: str) -> None:
     """Rename ``tmp`` to ``target`` (the earlier output moved aside first, then removed)."""
     parent, name = os.path.split(target)
     old = None
+    placed = False
     try:
         if os.path.lexists(target):
             old = tempfile.mkdtemp(prefix=f".{leftover_stem(name)}.old-{os.getpid()}-", dir=parent)
             os.rmdir(old)
             os.rename(target, old)
-        os.rename(tmp, target)
+        with _signals_held():
+            os.rename(tmp, target)
+            placed = True
+            _PLACED.append(target)
     except BaseException as e:
+        if placed:  # a signal just after the rename: the output is complete
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+            raise
         if old is not None and os.path.lexists(old) and not os.path.lexists(target):
             os.rename(old, target)
         _discard(tmp)

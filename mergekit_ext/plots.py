@@ -11,6 +11,7 @@ is drawn.
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import re
@@ -18,6 +19,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
+
+from mergekit_ext.output import write_file
 
 IMAGES_DIR = "images"
 _DPI = 110
@@ -79,9 +82,9 @@ def new_figure(rows: int = 1, height: float = 3.2) -> tuple[Any, list[Any]]:
 
 def save_figure(fig: Any, images_dir: str, filename: str) -> str:
     """Write ``fig`` as ``images_dir/filename`` (PNG); returns the card-relative path."""
-    os.makedirs(images_dir, exist_ok=True)
-    path = os.path.join(images_dir, filename)
-    fig.savefig(path, format="png", metadata={"Software": None})
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", metadata={"Software": None})
+    write_file(os.path.join(images_dir, filename), buffer.getvalue())
     return f"{IMAGES_DIR}/{filename}"
 
 

@@ -34,7 +34,7 @@ from mergekit_ext import checks, finite, merge_record
 from mergekit_ext import distributed as dist_context
 from mergekit_ext.config import ExtMergeConfig
 from mergekit_ext.console import phase
-from mergekit_ext.errors import ExecutionError, PublishError
+from mergekit_ext.errors import ConfigError, ExecutionError, PublishError
 from mergekit_ext.methods.kinds import Adaptation, Layerwise, MethodKind
 from mergekit_ext.methods.layerwise import LayerwiseMethod
 from mergekit_ext.methods.registry import method_kind
@@ -49,6 +49,7 @@ from mergekit_ext.models.model_paths import (
 from mergekit_ext.output import (
     atomic_output_dir,
     check_replaceable,
+    check_write_path,
     exclusive_output,
     resolve_output,
 )
@@ -80,6 +81,65 @@ class RunOptions:
     plugins: tuple[str, ...] = ()  # --plugin modules or .py files (the files are inputs too)
 
 
+def parse_shard_size(value: Any) -> int:
+    """``--out-shard-size``: parameters per output shard, ``500M``, ``5B``, ``1000000``.
+
+    Raises:
+        ValueError: not a size, or not positive (the message says what is accepted).
+    """
+    from mergekit.common import parse_kmb
+
+    hint = "a positive number of parameters per shard, such as 500M, 5B or 1000000"
+    try:
+        size = parse_kmb(value if isinstance(value, int) else str(value).strip())
+    except (ValueError, IndexError):
+        raise ValueError(f"{value!r} is not a size: give {hint}") from None
+    if isinstance(size, bool) or size <= 0:
+        raise ValueError(f"{value!r}: give {hint}")
+    return size
+
+
+def merge_option_problem(name: str, value: Any) -> Optional[str]:
+    """What is wrong with mergekit's option ``name`` set to ``value`` (None: nothing).
+
+    mergekit takes these as they come and fails late: ``torch.device`` deep in the merge
+    (``Invalid device string``), ``torch.set_num_threads`` without naming ``-j``, numpy's
+    seed range.
+    """
+    import torch
+
+    if value is None:
+        return None
+    if name == "device":
+        if value == "auto":
+            return None
+        try:
+            torch.device(value)
+        except (RuntimeError, TypeError):
+            return f"{value!r} is not a device torch knows: use cpu, cuda, cuda:N, mps, xpu or auto"
+    elif name in ("num_threads", "write_threads"):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return f"{value!r}: give a whole number of threads, 1 or more"
+    elif name == "random_seed":
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32:
+            return f"{value!r}: give a whole number from 0 to {2**32 - 1} (numpy's seed range)"
+    elif name == "out_shard_size":
+        try:
+            parse_shard_size(value)
+        except ValueError as e:
+            return str(e)
+    return None
+
+
+def check_merge_options(options: MergeOptions, spell: Callable[[str], str]) -> None:
+    """Refuse a value of mergekit's options that would fail late, naming it as ``spell``
+    writes it (``--device`` on the command line, ``options['device']`` in Python)."""
+    for name in ("device", "num_threads", "write_threads", "random_seed", "out_shard_size"):
+        problem = merge_option_problem(name, getattr(options, name))
+        if problem is not None:
+            raise ConfigError(f"{spell(name)} {problem}")
+
+
 def validate(cfg: ExtMergeConfig, options: MergeOptions, run: RunOptions) -> list[str]:
     """All checks that need no weights; returns the warnings."""
     checks.check_method(cfg.method)
@@ -94,6 +154,10 @@ def validate(cfg: ExtMergeConfig, options: MergeOptions, run: RunOptions) -> lis
     warnings += checks.check_parameter_names(cfg)
     warnings += checks.warn_tokenizers_differ(cfg)
     checks.check_calibration_present(cfg)
+    if not data_aware:  # data-aware methods resolved it when planning their tokenizer
+        # mergekit resolves it only after writing the weights, then logs a traceback and
+        # writes no tokenizer at all (exit 0)
+        tokenization.resolve_chat_template(cfg.merge, options.trust_remote_code)
     return warnings
 
 
@@ -135,6 +199,35 @@ class HubWing(Protocol):
 
     def publish_command(self, out_path: str, run: RunOptions) -> str:
         """The ``mergekit-ext publish`` command that repeats this upload, every option given."""
+
+
+def _checked_destinations(
+    cfg: ExtMergeConfig, out_path: str, options: MergeOptions, run: RunOptions
+) -> str:
+    """``OUT_DIR`` resolved (:func:`resolve_output`) and checked replaceable; the folders
+    a merge writes besides it (``--lora-merge-cache``: a full-size merged copy of each
+    model+LoRA; ``--transformers-cache``: downloads) follow the same rule: never an input,
+    nor inside one."""
+    plugins = [p for p in run.plugins if p.endswith(".py")]
+    caches = [p for p in (options.lora_merge_cache, options.transformers_cache) if p]
+    target = resolve_output(out_path, checks.local_input_paths(cfg, plugins + caches))
+    for option, cache in (
+        ("--lora-merge-cache", options.lora_merge_cache),
+        ("--transformers-cache", options.transformers_cache),
+    ):
+        if not cache:
+            continue
+        check_write_path(
+            cache,
+            checks.local_input_paths(cfg, plugins),
+            what=option,
+            folder=True,
+            advice="give a cache folder apart from every model, adapter and data file the "
+            "merge reads, or leave the option out (the merge then keeps those copies in its "
+            "own temporary folder)",
+        )
+    check_replaceable(target, run.overwrite, out_path)
+    return target
 
 
 def run_merge_config(
@@ -190,11 +283,7 @@ def _run_merge_config(
     check_distributable(cfg, ctx.world_size)
     if ctx.enabled and not run.dry_run:
         return _run_distributed(cfg, out_path, options, run, ctx, hub, show_published)
-    extra = [p for p in run.plugins if p.endswith(".py")]
-    extra += [p for p in (options.lora_merge_cache, options.transformers_cache) if p]
-    inputs = checks.local_input_paths(cfg, extra)
-    target = resolve_output(out_path, inputs)
-    check_replaceable(target, run.overwrite, out_path)
+    target = _checked_destinations(cfg, out_path, options, run)
     if run.push_to_hub:
         hub.check_can_publish(run)
     kind = method_kind(cfg.method)
@@ -277,10 +366,7 @@ def _run_distributed(
     prologue = True  # the checks; afterwards, the merge and then writing the output
     merged = False
     try:
-        extra = [p for p in run.plugins if p.endswith(".py")]
-        extra += [p for p in (options.lora_merge_cache, options.transformers_cache) if p]
-        target = resolve_output(out_path, checks.local_input_paths(cfg, extra))
-        check_replaceable(target, run.overwrite, out_path)
+        target = _checked_destinations(cfg, out_path, options, run)
         if run.push_to_hub:
             hub.check_can_publish(run)
         out_tokenizer = tokenization.plan_output_tokenizer(cfg.merge, options, cfg.method)
@@ -446,6 +532,31 @@ def _mergekit_options(options: MergeOptions, **changes: Any) -> MergeOptions:
     return options.model_copy(update=changes)
 
 
+def _missing_parameter(cfg: ExtMergeConfig, message: str) -> Optional[str]:
+    """mergekit's ``Missing required parameter weight for MODEL.TENSOR`` (the model's path
+    and the tensor glued by a dot) as a message naming each and where to add it."""
+    import re
+
+    match = re.fullmatch(r"Missing required parameter (\S+) for (.+)", message.strip())
+    if match is None:
+        return None
+    name, location = match.groups()
+    refs = sorted((str(m) for m in cfg.merge.referenced_models()), key=len, reverse=True)
+    for ref in refs:
+        for shown in dict.fromkeys((ref, os.path.abspath(ref))):
+            if location.startswith(shown + "."):
+                tensor = location[len(shown) + 1 :]
+                return (
+                    f"{cfg.method}: parameter {name!r} is missing for the model {ref} (first "
+                    f"needed by the tensor {tensor}); give it under that model's parameters: "
+                    f"(e.g. {name}: 1.0), or once for every model in the top-level parameters:"
+                )
+    return (
+        f"{cfg.method}: parameter {name!r} is missing for {location}; give it under each "
+        f"model's parameters: (e.g. {name}: 1.0), or once in the top-level parameters:"
+    )
+
+
 def _run_tensorwise(cfg: ExtMergeConfig, out_dir: str, options: MergeOptions) -> None:
     """mergekit's own planner and executor; its card generator is replaced by ours.
 
@@ -477,6 +588,11 @@ def _run_tensorwise(cfg: ExtMergeConfig, out_dir: str, options: MergeOptions) ->
                 options=_mergekit_options(options, **changes),
                 config_source=cfg.source_text,
             )
+    except RuntimeError as e:
+        missing = _missing_parameter(cfg, str(e))
+        if missing is None:
+            raise
+        raise ConfigError(missing) from e
     finally:
         if lora_cache is not None:
             shutil.rmtree(lora_cache, ignore_errors=True)

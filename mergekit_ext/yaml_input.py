@@ -7,11 +7,14 @@ Every command reads its YAML through :func:`load_yaml` (the merge config through
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import yaml
 
 from mergekit_ext.errors import ConfigError
+
+LOG = logging.getLogger(__name__)
 
 # A YAML alias shares its anchor's value; code that walks the parsed config (pydantic,
 # the card's path shortening) visits it once per alias, so nested aliases ("billion
@@ -26,6 +29,20 @@ class _CountingLoader(yaml.SafeLoader):
     def __init__(self, stream: str) -> None:
         super().__init__(stream)
         self.alias_names: list[str] = []
+        self.duplicate_keys: list[tuple[str, int, int]] = []  # (key, first line, line)
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        """A key given twice: YAML keeps the last silently; say so, naming key and line."""
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.value == "<<":
+                    continue
+                line = key_node.start_mark.line + 1
+                if key_node.value in seen:
+                    self.duplicate_keys.append((key_node.value, seen[key_node.value], line))
+                seen[key_node.value] = line
+        return super().construct_mapping(node, deep=deep)
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):
@@ -69,7 +86,14 @@ def load_yaml(text: str, where: str) -> Any:
     Every command reads its config through here (:func:`mergekit_ext.config.parse_config`),
     before any model is looked at.
     """
-    loader = _CountingLoader(text)
+    try:
+        loader = _CountingLoader(text)  # checks the characters: a binary file fails here
+    except yaml.YAMLError as e:
+        raise ConfigError(
+            f"{where}: not a YAML text file ({e}); give the merge config, a .yml file".replace(
+                "\n", " "
+            )
+        ) from None
     try:
         node = loader.get_single_node()
         if node is None:
@@ -81,7 +105,18 @@ def load_yaml(text: str, where: str) -> Any:
                 f"{MAX_YAML_VALUES:,} values (nested or recursive anchors); write the values "
                 "out, or use fewer levels of aliases"
             )
-        return loader.construct_document(node)
+        value = loader.construct_document(node)
+        for key, first, line in loader.duplicate_keys:
+            LOG.warning(
+                "%s: the key '%s' is given twice (lines %d and %d); the one on line %d is "
+                "used: remove the other",
+                where,
+                key,
+                first,
+                line,
+                line,
+            )
+        return value
     except yaml.composer.ComposerError as e:
         if "expected a single document" not in str(e):
             raise ConfigError(f"{where}: invalid YAML: {e}".replace("\n", " ")) from e

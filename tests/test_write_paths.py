@@ -99,7 +99,16 @@ def test_tokenizer_source_is_an_input(work, monkeypatch):
     monkeypatch.chdir(work)
     _merged(work, "earlier")  # a mergekit-ext output: --overwrite could replace it
     (work / "earlier" / "my_notes.txt").write_text("keep\n")
-    for tokenizer in ({"tokenizer_source": "earlier"}, {"tokenizer": {"source": "earlier"}}):
+    # A token's source counts too (issue #49.2: a bare ``source: M`` was missed and
+    # ``--overwrite`` replaced the folder, the user's file in it included).
+    token = {"tokenizer": {"source": "base", "tokens": {"the": {"source": "earlier"}}}}
+    picked = {"the": {"source": {"kind": "model_token", "model": "earlier", "token": "the"}}}
+    for tokenizer in (
+        {"tokenizer_source": "earlier"},
+        {"tokenizer": {"source": "earlier"}},
+        token,
+        {"tokenizer": {"source": "base", "tokens": picked}},
+    ):
         config = yaml.safe_load((work / "ace.yml").read_text())
         config.update(tokenizer)
         (work / "tok.yml").write_text(yaml.safe_dump(config))
@@ -316,3 +325,180 @@ def test_card_never_replaces_a_hand_edited_readme(work, monkeypatch):
     assert kept == "---\nlicense: mit\n---\n# Written elsewhere\n"
     assert _invoke(["card", "out", "--force"]).exit_code == 0
     assert (work / "out" / "README.md.bak2").read_text().endswith("# Written elsewhere\n")
+
+
+# ------------------- issue #49.1, .3: files are written new; caches follow the same rule
+
+
+def test_no_file_is_written_through_a_link(work, monkeypatch, tmp_path):
+    """``diagnose --json`` onto a hard link of an expert's config.json, ``card --force`` with
+    a README.md that links to an input or outside OUT: refused naming the file, the linked
+    file unchanged (they used to be overwritten through the link)."""
+    monkeypatch.chdir(work)
+    _merged(work)
+    os.link(work / "m" / "expert_a" / "config.json", work / "hard.json")
+    outside = tmp_path / "outside.txt"
+    outside.write_text("mine\n")
+    before = _snapshot(work / "m"), outside.read_text()
+    result = _invoke(["diagnose", "out", "ace.yml", "--json", "hard.json"])
+    assert result.exit_code == 1, result.output
+    assert "refusing to write hard.json: it has 2 hard links" in result.output
+    readme = work / "out" / "README.md"
+    readme.unlink()
+    for target in ("../m/expert_a/config.json", str(outside), "missing.md"):
+        readme.symlink_to(target)
+        result = _invoke(["card", "out", "--force"])
+        assert result.exit_code == 1, result.output
+        assert f"refusing to write out/README.md: it is a symbolic link (to {target})" in (
+            result.output
+        )
+        readme.unlink()
+    readme.mkdir()  # a folder where the card goes: named as such, not "edited by hand"
+    result = _invoke(["card", "out", "--force"])
+    assert result.exit_code == 1 and "out/README.md: it is a folder" in result.output
+    assert "edited by hand" not in result.output
+    readme.rmdir()
+    (work / "hard.json").unlink()
+    assert (_snapshot(work / "m"), outside.read_text()) == before
+    # accepted: an existing plain file is replaced by a new file (another inode)
+    (work / "d.json").write_text("old\n")
+    inode = os.stat(work / "d.json").st_ino
+    result = _invoke(["diagnose", "out", "ace.yml", "--json", "d.json"])
+    assert result.exit_code == 0, result.output
+    assert '"merged": "out"' in (work / "d.json").read_text()
+    assert os.stat(work / "d.json").st_ino != inode
+    result = _invoke(["card", "out"])
+    assert result.exit_code == 0 and readme.is_file() and not readme.is_symlink()
+    assert not [n for n in os.listdir(work / "out") if n.endswith(".tmp")]
+
+
+def test_write_file_replaces_and_never_follows(tmp_path):
+    path = tmp_path / "f.txt"
+    output.write_file(str(path), "one\n")
+    os.chmod(path, 0o600)
+    output.write_file(str(path), b"two\n")
+    assert path.read_text() == "two\n"
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o666 & ~output.current_umask()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep\n")
+    link = tmp_path / "link.txt"
+    link.symlink_to(victim)
+    with pytest.raises(output.OutputError, match="link.txt: it is a symbolic link"):
+        output.write_file(str(link), "x")
+    os.link(victim, tmp_path / "second.txt")
+    with pytest.raises(output.OutputError, match="second.txt: it has 2 hard links"):
+        output.write_file(str(tmp_path / "second.txt"), "x")
+    assert victim.read_text() == "keep\n"
+    assert sorted(os.listdir(tmp_path)) == ["f.txt", "link.txt", "second.txt", "victim.txt"]
+
+
+def test_lora_merge_cache_may_not_lie_inside_an_input(work, monkeypatch):
+    """``--lora-merge-cache`` inside an expert wrote a full merged model into it."""
+    monkeypatch.chdir(work)
+    before = _snapshot(work)
+    for cache in ("m/expert_a/cache", "m/base", "data"):
+        result = _invoke(["run", "ace.yml", "out", "--lora-merge-cache", cache])
+        assert result.exit_code == 1, result.output
+        assert f"refusing to write --lora-merge-cache to {cache}" in result.output
+    result = _invoke(["run", "ace.yml", "out", "--transformers-cache", "m/expert_b/hf"])
+    assert result.exit_code == 1 and "--transformers-cache to m/expert_b/hf" in result.output
+    assert _snapshot(work) == before
+    result = _invoke(["run", "ace.yml", "out", "--lora-merge-cache", "cache"])
+    assert result.exit_code == 0, result.output
+
+
+# ------------------------------------ issue #49.7, .8: a signal after the rename; the lock
+
+SIGNAL_AFTER = """
+import os
+import signal
+
+import {module} as target
+
+_original = target.{name}
+
+
+def _then_sigterm(*args, **kwargs):
+    result = _original(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGTERM)
+    return result
+
+
+target.{name} = _then_sigterm
+"""
+
+
+@pytest.mark.parametrize(
+    "module, name",
+    [("mergekit_ext.output", "_rename_into"), ("mergekit_ext.resources", "summary_line")],
+)
+def test_sigterm_after_the_final_rename_says_the_output_is_whole(work, monkeypatch, module, name):
+    """``--overwrite`` killed by SIGTERM just after the final rename (or while the closing
+    lines print) exited 143 with no message: now it says the output is written."""
+    monkeypatch.chdir(work)
+    _merged(work)
+    (work / "plugins" / "late.py").write_text(SIGNAL_AFTER.format(module=module, name=name))
+    code, text = test_safety._finish(
+        test_safety._cli(
+            "run",
+            "ace.yml",
+            "out",
+            "--overwrite",
+            "--plugin",
+            "plugins/late.py",
+            cwd=work,
+            env=_env(),
+        )
+    )
+    assert code == 143, text
+    assert f"terminated (SIGTERM) after the merge was complete: {work / 'out'} is written" in text
+    assert "no output was written" not in text
+    assert load_file(str(work / "out" / "model.safetensors"))
+    assert (work / "out" / output.MARKER_FILE).is_file()
+    assert _leftovers(work) == [] and not (work / ".out.lock").exists()
+
+
+def test_a_lock_that_is_not_a_plain_file_is_refused_and_kept(work, monkeypatch):
+    """A ``.OUT.lock`` symbolic link (to a user file, or dangling) or folder: refused naming
+    it, nothing touched (the link was deleted by the failed run, ELOOP/EISDIR shown)."""
+    monkeypatch.chdir(work)
+    lock = work / ".out.lock"
+    for make, kind in (
+        (lambda: lock.symlink_to("notes/todo.txt"), "a symbolic link (to notes/todo.txt)"),
+        (lambda: lock.symlink_to("nowhere"), "a symbolic link (to nowhere)"),
+        (lambda: lock.mkdir(), "a folder"),
+    ):
+        make()
+        before = sorted(os.listdir(work)), (work / "notes" / "todo.txt").read_text()
+        result = _invoke(["run", "ace.yml", "out"])
+        assert result.exit_code == 1, result.output
+        assert f"the lock file {lock} is {kind}" in result.output
+        assert (sorted(os.listdir(work)), (work / "notes" / "todo.txt").read_text()) == before
+        assert os.path.lexists(lock)
+        lock.rmdir() if lock.is_dir() and not lock.is_symlink() else lock.unlink()
+    _merged(work)  # a plain stale lock file left by a killed merge is fine
+    lock.write_text("12345\n")
+    result = _invoke(["run", "ace.yml", "out2"])
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.skipif(not _unshare_works(), reason="needs root and mount namespaces (unshare -m)")
+def test_read_only_out_parent_is_named(work):
+    """A read-only folder holding OUT_DIR gave the raw errno on the internal lock name."""
+    (work / "ro").mkdir()
+    script = (
+        "mount --make-rprivate / && mount --bind ro ro && mount -o remount,ro,bind ro && "
+        f"{sys.executable} -m mergekit_ext run ace.yml ro/out"
+    )
+    proc = subprocess.run(
+        ["unshare", "-m", "sh", "-c", script],
+        cwd=work,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "cannot write beside ro/out (Read-only file system)" in proc.stderr
+    assert f"({work / 'ro'}) must be writable" in proc.stderr
+    assert ".lock" not in proc.stderr

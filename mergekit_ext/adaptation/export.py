@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from mergekit_ext.adaptation.problem import materialise
+from mergekit_ext.output import write_file
 
 LOG = logging.getLogger(__name__)
 
@@ -114,6 +115,4 @@ def set_adapter_base(adapter_dir: str, base_model_name_or_path: str) -> None:
     with open(path, encoding="utf-8") as fp:
         config = json.load(fp)
     config["base_model_name_or_path"] = base_model_name_or_path
-    with open(path, "w", encoding="utf-8") as fp:
-        json.dump(config, fp, indent=2, sort_keys=True)
-        fp.write("\n")
+    write_file(path, json.dumps(config, indent=2, sort_keys=True) + "\n")

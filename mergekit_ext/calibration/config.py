@@ -58,7 +58,9 @@ class CalibrationSpec(BaseModel):
     samples: int = Field(default=128, ge=1)
     max_length: int = Field(default=256, ge=1)
     batch_size: int = Field(default=8, ge=1)
-    seed: int = 0
+    # torch's generators take a 64-bit seed: a larger one failed as "Overflow when unpacking
+    # long long", naming no field
+    seed: int = Field(0, ge=0, lt=2**63, strict=True)
     pack: bool = False
     # render each example with the tokenizer's chat template (texts as one user message;
     # `messages`/`conversations` columns: OpenAI role/content or ShareGPT from/value)

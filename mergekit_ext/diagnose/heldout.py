@@ -12,6 +12,8 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
+from pydantic import ValidationError
+
 from mergekit_ext.calibration.config import CalibrationSpec
 from mergekit_ext.calibration.sources import (
     CalibrationData,
@@ -51,9 +53,21 @@ def parse_heldout(values: Sequence[str]) -> dict[Optional[str], dict[str, Any]]:
             raise ConfigError(f"--heldout {where}: expected a mapping of calibration fields")
         try:
             CalibrationSpec.model_validate(mapping)
+        except ValidationError as e:
+            first = e.errors()[0]
+            loc = ".".join(str(x) for x in first["loc"])
+            if first["type"] == "extra_forbidden":
+                hint = (
+                    f"; per-task fields go under `tasks:` (tasks: {{{loc}: {{path: ...}}}})"
+                    if task is None and isinstance(mapping.get(loc), dict)
+                    else f"; the fields are those of calibration: ({', '.join(sorted(CalibrationSpec.model_fields))})"
+                )
+                raise ConfigError(f"--heldout {where}: unknown field '{loc}'{hint}") from None
+            raise ConfigError(
+                f"--heldout {where}: {loc} = {first.get('input')!r}: {first['msg'].lower()}"
+            ) from None
         except ValueError as e:
-            first = str(e).splitlines()[1:3]
-            raise ConfigError(f"--heldout {where}: {' '.join(x.strip() for x in first)}") from None
+            raise ConfigError(f"--heldout {where}: {e}") from None
         out.setdefault(task, {}).update(mapping)
 
     for value in values:

@@ -116,6 +116,7 @@ from mergekit_ext.models import model_class
 from mergekit_ext.models.checkpoint import HEAD_PREFIX, TAGALONG_FILES
 from mergekit_ext.models.families import GroupSpec
 from mergekit_ext.models.model_paths import TOKENIZER_FILES
+from mergekit_ext.output import write_file
 
 LOG = logging.getLogger(__name__)
 
@@ -1308,9 +1309,8 @@ class SequentialExecutor:
             name = str(self.plan.out_dtype).replace("torch.", "")
             key = "torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"
             config[key] = name
-        with open(os.path.join(self.out_dir, "config.json"), "w", encoding="utf-8") as fp:
-            json.dump(config, fp, indent=2, sort_keys=True)
-            fp.write("\n")
+        text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+        write_file(os.path.join(self.out_dir, "config.json"), text)
         files = list(TAGALONG_FILES)
         if self.plan.options.copy_tokenizer:
             files += list(TOKENIZER_FILES)

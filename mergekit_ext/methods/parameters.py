@@ -159,6 +159,16 @@ class MethodParameters(BaseModel):
         if isinstance(values, cls):
             return values
         given = {k: v for k, v in (values or {}).items() if v is not None}
+        for name, value in given.items():
+            field = cls.model_fields.get(name)
+            if isinstance(value, bool) and field is not None and not _allows_bool(field):
+                # pydantic's lax mode reads true as 1.0: a number was meant, or a typo
+                allowed = describe_allowed(field)
+                raise ConfigError(
+                    f"{method}: parameters.{name} = {value!r} is not valid: true/false is "
+                    f"not a value of {name}{f' (allowed: {allowed})' if allowed else ''}; "
+                    "fix it in the YAML's parameters: section"
+                )
         try:
             return cls.model_validate(given)
         except ValidationError as e:
@@ -172,9 +182,12 @@ class MethodParameters(BaseModel):
             field = cls.model_fields.get(name)
             allowed = describe_allowed(field) if field is not None else ""
             where = f" (allowed: {allowed})" if allowed else ""
+            # a Union (ridge: auto or a number): pydantic's first message names one branch
+            branches = sum(1 for err in e.errors() if err["loc"][:1] == (name,))
+            why = "it is none of the allowed values" if branches > 1 else first["msg"].lower()
             raise ConfigError(
                 f"{method}: parameters.{name} = {given.get(name)!r} is not valid: "
-                f"{first['msg'].lower()}{where}; fix it in the YAML's parameters: section"
+                f"{why}{where}; fix it in the YAML's parameters: section"
             ) from e
 
     @classmethod
@@ -210,6 +223,19 @@ class MethodParameters(BaseModel):
                 )
             )
         return tuple(specs)
+
+
+def _allows_bool(field: FieldInfo) -> bool:
+    from typing import Union, get_args, get_origin
+
+    def allows(annotation: Any) -> bool:
+        if annotation is bool or annotation is Any:
+            return True
+        if get_origin(annotation) in (Union, Annotated):
+            return any(allows(a) for a in get_args(annotation))
+        return False
+
+    return allows(field.annotation)
 
 
 def _plain(value: Any) -> Any:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import csv
+import errno
 import json
 import logging
 import os
@@ -19,7 +20,13 @@ from tqdm.auto import tqdm
 
 from mergekit_ext.calibration.chat import CHAT_COLUMNS
 from mergekit_ext.calibration.config import CalibrationSpec
-from mergekit_ext.errors import CalibrationError, CalibrationFileNotFoundError, plugin_exit_error
+from mergekit_ext.errors import (
+    CalibrationError,
+    CalibrationFileNotFoundError,
+    MergekitExtError,
+    PluginError,
+    plugin_exit_error,
+)
 
 if TYPE_CHECKING:
     pass
@@ -464,6 +471,51 @@ def _datasets_local_only() -> Iterator[None]:
         config.HF_HUB_OFFLINE, config.HF_UPDATE_DOWNLOAD_COUNTS = saved
 
 
+def _raised_at(error: BaseException) -> str:
+    """`` (at FILE:LINE)``: the innermost frame of ``error``'s traceback."""
+    tb, where = error.__traceback__, ""
+    while tb is not None:
+        where = f" (at {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno})"
+        tb = tb.tb_next
+    return where
+
+
+def _first_bad_json_line(path: str) -> Optional[str]:
+    """``line N: ...`` of the first line of a JSON-lines file that is not a JSON object."""
+    with open(path, encoding="utf-8", errors="replace") as fp:
+        for number, line in enumerate(fp, 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except ValueError as e:
+                return f"line {number} is not valid JSON ({e}; a truncated line?)"
+            if not isinstance(value, dict):
+                return f"line {number} is a {type(value).__name__}, not a JSON object"
+    return None
+
+
+def _load_failure(error: Exception, path: str, fmt: str) -> str:
+    """What went wrong, for ``datasets``' own "An error occurred while generating the
+    dataset": the file's line, or the cache folder it could not write."""
+    cause: Optional[BaseException] = error
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            from datasets import config
+
+            return (
+                f"the datasets library keeps a cache of every file it reads, and its cache "
+                f"folder cannot be written ({cause.strerror}: {cause.filename or config.HF_DATASETS_CACHE}); "
+                "set HF_DATASETS_CACHE (or HF_HOME) to a writable folder"
+            )
+        cause = cause.__cause__ or cause.__context__
+    if fmt == "json" and os.path.isfile(path) and not path.endswith(".json"):
+        bad = _first_bad_json_line(path)
+        if bad is not None:
+            return f"{bad}; fix or remove that line"
+    return f"{type(error).__name__}: {error}"
+
+
 def _open(spec: CalibrationSpec, *, task: str, modality: str) -> _OpenedSource:
     """Open the (already checked) source as fetchable rows, sliced as ``split`` says."""
     return _sliced(_open_whole(spec, task=task, modality=modality), spec.split, task)
@@ -486,6 +538,14 @@ def _open_whole(spec: CalibrationSpec, *, task: str, modality: str) -> _OpenedSo
             raise plugin_exit_error(
                 e, f"model {task}: calibration source {spec.source!r} ({_qualname(fn)})"
             ) from None
+        except MergekitExtError:
+            raise
+        except Exception as e:  # user code: say whose, with its own words
+            raise PluginError(
+                f"model {task}: calibration source {spec.source!r} ({_qualname(fn)}) failed: "
+                f"{type(e).__name__}: {e}{_raised_at(e)}; fix that source (run with -v for "
+                "the traceback)"
+            ) from e
         if items and all(isinstance(item, dict) for item in items):
             columns = sorted({key for item in items for key in item})
             field = _resolve_field(columns, spec, modality, f"source {spec.source!r}", task)
@@ -531,7 +591,8 @@ def _open_whole(spec: CalibrationSpec, *, task: str, modality: str) -> _OpenedSo
                 dataset = _load_dataset(fmt, data_files=path, split="train")
         except Exception as e:
             raise CalibrationError(
-                f"model {task}: cannot load calibration file {path!r} as {fmt}: {e}"
+                f"model {task}: cannot load calibration file {path!r} as {fmt}: "
+                f"{_load_failure(e, path, fmt)}"
             ) from e
         split = "train" if spec.split else None
     field = _resolve_field(dataset.column_names, spec, modality, repr(path), task)

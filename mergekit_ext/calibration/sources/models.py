@@ -97,15 +97,23 @@ def _load_tokenizer(model_path: str, trust_remote_code: bool = False) -> Any:
     try:
         return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     except Exception as e:
+        present = [n for n in _TOKENIZER_NAMES if os.path.isfile(os.path.join(folder, n))]
+        advice = (
+            f"its tokenizer files in {folder} ({', '.join(present)}) are there but cannot be "
+            "read: replace them with good copies from where the model came from"
+            if present
+            else "save the tokenizer next to the weights"
+        )
         raise CalibrationError(
-            f"cannot load the tokenizer of model {model_path!r} ({type(e).__name__}: {e}); "
-            "save the tokenizer next to the weights"
+            f"cannot load the tokenizer of model {model_path!r} ({type(e).__name__}: {e}); {advice}"
         ) from e
 
 
+_TOKENIZER_NAMES = ("tokenizer.json", "tokenizer.model", "vocab.txt", "vocab.json", "spiece.model")
+
+
 def _has_tokenizer_files(folder: str) -> bool:
-    names = ("tokenizer.json", "tokenizer.model", "vocab.txt", "vocab.json", "spiece.model")
-    return any(os.path.isfile(os.path.join(folder, n)) for n in names)
+    return any(os.path.isfile(os.path.join(folder, n)) for n in _TOKENIZER_NAMES)
 
 
 def check_tokenizers_match(model_paths: Sequence[str]) -> None:

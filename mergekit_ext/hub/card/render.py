@@ -35,6 +35,7 @@ from mergekit_ext.merge_inputs import (
     dot_local_models,
     undot,
 )
+from mergekit_ext.output import write_file
 from mergekit_ext.plots import IMAGES_DIR
 
 LOG = logging.getLogger(__name__)
@@ -849,7 +850,6 @@ def write_model_card(
     card = render_model_card(context, template_dir)
     path = os.path.join(out_dir, README_FILENAME)
     text = str(card) if str(card).endswith("\n") else str(card) + "\n"
-    with open(path, "w", encoding="utf-8", newline="") as fp:
-        fp.write(_sign(text))
+    write_file(path, _sign(text))
     LOG.info("wrote model card %s", path)
     return path
