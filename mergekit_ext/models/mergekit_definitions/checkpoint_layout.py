@@ -15,12 +15,19 @@ merges it as the matrix it is, and writes it under that name. The module's metad
 from the class too: the input/output embeddings' vocabulary axis, and the class's tied
 weights (``lm_head.weight`` → ``model.embed_tokens.weight``) as optional with ``tied_names``,
 as mergekit's own JSON definitions mark them. See docs/methods.md, "Output completeness".
+
+LLaVA is the other case: transformers 5 renames its checkpoint's ``language_model.model.``
+tensors to ``model.language_model.`` on load and back on save, and mergekit 0.1.5 infers the
+layout from the in-memory names, so it read and wrote the vision tower and projector only
+(the output's language model was random on load). Its config (``LlavaConfig``) has no
+``num_hidden_layers``: the layer count is the layout's own (``max(layer index) + 1``).
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
@@ -47,7 +54,29 @@ CHECKPOINT_LAYOUT_CLASSES: dict[str, str] = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "LlavaForConditionalGeneration": "llava",
 }
+
+# A checkpoint name that only the layout ``save_pretrained`` writes holds, per class: the
+# checkpoint layout applies when the checkpoint that sets the output's layout has one; a
+# checkpoint saved in the in-memory layout (``mlp.experts.gate_up_proj``,
+# ``model.language_model.``, as mergekit itself writes) gets mergekit's own definition.
+_PER_EXPERT = re.compile(r"\.experts\.\d+\.")  # block_sparse_moe.experts.0.w1.weight
+CHECKPOINT_NAMES: dict[str, re.Pattern[str]] = {
+    "MixtralForCausalLM": _PER_EXPERT,
+    "Qwen2MoeForCausalLM": _PER_EXPERT,
+    "Qwen3MoeForCausalLM": _PER_EXPERT,
+    "DeepseekV3ForCausalLM": _PER_EXPERT,
+    "LlavaForConditionalGeneration": re.compile(r"^language_model\.model\."),
+}
+
+
+def in_checkpoint_layout(architecture: str, checkpoint_names: Iterable[str]) -> bool:
+    """Whether ``checkpoint_names`` (a checkpoint of ``architecture``) are in the layout
+    ``save_pretrained`` writes, where it differs from the in-memory one mergekit names."""
+    pattern = CHECKPOINT_NAMES.get(architecture)
+    return pattern is not None and any(pattern.search(n) for n in checkpoint_names)
+
 
 _LAYER_INDEX = re.compile(
     r"\.(\d+)\."
@@ -135,9 +164,18 @@ class CheckpointLayoutModule(ModuleArchitecture, BaseModel, frozen=True):
     def num_layers_config_key(self) -> str:
         return self.NUM_LAYERS_KEY
 
+    def num_layers(self, config: PretrainedConfig) -> int:
+        if getattr(config, self.NUM_LAYERS_KEY, None) is None:
+            # a composite config (LlavaConfig: text and vision sub-configs) has no count of
+            # its own; the layout's layers are the union of the sub-models' at each index
+            layers = checkpoint_layout(self.architecture, config).layers
+            return max(layers, default=-1) + 1
+        return super().num_layers(config)
+
     def layer_weights(self, index: int, config: PretrainedConfig) -> Optional[list[WeightInfo]]:
         layers = checkpoint_layout(self.architecture, config).layers
-        if index not in layers and index >= self.num_layers(config):
+        has_count = getattr(config, self.NUM_LAYERS_KEY, None) is not None
+        if index not in layers and has_count and index >= self.num_layers(config):
             # ``slices:`` may ask past the config's layers: describe a deeper model
             deeper = config.__class__.from_dict(
                 {**config.to_dict(), self.NUM_LAYERS_KEY: index + 1}
@@ -146,11 +184,21 @@ class CheckpointLayoutModule(ModuleArchitecture, BaseModel, frozen=True):
         return list(layers.get(index, []))
 
 
-def checkpoint_layout_architectures() -> list[ModelArchitecture]:
+def checkpoint_layout_architectures(
+    checkpoint_names: Optional[Iterable[str]] = None,
+) -> list[ModelArchitecture]:
     """One mergekit :class:`ModelArchitecture` per class of :data:`CHECKPOINT_LAYOUT_CLASSES`
-    that this transformers version has."""
+    that this transformers version has.
+
+    Args:
+        checkpoint_names: when given, only the classes whose checkpoint layout these names
+            are in (:func:`in_checkpoint_layout`).
+    """
+    names = None if checkpoint_names is None else frozenset(checkpoint_names)
     out = []
     for name, model_type in CHECKPOINT_LAYOUT_CLASSES.items():
+        if names is not None and not in_checkpoint_layout(name, names):
+            continue
         if getattr(transformers, name, None) is None:
             LOG.debug("transformers has no %s; its checkpoint layout is not registered", name)
             continue
