@@ -321,3 +321,52 @@ def test_tensor_the_base_lacks_too_is_not_asked_for(tmp_path) -> None:
         TensorError, match=r"1 tensor\(s\) that ViTModel loads are missing: layernorm\.bias\."
     ):
         completeness.check_output_complete(out, ("base", base))
+
+
+def _llama(path, vocab_size: int, seed: int) -> str:
+    torch.manual_seed(seed)
+    cfg = {**_COMMON, "vocab_size": vocab_size, "hidden_size": 32, "intermediate_size": 64}
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).save_pretrained(path)
+    return str(path)
+
+
+def test_unsafe_truncate_embeddings_is_accepted_as_asked(tmp_path) -> None:
+    """mergekit's ``unsafe_truncate_embeddings`` cuts the embeddings to the smallest
+    vocabulary (8 rows) and keeps the donor's ``vocab_size`` (10) in config.json, as its own
+    tests assert: with that option the check accepts the cut embeddings; without it the same
+    checkpoint is refused, and with it any other shape change still is."""
+    large, small = _llama(tmp_path / "large", 10, 0), _llama(tmp_path / "small", 8, 1)
+    config = {
+        "merge_method": "linear",
+        "base_model": large,
+        "models": [{"model": large}, {"model": small}],
+        "parameters": {"weight": 0.5},
+        "dtype": "float32",
+    }
+    out = mergekit_ext.run_merge(
+        config, str(tmp_path / "out"), {"unsafe_truncate_embeddings": True}
+    )
+    assert transformers.AutoConfig.from_pretrained(out).vocab_size == 10  # mergekit's choice
+    shapes = tensor_shapes(out)
+    assert shapes["model.embed_tokens.weight"] == shapes["lm_head.weight"] == (8, 32)
+    assert {k: v for k, v in shapes.items() if "embed" not in k and "lm_head" not in k} == {
+        k: v for k, v in tensor_shapes(large).items() if "embed" not in k and "lm_head" not in k
+    }
+    assert completeness.check_output_complete(out, ("large", large), truncated_vocabulary=True)
+    with pytest.raises(TensorError, match=r"lm_head\.weight \[8, 32\] \(expected \[10, 32\]\)"):
+        completeness.check_output_complete(out, ("large", large))
+    # rows cut on the hidden axis are no vocabulary truncation
+    tensors = load_all(out)
+    tensors["lm_head.weight"] = torch.zeros(10, 16)
+    bad = _written(tmp_path / "bad", tensors, out)
+    with pytest.raises(TensorError, match=r"lm_head\.weight \[10, 16\] \(expected \[10, 32\]\)"):
+        completeness.check_output_complete(bad, ("large", large), truncated_vocabulary=True)
+
+
+def test_truncated_along_vocabulary() -> None:
+    assert completeness.truncated_along_vocabulary((8, 32), (10, 32), 0)
+    assert completeness.truncated_along_vocabulary((32, 8), (32, 10), 1)
+    assert not completeness.truncated_along_vocabulary((12, 32), (10, 32), 0)  # grown
+    assert not completeness.truncated_along_vocabulary((8, 16), (10, 32), 0)
+    assert not completeness.truncated_along_vocabulary((8, 32), (10, 32), None)
+    assert not completeness.truncated_along_vocabulary((0, 32), (10, 32), 0)
