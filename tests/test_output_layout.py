@@ -185,6 +185,29 @@ def test_check_follows_what_transformers_loads(moe_set, tmp_path) -> None:
         completeness.check_output_complete(extra, ("base", base))
 
 
+def test_fused_base_merges_and_passes_in_its_own_layout(moe_set, tmp_path) -> None:
+    """A base saved in transformers 5's fused in-memory layout (``mlp.experts.gate_up_proj``,
+    what mergekit 0.1.5 itself writes) gets mergekit's own definition: the merge writes the
+    base's fused names, and the check accepts them, as transformers loads them completely
+    (it does not ask for the per-expert names ``save_pretrained`` would write)."""
+    model_type, base, experts = moe_set
+    cls = getattr(transformers, tiny_architectures.ARCHITECTURES[model_type].model_class)
+    fused = []
+    for i, folder in enumerate([base, *experts]):
+        memory = {k: v.contiguous() for k, v in cls.from_pretrained(folder).state_dict().items()}
+        fused.append(_written(tmp_path / f"fused{i}", memory, folder))
+    fused_names = set(tensor_shapes(fused[0]))
+    experts_on_disk = {k for k in tensor_shapes(base) if EXPERT_MARKER in k}
+    assert experts_on_disk and not fused_names & experts_on_disk  # no expert name in common
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in fused_names)
+    out = merge("ties", fused[0], fused[1:], str(tmp_path / "out"))
+    assert tensor_shapes(out) == tensor_shapes(fused[0])  # the base's own (fused) layout
+    assert_loads_cleanly(out)
+    assert completeness.check_output_complete(out, ("fused", fused[0])) == len(fused_names)
+    # the per-expert checkpoint is complete against a fused base too: both load whole
+    assert completeness.check_output_complete(base, ("fused", fused[0])) > len(fused_names)
+
+
 def test_dense_llama_passes_the_check(tiny_llama_set, tmp_path) -> None:
     out = merge("ties", tiny_llama_set.base, list(tiny_llama_set.experts[:2]), str(tmp_path / "o"))
     assert tensor_shapes(out) == tensor_shapes(tiny_llama_set.base)
