@@ -19,8 +19,12 @@ as mergekit's own JSON definitions mark them. See docs/methods.md, "Output compl
 LLaVA is the other case: transformers 5 renames its checkpoint's ``language_model.model.``
 tensors to ``model.language_model.`` on load and back on save, and mergekit 0.1.5 infers the
 layout from the in-memory names, so it read and wrote the vision tower and projector only
-(the output's language model was random on load). Its config (``LlavaConfig``) has no
-``num_hidden_layers``: the layer count is the layout's own (``max(layer index) + 1``).
+(the output's language model was random on load). transformers only *renames* LLaVA's
+tensors, so its layout here names each weight as mergekit does (the in-memory name, which
+transformers loads too) with the checkpoint's name as alias: mergekit reads every tensor
+and writes what mergekit writes plus the language model (:data:`IN_MEMORY_NAMES`). Its
+config (``LlavaConfig``) has no ``num_hidden_layers``: the layer count is the layout's own
+(``max(layer index) + 1``).
 """
 
 from __future__ import annotations
@@ -71,6 +75,12 @@ CHECKPOINT_NAMES: dict[str, re.Pattern[str]] = {
 }
 
 
+# Classes whose checkpoint names transformers only renames on load (no fused tensor): their
+# layout writes the in-memory names, as mergekit's inferred definition and output do, read
+# from the checkpoint's names through aliases; mergekit's own tests check its names.
+IN_MEMORY_NAMES = frozenset({"LlavaForConditionalGeneration"})
+
+
 def in_checkpoint_layout(architecture: str, checkpoint_names: Iterable[str]) -> bool:
     """Whether ``checkpoint_names`` (a checkpoint of ``architecture``) are in the layout
     ``save_pretrained`` writes, where it differs from the in-memory one mergekit names."""
@@ -94,7 +104,13 @@ _CACHE: dict[tuple[str, str], _Layout] = {}
 _CACHE_SIZE = 16
 
 
-def _weight_info(name: str, vocab_axes: dict[str, int], tied: dict[str, str]) -> WeightInfo:
+def _weight_info(
+    name: str, vocab_axes: dict[str, int], tied: dict[str, str], alias: Optional[str] = None
+) -> WeightInfo:
+    if alias is not None:
+        # mergekit 0.1.5's planner cannot take aliases on an optional weight (list + tuple),
+        # so an untied head is required, read through its alias; a tied one is not saved
+        return WeightInfo(name=name, vocabulary_axis=vocab_axes.get(name), aliases=(alias,))
     if name in tied:
         return WeightInfo(
             name=name,
@@ -127,13 +143,19 @@ def checkpoint_layout(architecture: str, config: PretrainedConfig) -> _Layout:
     declared = getattr(cls, "_tied_weights_keys", None)
     tied = dict(declared) if isinstance(declared, dict) else {}
     saved = model_class.saved_state_dict(model)
+    aliases: dict[str, str] = {}
+    if architecture in IN_MEMORY_NAMES:
+        memory_names = model_class.rename_to_module_keys(model, saved)  # checkpoint -> memory
+        tie = getattr(config.get_text_config(), "tie_word_embeddings", False)
+        aliases = {m: c for c, m in memory_names.items() if m != c and not (tie and m in tied)}
+        saved = {memory_names.get(n, n): t for n, t in saved.items()}
     first_layer = min(
         (memory_order[n] for n in memory_order if _LAYER_INDEX.search(n)), default=None
     )
     layout = _Layout()
     names = sorted(saved, key=lambda n: memory_order.get(n, len(memory_order)))
     for name in names:
-        info = _weight_info(name, vocab_axes, tied)
+        info = _weight_info(name, vocab_axes, tied, aliases.get(name))
         if match := _LAYER_INDEX.search(name):
             layout.layers.setdefault(int(match.group(1)), []).append(info)
         elif first_layer is not None and memory_order.get(name, len(memory_order)) < first_layer:
