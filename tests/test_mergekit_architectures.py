@@ -252,6 +252,26 @@ def test_check_accepts_llava_in_its_in_memory_layout(tmp_path) -> None:
     assert "layout that" not in str(err.value)
 
 
+def test_llava_with_tied_embeddings_merges_whole(tmp_path) -> None:
+    """A tied LLaVA saves no head: the layout's head is optional (no alias), the rest is read
+    through the checkpoint's names, and the output loads completely."""
+    base = tiny_definitions.build("LlavaForConditionalGeneration", str(tmp_path / "b"), 0)
+    config = transformers.AutoConfig.from_pretrained(base)
+    config.tie_word_embeddings = config.text_config.tie_word_embeddings = True
+    models = []
+    for i in range(3):
+        torch.manual_seed(i)
+        models.append(str(tmp_path / f"m{i}"))
+        transformers.LlavaForConditionalGeneration(config).save_pretrained(models[-1])
+    assert not [k for k in tensor_shapes(models[0]) if "lm_head" in k]
+    out = mergekit_ext.run_merge(merge_config(models), str(tmp_path / "out"), {"random_seed": 0})
+    written = tensor_shapes(out)
+    assert "model.language_model.embed_tokens.weight" in written and "lm_head.weight" not in written
+    assert len(written) == len(tensor_shapes(models[0]))
+    info = loading_info(out, "LlavaForConditionalGeneration")
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+
+
 def test_both_real_clis_write_the_same_bytes(tmp_path) -> None:
     """``mergekit-yaml`` and ``mergekit-ext run`` themselves, on one class."""
     name = "LlamaForCausalLM"
