@@ -447,6 +447,7 @@ def _check_complete(cfg: ExtMergeConfig, tmp: str, options: MergeOptions) -> Non
         optional=lambda: completeness.mergekit_optional_names(
             with_cached_snapshots(cfg.merge), options
         ),
+        truncated_vocabulary=options.unsafe_truncate_embeddings,
     )
 
 

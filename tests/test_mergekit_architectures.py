@@ -47,8 +47,10 @@ PER_EXPERT = "per-expert"
 # aliases); mergekit-ext's repaired definition merges it
 REPAIRED = "repaired"
 # mergekit 0.1.5 writes a checkpoint transformers does not load completely (it would
-# initialise the listed tensors randomly): mergekit-ext refuses it, naming them
-INCOMPLETE = "incomplete"
+# initialise the listed tensors randomly); mergekit-ext, describing the class by its
+# checkpoint tensors, writes all of them: every tensor mergekit writes is in ours, under
+# the same name, with the same bytes
+OURS_COMPLETE = "ours-complete"
 
 EXPECTED: dict[str, tuple[str, str]] = {
     "BertForMaskedLM": (MERGEKIT_REFUSES, "bert.pooler.dense.weight"),  # the class has none
@@ -67,11 +69,11 @@ EXPECTED: dict[str, tuple[str, str]] = {
     # mergekit infers LLaVA's layout from transformers' in-memory names and converts the
     # checkpoint's with the model type's conversion mapping only, without the renames
     # transformers' from_pretrained adds (language_model.model. -> model.language_model.):
-    # it writes the vision tower and projector, none of the language model. Describing the
-    # class by its checkpoint tensors (mergekit_definitions/checkpoint_layout.py, with the
-    # layer count taken from the layout: LlavaConfig has no num_hidden_layers) merges all
-    # 64; this entry then moves to the identical-layout kind
-    "LlavaForConditionalGeneration": (INCOMPLETE, "model.language_model.embed_tokens.weight"),
+    # it writes the vision tower and projector, none of the language model. mergekit-ext
+    # describes the class by its checkpoint tensors, under mergekit's (in-memory) names
+    # with the checkpoint's as aliases (mergekit_definitions/checkpoint_layout.py; the
+    # layer count taken from the layout: LlavaConfig has no num_hidden_layers)
+    "LlavaForConditionalGeneration": (OURS_COMPLETE, "model.language_model.embed_tokens.weight"),
 }
 
 PLAIN_MERGE = """
@@ -111,6 +113,13 @@ def load_all(folder: str) -> dict[str, torch.Tensor]:
             with safe_open(os.path.join(folder, name), framework="pt") as f:
                 out.update({k: f.get_tensor(k) for k in f.keys()})
     return out
+
+
+def assert_same_bytes(a: torch.Tensor, b: torch.Tensor, key: str) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape, key
+    assert (
+        a.contiguous().view(-1).view(torch.uint8).equal(b.contiguous().view(-1).view(torch.uint8))
+    ), key
 
 
 def loading_info(folder: str, name: str) -> dict:
@@ -189,19 +198,18 @@ def test_ties_through_mergekit_and_mergekit_ext(name, merged, tmp_path) -> None:
         assert their_error and said in their_error, their_error
     else:
         assert their_error is None, their_error
-    if kind == INCOMPLETE:
-        # transformers would initialise these randomly in mergekit's output
-        missing = loading_info(theirs, name)["missing_keys"]
-        assert said in missing
-        assert our_error and our_error.startswith("TensorError"), our_error
-        assert f"{len(missing)} tensor(s) that {name} loads are missing" in our_error
-        assert said in our_error and "layout that" not in our_error  # nothing foreign
-        assert not os.path.exists(ours)
-        return
     assert our_error is None, our_error
     info = loading_info(ours, name)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert not info["mismatched_keys"], info
+    if kind == OURS_COMPLETE:
+        # transformers would initialise these randomly in mergekit's output
+        assert said in loading_info(theirs, name)["missing_keys"]
+        a, b = load_all(theirs), load_all(ours)
+        assert set(a) < set(b) and said in set(b) - set(a)  # mergekit's names, and the rest
+        for key in a:
+            assert_same_bytes(a[key], b[key], key)
+        return
     if kind == PER_EXPERT:
         assert tensor_shapes(ours) == tensor_shapes(checkpoints[0])  # the checkpoint's layout
         assert any(said in k for k in tensor_shapes(ours))
@@ -213,14 +221,7 @@ def test_ties_through_mergekit_and_mergekit_ext(name, merged, tmp_path) -> None:
     a, b = load_all(theirs), load_all(ours)
     assert set(a) == set(b)
     for key in a:
-        assert a[key].dtype == b[key].dtype and a[key].shape == b[key].shape, key
-        assert (
-            a[key]
-            .contiguous()
-            .view(-1)
-            .view(torch.uint8)
-            .equal(b[key].contiguous().view(-1).view(torch.uint8))
-        ), key
+        assert_same_bytes(a[key], b[key], key)
 
 
 def test_check_accepts_llava_in_its_in_memory_layout(tmp_path) -> None:
@@ -249,6 +250,26 @@ def test_check_accepts_llava_in_its_in_memory_layout(tmp_path) -> None:
         completeness.check_output_complete(str(out), ("base", base))
     assert "that LlavaForConditionalGeneration loads are missing: lm_head.weight" in str(err.value)
     assert "layout that" not in str(err.value)
+
+
+def test_llava_with_tied_embeddings_merges_whole(tmp_path) -> None:
+    """A tied LLaVA saves no head: the layout's head is optional (no alias), the rest is read
+    through the checkpoint's names, and the output loads completely."""
+    base = tiny_definitions.build("LlavaForConditionalGeneration", str(tmp_path / "b"), 0)
+    config = transformers.AutoConfig.from_pretrained(base)
+    config.tie_word_embeddings = config.text_config.tie_word_embeddings = True
+    models = []
+    for i in range(3):
+        torch.manual_seed(i)
+        models.append(str(tmp_path / f"m{i}"))
+        transformers.LlavaForConditionalGeneration(config).save_pretrained(models[-1])
+    assert not [k for k in tensor_shapes(models[0]) if "lm_head" in k]
+    out = mergekit_ext.run_merge(merge_config(models), str(tmp_path / "out"), {"random_seed": 0})
+    written = tensor_shapes(out)
+    assert "model.language_model.embed_tokens.weight" in written and "lm_head.weight" not in written
+    assert len(written) == len(tensor_shapes(models[0]))
+    info = loading_info(out, "LlavaForConditionalGeneration")
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
 
 
 def test_both_real_clis_write_the_same_bytes(tmp_path) -> None:

@@ -291,6 +291,19 @@ def test_fused_or_unknown_checkpoints_keep_mergekits_moe_definitions() -> None:
         assert "ViTModel" in table  # the definitions mergekit lacks apply whatever the layout
 
 
+def test_llava_checkpoint_layout_applies_to_its_saved_names_only() -> None:
+    """transformers 5 saves LLaVA as ``language_model.model.``: our layout applies; a LLaVA
+    saved under the in-memory names (``model.language_model.``, what mergekit writes) keeps
+    mergekit's inferred definition, and a per-expert MoE checkpoint does not touch LLaVA."""
+    saved = {"language_model.model.embed_tokens.weight", "vision_tower.embeddings.class_embedding"}
+    in_memory = {"model.language_model.embed_tokens.weight", "lm_head.weight"}
+    table = our_definitions(saved)
+    assert "LlavaForConditionalGeneration" in table and "MixtralForCausalLM" not in table
+    assert "LlavaForConditionalGeneration" not in our_definitions(in_memory)
+    per_expert = {"model.layers.0.block_sparse_moe.experts.0.w1.weight"}
+    assert "LlavaForConditionalGeneration" not in our_definitions(per_expert)
+
+
 def test_transformers4_clip_vision_layout_merges_through_aliases(
     tiny_clip_vision_set, tmp_path
 ) -> None:

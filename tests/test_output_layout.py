@@ -185,6 +185,29 @@ def test_check_follows_what_transformers_loads(moe_set, tmp_path) -> None:
         completeness.check_output_complete(extra, ("base", base))
 
 
+def test_fused_base_merges_and_passes_in_its_own_layout(moe_set, tmp_path) -> None:
+    """A base saved in transformers 5's fused in-memory layout (``mlp.experts.gate_up_proj``,
+    what mergekit 0.1.5 itself writes) gets mergekit's own definition: the merge writes the
+    base's fused names, and the check accepts them, as transformers loads them completely
+    (it does not ask for the per-expert names ``save_pretrained`` would write)."""
+    model_type, base, experts = moe_set
+    cls = getattr(transformers, tiny_architectures.ARCHITECTURES[model_type].model_class)
+    fused = []
+    for i, folder in enumerate([base, *experts]):
+        memory = {k: v.contiguous() for k, v in cls.from_pretrained(folder).state_dict().items()}
+        fused.append(_written(tmp_path / f"fused{i}", memory, folder))
+    fused_names = set(tensor_shapes(fused[0]))
+    experts_on_disk = {k for k in tensor_shapes(base) if EXPERT_MARKER in k}
+    assert experts_on_disk and not fused_names & experts_on_disk  # no expert name in common
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in fused_names)
+    out = merge("ties", fused[0], fused[1:], str(tmp_path / "out"))
+    assert tensor_shapes(out) == tensor_shapes(fused[0])  # the base's own (fused) layout
+    assert_loads_cleanly(out)
+    assert completeness.check_output_complete(out, ("fused", fused[0])) == len(fused_names)
+    # the per-expert checkpoint is complete against a fused base too: both load whole
+    assert completeness.check_output_complete(base, ("fused", fused[0])) > len(fused_names)
+
+
 def test_dense_llama_passes_the_check(tiny_llama_set, tmp_path) -> None:
     out = merge("ties", tiny_llama_set.base, list(tiny_llama_set.experts[:2]), str(tmp_path / "o"))
     assert tensor_shapes(out) == tensor_shapes(tiny_llama_set.base)
@@ -321,3 +344,52 @@ def test_tensor_the_base_lacks_too_is_not_asked_for(tmp_path) -> None:
         TensorError, match=r"1 tensor\(s\) that ViTModel loads are missing: layernorm\.bias\."
     ):
         completeness.check_output_complete(out, ("base", base))
+
+
+def _llama(path, vocab_size: int, seed: int) -> str:
+    torch.manual_seed(seed)
+    cfg = {**_COMMON, "vocab_size": vocab_size, "hidden_size": 32, "intermediate_size": 64}
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).save_pretrained(path)
+    return str(path)
+
+
+def test_unsafe_truncate_embeddings_is_accepted_as_asked(tmp_path) -> None:
+    """mergekit's ``unsafe_truncate_embeddings`` cuts the embeddings to the smallest
+    vocabulary (8 rows) and keeps the donor's ``vocab_size`` (10) in config.json, as its own
+    tests assert: with that option the check accepts the cut embeddings; without it the same
+    checkpoint is refused, and with it any other shape change still is."""
+    large, small = _llama(tmp_path / "large", 10, 0), _llama(tmp_path / "small", 8, 1)
+    config = {
+        "merge_method": "linear",
+        "base_model": large,
+        "models": [{"model": large}, {"model": small}],
+        "parameters": {"weight": 0.5},
+        "dtype": "float32",
+    }
+    out = mergekit_ext.run_merge(
+        config, str(tmp_path / "out"), {"unsafe_truncate_embeddings": True}
+    )
+    assert transformers.AutoConfig.from_pretrained(out).vocab_size == 10  # mergekit's choice
+    shapes = tensor_shapes(out)
+    assert shapes["model.embed_tokens.weight"] == shapes["lm_head.weight"] == (8, 32)
+    assert {k: v for k, v in shapes.items() if "embed" not in k and "lm_head" not in k} == {
+        k: v for k, v in tensor_shapes(large).items() if "embed" not in k and "lm_head" not in k
+    }
+    assert completeness.check_output_complete(out, ("large", large), truncated_vocabulary=True)
+    with pytest.raises(TensorError, match=r"lm_head\.weight \[8, 32\] \(expected \[10, 32\]\)"):
+        completeness.check_output_complete(out, ("large", large))
+    # rows cut on the hidden axis are no vocabulary truncation
+    tensors = load_all(out)
+    tensors["lm_head.weight"] = torch.zeros(10, 16)
+    bad = _written(tmp_path / "bad", tensors, out)
+    with pytest.raises(TensorError, match=r"lm_head\.weight \[10, 16\] \(expected \[10, 32\]\)"):
+        completeness.check_output_complete(bad, ("large", large), truncated_vocabulary=True)
+
+
+def test_truncated_along_vocabulary() -> None:
+    assert completeness.truncated_along_vocabulary((8, 32), (10, 32), 0)
+    assert completeness.truncated_along_vocabulary((32, 8), (32, 10), 1)
+    assert not completeness.truncated_along_vocabulary((12, 32), (10, 32), 0)  # grown
+    assert not completeness.truncated_along_vocabulary((8, 16), (10, 32), 0)
+    assert not completeness.truncated_along_vocabulary((8, 32), (10, 32), None)
+    assert not completeness.truncated_along_vocabulary((0, 32), (10, 32), 0)

@@ -21,6 +21,13 @@ whichever of the layouts transformers reads it is in:
   hold (a buffer an old base checkpoint holds, such as ``rotary_emb.inv_freq``, is its own
   layout, not a foreign one).
 
+The class is built from the output's own ``config.json`` as the merge wrote it. mergekit's
+``unsafe_truncate_embeddings`` writes embeddings cut to the smallest vocabulary while the
+output's config keeps the donor's ``vocab_size`` (mergekit's own tests assert both): with
+that option (``truncated_vocabulary``), an input or output embedding with fewer rows along
+its vocabulary axis, and nothing else different, is what the user asked for, and is only
+logged (``from_pretrained`` needs ``ignore_mismatched_sizes``, or the config edited).
+
 When transformers has no class for the output (remote code), the base checkpoint itself
 is the reference, less the tensors mergekit's architecture definition marks optional.
 See docs/methods.md, "Output completeness".
@@ -131,10 +138,29 @@ def compare_layout(
     return missing, wrong, foreign
 
 
+def _vocabulary_axes(config_folder: str) -> dict[str, int]:
+    """The class's input/output embeddings, ``{name: vocabulary axis}`` (mergekit's rule)."""
+    from mergekit.architecture.auto import infer_vocabulary_axes
+
+    config = transformers.AutoConfig.from_pretrained(config_folder, trust_remote_code=False)
+    return infer_vocabulary_axes(model_class.meta_model(config))
+
+
+def truncated_along_vocabulary(
+    got: Sequence[int], want: Sequence[int], axis: Optional[int]
+) -> bool:
+    """Whether shape ``got`` is ``want`` with fewer rows on vocabulary ``axis`` only."""
+    if axis is None or len(got) != len(want) or not 0 <= axis < len(want):
+        return False
+    others = all(g == w for i, (g, w) in enumerate(zip(got, want)) if i != axis)
+    return others and 0 < got[axis] < want[axis]
+
+
 def check_output_complete(
     out_dir: str,
     base: Optional[tuple[str, str]] = None,
     optional: Optional[Callable[[], Collection[str]]] = None,
+    truncated_vocabulary: bool = False,
 ) -> int:
     """Raise :class:`TensorError` when the checkpoint in ``out_dir`` is incomplete or foreign.
 
@@ -146,6 +172,9 @@ def check_output_complete(
             output.
         optional: the names mergekit's architecture definition marks optional, asked for
             only when transformers has no class for the output: they are not required then.
+        truncated_vocabulary: the merge ran with mergekit's ``unsafe_truncate_embeddings``:
+            embeddings with fewer vocabulary rows than the output's config says are
+            accepted (logged), nothing else is.
 
     Returns:
         The number of written tensors checked.
@@ -174,8 +203,23 @@ def check_output_complete(
             _listed(as_base),
         )
         missing = [n for n in missing if n not in base_report.missing]
+    mismatched = dict(report.mismatched)
+    if truncated_vocabulary and mismatched:
+        axes = _vocabulary_axes(config_folder)
+        cut = [
+            n
+            for n, (got, want) in mismatched.items()
+            if truncated_along_vocabulary(got, want, axes.get(n))
+        ]
+        if cut:
+            LOG.warning(
+                "unsafe_truncate_embeddings: %s hold fewer vocabulary rows than config.json's "
+                "vocabulary size; load with ignore_mismatched_sizes=True or edit config.json",
+                _listed(sorted(f"{n} {list(mismatched[n][0])}" for n in cut)),
+            )
+        mismatched = {n: v for n, v in mismatched.items() if n not in cut}
     wrong = sorted(
-        f"{n} {list(got)} (expected {list(want)})" for n, (got, want) in report.mismatched.items()
+        f"{n} {list(got)} (expected {list(want)})" for n, (got, want) in mismatched.items()
     ) + sorted(
         f"{n} (transformers cannot convert it: {e})" for n, e in report.conversion_errors.items()
     )

@@ -29,6 +29,8 @@ which gives mergekit, for the duration of the run only:
   DeepSeek-V3): :mod:`.checkpoint_layout` lists the tensors ``save_pretrained`` writes, so
   merges read and write the per-expert matrices. A checkpoint saved fused
   (``mlp.experts.gate_up_proj``, as mergekit itself writes) gets mergekit's own definition.
+  Likewise LLaVA when the checkpoint holds ``language_model.model.`` (what transformers 5
+  saves): mergekit infers the in-memory names and would drop the language model.
 
 Our definition goes first in the candidate list of its class name, so it wins over any
 same-``model_type`` definition mergekit ships; on exit every entry is the very list object it
@@ -46,7 +48,6 @@ import importlib.resources
 import json
 import logging
 import os
-import re
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Optional
@@ -61,6 +62,7 @@ from mergekit.architecture.json_definitions import (
 
 from mergekit_ext.models.mergekit_definitions.checkpoint_layout import (
     CHECKPOINT_LAYOUT_CLASSES,
+    CHECKPOINT_NAMES,
     checkpoint_layout_architectures,
 )
 from mergekit_ext.models.model_paths import (
@@ -74,10 +76,6 @@ from mergekit_ext.offline import hub_offline
 LOG = logging.getLogger(__name__)
 
 DEFINITIONS_FOLDER = "definitions"
-
-# A routed expert stored as its own matrix: ``block_sparse_moe.experts.0.w1.weight``,
-# ``mlp.experts.3.gate_proj.weight``; fused checkpoints hold ``mlp.experts.gate_up_proj``.
-_PER_EXPERT_NAME = re.compile(r"\.experts\.\d+\.")
 
 _LOCK = threading.RLock()  # reentrant: a run's own checks ask again from inside it
 
@@ -152,7 +150,8 @@ def repair_optional_aliases(arch: ModelArchitecture) -> ModelArchitecture | None
 def stores_experts_separately(checkpoint_names: Iterable[str]) -> bool:
     """Whether a checkpoint's tensor names hold routed experts one matrix each
     (``experts.0.w1.weight``), the layout transformers 5's ``save_pretrained`` writes."""
-    return any(_PER_EXPERT_NAME.search(name) for name in checkpoint_names)
+    pattern = CHECKPOINT_NAMES["MixtralForCausalLM"]
+    return any(pattern.search(name) for name in checkpoint_names)
 
 
 def our_definitions(checkpoint_names: Iterable[str] = ()) -> dict[str, list[ModelArchitecture]]:
@@ -162,8 +161,9 @@ def our_definitions(checkpoint_names: Iterable[str] = ()) -> dict[str, list[Mode
 
     Args:
         checkpoint_names: the tensor names of the checkpoint that sets the output layout
-            (:func:`layout_tensor_names`); the MoE checkpoint layout applies only when they
-            store routed experts one matrix each.
+            (:func:`layout_tensor_names`); the checkpoint layout of a class applies only
+            when they are in it (per-expert matrices for MoE, ``language_model.model.``
+            for LLaVA: :func:`~.checkpoint_layout.in_checkpoint_layout`).
 
     Returns:
         Architecture class name → candidates, ours first.
@@ -178,10 +178,9 @@ def our_definitions(checkpoint_names: Iterable[str] = ()) -> dict[str, list[Mode
     for arch in _shipped():
         for name in arch.architectures:
             put_first(name, arch)
-    if stores_experts_separately(checkpoint_names):
-        for arch in checkpoint_layout_architectures():
-            for name in arch.architectures:
-                put_first(name, arch)
+    for arch in checkpoint_layout_architectures(checkpoint_names):
+        for name in arch.architectures:
+            put_first(name, arch)
     for name in set(current) | set(table):
         candidates = table[name] if name in table else current[name]
         repaired = [repair_optional_aliases(c) for c in candidates]  # < 1 ms for all

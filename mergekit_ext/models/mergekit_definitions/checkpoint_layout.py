@@ -15,12 +15,23 @@ merges it as the matrix it is, and writes it under that name. The module's metad
 from the class too: the input/output embeddings' vocabulary axis, and the class's tied
 weights (``lm_head.weight`` → ``model.embed_tokens.weight``) as optional with ``tied_names``,
 as mergekit's own JSON definitions mark them. See docs/methods.md, "Output completeness".
+
+LLaVA is the other case: transformers 5 renames its checkpoint's ``language_model.model.``
+tensors to ``model.language_model.`` on load and back on save, and mergekit 0.1.5 infers the
+layout from the in-memory names, so it read and wrote the vision tower and projector only
+(the output's language model was random on load). transformers only *renames* LLaVA's
+tensors, so its layout here names each weight as mergekit does (the in-memory name, which
+transformers loads too) with the checkpoint's name as alias: mergekit reads every tensor
+and writes what mergekit writes plus the language model (:data:`IN_MEMORY_NAMES`). Its
+config (``LlavaConfig``) has no ``num_hidden_layers``: the layer count is the layout's own
+(``max(layer index) + 1``).
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
@@ -47,7 +58,35 @@ CHECKPOINT_LAYOUT_CLASSES: dict[str, str] = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "LlavaForConditionalGeneration": "llava",
 }
+
+# A checkpoint name that only the layout ``save_pretrained`` writes holds, per class: the
+# checkpoint layout applies when the checkpoint that sets the output's layout has one; a
+# checkpoint saved in the in-memory layout (``mlp.experts.gate_up_proj``,
+# ``model.language_model.``, as mergekit itself writes) gets mergekit's own definition.
+_PER_EXPERT = re.compile(r"\.experts\.\d+\.")  # block_sparse_moe.experts.0.w1.weight
+CHECKPOINT_NAMES: dict[str, re.Pattern[str]] = {
+    "MixtralForCausalLM": _PER_EXPERT,
+    "Qwen2MoeForCausalLM": _PER_EXPERT,
+    "Qwen3MoeForCausalLM": _PER_EXPERT,
+    "DeepseekV3ForCausalLM": _PER_EXPERT,
+    "LlavaForConditionalGeneration": re.compile(r"^language_model\.model\."),
+}
+
+
+# Classes whose checkpoint names transformers only renames on load (no fused tensor): their
+# layout writes the in-memory names, as mergekit's inferred definition and output do, read
+# from the checkpoint's names through aliases; mergekit's own tests check its names.
+IN_MEMORY_NAMES = frozenset({"LlavaForConditionalGeneration"})
+
+
+def in_checkpoint_layout(architecture: str, checkpoint_names: Iterable[str]) -> bool:
+    """Whether ``checkpoint_names`` (a checkpoint of ``architecture``) are in the layout
+    ``save_pretrained`` writes, where it differs from the in-memory one mergekit names."""
+    pattern = CHECKPOINT_NAMES.get(architecture)
+    return pattern is not None and any(pattern.search(n) for n in checkpoint_names)
+
 
 _LAYER_INDEX = re.compile(
     r"\.(\d+)\."
@@ -65,7 +104,13 @@ _CACHE: dict[tuple[str, str], _Layout] = {}
 _CACHE_SIZE = 16
 
 
-def _weight_info(name: str, vocab_axes: dict[str, int], tied: dict[str, str]) -> WeightInfo:
+def _weight_info(
+    name: str, vocab_axes: dict[str, int], tied: dict[str, str], alias: Optional[str] = None
+) -> WeightInfo:
+    if alias is not None:
+        # mergekit 0.1.5's planner cannot take aliases on an optional weight (list + tuple),
+        # so an untied head is required, read through its alias; a tied one is not saved
+        return WeightInfo(name=name, vocabulary_axis=vocab_axes.get(name), aliases=(alias,))
     if name in tied:
         return WeightInfo(
             name=name,
@@ -98,13 +143,19 @@ def checkpoint_layout(architecture: str, config: PretrainedConfig) -> _Layout:
     declared = getattr(cls, "_tied_weights_keys", None)
     tied = dict(declared) if isinstance(declared, dict) else {}
     saved = model_class.saved_state_dict(model)
+    aliases: dict[str, str] = {}
+    if architecture in IN_MEMORY_NAMES:
+        memory_names = model_class.rename_to_module_keys(model, saved)  # checkpoint -> memory
+        tie = getattr(config.get_text_config(), "tie_word_embeddings", False)
+        aliases = {m: c for c, m in memory_names.items() if m != c and not (tie and m in tied)}
+        saved = {memory_names.get(n, n): t for n, t in saved.items()}
     first_layer = min(
         (memory_order[n] for n in memory_order if _LAYER_INDEX.search(n)), default=None
     )
     layout = _Layout()
     names = sorted(saved, key=lambda n: memory_order.get(n, len(memory_order)))
     for name in names:
-        info = _weight_info(name, vocab_axes, tied)
+        info = _weight_info(name, vocab_axes, tied, aliases.get(name))
         if match := _LAYER_INDEX.search(name):
             layout.layers.setdefault(int(match.group(1)), []).append(info)
         elif first_layer is not None and memory_order.get(name, len(memory_order)) < first_layer:
@@ -135,9 +186,18 @@ class CheckpointLayoutModule(ModuleArchitecture, BaseModel, frozen=True):
     def num_layers_config_key(self) -> str:
         return self.NUM_LAYERS_KEY
 
+    def num_layers(self, config: PretrainedConfig) -> int:
+        if getattr(config, self.NUM_LAYERS_KEY, None) is None:
+            # a composite config (LlavaConfig: text and vision sub-configs) has no count of
+            # its own; the layout's layers are the union of the sub-models' at each index
+            layers = checkpoint_layout(self.architecture, config).layers
+            return max(layers, default=-1) + 1
+        return super().num_layers(config)
+
     def layer_weights(self, index: int, config: PretrainedConfig) -> Optional[list[WeightInfo]]:
         layers = checkpoint_layout(self.architecture, config).layers
-        if index not in layers and index >= self.num_layers(config):
+        has_count = getattr(config, self.NUM_LAYERS_KEY, None) is not None
+        if index not in layers and has_count and index >= self.num_layers(config):
             # ``slices:`` may ask past the config's layers: describe a deeper model
             deeper = config.__class__.from_dict(
                 {**config.to_dict(), self.NUM_LAYERS_KEY: index + 1}
@@ -146,11 +206,21 @@ class CheckpointLayoutModule(ModuleArchitecture, BaseModel, frozen=True):
         return list(layers.get(index, []))
 
 
-def checkpoint_layout_architectures() -> list[ModelArchitecture]:
+def checkpoint_layout_architectures(
+    checkpoint_names: Optional[Iterable[str]] = None,
+) -> list[ModelArchitecture]:
     """One mergekit :class:`ModelArchitecture` per class of :data:`CHECKPOINT_LAYOUT_CLASSES`
-    that this transformers version has."""
+    that this transformers version has.
+
+    Args:
+        checkpoint_names: when given, only the classes whose checkpoint layout these names
+            are in (:func:`in_checkpoint_layout`).
+    """
+    names = None if checkpoint_names is None else frozenset(checkpoint_names)
     out = []
     for name, model_type in CHECKPOINT_LAYOUT_CLASSES.items():
+        if names is not None and not in_checkpoint_layout(name, names):
+            continue
         if getattr(transformers, name, None) is None:
             LOG.debug("transformers has no %s; its checkpoint layout is not registered", name)
             continue
