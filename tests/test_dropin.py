@@ -24,7 +24,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import mergekit_ext
 from mergekit_ext.cli import main
-from mergekit_ext.errors import ConfigError, MergekitExtError
+from mergekit_ext.errors import ConfigError
 from mergekit_ext.testing import WORDS
 
 SPECIALS = ["<pad>", "<unk>", "<s>", "</s>"]
@@ -362,9 +362,10 @@ def test_mergekit_executor_refuses_data_aware_methods_early(vocab_set, tmp_path,
     from mergekit.merge import run_merge
 
     out = tmp_path / "out"
-    with pytest.raises(MergekitExtError, match=r"mergekit_ext\.run_merge\(CONFIG, OUT\)") as e:
+    # a data-aware method is not in mergekit's registry (importing us adds only methods that
+    # merge tensor groups, mergekit's contract): mergekit refuses it as unknown, while planning
+    with pytest.raises(RuntimeError, match=f"Unimplemented merge method {method}"):
         run_merge(config, str(out), MergeOptions(write_model_card=False, quiet=True))
-    assert "mergekit-ext run" in str(e.value)
     assert not os.path.exists(out)  # refused while planning: nothing written
     # mergekit's MergeConfiguration holds no calibration: our API says what is missing
     # (mergekit's run_merge rewrote `config` in place, so a fresh one)
