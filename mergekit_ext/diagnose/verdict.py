@@ -266,7 +266,12 @@ def verdict(
         if worse_tasks:
             text += f"; but worse than the base model on {', '.join(worse_tasks)}"
     if probe_words:
-        text += f"; {probe_words}"
+        # the advice stays the last words, as every rejecting verdict ends
+        reject = ": do not publish"
+        if text.endswith(reject):
+            text = f"{text[: -len(reject)]}, and {probe_words}{reject}"
+        else:
+            text += f"; {probe_words}"
     if closer_experts and (ratio is None or ratio >= 1.0) and not text.endswith("do not publish"):
         task, value = min(closer_experts, key=lambda e: e[1])
         text += (

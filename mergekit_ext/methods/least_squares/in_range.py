@@ -156,7 +156,7 @@ def dense_ridge_in_range(
     for p, s in zip(projected.split(target.rows), pulled.split(target.rows)):
         terms.append(torch.stack([p.square().sum(0), (p * s).sum(0), s.square().sum(0)]))
     squares = torch.stack(terms)  # linears x 3 x in
-    reference = torch.tensor(target.reference, dtype=torch.float64)
+    reference = torch.tensor(target.reference, dtype=torch.float64, device=squares.device)
 
     def ratios(ridge: float) -> torch.Tensor:
         extra = (ridge - floor) * diagonal_mean

@@ -1307,8 +1307,9 @@ def weighted_expert_sum(
     """``Σ_k ω_k W_k`` in float64, bit for bit as :func:`regmean_add_numerator` sums it
     (``ω · W`` rounded, then added, in task order), for the range rule of a solve whose
     sums did not carry it (no ridge, so no ``weighted_experts``)."""
-    total = torch.zeros(expert_weights[0].shape, dtype=torch.float64)
-    total = total.to(expert_weights[0].device)
+    total = torch.zeros(
+        expert_weights[0].shape, dtype=torch.float64, device=expert_weights[0].device
+    )
     scratch = torch.empty_like(total)
     for weight, omega in zip(expert_weights, task_weights):
         total.add_(scratch.copy_(weight).mul_(omega))
