@@ -19,7 +19,7 @@ from mergekit_ext.testing import make_experts, make_tiny_llama
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mergekit_examples")
 # written by mergekit-ext only (its record of the merge), not by mergekit-yaml
-OURS_ONLY = {"mergekit_config.yml", "mergekit_ext_diagnostics.json"}
+OURS_ONLY = {"mergekit_config.yml", "mergekit_ext_diagnostics.json", "mergekit_ext_manifest.json"}
 
 
 @pytest.fixture(scope="module")
