@@ -34,7 +34,7 @@ MEASURED_LINE = re.compile(r"^- \*\*Merge time and memory:\*\*.*\n", re.M)
 # the card's last line: the hash of the text above it, measurements included (issue #28, 2)
 SIGNATURE_LINE = re.compile(r"^<!-- mergekit-ext card sha256:.*-->\n", re.M)
 SUMMARY = re.compile(
-    r"^merged in (\d+(\.\d)? s|\d+ min \d+ s|\d+ h \d+ min), peak memory \d+(\.\d)? [MG]B$"
+    r"^merged in (\d+(\.\d)? s|\d+ min \d+ s|\d+ h \d+ min), peak memory \d+(\.\d+)? [kMG]B$"
 )
 
 
