@@ -177,8 +177,9 @@ def _with_warnings(text: str, merge_warnings: Sequence[str]) -> str:
     """A merge whose own record holds guard warnings never gets a positive verdict."""
     if not merge_warnings:
         return text
-    if text.endswith("do not publish"):
-        return f"{text}; and {merge_warnings[0]}"
+    reject = ": do not publish"
+    if text.endswith(reject):  # the advice stays the last words of a rejecting verdict
+        return f"{text[: -len(reject)]}; and {merge_warnings[0]}{reject}"
     return f"{text}; but {merge_warnings[0]}, which breaks it on other text: do not publish"
 
 
