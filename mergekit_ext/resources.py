@@ -25,26 +25,52 @@ _STATUS = "/proc/self/status"
 _CLEAR_REFS = "/proc/self/clear_refs"
 
 
-def _vm_hwm_bytes() -> Optional[int]:
-    """The resident set's high-water mark from ``/proc/self/status`` (None off Linux)."""
+def _status_kb(*fields: str) -> Optional[tuple[int, ...]]:
+    """Fields of ``/proc/self/status`` in bytes, read at one instant (None off Linux)."""
+    found: dict[str, int] = {}
     try:
         with open(_STATUS, encoding="ascii") as fp:
             for line in fp:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024  # the kernel reports kB
+                key = line.split(":", 1)[0]
+                if key in fields:
+                    found[key] = int(line.split()[1]) * 1024  # the kernel reports kB
     except (OSError, ValueError, IndexError):
         return None
-    return None
+    return tuple(found[f] for f in fields) if len(found) == len(fields) else None
+
+
+def _vm_hwm_bytes() -> Optional[int]:
+    """The resident set's high-water mark from ``/proc/self/status`` (None off Linux)."""
+    values = _status_kb("VmHWM")
+    return values[0] if values else None
+
+
+# How far the high-water mark may sit above the resident set right after a reset that took:
+# another thread may free memory between the reset and the read. A reset that did not take
+# but is within this slack misstates the peak by no more than the slack.
+_RESET_SLACK_BYTES = 16 * 2**20
 
 
 def _reset_peak_rss() -> bool:
-    """Reset ``VmHWM`` to the current RSS; False where the kernel does not allow it."""
+    """Reset ``VmHWM`` to the current RSS; False where the kernel does not do it.
+
+    Some sandboxed kernels (seen on a CI runner) accept the write to ``clear_refs`` and
+    keep the old high-water mark, so the reset is checked, not assumed: right after it
+    the mark must equal the current resident set.
+    """
     try:
         with open(_CLEAR_REFS, "w", encoding="ascii") as fp:
             fp.write("5")
     except OSError:
         return False
-    return _vm_hwm_bytes() is not None
+    values = _status_kb("VmHWM", "VmRSS")
+    if values is None:
+        return False
+    hwm, rss = values
+    if hwm > rss + _RESET_SLACK_BYTES:
+        LOG.debug("clear_refs did not reset VmHWM (%d > %d): peak is the process's", hwm, rss)
+        return False
+    return True
 
 
 def _rusage_peak_bytes() -> Optional[int]:
