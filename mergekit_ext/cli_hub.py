@@ -123,6 +123,10 @@ def card_command(
 ) -> None:
     """Rebuild README.md (and images/) of the finished merge in OUT_DIR, offline.
 
+    OUT_DIR is the output of `mergekit-ext run` or `mergekit-yaml` (mergekit_config.yml),
+    of `mergekit-moe` (mergekit_moe_config.yml) or of `mergekit-extract-lora` (a PEFT
+    adapter; the fine-tuned model is read from the command its README.md records).
+
     A README.md edited by hand is never replaced silently: the command refuses, or with
     --force keeps it as README.md.bak (which `publish` does not upload).
     """
