@@ -494,7 +494,9 @@ def _redactor(out_dir: str) -> Any:
 
 def _adapter_base(text: str, out_dir: str, repo_id: str) -> str:
     """A SyMerge task adapter names the merged body by its local path: on the Hub, that
-    body is ``repo_id``, so the adapter loads from there."""
+    body is ``repo_id``, so the adapter loads from there. An adapter whose base is a local
+    copy of a Hub model (``mergekit-extract-lora`` on an ``hf download --local-dir``
+    folder) names that model's Hub id, as its card does."""
     try:
         config = json.loads(text)
         base = config.get("base_model_name_or_path")
@@ -505,6 +507,12 @@ def _adapter_base(text: str, out_dir: str, repo_id: str) -> str:
     local = os.path.expanduser(base)
     if os.path.exists(local) and os.path.realpath(local) == os.path.realpath(out_dir):
         return text.replace(json.dumps(base), json.dumps(repo_id))
+    if os.path.isdir(local):  # a local copy of a Hub model (hf download --local-dir): its id
+        from mergekit_ext.merge_inputs import downloaded_hub_id
+
+        hub_id, _, _ = downloaded_hub_id(local)
+        if hub_id:
+            return text.replace(json.dumps(base), json.dumps(hub_id))
     return text
 
 
