@@ -35,7 +35,7 @@ from test_publish import (  # noqa: F401 - fixtures
 
 from mergekit_ext.api import write_card
 from mergekit_ext.cli_hub import card_command, publish_command
-from mergekit_ext.errors import ModelNotFoundError
+from mergekit_ext.errors import ConfigError, ModelNotFoundError
 from mergekit_ext.hub.card import CardError
 from mergekit_ext.hub.card.tools import card_source, extraction_command
 from mergekit_ext.hub.publish import publish_folder
@@ -172,6 +172,8 @@ def test_lora_card(work: dict) -> None:
     # rebuilt from our own card: the fine-tuned model is read from the kept README.md.bak
     again = write_card(folder)
     assert Path(again.path).read_text(encoding="utf-8") == text
+    with pytest.raises(ConfigError, match="mergekit-extract-lora"):  # before any diagnosis
+        write_card(folder, diagnose_config="missing.yml")
 
 
 def test_publish_moe(hub, work: dict) -> None:  # noqa: F811 - the fixture imported above
