@@ -472,9 +472,17 @@ def write_card(
         CardError: a README.md edited by hand without ``force`` (checked before the diagnosis).
     """
     from mergekit_ext.hub.card import keep_edited_card, load_eval_results, write_model_card
+    from mergekit_ext.hub.card.tools import card_source
 
     out = os.fspath(out_dir)
     eval_path = eval_results if isinstance(eval_results, str) else None
+    source = card_source(out)
+    if diagnose_config and source in ("moe", "lora"):  # refused before the (slow) diagnosis
+        tool = "mergekit-moe" if source == "moe" else "mergekit-extract-lora"
+        raise ConfigError(
+            f"--diagnose compares a merge with its experts; {out} is the output of {tool}, "
+            "whose card has no diagnosis section: drop --diagnose"
+        )
     _check_card_outputs(out, [eval_path, template_dir], diagnose_config)
     if not force:  # refused before the (slow) diagnosis
         keep_edited_card(out, force=False)

@@ -196,6 +196,10 @@ def run_command(
     commit_message: Optional[str],
     create_pr: bool,
     token: Optional[str],
+    endpoint: Optional[str],
+    keep_card: bool,
+    replace_card: bool,
+    template_dir: Optional[str],
     hub_timeout: float,
     plugins: tuple[str, ...],
     distributed_timeout: Optional[float],
@@ -219,6 +223,10 @@ def run_command(
             ("--commit-message", commit_message),
             ("--create-pr", create_pr),
             ("--token", token),
+            ("--endpoint", endpoint),
+            ("--keep-card", keep_card),
+            ("--replace-card", replace_card),
+            ("--template-dir", template_dir),
         )
         if value
     ]
@@ -265,6 +273,10 @@ def run_command(
                 hub_commit_message=commit_message,
                 hub_create_pr=create_pr,
                 hub_timeout=hub_timeout,
+                hub_endpoint=endpoint,
+                hub_keep_card=keep_card,
+                hub_replace_card=replace_card,
+                hub_template_dir=template_dir,
                 plugins=plugins,
             ),
             hub=HubActions(),

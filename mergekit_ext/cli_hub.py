@@ -20,8 +20,9 @@ _user_errors = cli_errors(lambda kwargs: kwargs.get("verbose", 0))
 
 def publish_options(f: Callable[..., Any]) -> Callable[..., Any]:
     """The options that say how a merge goes to the Hub, shared by ``publish`` and
-    ``run --push-to-hub`` (declared once, here): ``private``, ``make_private``, ``revision``,
-    ``commit_message``, ``create_pr``, ``token``, ``hub_timeout``."""
+    ``run --push-to-hub`` (declared once, here, with one help text each): ``private``,
+    ``make_private``, ``revision``, ``commit_message``, ``create_pr``, ``token``,
+    ``endpoint``, ``keep_card``, ``replace_card``, ``template_dir``, ``hub_timeout``."""
     options = [
         click.option(
             "--private",
@@ -40,6 +41,28 @@ def publish_options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--create-pr", is_flag=True, help="Open a pull request instead of committing"),
         click.option(
             "--token", default=None, help="Hub token (default: HF_TOKEN, then the cached login)"
+        ),
+        click.option(
+            "--endpoint", default=None, help="Hub endpoint (default: HF_ENDPOINT or huggingface.co)"
+        ),
+        click.option(
+            "--keep-card",
+            is_flag=True,
+            help="Upload README.md as it is (default: our own unedited card is rendered again "
+            "for the repository; any other card goes as it is)",
+        ),
+        click.option(
+            "--replace-card",
+            is_flag=True,
+            help="Upload the card mergekit-ext renders even over a README.md it did not write "
+            "as it is now (mergekit's card from mergekit-yaml, a card edited by hand, locally "
+            "or on the Hub)",
+        ),
+        click.option(
+            "--template-dir",
+            type=click.Path(exists=True, file_okay=False),
+            default=None,
+            help="Your own card templates for the uploaded card (as for `card`)",
         ),
     ]
     for option in reversed(options):
@@ -100,6 +123,10 @@ def card_command(
 ) -> None:
     """Rebuild README.md (and images/) of the finished merge in OUT_DIR, offline.
 
+    OUT_DIR is the output of `mergekit-ext run` or `mergekit-yaml` (mergekit_config.yml),
+    of `mergekit-moe` (mergekit_moe_config.yml) or of `mergekit-extract-lora` (a PEFT
+    adapter; the fine-tuned model is read from the command its README.md records).
+
     A README.md edited by hand is never replaced silently: the command refuses, or with
     --force keeps it as README.md.bak (which `publish` does not upload).
     """
@@ -141,27 +168,6 @@ def card_command(
     is_flag=True,
     help="Check and list what would be uploaded, what is left out and why, and what would "
     "be deleted on the Hub; send nothing",
-)
-@click.option(
-    "--endpoint", default=None, help="Hub endpoint (default: HF_ENDPOINT or huggingface.co)"
-)
-@click.option(
-    "--keep-card",
-    is_flag=True,
-    help="Upload README.md as it is (default: our own unedited card is rendered again for "
-    "the repository; any other card goes as it is)",
-)
-@click.option(
-    "--replace-card",
-    is_flag=True,
-    help="Upload the card mergekit-ext renders even over a README.md it did not write as it "
-    "is now (mergekit's card from mergekit-yaml, a card edited by hand)",
-)
-@click.option(
-    "--template-dir",
-    type=click.Path(exists=True, file_okay=False),
-    default=None,
-    help="Your own card templates for the uploaded card (as for `card`)",
 )
 @click.option("-v", "--verbose", count=True, help="Show logs (-vv: debug) and tracebacks")
 @_user_errors

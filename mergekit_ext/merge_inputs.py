@@ -474,55 +474,73 @@ def collect_inputs(
             )
     result = []
     for role, ref, name in _model_entries(cfg):
-        path = ref.model.path
         lora = ref.lora.path if ref.lora is not None else None
         # The record holds the paths as published (absolute ones shortened): compare so.
-        record = by_key.get((undot(redact(path)), undot(redact(lora)) if lora else None))
-        if record is not None:
-            is_hub = record.get("source") == "hub"
-            lora_is_hub = bool(lora) and record.get("lora_source") == "hub"
-        else:
-            is_hub = not os.path.isabs(os.path.expanduser(path)) and _in_hub_cache(
-                path, ref.model.revision
-            )
-            lora_is_hub = bool(lora) and _in_hub_cache(lora, None)
-        display = path if is_hub else dot_path(display_path(path, cwd))
-        lora_display = None
-        if lora:
-            lora_display = lora if lora_is_hub else dot_path(display_path(lora, cwd))
-            display += " + " + lora_display
-        if record is not None and "hub_id" in record:
-            hub_id, hub_origin = record.get("hub_id"), record.get("hub_id_origin")
-        elif not is_hub:  # an older record, or none: read the folder if it is here
-            folder = os.path.join(cwd, os.path.expanduser(path))
-            hub_id, hub_origin, _ = downloaded_hub_id(folder)
-        else:
-            hub_id = hub_origin = None
-        shown = lora_display or display
-        result.append(
-            InputModel(
-                role=role,
-                name=name or (os.path.basename(undot(shown).rstrip("/")) or shown),
-                path=path,
-                revision=ref.model.revision,
-                lora=lora,
-                is_hub=is_hub,
-                lora_is_hub=lora_is_hub,
-                display=display,
-                recorded=record is not None,
-                commit=(record or {}).get("commit" if is_hub else "download_commit"),
-                hub_id=None if is_hub else hub_id,
-                hub_id_origin=None if is_hub else hub_origin,
-                lora_display=lora_display,
-            )
-        )
-        if record is not None and "license" in record:
-            declared = record.get("license") or {}
-            result[-1].license = declared.get("license")
-            result[-1].license_name = declared.get("license_name")
-            result[-1].license_link = declared.get("license_link")
-            result[-1].license_origin = declared.get("origin")
+        record = by_key.get((undot(redact(ref.model.path)), undot(redact(lora)) if lora else None))
+        result.append(reference_input(role, ref, cwd, name, record))
     return result
+
+
+def reference_input(
+    role: str,
+    ref: Any,
+    cwd: Optional[str] = None,
+    name: Optional[str] = None,
+    record: Optional[Mapping[str, Any]] = None,
+) -> InputModel:
+    """One input (a mergekit ``ModelReference``) as the card describes it.
+
+    ``record`` is what the merge recorded about it (:func:`input_records`); without one
+    (an older output, or the output of another mergekit tool: ``mergekit-moe``,
+    ``mergekit-extract-lora``) an ``owner/name`` found in the local Hugging Face cache is
+    a Hub model and anything else a local folder, read for the id it was downloaded as.
+    """
+    cwd = cwd or os.getcwd()
+    path = ref.model.path
+    lora = ref.lora.path if ref.lora is not None else None
+    if record is not None:
+        is_hub = record.get("source") == "hub"
+        lora_is_hub = bool(lora) and record.get("lora_source") == "hub"
+    else:
+        is_hub = not os.path.isabs(os.path.expanduser(path)) and _in_hub_cache(
+            path, ref.model.revision
+        )
+        lora_is_hub = bool(lora) and _in_hub_cache(lora, None)
+    display = path if is_hub else dot_path(display_path(path, cwd))
+    lora_display = None
+    if lora:
+        lora_display = lora if lora_is_hub else dot_path(display_path(lora, cwd))
+        display += " + " + lora_display
+    if record is not None and "hub_id" in record:
+        hub_id, hub_origin = record.get("hub_id"), record.get("hub_id_origin")
+    elif not is_hub:  # an older record, or none: read the folder if it is here
+        folder = os.path.join(cwd, os.path.expanduser(path))
+        hub_id, hub_origin, _ = downloaded_hub_id(folder)
+    else:
+        hub_id = hub_origin = None
+    shown = lora_display or display
+    model = InputModel(
+        role=role,
+        name=name or (os.path.basename(undot(shown).rstrip("/")) or shown),
+        path=path,
+        revision=ref.model.revision,
+        lora=lora,
+        is_hub=is_hub,
+        lora_is_hub=lora_is_hub,
+        display=display,
+        recorded=record is not None,
+        commit=(record or {}).get("commit" if is_hub else "download_commit"),
+        hub_id=None if is_hub else hub_id,
+        hub_id_origin=None if is_hub else hub_origin,
+        lora_display=lora_display,
+    )
+    if record is not None and "license" in record:
+        declared = record.get("license") or {}
+        model.license = declared.get("license")
+        model.license_name = declared.get("license_name")
+        model.license_link = declared.get("license_link")
+        model.license_origin = declared.get("origin")
+    return model
 
 
 # ----------------------------------------------------------------------------- licenses

@@ -78,6 +78,10 @@ class RunOptions:
     hub_revision: Optional[str] = None
     hub_commit_message: Optional[str] = None
     hub_create_pr: bool = False
+    hub_endpoint: Optional[str] = None  # --endpoint (default: HF_ENDPOINT, then huggingface.co)
+    hub_keep_card: bool = False  # upload README.md as the run wrote it
+    hub_replace_card: bool = False  # replace a card edited on the Hub
+    hub_template_dir: Optional[str] = None  # your own templates for the uploaded card
     plugins: tuple[str, ...] = ()  # --plugin modules or .py files (the files are inputs too)
 
 

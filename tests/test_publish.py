@@ -24,6 +24,7 @@ import socket
 import types
 from pathlib import Path
 
+import click
 import huggingface_hub
 import huggingface_hub.constants as hf_constants
 import huggingface_hub.utils._http as hf_http
@@ -871,22 +872,84 @@ def test_undeterminable_token_warns_and_publishes(
     )
 
 
+def _hub_option_group() -> dict[str, click.Option]:
+    """The options ``publish_options`` declares, by name (from a command made with it alone)."""
+    from mergekit_ext.cli_hub import publish_options
+
+    probe = publish_options(click.command("probe")(lambda **kwargs: None))
+    return {p.name: p for p in probe.params if isinstance(p, click.Option)}
+
+
+def _described(option: click.Option) -> tuple:
+    """Everything that makes an option mean something: its flags, type, default, help."""
+    return (
+        tuple(option.opts),
+        option.is_flag,
+        option.type.to_info_dict(),
+        option.default,
+        option.help,
+    )
+
+
 def test_publish_options_are_one_group() -> None:
-    """Item 4: `run` and `publish` share the publishing options, declared once."""
+    """#49.4, #50.11: `run` and `publish` share every publishing option, declared once:
+    the same flags, types, defaults and help in both commands."""
     from mergekit_ext.cli import main
 
-    def options(command) -> dict:
-        return {p.name: p.help for p in command.params if isinstance(p, click_option)}
+    group = _hub_option_group()
+    assert {"endpoint", "keep_card", "replace_card", "template_dir", "token", "revision"} <= set(
+        group
+    )
+    for command in (main.commands["run"], publish_command):
+        options = {p.name: p for p in command.params if isinstance(p, click.Option)}
+        assert set(group) <= set(options), command.name
+        for name, option in group.items():
+            assert _described(options[name]) == _described(option), (command.name, name)
+    for flag in (["--revision", "dev"], ["--endpoint", "http://127.0.0.1:9"], ["--keep-card"]):
+        result = CliRunner().invoke(main, ["run", "c.yml", "out", *flag])
+        assert result.exit_code == 2 and "only apply with --push-to-hub" in result.output, flag
 
-    import click
 
-    click_option = click.Option
-    run, publish = options(main.commands["run"]), options(publish_command)
-    shared = ("private", "make_private", "revision", "commit_message", "create_pr", "token")
-    for name in shared:
-        assert name in run and run[name] == publish[name], name
-    result = CliRunner().invoke(main, ["run", "c.yml", "out", "--revision", "dev"])
-    assert result.exit_code == 2 and "only apply with --push-to-hub" in result.output
+def test_run_push_to_hub_takes_the_card_options(
+    hub: FakeHub, tiny_llama_set, tmp_path: Path
+) -> None:
+    """#50.11: `run --push-to-hub` with --endpoint (no HF_ENDPOINT), --template-dir,
+    --replace-card and --keep-card does what `publish` does with them."""
+    from mergekit_ext.cli import main
+
+    assert "HF_ENDPOINT" not in os.environ  # --endpoint alone must reach the stand-in
+    experts = "".join(f"  - model: {e}\n" for e in tiny_llama_set.experts)
+    config = tmp_path / "c.yml"
+    config.write_text(f"merge_method: linear\nmodels:\n{experts}parameters: {{weight: 1.0}}\n")
+    templates = tmp_path / "templates"
+    templates.mkdir()
+    (templates / "causal_lm.md.j2").write_text(
+        "---\n{{ card_data }}\n---\n# {{ name }}, from our own template\n"
+    )
+    out = tmp_path / "merged"
+    hub_args = ["--push-to-hub", "alice/opts", "--token", WRITE_TOKEN, "--endpoint", hub.url]
+    hub_args += ["--template-dir", str(templates)]
+
+    def run(*extra: str):
+        result = CliRunner().invoke(main, ["run", str(config), str(out), "--overwrite",
+                                           *hub_args, *extra])  # fmt: skip
+        assert result.exit_code == 0, result.output
+        return result, hub.commits("alice/opts")[-1].files["README.md"]
+
+    _, card = run()
+    assert card.startswith(b"---\n") and b"# opts, from our own template\n" in card
+    local = (out / "README.md").read_bytes()
+    assert b"from our own template" not in local  # the templates shape the uploaded card only
+
+    edited = card + b"\nMMLU 41.2 (by hand)\n"
+    _add_by_hand(hub, "alice/opts", {"README.md": edited})
+    config.write_text(config.read_text() + "dtype: float32\n")  # a change to upload
+    result, card = run()
+    assert card == edited and "README.md on the Hub was edited there" in result.stderr
+
+    _, card = run("--replace-card", "--keep-card")
+    assert card == (out / "README.md").read_bytes() and b"MMLU 41.2" not in card
+    assert b"from our own template" not in card  # --keep-card: the local card as it is
 
 
 def test_foreign_card_is_kept(hub: FakeHub, folder: Path) -> None:
@@ -1191,6 +1254,12 @@ def test_retry_command_repeats_every_option() -> None:
     )
     pr = HubActions().publish_command("out", RunOptions(push_to_hub="a/b", hub_create_pr=True))
     assert pr == "mergekit-ext publish out --repo-id a/b --create-pr"
+    card = RunOptions(push_to_hub="a/b", hub_endpoint="http://127.0.0.1:9", hub_keep_card=True,
+                      hub_replace_card=True, hub_template_dir="my cards")  # fmt: skip
+    assert HubActions().publish_command("out", card) == (
+        "mergekit-ext publish out --repo-id a/b --endpoint http://127.0.0.1:9 --keep-card "
+        "--replace-card --template-dir 'my cards'"
+    )
 
 
 def test_token_origin_is_told(hub: FakeHub, tiny_llama_set, tmp_path: Path, monkeypatch) -> None:

@@ -25,6 +25,7 @@ class HubActions:
             make_private=run.hub_make_private,
             revision=run.hub_revision,
             create_pr=run.hub_create_pr,
+            endpoint=run.hub_endpoint,
             timeout=run.hub_timeout,
         )
 
@@ -48,6 +49,10 @@ class HubActions:
             commit_message=run.hub_commit_message,
             create_pr=run.hub_create_pr,
             token=run.hub_token,
+            endpoint=run.hub_endpoint,
+            keep_card=run.hub_keep_card,
+            replace_card=run.hub_replace_card,
+            template_dir=run.hub_template_dir,
             timeout=run.hub_timeout,
         )
         return str(getattr(result, "summary", f"published: {result}"))
@@ -66,6 +71,10 @@ class HubActions:
         words += ["--revision", run.hub_revision] if run.hub_revision else []
         words += ["--commit-message", run.hub_commit_message] if run.hub_commit_message else []
         words += ["--create-pr"] if run.hub_create_pr else []
+        words += ["--endpoint", run.hub_endpoint] if run.hub_endpoint else []
+        words += ["--keep-card"] if run.hub_keep_card else []
+        words += ["--replace-card"] if run.hub_replace_card else []
+        words += ["--template-dir", run.hub_template_dir] if run.hub_template_dir else []
         if run.hub_timeout is not None and run.hub_timeout != HUB_TIMEOUT_S:
             words += ["--hub-timeout", f"{run.hub_timeout:g}"]
         command = shlex.join(words)

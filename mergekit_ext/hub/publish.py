@@ -64,6 +64,7 @@ MERGE_FILE_NAMES = (
     "model.safetensors", "model-*-of-*.safetensors", SAFETENSORS_INDEX,
     "adapter_config.json", "adapter_model.safetensors",
     "mergekit_config.yml", merge_record.FILENAME, "mergekit_ext_diagnose.json",
+    "mergekit_moe_config.yml",
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
     "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "spiece.model",
     "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
@@ -189,7 +190,18 @@ def check_complete(out_dir: str) -> list[str]:
 
     readme = os.path.join(out_dir, "README.md")
     if not os.path.isfile(readme):
-        problems.append("README.md (the model card) is missing: run `mergekit-ext card OUT_DIR`")
+        from mergekit_ext.hub.card.tools import card_source, no_card_source
+
+        if card_source(out_dir) is not None:
+            problems.append(
+                "README.md (the model card) is missing: run `mergekit-ext card OUT_DIR`"
+            )
+        else:
+            problems.append(
+                "README.md (the model card) is missing and cannot be built: "
+                + no_card_source(out_dir)
+                + ", or write README.md yourself"
+            )
     else:
         from huggingface_hub import ModelCard
 
@@ -384,7 +396,13 @@ def _scrub(text: str, token: Optional[str]) -> str:
 
 def _default_commit_message(out_dir: str) -> str:
     from mergekit_ext import merge_record
+    from mergekit_ext.hub.card.tools import card_source
 
+    source = card_source(out_dir)
+    if source == "moe":
+        return "Upload MoE model built with mergekit-moe"
+    if source == "lora":
+        return "Upload LoRA adapter extracted with mergekit-extract-lora"
     method = merge_record.load(out_dir).get("method")
     return (
         f"Upload model merged with mergekit-ext ({method})"
@@ -416,13 +434,14 @@ def card_to_upload(
     a folder that has no ``mergekit_config.yml`` to render one from, and any card with
     ``keep_card``.
     """
-    from mergekit_ext.hub.card import CONFIG_FILENAME, card_is_unedited, render_card_for_repo
+    from mergekit_ext.hub.card import card_is_unedited, render_card_for_repo
+    from mergekit_ext.hub.card.tools import card_source
 
     readme = Path(out_dir, "README.md")
     if keep_card:
         return readme.read_text(encoding="utf-8")
-    if not Path(out_dir, CONFIG_FILENAME).is_file():
-        LOG.info("%s has no %s: README.md is uploaded as it is", out_dir, CONFIG_FILENAME)
+    if card_source(out_dir) is None:
+        LOG.info("%s has no config to render a card from: README.md goes as it is", out_dir)
         return readme.read_text(encoding="utf-8")
     if not card_is_unedited(str(readme)):
         if not replace_card:
@@ -458,10 +477,13 @@ def _redactor(out_dir: str) -> Any:
     config in ``out_dir``: the config's paths as written, then every other absolute path."""
     from mergekit_ext.errors import MergekitExtError
     from mergekit_ext.hub.card import CONFIG_FILENAME, local_path_redactor
+    from mergekit_ext.hub.card.tools import MOE_CONFIG_FILENAME
     from mergekit_ext.yaml_input import load_yaml
 
     raw: Any = None
     config = Path(out_dir, CONFIG_FILENAME)
+    if not config.is_file():  # mergekit-moe's copy of its config names the models the same way
+        config = Path(out_dir, MOE_CONFIG_FILENAME)
     if config.is_file():
         try:
             raw = load_yaml(config.read_text(encoding="utf-8"), str(config))
@@ -472,7 +494,9 @@ def _redactor(out_dir: str) -> Any:
 
 def _adapter_base(text: str, out_dir: str, repo_id: str) -> str:
     """A SyMerge task adapter names the merged body by its local path: on the Hub, that
-    body is ``repo_id``, so the adapter loads from there."""
+    body is ``repo_id``, so the adapter loads from there. An adapter whose base is a local
+    copy of a Hub model (``mergekit-extract-lora`` on an ``hf download --local-dir``
+    folder) names that model's Hub id, as its card does."""
     try:
         config = json.loads(text)
         base = config.get("base_model_name_or_path")
@@ -483,6 +507,12 @@ def _adapter_base(text: str, out_dir: str, repo_id: str) -> str:
     local = os.path.expanduser(base)
     if os.path.exists(local) and os.path.realpath(local) == os.path.realpath(out_dir):
         return text.replace(json.dumps(base), json.dumps(repo_id))
+    if os.path.isdir(local):  # a local copy of a Hub model (hf download --local-dir): its id
+        from mergekit_ext.merge_inputs import downloaded_hub_id
+
+        hub_id, _, _ = downloaded_hub_id(local)
+        if hub_id:
+            return text.replace(json.dumps(base), json.dumps(hub_id))
     return text
 
 

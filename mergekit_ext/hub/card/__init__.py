@@ -15,7 +15,9 @@ has the form ``owner/name`` and is not an existing local path (see :func:`is_hub
 Licenses of Hub inputs are read from the local Hugging Face cache only.
 
 The package: :mod:`.inputs` (architecture, input sources, licences), :mod:`.evaluation`
-(``--eval`` results), :mod:`.render` (the template context, Jinja2, ``README.md``).
+(``--eval`` results), :mod:`.render` (the template context, Jinja2, ``README.md``),
+:mod:`.tools` (the cards of ``mergekit-moe`` and ``mergekit-extract-lora`` outputs, from
+the files those tools write; templates ``moe.md.j2`` and ``lora.md.j2``).
 """
 
 from __future__ import annotations

@@ -209,6 +209,23 @@ def _display_source(source: str, cwd: str) -> str:
     return source
 
 
+def read_licenses(inputs: list[Any], cwd: str) -> list[Any]:
+    """``inputs`` with the license each declares (its README front matter, locally or in
+    the Hub cache) where the merge did not record it; returns ``inputs``."""
+    for m in inputs:
+        if m.recorded:
+            continue  # the license was recorded with the merge
+        declared = _declared_license(m.path, m.is_hub, m.revision, cwd)
+        if not declared and m.lora:
+            declared = _declared_license(m.lora, m.lora_is_hub, None, cwd)
+        if declared:
+            m.license = declared["license"]
+            m.license_name = declared.get("license_name")
+            m.license_link = declared.get("license_link")
+            m.license_origin = declared["origin"]
+    return inputs
+
+
 def _hub_datasets(cfg: Any, cwd: str) -> list[str]:
     """Hub datasets among the calibration sources (``dataset:`` that is not a local path)."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
@@ -571,15 +588,23 @@ def build_card_context(
     already ``EvalResult`` objects (a card's model-index), instead of ``eval_results``.
     """
     from mergekit_ext.config import parse_config
+    from mergekit_ext.hub.card import tools
 
+    source = tools.card_source(out_dir)
+    if source != "merge":  # mergekit-moe's or mergekit-extract-lora's output (or none)
+        return tools.build_tool_context(
+            out_dir,
+            source,
+            name=name,
+            repo_id=repo_id,
+            cwd=cwd,
+            eval_results=eval_results,
+            card_eval_results=card_eval_results,
+        )
     if diagnose is None:  # a result saved by an earlier `card --diagnose`
         diagnose = _read_json(os.path.join(out_dir, DIAGNOSE_FILENAME))
     cwd = os.path.abspath(cwd or os.getcwd())
     config_path = os.path.join(out_dir, CONFIG_FILENAME)
-    if not os.path.isfile(config_path):
-        raise ModelNotFoundError(
-            f"{out_dir} has no {CONFIG_FILENAME}: it is not the output of a finished merge"
-        )
     with open(config_path, encoding="utf-8") as fp:
         config_text = fp.read()
     # the merge warned about unknown keys when it read the config; its copy (inside a
@@ -595,18 +620,7 @@ def build_card_context(
     method = _describe_method(cfg.method)
 
     inputs = collect_inputs(cfg, cwd, diag.get("inputs"))
-    for m in inputs:
-        if m.recorded:
-            continue  # the license was recorded with the merge
-        declared = _declared_license(m.path, m.is_hub, m.revision, cwd)
-        if not declared and m.lora:
-            declared = _declared_license(m.lora, m.lora_is_hub, None, cwd)
-        if declared:
-            m.license = declared["license"]
-            m.license_name = declared.get("license_name")
-            m.license_link = declared.get("license_link")
-            m.license_origin = declared["origin"]
-    license_decision = decide_license(inputs)
+    license_decision = decide_license(read_licenses(inputs, cwd))
 
     hub_ids: list[str] = []
     for m in inputs:
