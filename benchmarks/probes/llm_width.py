@@ -126,6 +126,7 @@ def _child(
     threads: int,
     compute: str = "auto",
     device_name: str = "cpu",
+    roofline: bool = False,
 ) -> None:
     import logging
 
@@ -168,7 +169,11 @@ def _child(
     def timed_solve(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         try:
-            return solve(*args, **kwargs)
+            if meter is None:
+                return solve(*args, **kwargs)
+            label = str(kwargs.get("name", "?")).rsplit(".", 1)[-1]
+            with meter.phase(f"solve {label}"):
+                return solve(*args, **kwargs)
         finally:
             synchronize()
             name = str(kwargs.get("name", "?")).removeprefix("linear group ")
@@ -176,12 +181,17 @@ def _child(
 
     least_squares.group.regmean_solve = timed_solve  # where the group driver looks it up
     merge_block = seq.SequentialExecutor._merge_block
+    meter = _instrument(seq, least_squares) if roofline else None
 
     def timed_block(self: Any, block: Any, progress: Any = None) -> None:
+        if meter is not None:
+            meter.measure_rates()  # the floor of this block's passes, from the machine now
         start, cpu = time.perf_counter(), time.process_time()
+        rate_s = meter.rate_s if meter is not None else 0.0
         merge_block(self, block, progress)
         synchronize()
-        timings["block_s"].append(time.perf_counter() - start)
+        rate_s = (meter.rate_s if meter is not None else 0.0) - rate_s
+        timings["block_s"].append(time.perf_counter() - start - rate_s)
         timings["block_cpu_s"].append(time.process_time() - cpu)
 
     seq.SequentialExecutor._merge_block = timed_block  # type: ignore[method-assign]
@@ -189,9 +199,14 @@ def _child(
     merge_group = implementation.merge_linear_group
 
     def timed_group(group: Any, parameters: Any) -> Any:
+        if meter is not None:
+            meter.measure_rates()  # right before the group's solve
         start = time.perf_counter()
         try:
-            return merge_group(group, parameters)
+            if meter is None:
+                return merge_group(group, parameters)
+            with meter.phase("diagnostics"):  # what merge_linear_group does besides the solve
+                return merge_group(group, parameters)
         finally:
             synchronize()
             timings["group_s"][group.name] = time.perf_counter() - start
@@ -204,7 +219,12 @@ def _child(
     estimate = plan.memory.peak
     plan_warnings = list(warnings)
     start = time.perf_counter()
-    result = seq.SequentialExecutor(plan, out, device).run()
+    if meter is not None:
+        with meter:
+            result = seq.SequentialExecutor(plan, out, device).run()
+        timings["roofline"] = meter.record()
+    else:
+        result = seq.SequentialExecutor(plan, out, device).run()
     wall = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     diagnostics = [
@@ -220,6 +240,8 @@ def _child(
         "experts": experts,
         "threads": torch.get_num_threads(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "aten_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
         "gpu_peak": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "compute": plan.compute.name if plan.compute is not None else "float32",
         "plan_s": plan_s,
@@ -235,6 +257,43 @@ def _child(
     print("RESULT " + json.dumps(record), flush=True)
 
 
+def _instrument(seq: Any, least_squares: Any) -> Any:
+    """The roofline's phases (``benchmarks/roofline.py``): the block passes (expert path,
+    merged path, propagation), the statistics' updates (the Grams' sums; nested in the
+    passes, timed apart), each group's solve and the rest of ``merge_linear_group``."""
+    from benchmarks.roofline import Roofline
+    from mergekit_ext.calibration.statistics import ActivationStatistics
+
+    meter = Roofline()
+    meter.rate_s = 0.0
+    measure = meter.measure_rates
+
+    def timed_measure(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return measure(*args, **kwargs)
+        finally:
+            meter.rate_s += time.perf_counter() - start
+
+    meter.measure_rates = timed_measure
+
+    def in_phase(owner: Any, attribute: str, name: str) -> None:
+        original = getattr(owner, attribute)
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            with meter.phase(name):
+                return original(*args, **kwargs)
+
+        setattr(owner, attribute, wrapped)
+
+    executor = seq.SequentialExecutor
+    for attribute in ("_expert_path_statistics", "_merged_path_statistics", "_run_block"):
+        in_phase(executor, attribute, "passes")
+    for attribute in ("update", "finalize"):
+        in_phase(ActivationStatistics, attribute, "grams")
+    return meter
+
+
 def _run_child(
     method: str,
     folder: str,
@@ -242,13 +301,20 @@ def _run_child(
     threads: int,
     compute: str = "auto",
     device: str = "cpu",
+    roofline: bool = False,
+    setting: str = "native",
 ) -> dict[str, Any]:
+    from benchmarks.cpu_kernels import SETTINGS
+
     out = tempfile.mkdtemp(prefix="llm-width-out-", dir=os.path.dirname(folder))
     cmd = [sys.executable, "-m", "benchmarks.probes.llm_width", "--child", method]
     cmd += ["--models-dir", folder, "--experts", str(experts), "--threads", str(threads)]
     cmd += ["--out", out, "--compute-dtype", compute, "--device", device]
+    if roofline:
+        cmd.append("--roofline")
     env = {
         **os.environ,
+        **(SETTINGS[setting] if setting != "native" else {}),
         "HF_HUB_OFFLINE": "1",
         "PYTHONPATH": ROOT,
         "OMP_NUM_THREADS": str(threads),
@@ -266,6 +332,7 @@ def _run_child(
     result = json.loads(line[len("RESULT ") :])
     result["polled_rss"] = polled
     result["load"] = os.getloadavg()[0]  # other processes on the machine during the run
+    result["setting"] = setting
     return result
 
 
@@ -458,6 +525,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--device", default="cpu", help="where the merges run: cpu | cuda[:n] (the executor's)"
     )
+    parser.add_argument(
+        "--roofline",
+        action="store_true",
+        help="count each phase's FLOPs, measure the GEMM rates before each block and group, "
+        "and print time / floor per phase (benchmarks/roofline.py)",
+    )
+    parser.add_argument(
+        "--setting",
+        nargs="*",
+        default=["native"],
+        help="kernel settings to run in turn: native (this CPU's own), avx512-no-amx, avx2 "
+        "(benchmarks/cpu_kernels.py's variables; each caps only what this CPU has)",
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -480,6 +560,7 @@ def main(argv: list[str] | None = None) -> int:
             args.threads[0],
             args.compute_dtype[0],
             args.device,
+            args.roofline,
         )
         return 0
     results = []
@@ -496,13 +577,14 @@ def main(argv: list[str] | None = None) -> int:
         check=True,
     )
     runs = [
-        (experts, threads, method, compute)
+        (experts, threads, method, compute, setting)
         for experts in args.experts
         for threads in args.threads
         for method in args.methods
         for compute in args.compute_dtype
+        for setting in args.setting
     ]
-    for experts, threads, method, compute in runs:
+    for experts, threads, method, compute, setting in runs:
         available = _available_gb()
         deadline = time.monotonic() + args.wait_memory_s
         while available < args.min_available_gb and time.monotonic() < deadline:
@@ -515,14 +597,34 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             continue
-        r = _run_child(method, folder, experts, threads, compute, args.device)
+        load_before = os.getloadavg()[0]
+        r = _run_child(
+            method, folder, experts, threads, compute, args.device, args.roofline, setting
+        )
+        r["load_before"] = load_before
         results.append(r)
         print(report([r]).split("\n")[4], flush=True)
+        if "roofline" in r:
+            print(roofline_report(r), flush=True)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)
     print(report(results))
     return 0
+
+
+def roofline_report(r: dict[str, Any]) -> str:
+    """One run's roofline table (``benchmarks/roofline.py``), per block."""
+    from benchmarks.roofline import table
+
+    blocks = max(len(r["block_s"]), 1)
+    title = (
+        f"roofline: {r['method']} K={r['experts']} compute {r.get('compute')} threads "
+        f"{r['threads']} setting {r.get('setting', 'native')}: "
+        f"{sum(r['block_s']) / blocks:.1f} s / block, load average "
+        f"{r.get('load_before', float('nan')):.1f} before, {r.get('load', float('nan')):.1f} after"
+    )
+    return table(r["roofline"], blocks, title)
 
 
 def _folder(models_dir: str) -> str:
