@@ -140,6 +140,18 @@ def test_output_error_from_rows_equals_gram_form():
     )
 
 
+def test_output_error_from_float32_rows_is_the_float64_ratio():
+    # float32 weights and rows take a float32 GEMM of the float64 difference (issue #47):
+    # the ratio stays that of the float64 products far below the record's three digits
+    g = torch.Generator().manual_seed(47)
+    expert = torch.randn(96, 2048, generator=g).bfloat16().float()
+    merged = (expert + 0.03 * torch.randn(96, 2048, generator=g)).bfloat16().float()
+    rows = torch.randn(300, 2048, generator=g)
+    fast = relative_output_error_rows(merged, expert, rows)
+    exact = relative_output_error_rows(merged.double(), expert.double(), rows.double())
+    assert fast == pytest.approx(exact, rel=1e-6) and fast != exact
+
+
 def test_activation_statistics_keep_rows_below_the_width():
     acc = ActivationStatistics(DIM, keep_rows=True)
     x = inputs(9, 30).float()
