@@ -17,6 +17,15 @@ each ``regmean_solve`` (the solve alone).
     python -m benchmarks.probes.llm_width                       # K=2 and K=4, CoM and RegMean, 1 and 2 threads
     python -m benchmarks.probes.llm_width --experts 2 --threads 2
     python -m benchmarks.probes.llm_width --cleanup             # delete the checkpoints under --models-dir
+    python -m benchmarks.probes.llm_width --experts 2 --threads 1 --methods chain_of_merges \
+        --compute-dtype auto --roofline --setting native avx512-no-amx avx2   # issue #47's roofline
+
+``--roofline`` counts the FLOPs of each phase (the block passes, the statistics' Gram sums,
+each group's solve, the rest of ``merge_linear_group``) by GEMM class, measures this process's
+GEMM rate per class before every block and group, and prints time / floor per phase
+(``benchmarks/roofline.py``). ``--setting`` runs each merge under the variables of
+``benchmarks/cpu_kernels.py`` (on an AMX machine: ``avx512-no-amx`` is AMX off, ``avx2`` the
+AVX2-only kernels; a setting can only take away what this CPU has).
 
 The checkpoints (about 0.9 GB each) go to ``--models-dir`` (default /tmp/llm_width_models).
 Before each merge the script waits (up to ``--wait-memory-s``) until ``--min-available-gb``

@@ -58,7 +58,10 @@ def run(labels: list[str], experts: int, tokens: int, repeats: int) -> list[dict
         seconds: dict[str, list[float]] = {}
         with meter:
             for _ in range(repeats):
-                for variant, written in (("float64 products", None), ("float32 products", torch.bfloat16)):
+                for variant, written in (
+                    ("float64 products", None),
+                    ("float32 products", torch.bfloat16),
+                ):
                     meter.measure_rates()
                     start = time.perf_counter()
                     with meter.phase(f"solve, {variant}"):
