@@ -663,9 +663,9 @@ def span_product_dtype(
     the merged weights are written as bfloat16 / float16 (``written_dtype``: their rounding,
     2⁻⁹ relative, is four orders above the float32 products' error, which the span form does
     not amplify by the condition number: its products are of the experts' differences from
-    ``W₀``). On an 8B-shaped group after a float32 pass 0.00x % of the written bf16 entries
-    differ from those of the float64 products (``benchmarks/results/span_precision.md``),
-    at the float32 GEMM rate (twice float64's on AVX2 and AVX-512: issue #47's roofline).
+    ``W₀``). On an 8B ``o_proj`` after a float32 pass 3.9e-5 of the written bf16 entries
+    differ from those of the float64 products (``benchmarks/results/roofline_8b.md``), at
+    the float32 GEMM rate (twice float64's on AVX2 and AVX-512: issue #47's roofline).
     float64 otherwise: a float32 pass's solve written as float32 keeps its bytes.
     """
     if weight_dtype == torch.float64:
