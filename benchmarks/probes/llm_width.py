@@ -58,13 +58,24 @@ SIZE: dict[str, int] = dict(
     seq_len=125,
 )
 DEFAULT_MODELS_DIR = "/tmp/llm_width_models"
+# ``--small``: the same probe on a tiny Llama (a check of the probe itself, in seconds)
+SMALL: dict[str, int] = dict(
+    hidden_size=256,
+    intermediate_size=704,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=1024,
+    sequences=16,
+    seq_len=125,
+)
 
 
 # ------------------------------------------------------------------------------------------
 # Models (bf16) and calibration data, built once per expert count
 
 
-def _build(folder: str, experts: int) -> None:
+def _build(folder: str, experts: int, small: bool = False) -> None:
     import torch
     from accelerate import init_empty_weights
     from huggingface_hub import save_torch_state_dict
@@ -72,7 +83,8 @@ def _build(folder: str, experts: int) -> None:
 
     from benchmarks.probes.executor_memory import _llama_config, _tensor, write_calibration
 
-    config = _llama_config(SIZE)
+    size = SMALL if small else SIZE
+    config = _llama_config(size)
     config.dtype = "bfloat16"
     with init_empty_weights():
         skeleton = LlamaForCausalLM(config)
@@ -93,7 +105,7 @@ def _build(folder: str, experts: int) -> None:
         config.save_pretrained(tmp)
         del state
         os.rename(tmp, out)
-    write_calibration(folder, experts, SIZE)
+    write_calibration(folder, experts, size)
 
 
 def _yaml(method: str, folder: str, experts: int, compute: str = "auto") -> str:
@@ -504,7 +516,10 @@ def solve_only(experts: int, tokens: int, dense_max_inputs: int) -> list[dict[st
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models-dir", default=DEFAULT_MODELS_DIR)
+    parser.add_argument("--models-dir", default=None, help=f"default {DEFAULT_MODELS_DIR}")
+    parser.add_argument(
+        "--small", action="store_true", help="a tiny Llama instead of the 8B widths (a check)"
+    )
     parser.add_argument("--experts", type=int, nargs="*", default=[2, 4])
     parser.add_argument("--threads", type=int, nargs="*", default=[2, 1])
     parser.add_argument(
@@ -550,6 +565,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.models_dir is None:
+        args.models_dir = DEFAULT_MODELS_DIR + ("_small" if args.small else "")
     if args.cleanup:
         shutil.rmtree(args.models_dir, ignore_errors=True)
         return 0
@@ -579,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
         [
             sys.executable,
             "-c",
-            f"from benchmarks.probes.llm_width import _build; _build({folder!r}, {max(args.experts)})",
+            f"from benchmarks.probes.llm_width import _build; _build({folder!r}, {max(args.experts)}, {args.small})",
         ],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": ROOT},
