@@ -502,7 +502,9 @@ def test_dense_group_output_errors_from_kept_rows_equal_the_gram_form():
         reference = float((product.double() * experts[k].double()).sum())
         expected = (error / reference) ** 0.5
         got = diagnostics["tasks"][task]["relative_output_error"]
-        assert got == pytest.approx(expected, rel=1e-10), (task, got, expected)
+        # the error term is a float32 GEMM of the float64 difference for float32 weights and
+        # rows (issue #47): ~1e-7 relative here, against the float64 Gram form's
+        assert got == pytest.approx(expected, rel=1e-6), (task, got, expected)
         assert 0.0 < got < 1.0
 
 
