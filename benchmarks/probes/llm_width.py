@@ -17,6 +17,15 @@ each ``regmean_solve`` (the solve alone).
     python -m benchmarks.probes.llm_width                       # K=2 and K=4, CoM and RegMean, 1 and 2 threads
     python -m benchmarks.probes.llm_width --experts 2 --threads 2
     python -m benchmarks.probes.llm_width --cleanup             # delete the checkpoints under --models-dir
+    python -m benchmarks.probes.llm_width --experts 2 --threads 1 --methods chain_of_merges \
+        --compute-dtype auto --roofline --setting native avx512-no-amx avx2   # issue #47's roofline
+
+``--roofline`` counts the FLOPs of each phase (the block passes, the statistics' Gram sums,
+each group's solve, the rest of ``merge_linear_group``) by GEMM class, measures this process's
+GEMM rate per class before every block and group, and prints time / floor per phase
+(``benchmarks/roofline.py``). ``--setting`` runs each merge under the variables of
+``benchmarks/cpu_kernels.py`` (on an AMX machine: ``avx512-no-amx`` is AMX off, ``avx2`` the
+AVX2-only kernels; a setting can only take away what this CPU has).
 
 The checkpoints (about 0.9 GB each) go to ``--models-dir`` (default /tmp/llm_width_models).
 Before each merge the script waits (up to ``--wait-memory-s``) until ``--min-available-gb``
@@ -49,13 +58,24 @@ SIZE: dict[str, int] = dict(
     seq_len=125,
 )
 DEFAULT_MODELS_DIR = "/tmp/llm_width_models"
+# ``--small``: the same probe on a tiny Llama (a check of the probe itself, in seconds)
+SMALL: dict[str, int] = dict(
+    hidden_size=256,
+    intermediate_size=704,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=1024,
+    sequences=16,
+    seq_len=125,
+)
 
 
 # ------------------------------------------------------------------------------------------
 # Models (bf16) and calibration data, built once per expert count
 
 
-def _build(folder: str, experts: int) -> None:
+def _build(folder: str, experts: int, small: bool = False) -> None:
     import torch
     from accelerate import init_empty_weights
     from huggingface_hub import save_torch_state_dict
@@ -63,7 +83,8 @@ def _build(folder: str, experts: int) -> None:
 
     from benchmarks.probes.executor_memory import _llama_config, _tensor, write_calibration
 
-    config = _llama_config(SIZE)
+    size = SMALL if small else SIZE
+    config = _llama_config(size)
     config.dtype = "bfloat16"
     with init_empty_weights():
         skeleton = LlamaForCausalLM(config)
@@ -84,7 +105,7 @@ def _build(folder: str, experts: int) -> None:
         config.save_pretrained(tmp)
         del state
         os.rename(tmp, out)
-    write_calibration(folder, experts, SIZE)
+    write_calibration(folder, experts, size)
 
 
 def _yaml(method: str, folder: str, experts: int, compute: str = "auto") -> str:
@@ -126,6 +147,7 @@ def _child(
     threads: int,
     compute: str = "auto",
     device_name: str = "cpu",
+    roofline: bool = False,
 ) -> None:
     import logging
 
@@ -168,7 +190,11 @@ def _child(
     def timed_solve(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         try:
-            return solve(*args, **kwargs)
+            if meter is None:
+                return solve(*args, **kwargs)
+            label = str(kwargs.get("name", "?")).rsplit(".", 1)[-1]
+            with meter.phase(f"solve {label}"):
+                return solve(*args, **kwargs)
         finally:
             synchronize()
             name = str(kwargs.get("name", "?")).removeprefix("linear group ")
@@ -176,12 +202,17 @@ def _child(
 
     least_squares.group.regmean_solve = timed_solve  # where the group driver looks it up
     merge_block = seq.SequentialExecutor._merge_block
+    meter = _instrument(seq, least_squares) if roofline else None
 
     def timed_block(self: Any, block: Any, progress: Any = None) -> None:
+        if meter is not None:
+            meter.measure_rates()  # the floor of this block's passes, from the machine now
         start, cpu = time.perf_counter(), time.process_time()
+        rate_s = meter.rate_s if meter is not None else 0.0
         merge_block(self, block, progress)
         synchronize()
-        timings["block_s"].append(time.perf_counter() - start)
+        rate_s = (meter.rate_s if meter is not None else 0.0) - rate_s
+        timings["block_s"].append(time.perf_counter() - start - rate_s)
         timings["block_cpu_s"].append(time.process_time() - cpu)
 
     seq.SequentialExecutor._merge_block = timed_block  # type: ignore[method-assign]
@@ -189,9 +220,14 @@ def _child(
     merge_group = implementation.merge_linear_group
 
     def timed_group(group: Any, parameters: Any) -> Any:
+        if meter is not None:
+            meter.measure_rates()  # right before the group's solve
         start = time.perf_counter()
         try:
-            return merge_group(group, parameters)
+            if meter is None:
+                return merge_group(group, parameters)
+            with meter.phase("diagnostics"):  # what merge_linear_group does besides the solve
+                return merge_group(group, parameters)
         finally:
             synchronize()
             timings["group_s"][group.name] = time.perf_counter() - start
@@ -204,7 +240,12 @@ def _child(
     estimate = plan.memory.peak
     plan_warnings = list(warnings)
     start = time.perf_counter()
-    result = seq.SequentialExecutor(plan, out, device).run()
+    if meter is not None:
+        with meter:
+            result = seq.SequentialExecutor(plan, out, device).run()
+        timings["roofline"] = meter.record()
+    else:
+        result = seq.SequentialExecutor(plan, out, device).run()
     wall = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     diagnostics = [
@@ -220,6 +261,8 @@ def _child(
         "experts": experts,
         "threads": torch.get_num_threads(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "aten_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
         "gpu_peak": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "compute": plan.compute.name if plan.compute is not None else "float32",
         "plan_s": plan_s,
@@ -235,6 +278,43 @@ def _child(
     print("RESULT " + json.dumps(record), flush=True)
 
 
+def _instrument(seq: Any, least_squares: Any) -> Any:
+    """The roofline's phases (``benchmarks/roofline.py``): the block passes (expert path,
+    merged path, propagation), the statistics' updates (the Grams' sums; nested in the
+    passes, timed apart), each group's solve and the rest of ``merge_linear_group``."""
+    from benchmarks.roofline import Roofline
+    from mergekit_ext.calibration.statistics import ActivationStatistics
+
+    meter = Roofline()
+    meter.rate_s = 0.0
+    measure = meter.measure_rates
+
+    def timed_measure(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return measure(*args, **kwargs)
+        finally:
+            meter.rate_s += time.perf_counter() - start
+
+    meter.measure_rates = timed_measure
+
+    def in_phase(owner: Any, attribute: str, name: str) -> None:
+        original = getattr(owner, attribute)
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            with meter.phase(name):
+                return original(*args, **kwargs)
+
+        setattr(owner, attribute, wrapped)
+
+    executor = seq.SequentialExecutor
+    for attribute in ("_expert_path_statistics", "_merged_path_statistics", "_run_block"):
+        in_phase(executor, attribute, "passes")
+    for attribute in ("update", "finalize"):
+        in_phase(ActivationStatistics, attribute, "grams")
+    return meter
+
+
 def _run_child(
     method: str,
     folder: str,
@@ -242,13 +322,20 @@ def _run_child(
     threads: int,
     compute: str = "auto",
     device: str = "cpu",
+    roofline: bool = False,
+    setting: str = "native",
 ) -> dict[str, Any]:
+    from benchmarks.cpu_kernels import SETTINGS
+
     out = tempfile.mkdtemp(prefix="llm-width-out-", dir=os.path.dirname(folder))
     cmd = [sys.executable, "-m", "benchmarks.probes.llm_width", "--child", method]
     cmd += ["--models-dir", folder, "--experts", str(experts), "--threads", str(threads)]
     cmd += ["--out", out, "--compute-dtype", compute, "--device", device]
+    if roofline:
+        cmd.append("--roofline")
     env = {
         **os.environ,
+        **(SETTINGS[setting] if setting != "native" else {}),
         "HF_HUB_OFFLINE": "1",
         "PYTHONPATH": ROOT,
         "OMP_NUM_THREADS": str(threads),
@@ -266,6 +353,7 @@ def _run_child(
     result = json.loads(line[len("RESULT ") :])
     result["polled_rss"] = polled
     result["load"] = os.getloadavg()[0]  # other processes on the machine during the run
+    result["setting"] = setting
     return result
 
 
@@ -428,7 +516,10 @@ def solve_only(experts: int, tokens: int, dense_max_inputs: int) -> list[dict[st
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models-dir", default=DEFAULT_MODELS_DIR)
+    parser.add_argument("--models-dir", default=None, help=f"default {DEFAULT_MODELS_DIR}")
+    parser.add_argument(
+        "--small", action="store_true", help="a tiny Llama instead of the 8B widths (a check)"
+    )
     parser.add_argument("--experts", type=int, nargs="*", default=[2, 4])
     parser.add_argument("--threads", type=int, nargs="*", default=[2, 1])
     parser.add_argument(
@@ -458,9 +549,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--device", default="cpu", help="where the merges run: cpu | cuda[:n] (the executor's)"
     )
+    parser.add_argument(
+        "--roofline",
+        action="store_true",
+        help="count each phase's FLOPs, measure the GEMM rates before each block and group, "
+        "and print time / floor per phase (benchmarks/roofline.py)",
+    )
+    parser.add_argument(
+        "--setting",
+        nargs="*",
+        default=["native"],
+        help="kernel settings to run in turn: native (this CPU's own), avx512-no-amx, avx2 "
+        "(benchmarks/cpu_kernels.py's variables; each caps only what this CPU has)",
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.models_dir is None:
+        args.models_dir = DEFAULT_MODELS_DIR + ("_small" if args.small else "")
     if args.cleanup:
         shutil.rmtree(args.models_dir, ignore_errors=True)
         return 0
@@ -480,6 +586,7 @@ def main(argv: list[str] | None = None) -> int:
             args.threads[0],
             args.compute_dtype[0],
             args.device,
+            args.roofline,
         )
         return 0
     results = []
@@ -489,20 +596,21 @@ def main(argv: list[str] | None = None) -> int:
         [
             sys.executable,
             "-c",
-            f"from benchmarks.probes.llm_width import _build; _build({folder!r}, {max(args.experts)})",
+            f"from benchmarks.probes.llm_width import _build; _build({folder!r}, {max(args.experts)}, {args.small})",
         ],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": ROOT},
         check=True,
     )
     runs = [
-        (experts, threads, method, compute)
+        (experts, threads, method, compute, setting)
         for experts in args.experts
         for threads in args.threads
         for method in args.methods
         for compute in args.compute_dtype
+        for setting in args.setting
     ]
-    for experts, threads, method, compute in runs:
+    for experts, threads, method, compute, setting in runs:
         available = _available_gb()
         deadline = time.monotonic() + args.wait_memory_s
         while available < args.min_available_gb and time.monotonic() < deadline:
@@ -515,14 +623,34 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             continue
-        r = _run_child(method, folder, experts, threads, compute, args.device)
+        load_before = os.getloadavg()[0]
+        r = _run_child(
+            method, folder, experts, threads, compute, args.device, args.roofline, setting
+        )
+        r["load_before"] = load_before
         results.append(r)
         print(report([r]).split("\n")[4], flush=True)
+        if "roofline" in r:
+            print(roofline_report(r), flush=True)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)
     print(report(results))
     return 0
+
+
+def roofline_report(r: dict[str, Any]) -> str:
+    """One run's roofline table (``benchmarks/roofline.py``), per block."""
+    from benchmarks.roofline import table
+
+    blocks = max(len(r["block_s"]), 1)
+    title = (
+        f"roofline: {r['method']} K={r['experts']} compute {r.get('compute')} threads "
+        f"{r['threads']} setting {r.get('setting', 'native')}: "
+        f"{sum(r['block_s']) / blocks:.1f} s / block, load average "
+        f"{r.get('load_before', float('nan')):.1f} before, {r.get('load', float('nan')):.1f} after"
+    )
+    return table(r["roofline"], blocks, title)
 
 
 def _folder(models_dir: str) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -90,6 +91,12 @@ def fast_bf16(device_type: str) -> tuple[bool, str]:
             )
             if probe is not None and bool(probe())
         ]
+        cap = onednn_isa_cap()
+        if flags and cap is not None and cap not in _BF16_ISAS:
+            # the CPU has the instructions but oneDNN was told not to use them: its bfloat16
+            # GEMMs then fall back to ATen's scalar loops (~0.3 GFLOP/s on one core, measured
+            # on an AVX2 CPU), so float32 is the fast dtype, as on a CPU without them
+            return False, f"CPU has {' and '.join(flags)} but ONEDNN_MAX_CPU_ISA={cap} caps it"
         if flags:
             return True, f"CPU has {' and '.join(flags)}"
         return False, (
@@ -97,6 +104,35 @@ def fast_bf16(device_type: str) -> tuple[bool, str]:
             f"{torch.backends.cpu.get_cpu_capability()})"
         )
     return False, f"device type {device_type!r}"
+
+
+# oneDNN's ISA caps (``ONEDNN_MAX_CPU_ISA``) that keep its bfloat16 GEMM kernels: AVX512-BF16
+# and every level above it (AMX, AVX10); ``ALL`` / ``DEFAULT``: no cap.
+_BF16_ISAS = frozenset(
+    {
+        "AVX512_CORE_BF16",
+        "AVX512_CORE_FP16",
+        "AVX512_CORE_AMX",
+        "AVX512_CORE_AMX_FP16",
+        "AVX10_1_512",
+        "AVX10_1_512_AMX",
+        "AVX10_1_512_AMX_FP16",
+        "AVX10_2_512",
+        "AVX10_2_512_AMX_2",
+        "ALL",
+        "DEFAULT",
+    }
+)
+
+
+def onednn_isa_cap() -> Optional[str]:
+    """The ISA cap oneDNN reads at load (``ONEDNN_MAX_CPU_ISA``, or its older name
+    ``DNNL_MAX_CPU_ISA``), upper-cased; None when neither is set."""
+    for variable in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        value = os.environ.get(variable, "").strip()
+        if value:
+            return value.upper()
+    return None
 
 
 def resolve_compute_dtype(

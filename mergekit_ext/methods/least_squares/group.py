@@ -196,6 +196,13 @@ def _token_rows(stats: Sequence[TaskStatistics]) -> Optional[list[torch.Tensor]]
     return rows  # type: ignore[return-value]
 
 
+def _written_dtype(group: LinearGroup) -> Optional[torch.dtype]:
+    """The dtype every weight of the group is written in, or None where they differ or the
+    group does not say (the solve then keeps the precision the passes call for)."""
+    dtypes = {(group.output_dtypes or {}).get(w) for w in group.weights}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
 def norm_range(group: LinearGroup, rows: Sequence[int], reference: Sequence[float]) -> NormRange:
     """The group's range for ``ridge: auto`` (:class:`~.in_range.NormRange`), measured as the
     result guard measures it: each linear's part of the stacked merged weight in the
@@ -310,6 +317,7 @@ def merge_group_least_squares(
         compute_dtype=group.compute_dtype,
         gram_rows=None if use_normalized_gram else [_kept_rows(st) for st in chosen],
         norm_range=norm_range(group, rows, [reference_norms[w] for w in group.weights]),
+        written_dtype=_written_dtype(group),
     )
     del solve_rows
     merged_parts = torch.split(solution.merged_weight, rows, dim=0)

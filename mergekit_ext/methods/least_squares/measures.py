@@ -70,8 +70,9 @@ def relative_output_error_rows(
     """:func:`relative_output_error` from the inputs themselves (``rows``: ``N x in``).
 
     ``‖(W − W_k) Xᵀ‖_F / ‖W_k Xᵀ‖_F``: ``out x in x N`` products instead of ``out x in x in``
-    ones, the cheaper form when N < in. The error term is float64 (difference and product);
-    the reference in the weights' dtype (float32 for float32 weights), summed in float64,
+    ones, the cheaper form when N < in. The error term's difference is formed in float64,
+    its product is a GEMM in the weights' dtype (float32 for float32 weights and rows,
+    float64 where any is float64); the reference in the weights' dtype, summed in float64,
     or, when the dense solve formed ``W_k G`` (``G = XᵀX / N``), from
     ``expert_reference`` = ``tr(W_k G W_kᵀ)`` (``N · expert_reference``, no product at all).
     Summed over chunks of output rows.
@@ -85,20 +86,31 @@ def relative_output_error_rows(
     relative (docs/methods.md, "Compute dtype"), at a sixth of the cost.
     """
     low = compute_dtype == torch.bfloat16 and expert_weight.dtype != torch.float64
+    wide = torch.float64 in (expert_weight.dtype, merged_weight.dtype, rows.dtype)
     if low:
         x = rows.to(torch.bfloat16).T
         xr = x
-    else:
+    elif wide:
         x = rows.double().T
         xr = rows.float().T if expert_weight.dtype != torch.float64 else x
+    else:
+        x = xr = rows.float().T
     error = reference = 0.0
     for part in row_chunks(int(expert_weight.shape[0]), int(expert_weight.shape[1])):
         expert, merged = expert_weight[part], merged_weight[part]
         if low:
             exact_diff = merged.float() - expert.float()  # exact: both hold bf16 values
             error += _square_sum(exact_diff.to(torch.bfloat16) @ x)
-        else:
+        elif wide:
             error += _square_sum((merged.double() - expert.double()) @ x)
+        else:
+            # float32 weights and rows: the difference formed in float64 and rounded once to
+            # float32 (6e-8 relative per entry), then a float32 GEMM: the ratio moves by
+            # ~1e-6 relative at most (sums of in ≤ 14,336 float32 products, squared and summed
+            # in float64), far below the three digits the record keeps, at the float32 rate
+            # (twice float64's on AVX2 and AVX-512; issue #47's roofline)
+            difference = (merged.double() - expert.double()).float()
+            error += _square_sum(difference @ x)
         if expert_reference is not None:
             continue
         if low:

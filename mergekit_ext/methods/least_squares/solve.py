@@ -321,6 +321,7 @@ def regmean_solve(
     compute_dtype: torch.dtype = torch.float32,
     gram_rows: Optional[Sequence[Optional[torch.Tensor]]] = None,
     norm_range: Optional[NormRange] = None,
+    written_dtype: Optional[torch.dtype] = None,
 ) -> RegMeanSolution:
     """``W = (Σ_k ω_k W_k G̃_k)(Σ_k ω_k G̃_k)⁻¹`` with diagnostics (RegMean eq. 3; CoM eq. for ω).
 
@@ -357,6 +358,9 @@ def regmean_solve(
     - ``compute_dtype``: the dtype of the forward passes the statistics came from
       (:func:`span_product_dtype`: a bfloat16 / float16 pass lets the span solve's
       ``out x in x T`` products run in float32).
+    - ``written_dtype``: the dtype the merged weights are written in, where all share one
+      (:func:`span_product_dtype`: bfloat16 / float16 lets those products run in float32
+      after a float32 pass too).
 
     The Grams, ``Σ ω G̃`` and the solve are float64; the products ``W_k G_k`` are float32
     for float32 weights (float64 for float64 weights; :func:`task_product`). The result has
@@ -422,7 +426,7 @@ def regmean_solve(
                     ridge=value,
                     tokens=tokens,
                     ridge_reason=_ridge_reason(ridge, relative_ridge, n_in, tokens),
-                    product_dtype=span_product_dtype(compute_dtype, out_dtype),
+                    product_dtype=span_product_dtype(compute_dtype, out_dtype, written_dtype),
                 )
 
             return _span_in_range(at, at(relative_ridge), ridge, norm_range)
@@ -456,7 +460,7 @@ def regmean_solve(
                     ridge=value,
                     tokens=tokens,
                     ridge_reason=factored.reason,
-                    product_dtype=span_product_dtype(compute_dtype, out_dtype),
+                    product_dtype=span_product_dtype(compute_dtype, out_dtype, written_dtype),
                     # the factored system's condition number, at the ridge it holds
                     condition=(factored.condition, factored.condition_method)
                     if value == factored.ridge
@@ -647,15 +651,27 @@ def trace_product(product: torch.Tensor, weight: torch.Tensor) -> float:
     return dot64(product, weight)
 
 
-def span_product_dtype(compute_dtype: torch.dtype, weight_dtype: torch.dtype) -> torch.dtype:
+def span_product_dtype(
+    compute_dtype: torch.dtype,
+    weight_dtype: torch.dtype,
+    written_dtype: Optional[torch.dtype] = None,
+) -> torch.dtype:
     """The dtype of :func:`span_solve`'s ``out x in x T`` products.
 
-    float32 when the rows come from a bfloat16 / float16 pass and the weights are not float64:
-    the activations then carry ~3 significant digits, float32 products ~7. float64 otherwise,
-    the precision a float32 pass's solve keeps.
+    float32 when the weights are not float64 and either the rows come from a bfloat16 /
+    float16 pass (the activations then carry ~3 significant digits, float32 products ~7) or
+    the merged weights are written as bfloat16 / float16 (``written_dtype``: their rounding,
+    2⁻⁹ relative, is four orders above the float32 products' error, which the span form does
+    not amplify by the condition number: its products are of the experts' differences from
+    ``W₀``). On an 8B ``o_proj`` after a float32 pass 3.9e-5 of the written bf16 entries
+    differ from those of the float64 products (``benchmarks/results/roofline_8b.md``), at
+    the float32 GEMM rate (twice float64's on AVX2 and AVX-512: issue #47's roofline).
+    float64 otherwise: a float32 pass's solve written as float32 keeps its bytes.
     """
-    low = compute_dtype in (torch.bfloat16, torch.float16)
-    return torch.float32 if low and weight_dtype != torch.float64 else torch.float64
+    if weight_dtype == torch.float64:
+        return torch.float64
+    low = (torch.bfloat16, torch.float16)
+    return torch.float32 if compute_dtype in low or written_dtype in low else torch.float64
 
 
 def _gram_of(rows: torch.Tensor) -> torch.Tensor:
