@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from mergekit_ext.console import phase
 from mergekit_ext.errors import ExecutionError
 from mergekit_ext.executor.blocks import run_block
 from mergekit_ext.executor.compute import carried, compute_in, widened
@@ -230,4 +231,11 @@ def refine_block(
         ex._check_merged(n, result[n], ex.base.shapes[n])
         merged[n] = ex._write(n, result[n], distill.keep)
     ex._low_params.clear()  # the refined weights replace the start's cast copies
+    before, after = diagnostics.get("error_before"), diagnostics.get("error_after")
+    if isinstance(before, float) and isinstance(after, float):
+        # one line per block: where the remaining loss sits, without opening the record
+        phase(
+            f"{name}: block output error {before:.4g} -> {after:.4g} "
+            f"({diagnostics.get('kept', 'refined')})"
+        )
     return {"block": block.index, "layer": name, **diagnostics}
