@@ -47,14 +47,14 @@ class BlockDistillationParameters(ChainOfMergesParameters):
     """CoM's parameters (the start) plus the distillation's."""
 
     distill_steps: int = Field(
-        40,
+        120,
         ge=0,
         le=100_000,
         description="Adam steps per block (each: one calibration batch of every task, in turn); "
         "0 gives Chain of Merges",
     )
     distill_lr: float = Field(
-        0.05,
+        0.1,
         gt=0.0,
         le=10.0,
         allow_inf_nan=False,
