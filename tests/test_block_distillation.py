@@ -82,7 +82,7 @@ def _block_errors(merged_dir: str, expert_dirs: list[str], arch: str) -> list[fl
         with torch.no_grad():
             batch = tokenizer(_held_out_texts(k), return_tensors="pt", padding=True)
             # no cache: the recorded calls are replayed through the experts' blocks
-            merged(**batch, **({'use_cache': False} if 'Llama' in arch else {}))
+            merged(**batch, **({"use_cache": False} if "Llama" in arch else {}))
             for h in handles:
                 h.remove()
             mask = batch["attention_mask"].bool()
@@ -131,8 +131,9 @@ def test_distillation_lowers_the_block_error_below_com(request, set_name, tmp_pa
     after = _block_errors(out, experts, tiny.architecture)
     assert sum(after) < sum(before), (before, after)
     # the written weights differ from CoM's where it trained, and only the block linears
-    a, b = load_file(os.path.join(com, "model.safetensors")), load_file(
-        os.path.join(out, "model.safetensors")
+    a, b = (
+        load_file(os.path.join(com, "model.safetensors")),
+        load_file(os.path.join(out, "model.safetensors")),
     )
     changed = {n for n in a if not torch.equal(a[n], b[n])}
     assert changed and all(n.endswith(".weight") and "norm" not in n for n in changed), changed
@@ -187,9 +188,7 @@ def test_bf16_compute_trains_float32_master_weights(tiny_llama_set, tmp_path, mo
         return refine(self, block)
 
     monkeypatch.setattr(bd.BlockDistillation, "refine", spy)
-    out = _merge(
-        tmp_path, tiny_llama_set, 2, METHOD, {**FEW, "compute_dtype": "bfloat16"}, "bf16"
-    )
+    out = _merge(tmp_path, tiny_llama_set, 2, METHOD, {**FEW, "compute_dtype": "bfloat16"}, "bf16")
     assert seen and all(s == ({torch.float32}, {torch.float32}) for s in seen)
     diag = json.load(open(os.path.join(out, "mergekit_ext_diagnostics.json"), encoding="utf-8"))
     assert diag["executor"]["compute_dtype"] == "bfloat16"
