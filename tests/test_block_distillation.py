@@ -225,3 +225,21 @@ def test_good_values_are_accepted_and_listed():
     names = {q["name"] for q in listed[METHOD]["parameters"]}
     assert {"distill_steps", "distill_lr", "distill_train", "distill_rank", "seed"} <= names
     assert listed[METHOD]["needs_calibration"]
+
+
+def test_dry_run_estimates_the_refinement(tiny_llama_set, tmp_path):
+    def dry_run(method: str, name: str) -> str:
+        folder = tmp_path / name
+        folder.mkdir()
+        config = _write_config(
+            str(folder), method, tiny_llama_set.base, list(tiny_llama_set.experts[:2]), {}
+        )
+        result = CliRunner().invoke(main, ["run", config, str(folder / "out"), "--dry-run"])
+        assert result.exit_code == 0, result.output
+        assert not os.path.exists(folder / "out")
+        return result.output
+
+    ours, com = dry_run(METHOD, "distill"), dry_run("chain_of_merges", "com")
+    line = next(x for x in ours.splitlines() if "block refinement" in x)
+    assert "optimizer state" in line and not line.rstrip().endswith(" 0.00 MB"), line
+    assert "block refinement" not in com
