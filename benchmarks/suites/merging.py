@@ -103,6 +103,8 @@ ROWS: tuple[MethodRow, ...] = (
         "CoM: + normalize + weighting",
         {"propagate": True, "normalize": True, "task_weighting": "correlation"},
     ),
+    # issue #51: CoM's closed form, then each block distilled toward the experts' blocks
+    MethodRow("block_distillation", "block_distillation", "Block distillation on CoM (defaults)"),
     MethodRow(
         "qp_diagonal", "qp_projection", "QP projection (diagonal basis)", {"basis": "diagonal"}
     ),

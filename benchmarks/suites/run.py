@@ -21,6 +21,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any, Optional
 
 from benchmarks.suites.cache import default_cache_dir
@@ -60,19 +61,23 @@ def _command_line() -> str:
     return "python " + " ".join(sys.argv)
 
 
-def make_suite(name: str, cache_dir: str, smoke: bool) -> Suite:
+def make_suite(
+    name: str, cache_dir: str, smoke: bool, tasks: Optional[Sequence[str]] = None
+) -> Suite:
+    """Suite ``name``; ``tasks``: another set of its modality's tasks than its default
+    three (the K sweeps of issue #51: 2 or 4 vision tasks)."""
     if name == "text":
         from benchmarks.suites.text_suite import TextSuite
 
-        return TextSuite(cache_dir, smoke)
+        return TextSuite(cache_dir, smoke, tasks)
     if name == "lm":
         from benchmarks.suites.lm_suite import LMSuite
 
-        return LMSuite(cache_dir, smoke)
+        return LMSuite(cache_dir, smoke, tasks)
     if name == "vision":
         from benchmarks.suites.vision_suite import VisionSuite
 
-        return VisionSuite(cache_dir, smoke)
+        return VisionSuite(cache_dir, smoke, tasks)
     raise ValueError(f"unknown suite {name!r}; use one of {SUITES} or all")
 
 
@@ -380,6 +385,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         help="torch threads for training, scoring and the merge processes (default: torch's); "
         "1 is much faster on a CPU shared with other jobs",
     )
+    parser.add_argument(
+        "--tasks",
+        nargs="+",
+        help="tasks instead of the suite's default three (e.g. vision: mnist digits "
+        "fashion_grouped fashion_mnist); write such a run to its own --out",
+    )
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
 
@@ -389,7 +400,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     suites = SUITES if args.suite == "all" else (args.suite,)
     start = time.perf_counter()
     for name in suites:
-        suite = make_suite(name, args.cache_dir, args.smoke)
+        suite = make_suite(name, args.cache_dir, args.smoke, args.tasks)
         variants = SMOKE_VARIANTS.get(name, suite.variants) if args.smoke else suite.variants
         if args.variants:
             variants = tuple(v for v in suite.variants if v in args.variants)

@@ -168,12 +168,19 @@ class MemoryEstimate:
     replay: int = 0  # budget for replayed linear outputs on the merged path (propagate)
     reduction: int = 0  # several processes: the sums passed between ranks, or gathered statistics
     kept_matrices: int = 0  # of block_weights: one block's matrices held as stored (16-bit)
+    # a block refinement (BlockRefinement, after the group merges, when their statistics and
+    # the replay cache are gone): one block's linears' optimizer state and gradient sums,
+    # the targets (the merged-path hidden states again) and one batch's autograd graph
+    refinement: int = 0
 
     @property
     def peak(self) -> int:
         return (
             max(
-                self.block_weights + self.statistics + self.solver + self.replay + self.reduction,
+                self.block_weights
+                + max(
+                    self.statistics + self.solver + self.replay + self.reduction, self.refinement
+                ),
                 self.non_block,
             )
             + self.activations
@@ -312,6 +319,15 @@ class MergePlan:
             f"  method's solve for the widest group (float64, estimate): {_gb(m.solver)}",
             f"  calibration hidden states: {_gb(m.activations)}",
             f"  replayed linear outputs on the merged path (budget): {_gb(m.replay)}",
+            *(
+                [
+                    "  block refinement (after the group merges, instead of their statistics: "
+                    "optimizer state, targets, one batch's autograd graph): "
+                    f"{_gb(m.refinement)}"
+                ]
+                if m.refinement
+                else []
+            ),
             f"  largest non-block phase: {_gb(m.non_block)}",
             f"  output shard buffer: {_gb(m.writer_buffer)} (shards of at most "
             f"{_gb(output_shard_bytes(self.options))})",
@@ -341,7 +357,8 @@ class MergePlan:
                 f"  rank {rank} (tasks {', '.join(own) or 'none'}): peak ≈ {_gb(m.peak)}",
                 f"    block weights {_gb(m.block_weights)}, statistics {_gb(m.statistics)}, "
                 f"replay cache {_gb(m.replay)}, reduction buffers {_gb(m.reduction)}, "
-                f"solve {_gb(m.solver)}, hidden states {_gb(m.activations)}, "
+                + (f"block refinement {_gb(m.refinement)}, " if m.refinement else "")
+                + f"solve {_gb(m.solver)}, hidden states {_gb(m.activations)}, "
                 f"non-block phase {_gb(m.non_block)}, shard buffer {_gb(m.writer_buffer)}",
             ]
         return "\n".join(lines)
@@ -371,7 +388,8 @@ class MergePlan:
                 f"{batches}{holds}): peak ≈ {_gb(m.peak)}",
                 f"    block weights {_gb(m.block_weights)}, statistics {_gb(m.statistics)}, "
                 f"replay cache {_gb(m.replay)}, reduction buffers {_gb(m.reduction)}, "
-                f"solve {_gb(m.solver)}, hidden states {_gb(m.activations)}, "
+                + (f"block refinement {_gb(m.refinement)}, " if m.refinement else "")
+                + f"solve {_gb(m.solver)}, hidden states {_gb(m.activations)}, "
                 f"non-block phase {_gb(m.non_block)}, shard buffer {_gb(m.writer_buffer)}",
             ]
         return "\n".join(lines)
@@ -897,6 +915,7 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
     statistics = (k_run * grams_per_task if request.expert_path else 0) + group_peak[0]
     statistics += max(expert_deferred, merged_deferred)
     activations = 0
+    largest_batch = 0  # positions of this rank's largest calibration batch
     for i in runs:
         e = plan.experts[i]
         if e.data is None:
@@ -911,6 +930,7 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
                     int(e.data.num_tokens / max(e.data.num_samples, 1)) + 1
                 )
             activations += positions * plan.hidden_size * 4 * max(paths, 1)
+            largest_batch = max(largest_batch, positions)
     non_block_names = plan.pre_block + plan.post_block
     largest = max((_numel(base.shapes[n]) for n in non_block_names), default=0) * 4
     pre_bytes = sum(_numel(base.shapes[n]) for n in plan.pre_block) * 4
@@ -944,6 +964,9 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
     if request.propagate:
         merged_hidden = activations // paths
         replay = max(REPLAY_MIN_BYTES, REPLAY_HIDDEN_MULTIPLE * merged_hidden)
+    refinement = 0
+    if plan.method.block_refinement(plan.parameters) is not None and k_run:
+        refinement = _refinement_bytes(plan, activations // max(paths, 1), largest_batch)
     block_weights = (k_run + 2) * block_bytes
     if plan.compute is not None and plan.compute.low_precision:
         # each float32 block matrix a pass reads is also held cast to the compute dtype
@@ -968,4 +991,27 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
         replay=replay,
         kept_matrices=kept_bytes,
         reduction=reduction,
+        refinement=refinement,
     )
+
+
+# A block refinement's float32 copies of one block's linears: the start, the trained
+# correction, two Adam moments, the weights of a step, the gradient sums and one task's
+# gradient (docs/methods.md, "Block-wise distillation").
+REFINE_LINEAR_COPIES = 7
+
+
+def _refinement_bytes(plan: MergePlan, merged_hidden: int, batch_positions: int) -> int:
+    """Peak bytes of a block refinement on top of the (K + 2) blocks: the optimizer state
+    and gradients of the widest block's linears, the targets (as many bytes as this rank's
+    merged-path hidden states) and the autograd graph of one batch (every linear's input
+    and output per position, float32, twice for the elementwise steps between them;
+    attention scores not counted)."""
+    linear = graph = 0
+    for b in plan.blocks:
+        shapes = [
+            plan.base.shapes[t] for g in b.groups if not g.experts for t in b.group_tensors(g)
+        ]
+        linear = max(linear, sum(_numel(s) for s in shapes) * 4)
+        graph = max(graph, sum(int(s[0]) + int(s[-1]) for s in shapes) * 4 * 2)
+    return REFINE_LINEAR_COPIES * linear + merged_hidden + graph * batch_positions

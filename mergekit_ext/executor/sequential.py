@@ -111,6 +111,7 @@ from mergekit_ext.executor.plan import (
     output_shard_bytes,
     safetensors_dtype,
 )
+from mergekit_ext.executor.refine import refine_block
 from mergekit_ext.methods.layerwise import LinearGroup, SumReduction, TaskStatistics
 from mergekit_ext.models import model_class
 from mergekit_ext.models.checkpoint import HEAD_PREFIX, TAGALONG_FILES
@@ -251,6 +252,9 @@ class SequentialExecutor:
         self.compute = plan.compute or ComputeChoice(torch.float32, "float32", "as set")
         self._low_params = LowPrecisionParams(self.compute.dtype)
         self.layer_diagnostics: list[dict[str, Any]] = []
+        # a method that refines each block after its group merges (BlockRefinement)
+        self.refinement = plan.method.block_refinement(plan.parameters)
+        self.block_records: list[dict[str, Any]] = []
         # Several processes: {index of a layer record: {task: diagnostics}} of own tasks.
         self.task_diagnostics: dict[int, dict[str, dict[str, Any]]] = {}
         self.not_merged: list[dict[str, Any]] = [
@@ -293,6 +297,7 @@ class SequentialExecutor:
             "executor": self.compute.record(),
             "layers": self.layer_diagnostics,
             "not_merged": self.not_merged,
+            **({"blocks": self.block_records} if self.refinement is not None else {}),
             **(
                 {"moe": {"experts_without_tokens": self.experts_without_tokens}}
                 if any(g.experts for b in self.plan.blocks for g in b.groups)
@@ -348,19 +353,24 @@ class SequentialExecutor:
         return self.plan.out_dtype or safetensors_dtype(self.base.dtypes[canonical])
 
     def _write(
-        self, canonical: str, tensor: torch.Tensor, keep: Optional[torch.dtype] = None
+        self,
+        canonical: str,
+        tensor: torch.Tensor,
+        keep: Optional[torch.dtype] = None,
+        write: bool = True,
     ) -> torch.Tensor:
         """Write a merged tensor; returns it as the saved model holds it (float32 on device;
         a matrix saved in ``keep`` in that dtype, as :func:`kept_dtype` holds the inputs).
 
-        Ranks other than 0 write nothing and get the same value.
+        Ranks other than 0 write nothing and get the same value; ``write=False``: the value
+        only (a block's linears held for its refinement, written after it).
         """
         if tensor.dtype.is_floating_point:
             saved = tensor.to(self._written_dtype(canonical))
         else:
             saved = tensor
         kept = keep is not None and saved.dtype == keep and saved.dim() >= 2
-        if self.writer is None:
+        if self.writer is None or not write:
             if saved.dtype.is_floating_point and not kept:
                 return saved.to(device=self.device, dtype=torch.float32)
             return saved.to(self.device)
@@ -788,9 +798,18 @@ class SequentialExecutor:
             self._merge_groups(
                 block, base_block, expert_blocks, merged, expert_stats, replay, progress
             )
+            if self.refinement is not None:
+                if progress is not None:
+                    progress.set_postfix_str(f"block {block.index + 1}/{n}: refinement")
+                # the replayed outputs are the start's; the refined linears change them
+                replay.close()
+                self.block_records.append(
+                    refine_block(self, self.refinement, block, base_block, expert_blocks, merged)
+                )
             if self.request.propagate:
                 params = {name[local:]: merged[name] for name in block.tensors}
-                replay.cover([m for g in block.groups[:-1] for m in g.modules])
+                if self.refinement is None:
+                    replay.cover([m for g in block.groups[:-1] for m in g.modules])
                 for t, state in enumerate(self.states):
                     assert state.merged_hidden is not None
                     outputs = []
@@ -886,7 +905,10 @@ class SequentialExecutor:
                 result = self._as_stored(linear_group, result, flip)
                 self._check_result(linear_group, result, canonical, base_block)
             for n_, c in zip(names, canonical):
-                merged[c] = self._write(c, result[n_], self._kept_dtype(block))
+                # with a refinement the block's linears are written after it
+                merged[c] = self._write(
+                    c, result[n_], self._kept_dtype(block), write=self.refinement is None
+                )
             record = {"layer": linear_group.name, "block": block.index, "group": group.label}
             record.update(group_diagnostics or {})
             self.layer_diagnostics.append(record)

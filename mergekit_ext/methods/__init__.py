@@ -5,6 +5,7 @@ SyMerge, which runs its own adaptation loop over whole models, is declared and r
 """
 
 from mergekit_ext.methods import ace as ace  # noqa: F401
+from mergekit_ext.methods import block_distillation as block_distillation  # noqa: F401
 from mergekit_ext.methods import chain_of_merges as chain_of_merges  # noqa: F401
 from mergekit_ext.methods import qp_projection as qp_projection  # noqa: F401
 from mergekit_ext.methods import regmean as regmean  # noqa: F401

@@ -26,7 +26,7 @@ executor gathers every task's statistics to rank 0, which merges with
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -36,6 +36,8 @@ from mergekit_ext.calibration.statistics import TaskStatistics
 from mergekit_ext.methods.parameters import MethodParameters
 
 __all__ = [
+    "BlockRefinement",
+    "BlockToRefine",
     "LayerwiseMethod",
     "LinearGroup",
     "ModelOutputFit",
@@ -259,6 +261,53 @@ class SumReduction(ABC):
         return {}
 
 
+@dataclass
+class BlockToRefine:
+    """One block after its groups were merged, for a method that then refines the block.
+
+    - ``name``: the block's readable id (e.g. ``model.layers.3``)
+    - ``start``: ``{weight name: merged weight}`` of the block's linears as the group merges
+      left them (float32, as the checkpoint stores them: an HF ``Conv1D`` weight is
+      ``in x out``), the starting point of the refinement
+    - ``base``: ``{weight name: W_0}`` in the same layout
+    - ``expert_norms``: ``{weight name: max_k ‖W_k‖_F}`` over every task (the result guard's
+      reference, the same on every process)
+    - ``task_names``: every task, in the config's order
+    - ``gradient(weights, step)``: ``(Σ_k ω_k ∇_W L_k, [L_k])``: the gradient, with respect to
+      each weight, of the ω-weighted block-output loss of step ``step``'s calibration batches
+      at ``weights``, the tasks' terms added in task order (the same bits on every process)
+    - ``errors(weights)``: ``{task: ‖f(X_k) − f_k(X_k)‖ / ‖f_k(X_k)‖}`` over all of each task's
+      calibration batches, the weights rounded as written (``f``: the block with ``weights``,
+      ``f_k``: expert k's block, ``X_k``: task k's merged-path inputs)
+    - ``batches``: the largest number of calibration batches of a task
+    The executor runs the block; the method only does tensor arithmetic with these.
+    """
+
+    name: str
+    start: Mapping[str, torch.Tensor]
+    base: Mapping[str, torch.Tensor]
+    expert_norms: Mapping[str, float]
+    task_names: Sequence[str]
+    gradient: Callable[[Mapping[str, torch.Tensor], int], tuple[dict[str, torch.Tensor], list]]
+    errors: Callable[[Mapping[str, torch.Tensor]], dict[str, float]]
+    batches: int = 1
+
+
+class BlockRefinement(ABC):
+    """A block-level step after the group merges (:meth:`LayerwiseMethod.block_refinement`).
+
+    The executor merges a block's groups as usual, then, before writing its linears and
+    carrying the hidden states on, computes each task's expert block output on the task's
+    merged-path inputs (the targets) and calls :meth:`refine`, whose weights it writes and
+    carries forward instead. Every process calls :meth:`refine` with the same arguments and
+    must return the same weights (no randomness beyond ``seed``).
+    """
+
+    @abstractmethod
+    def refine(self, block: BlockToRefine) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """``({weight name: refined weight}, diagnostics of the block)``."""
+
+
 class LayerwiseMethod(ABC):
     """A data-aware merge method run by the sequential executor.
 
@@ -287,6 +336,11 @@ class LayerwiseMethod(ABC):
         """How several processes share a group's merge: a new :class:`SumReduction` per
         group, or None (the default) to gather every task's statistics and weights to rank
         0 and call :meth:`merge_linear_group` there, which any method supports unchanged."""
+        return None
+
+    def block_refinement(self, parameters: Any) -> Optional[BlockRefinement]:
+        """A step after each block's group merges (:class:`BlockRefinement`); None (the
+        default): the merged groups are the result."""
         return None
 
     def model_output_fit(

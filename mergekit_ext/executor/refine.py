@@ -1,0 +1,241 @@
+"""A block's refinement after its group merges (:class:`~mergekit_ext.methods.layerwise.BlockRefinement`).
+
+The sequential executor merges a block's linear groups (Chain of Merges' closed form, say),
+holds their weights unwritten, and hands the method a
+:class:`~mergekit_ext.methods.layerwise.BlockToRefine` whose callbacks run the block: the
+targets are each task's expert block applied to that task's merged-path inputs (the same
+inputs the merged block sees, so the loss measures the block alone, ProDistill's layer-wise
+objective), the loss of task k on one calibration batch is ``‖f(X) − f_k(X)‖² / ‖f_k(X)‖²``
+over its non-padding tokens, and the gradient of ``Σ_k ω_k L_k`` (``ω_k = 1/K``) reaches the
+method with the tasks' terms added in task order: the sum passes from the rank of task k
+to that of task k+1, as the executor's reductions pass their sums, and the last holder
+broadcasts it, so W processes compute the bits of one (docs/methods.md, "Block-wise
+distillation").
+
+Memory: the targets (one more copy of this rank's merged-path hidden states), the gradient
+sums (one copy of the block's linears) and one batch's autograd graph, beside the (K + 2)
+blocks the executor holds anyway; the method holds its optimizer state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from mergekit_ext.console import phase
+from mergekit_ext.errors import ExecutionError
+from mergekit_ext.executor.blocks import run_block
+from mergekit_ext.executor.compute import carried, compute_in, widened
+from mergekit_ext.executor.plan import BlockLayout
+from mergekit_ext.methods.layerwise import BlockRefinement, BlockToRefine
+from mergekit_ext.wide_sums import frobenius64
+
+if TYPE_CHECKING:
+    from mergekit_ext.executor.sequential import SequentialExecutor
+
+
+def _squared_error(diff: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """``Σ ‖row‖²`` over the non-padding tokens of ``diff`` (``[B, T, H]``)."""
+    per_token = diff.pow(2).sum(-1)
+    if mask is not None and mask.shape == per_token.shape:
+        per_token = per_token[mask]
+    return per_token.sum()
+
+
+class BlockDistillation:
+    """The callbacks of one block's :class:`BlockToRefine`, run by ``executor``."""
+
+    def __init__(
+        self,
+        executor: SequentialExecutor,
+        block: BlockLayout,
+        base_block: dict[str, torch.Tensor],
+        expert_blocks: list[dict[str, torch.Tensor]],
+        merged: dict[str, torch.Tensor],
+    ) -> None:
+        ex = self.ex = executor
+        if any(ex._shares(k) for k in range(len(ex.experts))):
+            raise ExecutionError(
+                f"{ex.method.name} refines each block with gradients summed task by task: run it "
+                f"with at most as many processes as tasks ({len(ex.experts)}), not "
+                f"{ex.dist.world_size}"
+            )
+        self.block = block
+        self.local = len(block.prefix)
+        self.names = [t for g in block.groups if not g.experts for t in block.group_tensors(g)]
+        self.keep = ex._kept_dtype(block)
+        self.merged = merged
+        self.base_block = base_block
+        self.num_tasks = len(ex.experts)
+        self.weight = 1.0 / self.num_tasks  # ω_k: each task counts once (CoM's uniform ω)
+        self.held = {s.index: s for s in ex._held_states}
+        # the targets: expert k's block on task k's merged-path inputs
+        self.targets: dict[int, list[torch.Tensor]] = {}
+        self.energies: dict[int, list[torch.Tensor]] = {}
+        for k, state in self.held.items():
+            params = {n[self.local :]: t for n, t in expert_blocks[k].items()}
+            assert state.merged_hidden is not None
+            outs, energies = [], []
+            for b, hidden in enumerate(state.merged_hidden):
+                y = ex._run_block(block.index, params, hidden, state.calls[b][block.index])
+                outs.append(y)
+                energies.append(_squared_error(y, state.masks[b]))
+            self.targets[k], self.energies[k] = outs, energies
+        # max_k ‖W_k‖_F per linear over every task (the max of the ranks' maxima: exact)
+        own = {
+            n: max((frobenius64(widened(expert_blocks[k][n])) for k in self.held), default=0.0)
+            for n in self.names
+        }
+        parts = ex.dist.gather_objects(own)
+        norms = {n: max(p[n] for p in parts) for n in self.names} if parts is not None else None
+        self.expert_norms: dict[str, float] = ex.dist.broadcast_object(norms)
+
+    # ---------------------------------------------------------------------------------
+
+    def request(self, name: str) -> BlockToRefine:
+        start = {n: widened(self.merged[n]).float() for n in self.names}
+        base = {n: widened(self.base_block[n]).float() for n in self.names}
+        return BlockToRefine(
+            name=name,
+            start=start,
+            base=base,
+            expert_norms=self.expert_norms,
+            task_names=[e.task for e in self.ex.experts],
+            gradient=self.gradient,
+            errors=self.errors,
+            batches=max((len(t) for t in self.targets.values()), default=1),
+        )
+
+    def _params(self, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The block's tensors by local name: ``weights`` for the trained linears (cast to
+        the compute dtype inside the graph: float32 master weights), the rest as merged."""
+        ex = self.ex
+        fixed = {n[self.local :]: self.merged[n] for n in self.block.tensors if n not in weights}
+        if ex.compute.low_precision:
+            fixed = ex._low_params(fixed)
+            trained = {
+                n[self.local :]: w.to(ex.compute.dtype) if w.dim() >= 2 else w
+                for n, w in weights.items()
+            }
+        else:
+            trained = {n[self.local :]: w for n, w in weights.items()}
+        return {**fixed, **trained}
+
+    def _forward(self, params: dict[str, torch.Tensor], k: int, b: int) -> torch.Tensor:
+        state = self.held[k]
+        assert state.merged_hidden is not None
+        with compute_in(self.ex.compute.dtype, self.ex.device):
+            out = run_block(
+                self.ex.blocks[self.block.index],
+                params,
+                state.merged_hidden[b],
+                state.calls[b][self.block.index],
+            )
+        return carried(out)
+
+    def _task_gradient(
+        self, k: int, weights: Mapping[str, torch.Tensor], step: int
+    ) -> tuple[dict[str, torch.Tensor], float]:
+        b = step % len(self.targets[k])
+        leaves = {n: weights[n].detach().requires_grad_(True) for n in self.names}
+        with torch.enable_grad():
+            out = self._forward(self._params(leaves), k, b)
+            error = _squared_error(out - self.targets[k][b], self.held[k].masks[b])
+            loss = error / self.energies[k][b].clamp_min(1e-30)
+            grads = torch.autograd.grad(loss * self.weight, [leaves[n] for n in self.names])
+        return dict(zip(self.names, grads)), float(loss.detach())
+
+    def gradient(
+        self, weights: Mapping[str, torch.Tensor], step: int
+    ) -> tuple[dict[str, torch.Tensor], list[float]]:
+        """``Σ_k ω_k ∇ L_k`` on every rank, the tasks added in task order; the losses ``L_k``."""
+        ex = self.ex
+        sums = {n: torch.zeros_like(weights[n], dtype=torch.float32) for n in self.names}
+        losses: dict[int, float] = {}
+        holder = ex.dist.owner(0, self.num_tasks)
+        for k in range(self.num_tasks):
+            owner = ex.dist.owner(k, self.num_tasks)
+            if owner != holder:
+                ex._pass(sums, holder, owner)
+                holder = owner
+            if owner == ex.dist.rank:
+                grads, losses[k] = self._task_gradient(k, weights, step)
+                for n in self.names:
+                    sums[n].add_(grads[n])
+        if ex.dist.enabled:
+            sums = {
+                n: ex.dist.broadcast_tensor(
+                    sums[n] if ex.dist.rank == holder else None,
+                    sums[n].shape,
+                    torch.float32,
+                    ex.device,
+                    src=holder,
+                )
+                for n in self.names
+            }
+        return sums, [v for _, v in sorted(self._everyones(losses).items())]
+
+    def _everyones(self, mine: dict[int, float]) -> dict[int, float]:
+        """Every rank's ``{task: value}`` on every rank."""
+        parts = self.ex.dist.gather_objects(mine)
+        merged = None
+        if parts is not None:
+            merged = {k: v for p in parts for k, v in p.items()}
+        return self.ex.dist.broadcast_object(merged)
+
+    def as_written(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` rounded as the output file holds it, float32."""
+        return weight.to(self.ex._written_dtype(name)).to(torch.float32)
+
+    def errors(self, weights: Mapping[str, torch.Tensor]) -> dict[str, float]:
+        """Each task's relative block-output error over all its calibration batches."""
+        params = self._params({n: self.as_written(n, weights[n]) for n in self.names})
+        mine: dict[int, float] = {}
+        for k in self.held:
+            error = torch.zeros((), dtype=torch.float64)
+            energy = torch.zeros((), dtype=torch.float64)
+            for b, target in enumerate(self.targets[k]):
+                out = self._forward(params, k, b)
+                error += _squared_error(out - target, self.held[k].masks[b]).double().cpu()
+                energy += self.energies[k][b].double().cpu()
+            mine[k] = float((error / energy.clamp_min(1e-300)).sqrt())
+        every = self._everyones(mine)
+        return {self.ex.experts[k].task: every[k] for k in sorted(every)}
+
+    def close(self) -> None:
+        self.targets.clear()
+        self.energies.clear()
+
+
+def refine_block(
+    executor: SequentialExecutor,
+    refinement: BlockRefinement,
+    block: BlockLayout,
+    base_block: dict[str, torch.Tensor],
+    expert_blocks: list[dict[str, torch.Tensor]],
+    merged: dict[str, torch.Tensor],
+) -> dict[str, Any]:
+    """Refine ``block``'s held linears in ``merged`` and write them; the block's record."""
+    ex = executor
+    distill = BlockDistillation(ex, block, base_block, expert_blocks, merged)
+    name = block.prefix.rstrip(".") or f"block {block.index}"
+    try:
+        result, diagnostics = refinement.refine(distill.request(name))
+    finally:
+        distill.close()
+    for n in distill.names:
+        if n not in result:
+            raise ExecutionError(f"{ex.method.name} returned no refined weight for {n}")
+        ex._check_merged(n, result[n], ex.base.shapes[n])
+        merged[n] = ex._write(n, result[n], distill.keep)
+    ex._low_params.clear()  # the refined weights replace the start's cast copies
+    before, after = diagnostics.get("error_before"), diagnostics.get("error_after")
+    if isinstance(before, float) and isinstance(after, float):
+        # one line per block: where the remaining loss sits, without opening the record
+        phase(
+            f"{name}: block output error {before:.4g} -> {after:.4g} "
+            f"({diagnostics.get('kept', 'refined')})"
+        )
+    return {"block": block.index, "layer": name, **diagnostics}

@@ -1,0 +1,202 @@
+"""Block-wise distillation on Chain of Merges (ProDistill's layer-wise objective).
+
+"Scalable Model Merging with Progressive Layer-wise Distillation" (ProDistill), arXiv
+2502.12706 (ICML 2025): the merged model is trained layer by layer so that each merged
+layer's output, on the inputs the already merged layers give it, matches each expert
+layer's output on the same inputs, with a few unlabeled samples per task. Here each block
+starts from Chain of Merges' closed-form solution (``chain_of_merges.py``: the same
+statistics, solve and result guard), then takes ``distill_steps`` Adam steps on
+
+    Σ_k ω_k ‖f(X_k) − f_k(X_k)‖² / ‖f_k(X_k)‖²,   ω_k = 1/K,
+
+``f`` the merged block, ``f_k`` expert k's block, ``X_k`` task k's merged-path inputs (one
+calibration batch per task and step, in turn). The executor runs the blocks and adds the
+tasks' gradients in task order (:mod:`mergekit_ext.executor.refine`); this module only
+does tensor arithmetic: the parametrization, Adam, the guard. What is trained
+(``distill_train``), the defaults and the measurements behind them: ``docs/methods.md``,
+section "Block-wise distillation".
+
+The optimizer works on float32 master weights whatever ``compute_dtype`` the block passes
+run in; the result is kept only where it lowers the ω-weighted calibration error of the
+block (as written) below the start's, and the result guard (norm over the largest expert's)
+checks it as it checks CoM's groups.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Literal
+
+import torch
+from pydantic import Field, model_validator
+
+from mergekit_ext.methods.card_sections.block_distillation import distillation_report
+from mergekit_ext.methods.chain_of_merges import ChainOfMergesMethod, ChainOfMergesParameters
+from mergekit_ext.methods.guard import guard_group, norm_ratios
+from mergekit_ext.methods.kinds import Layerwise
+from mergekit_ext.methods.layerwise import BlockRefinement, BlockToRefine
+from mergekit_ext.methods.registry import MethodInfo, data_aware_method, register_method
+
+LOG = logging.getLogger(__name__)
+
+Trained = Literal["weights", "lowrank"]
+
+
+class BlockDistillationParameters(ChainOfMergesParameters):
+    """CoM's parameters (the start) plus the distillation's."""
+
+    distill_steps: int = Field(
+        120,
+        ge=0,
+        le=100_000,
+        description="Adam steps per block (each: one calibration batch of every task, in turn); "
+        "0 gives Chain of Merges",
+    )
+    distill_lr: float = Field(
+        0.1,
+        gt=0.0,
+        le=10.0,
+        allow_inf_nan=False,
+        description="Adam step size of each linear, as a fraction of the RMS of its start's "
+        "change from the base (W_CoM − W_0), so one value serves full fine-tunes and LoRA",
+    )
+    distill_train: Trained = Field(
+        "weights",
+        description="what is trained: weights (every entry of the block's linears) | lowrank "
+        "(a rank-distill_rank correction B·A added to each linear)",
+    )
+    distill_rank: int = Field(
+        8, ge=1, le=4096, description="distill_train: lowrank: rank of each linear's correction"
+    )
+    seed: int = Field(0, ge=0, description="seed of the low-rank correction's initial A")
+
+    @model_validator(mode="after")
+    def _needs_merged_path(self) -> BlockDistillationParameters:
+        if not self.propagate:
+            raise ValueError(
+                "propagate: false is not supported: block_distillation trains each block on "
+                "the merged-path inputs (remove propagate, or set it to true)"
+            )
+        return self
+
+
+def _rms(t: torch.Tensor) -> float:
+    return float(t.double().pow(2).mean().sqrt()) if t.numel() else 0.0
+
+
+class BlockDistillation(BlockRefinement):
+    """Adam on the block's linears from CoM's solution (one object per merge)."""
+
+    def __init__(self, p: BlockDistillationParameters, method: str) -> None:
+        self.p = p
+        self.method = method
+
+    def _parts(
+        self, block: BlockToRefine
+    ) -> tuple[dict[str, list[torch.Tensor]], dict[str, float]]:
+        """The trained tensors per weight and each weight's step size."""
+        p = self.p
+        parts: dict[str, list[torch.Tensor]] = {}
+        lrs: dict[str, float] = {}
+        generator = torch.Generator().manual_seed(p.seed)
+        for n, w in block.start.items():
+            # the step: a fraction of how far CoM moved this linear from the base; a linear
+            # CoM left at the base (no task changed it) is not trained
+            scale = _rms(w - block.base[n])
+            lrs[n] = p.distill_lr * scale
+            if p.distill_train == "weights" or w.dim() != 2:
+                parts[n] = [torch.zeros_like(w)]
+            else:
+                r = min(p.distill_rank, *w.shape)
+                a = torch.randn(r, w.shape[1], generator=generator, dtype=torch.float32)
+                parts[n] = [torch.zeros(w.shape[0], r), (a / math.sqrt(w.shape[1])).to(w.device)]
+        return parts, lrs
+
+    @staticmethod
+    def _correction(parts: list[torch.Tensor]) -> torch.Tensor:
+        return parts[0] if len(parts) == 1 else parts[0] @ parts[1]
+
+    def refine(self, block: BlockToRefine) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        p = self.p
+        start = dict(block.start)
+        parts, lrs = self._parts(block)
+        groups = [
+            {"params": [t.requires_grad_(True) for t in parts[n]], "lr": lrs[n]}
+            for n in start
+            if lrs[n] > 0.0
+        ]
+        before = block.errors(start)
+        losses: list[float] = []
+        if groups and p.distill_steps:
+            optimizer = torch.optim.Adam(groups)
+            for step in range(p.distill_steps):
+                weights = {
+                    n: start[n] + self._correction([t.detach() for t in parts[n]]) for n in start
+                }
+                grads, task_losses = block.gradient(weights, step)
+                losses.append(sum(task_losses) / max(len(task_losses), 1))
+                for n, g in grads.items():
+                    if len(parts[n]) == 1:
+                        parts[n][0].grad = g
+                    else:  # W = start + B A: ∂/∂B = G Aᵀ, ∂/∂A = Bᵀ G
+                        b, a = parts[n]
+                        b.grad, a.grad = g @ a.detach().T, b.detach().T @ g
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        refined = {
+            n: (start[n] + self._correction([t.detach() for t in parts[n]])).contiguous()
+            for n in start
+        }
+        after = block.errors(refined) if losses else dict(before)
+        mean_before = sum(before.values()) / max(len(before), 1)
+        mean_after = sum(after.values()) / max(len(after), 1)
+        # kept only where it helps on the calibration data (as written): otherwise CoM's
+        kept = bool(losses) and mean_after < mean_before
+        result = refined if kept else start
+        guard = guard_group(
+            self.method,
+            block.name,
+            norm_ratios(result, block.expert_norms),
+            p.max_norm_ratio,
+        )
+        diagnostics = {
+            "steps": len(losses),
+            "trained": p.distill_train,
+            "kept": "refined" if kept else "start",
+            "error_before": mean_before,
+            "error_after": mean_after if kept else mean_before,
+            "loss_first": losses[0] if losses else None,
+            "loss_last": losses[-1] if losses else None,
+            "tasks": {
+                t: {"error_before": before[t], "error_after": after[t] if kept else before[t]}
+                for t in before
+            },
+            **guard,
+        }
+        return result, diagnostics
+
+
+class BlockDistillationMethod(ChainOfMergesMethod):
+    """Chain of Merges, then each block distilled against the experts' blocks."""
+
+    name = "block_distillation"
+    parameters_model = BlockDistillationParameters
+
+    def block_refinement(self, parameters: Any) -> BlockDistillation:
+        return BlockDistillation(self.parse(parameters), self.name)
+
+
+INFO = MethodInfo(
+    name="block_distillation",
+    pretty_name="Block-wise distillation on Chain of Merges",
+    kind=Layerwise(BlockDistillationMethod()),
+    needs_calibration=True,
+    paper='"Scalable Model Merging with Progressive Layer-wise Distillation" (ProDistill, '
+    "ICML 2025), started from Chain of Merges",
+    paper_url="https://arxiv.org/abs/2502.12706",
+    parameters_model=BlockDistillationParameters,
+    report=distillation_report("block_distillation", "Block-wise distillation"),
+)
+
+register_method(INFO, data_aware_method(INFO))
