@@ -182,6 +182,17 @@ def check_distributable(cfg: ExtMergeConfig, world_size: int, planned: bool = Fa
             f"without torchrun/accelerate (WORLD_SIZE is {world_size}), e.g. `mergekit-ext run "
             "CONFIG OUT`"
         )
+    kind = method_kind(cfg.method)
+    if isinstance(kind, Layerwise) and kind.method.block_refinement(cfg.parameters) is not None:
+        # the refinement sums each task's gradient on the rank that holds the task; a rank
+        # with no task of its own, or two ranks sharing one, has no term to pass on
+        base = str(cfg.merge.base_model) if cfg.merge.base_model else None
+        tasks = sum(1 for e in cfg.models if e.model != base)
+        if world_size > tasks:
+            raise ExecutionError(
+                f"{cfg.method} refines each block with gradients summed task by task: run it "
+                f"with at most as many processes as tasks ({tasks}), not {world_size}"
+            )
 
 
 class HubWing(Protocol):

@@ -243,3 +243,24 @@ def test_dry_run_estimates_the_refinement(tiny_llama_set, tmp_path):
     line = next(x for x in ours.splitlines() if "block refinement" in x)
     assert "optimizer state" in line and not line.rstrip().endswith(" 0.00 MB"), line
     assert "block refinement" not in com
+
+
+def test_more_processes_than_tasks_is_refused_before_loading(tiny_llama_set, tmp_path):
+    """Each task's gradient is summed on the rank that holds it: W > K is refused at plan
+    time (``--dry-run --world-size``), naming both numbers; W = K plans, and so does
+    chain_of_merges at W > K (its ranks share tasks)."""
+
+    def dry_run(method: str, world: int) -> tuple[int, str]:
+        folder = tmp_path / f"{method}-{world}"
+        folder.mkdir()
+        config = _write_config(
+            str(folder), method, tiny_llama_set.base, list(tiny_llama_set.experts[:2]), {}
+        )
+        args = ["run", config, str(folder / "out"), "--dry-run", "--world-size", str(world)]
+        result = CliRunner().invoke(main, args)
+        return result.exit_code, result.output
+
+    code, out = dry_run(METHOD, 3)
+    assert code != 0 and "at most as many processes as tasks (2), not 3" in out, out
+    assert dry_run(METHOD, 2)[0] == 0
+    assert dry_run("chain_of_merges", 3)[0] == 0
