@@ -217,6 +217,19 @@ def _is_local(config: Mapping[str, Any]) -> bool:
     )
 
 
+def _data_shown(config: Mapping[str, Any], task: str) -> str:
+    """The task's data for the table: the Hub dataset, or a local file's name (never its
+    folder: the card is public)."""
+    files = (config.get("dataset_kwargs") or {}).get("data_files")
+    if isinstance(files, Mapping):
+        files = [f for v in files.values() for f in (v if isinstance(v, list) else [v])]
+    if isinstance(files, str):
+        files = [files]
+    if files:
+        return ", ".join(sorted({os.path.basename(str(f)) for f in files}))
+    return str(config.get("dataset_path") or task)
+
+
 def _add_lm_eval(
     report: EvalReport, data: Mapping[str, Any], column: str, merge: bool, where: str
 ) -> None:
@@ -248,7 +261,7 @@ def _add_lm_eval(
             row.values[column] = number
             row.stderr[column] = _number(metrics.get(f"{metric}_stderr,{filt}"))
             if merge or not row.dataset:
-                row.dataset = str(config.get("dataset_path") or task)
+                row.dataset = _data_shown(config, task)
                 row.split = split
                 row.version = None if task_version is None else str(task_version)
                 row.n_shot = n_shot if isinstance(n_shot, int) else None
