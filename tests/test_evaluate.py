@@ -213,27 +213,29 @@ def _image_folder(root: Path, n_per_class: int = 4, size: int = 16) -> Path:
 
 
 @torch.no_grad()
-def _accuracy_by_hand(body: str, head: str, folder: Path) -> float:
-    """The expert's class with ``body``'s ViT tensors and ``head``'s classifier, by hand."""
+def _accuracies_by_hand(bodies: dict[str, str], heads: dict[str, str], folder: Path) -> dict:
+    """(body, task) → accuracy of the head's class with the body's ViT tensors, by hand."""
+    import copy
+
     import transformers
+    from PIL import Image
 
-    model = transformers.ViTForImageClassification.from_pretrained(head).eval()
-    body_model = transformers.ViTForImageClassification.from_pretrained(body)
-    model.vit.load_state_dict(body_model.vit.state_dict())
-    processor = transformers.AutoImageProcessor.from_pretrained(head)
-    label2id = model.config.label2id
-    correct = total = 0
-    for label in sorted(os.listdir(folder)):
-        for name in sorted(os.listdir(folder / label)):
-            from PIL import Image
-
-            pixels = processor(
-                Image.open(folder / label / name).convert("RGB"), return_tensors="pt"
-            )
-            predicted = int(model(**pixels).logits.argmax(-1))
-            correct += predicted == label2id[label]
-            total += 1
-    return correct / total
+    files = [(label, folder / label / n) for label in sorted(os.listdir(folder))
+             for n in sorted(os.listdir(folder / label))]  # fmt: skip
+    processor = transformers.AutoImageProcessor.from_pretrained(next(iter(heads.values())))
+    pixels = processor([Image.open(f).convert("RGB") for _, f in files], return_tensors="pt")
+    load = transformers.ViTForImageClassification.from_pretrained
+    vits = {name: load(path).vit.state_dict() for name, path in bodies.items()}
+    out = {}
+    for task, head in heads.items():
+        expert = load(head).eval()
+        labels = torch.tensor([expert.config.label2id[label] for label, _ in files])
+        for name, vit in vits.items():
+            model = copy.deepcopy(expert)
+            model.vit.load_state_dict(vit)
+            predicted = model(**pixels).logits.argmax(-1)
+            out[name, task] = float((predicted == labels).float().mean())
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -274,10 +276,10 @@ def test_vit_accuracy_with_expert_heads(vit_merge, tmp_path: Path) -> None:
         "task0": experts[0],
         "task1": experts[1],
     }
+    expected = _accuracies_by_hand(bodies, {"task0": experts[0], "task1": experts[1]}, images)
     for name, tasks in by_model.items():
-        for task, head in (("task0", experts[0]), ("task1", experts[1])):
-            expected = _accuracy_by_hand(bodies[name], head, images)
-            assert tasks[task]["accuracy"] == pytest.approx(expected), (name, task)
+        for task in ("task0", "task1"):
+            assert tasks[task]["accuracy"] == pytest.approx(expected[name, task]), (name, task)
             assert tasks[task]["samples"] == 12 and tasks[task]["head"] == task
     report = read_eval_results(data, "merged")
     assert [r.task for r in report.rows] == ["task0", "task1"]
@@ -300,3 +302,29 @@ def test_eval_refuses_bad_input(vit_merge, tmp_path: Path) -> None:
     result = CliRunner().invoke(main, [*args, "--data", f"task0={images}"])
     assert result.exit_code == 0, result.output
     assert not (tmp_path / "r_lm_eval").exists()  # no lm-eval run, no folder for it
+
+
+@torch.no_grad()
+def test_text_classifier_own_head_on_jsonl(tiny_bert_classifier_set, tmp_path: Path) -> None:
+    """No --with-inputs: a classifier folder is scored with its own head (BERT, a .jsonl)."""
+    import transformers
+
+    model_dir = tiny_bert_classifier_set.experts[0]
+    rows = [{"text": " ".join(WORDS[(i * k) % len(WORDS)] for k in range(1, 6)), "label": i % 3}
+            for i in range(9)]  # fmt: skip
+    data = tmp_path / "reviews.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    output = tmp_path / "r.json"
+    result = _invoke(["eval", model_dir, "--data", str(data), "--output", str(output)])
+    assert result.exit_code == 0, result.output
+    (model,) = json.loads(output.read_text(encoding="utf-8"))["models"]
+    (task,) = model["classification"]["tasks"].values()
+
+    classifier = transformers.BertForSequenceClassification.from_pretrained(model_dir).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    predicted = [
+        int(classifier(**tokenizer(r["text"], return_tensors="pt")).logits.argmax()) for r in rows
+    ]
+    expected = sum(p == r["label"] for p, r in zip(predicted, rows)) / len(rows)
+    assert task["accuracy"] == pytest.approx(expected) and task["head"] == "own"
+    assert task["data"] == "reviews.jsonl" and task["local"] is True
