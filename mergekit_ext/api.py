@@ -388,17 +388,17 @@ def _check_card_outputs(
 ) -> None:
     """What ``card`` writes (README.md, images/, the diagnosis) may not be nor lie inside
     a file it reads: ``--eval``, ``--template-dir``, and every input of ``--diagnose``."""
-    from mergekit_ext.hub.card import DIAGNOSE_FILENAME, README_FILENAME
+    from mergekit_ext.hub.card import DIAGNOSE_FILENAME, EVAL_FILENAME, README_FILENAME
     from mergekit_ext.output import check_file_destination, check_write_path
 
-    for name in (README_FILENAME, DIAGNOSE_FILENAME):  # files, written new (never a link)
+    for name in (README_FILENAME, DIAGNOSE_FILENAME, EVAL_FILENAME):  # written new, never a link
         check_file_destination(os.path.join(out_dir, name))
     inputs = [p for p in given if p]
     if diagnose_config:
         from mergekit_ext.checks import local_input_paths
 
         inputs += local_input_paths(load_config(diagnose_config))
-    for name in ("", README_FILENAME, "images", DIAGNOSE_FILENAME):
+    for name in ("", README_FILENAME, "images", DIAGNOSE_FILENAME, EVAL_FILENAME):
         check_write_path(
             os.path.join(out_dir, name) if name else out_dir,
             inputs,
@@ -449,7 +449,7 @@ def _card_diagnosis(out_dir: str, config_path: str, device: str) -> dict[str, An
 def write_card(
     out_dir: Union[str, os.PathLike[str]],
     *,
-    eval_results: Optional[Union[str, list[dict[str, Any]]]] = None,
+    eval_results: Optional[Union[str, list[dict[str, Any]], dict[str, Any]]] = None,
     name: Optional[str] = None,
     repo_id: Optional[str] = None,
     template_dir: Optional[str] = None,
@@ -461,7 +461,9 @@ def write_card(
 
     Args:
         out_dir: the merged folder.
-        eval_results: an evaluation results JSON file, or its parsed list.
+        eval_results: an evaluation results JSON file (`mergekit-ext eval`'s, lm-eval's own
+            results JSON, or our list), or its parsed content; kept in OUT_DIR as
+            ``mergekit_ext_eval.json`` so that the next ``card`` and ``publish`` show it too.
         name / repo_id / template_dir: the card's title, the repo id of its loading snippet,
             your own templates.
         diagnose_config: a merge YAML: diagnose the folder against its experts and add the

@@ -566,5 +566,14 @@ def _register_hub_commands() -> None:
 _register_hub_commands()
 
 
+def _register_eval_command() -> None:
+    from mergekit_ext.cli_eval import eval_command
+
+    main.add_command(eval_command, "eval")
+
+
+_register_eval_command()
+
+
 if __name__ == "__main__":
     main()

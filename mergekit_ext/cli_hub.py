@@ -77,8 +77,9 @@ def publish_options(f: Callable[..., Any]) -> Callable[..., Any]:
     "eval_path",
     type=click.Path(dir_okay=False),
     default=None,
-    help='Evaluation results JSON: [{"task", "dataset", "metrics": [{"type", "value"}]}] '
-    "(written to the card and to its model-index)",
+    help="Evaluation results: the --output of `mergekit-ext eval`, lm-evaluation-harness's "
+    'results JSON, or [{"task", "dataset", "metrics": [{"type", "value"}]}] (a table on the '
+    "card, the merge's numbers in its model-index; kept as mergekit_ext_eval.json)",
 )
 @click.option("--name", default=None, help="Title of the card (default: the folder name)")
 @click.option(

@@ -109,13 +109,16 @@ def cli_errors(verbose_of: Callable[[dict[str, Any]], int]) -> Callable:
                 prefix = (
                     "error" if isinstance(e, MergekitExtError) else f"error ({type(e).__name__})"
                 )
-                message = _with_rank(" ".join(str(e).split()) or type(e).__name__)
+                text = e.message if isinstance(e, MergekitExtError) else str(e)
+                message = _with_rank(" ".join(text.split()) or type(e).__name__)
                 hint = (
                     ""
                     if verbosity > 0 or isinstance(e, MergekitExtError)
                     else " [run with -v for the traceback]"
                 )
                 click.echo(f"{prefix}: {message}{hint}", err=True)
+                if getattr(e, "details", ""):  # a help block (a file format): as written
+                    click.echo(e.details.rstrip("\n"), err=True)  # type: ignore[attr-defined]
                 sys.exit(1)
 
         return wrapper

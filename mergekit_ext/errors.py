@@ -35,7 +35,25 @@ from __future__ import annotations
 
 
 class MergekitExtError(Exception):
-    """An error caused by the user's input, with a message that says what to do."""
+    """An error caused by the user's input, with a message that says what to do.
+
+    ``details`` is an optional block of several lines shown after the message as it is
+    written (an accepted file format with its ``#`` comments, issue #52): the CLI prints the
+    message on its one ``error:`` line and the block below it, never flattened into it.
+    """
+
+    def __init__(self, *args: object, details: str = "") -> None:
+        super().__init__(*args)
+        self.details = details
+
+    @property
+    def message(self) -> str:
+        """The message without ``details``."""
+        return super().__str__()
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        return f"{text}\n{self.details.rstrip()}" if self.details else text
 
 
 class ConfigError(MergekitExtError, ValueError):

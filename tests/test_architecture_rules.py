@@ -66,12 +66,14 @@ LAYERS: tuple[tuple[str, int], ...] = (
     ("mergekit_ext.runner", 5),
     ("mergekit_ext.checks", 5),
     ("mergekit_ext.diagnose", 5),  # the post-merge check: walks models with the executor's blocks
+    ("mergekit_ext.evaluate", 5),  # `eval`: lm-eval and classifier accuracy on merged models
     # 6: the hub wing (only runner and cli above it reach it; what it reads: HUB_MAY_READ)
     ("mergekit_ext.hub", 6),
     # 7: the entry points
     ("mergekit_ext.api", 7),
     ("mergekit_ext.cli", 7),
     ("mergekit_ext.cli_hub", 7),  # the card and publish commands
+    ("mergekit_ext.cli_eval", 7),  # the eval command
     ("mergekit_ext.__main__", 7),
     ("mergekit_ext", 7),  # the package's __init__ (registers the methods, exports the API)
 )

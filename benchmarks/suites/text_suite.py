@@ -40,6 +40,7 @@ from benchmarks.suites.suite_base import (
     write_calibration_texts,
     write_marker,
 )
+from mergekit_ext.evaluate.scoring import text_accuracy
 
 LOG = logging.getLogger(__name__)
 
@@ -308,23 +309,16 @@ class TextSuite(Suite):
         n = self.settings.test_examples
         return list(data.test_inputs[:n]), np.asarray(data.test_labels[:n])
 
-    @torch.no_grad()
     def _accuracy(self, encode_logits, task: str, tokenizer) -> float:
         texts, labels = self._test_set(task)
-        order = np.argsort([len(t) for t in texts])  # similar lengths batch together
-        predictions = np.empty(len(texts), dtype=np.int64)
-        bs = self.settings.eval_batch_size
-        for start in range(0, len(texts), bs):
-            idx = order[start : start + bs]
-            enc = tokenizer(
-                [texts[i] for i in idx],
-                truncation=True,
-                max_length=self.settings.max_length,
-                padding=True,
-                return_tensors="pt",
-            )
-            predictions[idx] = encode_logits(enc).argmax(-1).numpy()
-        return float((predictions == labels).mean())
+        return text_accuracy(
+            encode_logits,
+            texts,
+            labels,
+            tokenizer,
+            max_length=self.settings.max_length,
+            batch_size=self.settings.eval_batch_size,
+        )
 
     def evaluate_body(self, body: str, experts: dict[str, Expert]) -> dict[str, float]:
         import transformers

@@ -33,6 +33,7 @@ from benchmarks.suites.suite_base import (
 )
 from benchmarks.suites.tasks import IMAGE_SIZE
 from benchmarks.suites.text_suite import load_head, save_head
+from mergekit_ext.evaluate.scoring import batched_accuracy
 
 LOG = logging.getLogger(__name__)
 
@@ -253,19 +254,16 @@ class VisionSuite(Suite):
         return {"path": folder, "samples": n}
 
     # -- scoring --------------------------------------------------------------------
-    @torch.no_grad()
     def _accuracy(self, logits_of, task: str) -> float:
         data = self.task(task)
         n = self.settings.test_examples
         images, labels = data.test_inputs[:n], np.asarray(data.test_labels[:n])
-        bs = self.settings.eval_batch_size
-        predictions = np.concatenate(
-            [
-                logits_of(to_pixel_values(images[i : i + bs])).argmax(-1).numpy()
-                for i in range(0, len(images), bs)
-            ]
+        return batched_accuracy(
+            logits_of,
+            lambda start, stop: to_pixel_values(images[start:stop]),
+            labels,
+            batch_size=self.settings.eval_batch_size,
         )
-        return float((predictions == labels).mean())
 
     def evaluate_body(self, body: str, experts: dict[str, Expert]) -> dict[str, float]:
         import transformers

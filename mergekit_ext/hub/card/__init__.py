@@ -15,23 +15,28 @@ has the form ``owner/name`` and is not an existing local path (see :func:`is_hub
 Licenses of Hub inputs are read from the local Hugging Face cache only.
 
 The package: :mod:`.inputs` (architecture, input sources, licences), :mod:`.evaluation`
-(``--eval`` results), :mod:`.render` (the template context, Jinja2, ``README.md``),
-:mod:`.tools` (the cards of ``mergekit-moe`` and ``mergekit-extract-lora`` outputs, from
-the files those tools write; templates ``moe.md.j2`` and ``lora.md.j2``).
+(``--eval`` results: ``mergekit-ext eval``'s file, lm-eval's results JSON, our list),
+:mod:`.render` (the template context, Jinja2, ``README.md``), :mod:`.tools` (the cards of
+``mergekit-moe`` and ``mergekit-extract-lora`` outputs, from the files those tools write;
+templates ``moe.md.j2`` and ``lora.md.j2``).
 """
 
 from __future__ import annotations
 
 from mergekit_ext.hub.card.evaluation import (
     EVAL_RESULTS_SCHEMA,
+    EvalReport,
     eval_results_to_card,
+    format_eval_table,
     load_eval_results,
+    read_eval_results,
 )
 from mergekit_ext.hub.card.render import (
     BACKUP_SUFFIX,
     CONFIG_FILENAME,
     DIAGNOSE_FILENAME,
     DIAGNOSE_PLOT,
+    EVAL_FILENAME,
     TAGS,
     TEMPLATES_DIR,
     CardContext,
@@ -67,7 +72,9 @@ __all__ = [
     "CardContext",
     "DIAGNOSE_FILENAME",
     "DIAGNOSE_PLOT",
+    "EVAL_FILENAME",
     "EVAL_RESULTS_SCHEMA",
+    "EvalReport",
     "InputModel",
     "LicenseDecision",
     "README_FILENAME",
@@ -82,10 +89,12 @@ __all__ = [
     "decide_license",
     "display_path",
     "eval_results_to_card",
+    "format_eval_table",
     "input_records",
     "is_hub_model_id",
     "keep_edited_card",
     "load_eval_results",
+    "read_eval_results",
     "local_path_redactor",
     "render_card_for_repo",
     "render_model_card",

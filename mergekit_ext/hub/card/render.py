@@ -21,7 +21,8 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from mergekit_ext import merge_record
 from mergekit_ext.errors import ExecutionError, MergekitExtError, ModelNotFoundError
 from mergekit_ext.hub.card.evaluation import (
-    eval_results_to_card,
+    EvalReport,
+    read_eval_results,
 )
 from mergekit_ext.merge_inputs import (
     README_FILENAME,
@@ -407,6 +408,9 @@ DIAGNOSE_PLOT = "diagnose_block_errors.png"
 # `mergekit-ext card OUT --diagnose CONFIG` saves its result here; later cards (a rebuild, the
 # copy `publish` uploads) keep the section by reading it back.
 DIAGNOSE_FILENAME = "mergekit_ext_diagnose.json"
+# the evaluation results `card --eval` was given, kept beside the card so that `card` and
+# `publish` render the same table and model-index again without --eval (issue #52)
+EVAL_FILENAME = "mergekit_ext_eval.json"
 
 
 def _diagnose_section(
@@ -571,7 +575,7 @@ def _resources(diag: Mapping[str, Any]) -> Optional[dict[str, Any]]:
 def build_card_context(
     out_dir: str,
     *,
-    eval_results: Optional[list[dict[str, Any]]] = None,
+    eval_results: Any = None,
     name: Optional[str] = None,
     repo_id: Optional[str] = None,
     cwd: Optional[str] = None,
@@ -586,6 +590,9 @@ def build_card_context(
     ``images/...``): :mod:`~mergekit_ext.hub.publish` renders the uploaded copy of the card
     without touching the folder. ``card_eval_results`` passes evaluation results that are
     already ``EvalResult`` objects (a card's model-index), instead of ``eval_results``.
+    ``eval_results`` is any shape :func:`~mergekit_ext.hub.card.evaluation.read_eval_results`
+    reads (``mergekit-ext eval``'s file, lm-eval's results, our list); without it the results
+    saved by an earlier ``card --eval`` (``mergekit_ext_eval.json``) are used.
     """
     from mergekit_ext.config import parse_config
     from mergekit_ext.hub.card import tools
@@ -628,8 +635,15 @@ def build_card_context(
             if hub_id not in hub_ids:
                 hub_ids.append(hub_id)
     datasets = _hub_datasets(cfg, cwd)
-    card_eval = eval_results_to_card(eval_results, model_name) if eval_results else None
-    if card_eval_results:
+    where = "evaluation results"
+    if eval_results is None:  # the results an earlier `card --eval` kept beside the card
+        where = os.path.join(out_dir, EVAL_FILENAME)
+        eval_results = _read_json(where)
+    report: Optional[EvalReport] = None
+    if eval_results:
+        report = read_eval_results(eval_results, model_name, where=where)
+    card_eval = report.model_index if report else None
+    if card_eval_results and not report:
         card_eval = list(card_eval_results)
     extra: dict[str, Any] = {}
     if hub_ids:
@@ -722,6 +736,7 @@ def build_card_context(
         else None,
         "has_diagnostics": bool(diag),
         "eval_rows": eval_rows,
+        "evaluation": report,
         "versions": _versions(diag),
         "project_url": _project_url(),
         "usage": {
@@ -838,7 +853,7 @@ def keep_edited_card(out_dir: str, force: bool) -> Optional[str]:
 def write_model_card(
     out_dir: str,
     *,
-    eval_results: Optional[list[dict[str, Any]]] = None,
+    eval_results: Any = None,
     name: Optional[str] = None,
     repo_id: Optional[str] = None,
     template_dir: Optional[str] = None,
@@ -862,6 +877,8 @@ def write_model_card(
         out_dir, eval_results=eval_results, name=name, repo_id=repo_id, diagnose=diagnose
     )
     card = render_model_card(context, template_dir)
+    if eval_results:  # kept for the next `card` and for `publish`
+        write_file(os.path.join(out_dir, EVAL_FILENAME), json.dumps(eval_results, indent=2) + "\n")
     path = os.path.join(out_dir, README_FILENAME)
     text = str(card) if str(card).endswith("\n") else str(card) + "\n"
     write_file(path, _sign(text))
