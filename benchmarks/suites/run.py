@@ -42,7 +42,7 @@ from benchmarks.suites.suite_base import Expert, Suite
 
 LOG = logging.getLogger("benchmarks")
 
-SUITES = ("text", "lm", "vision")
+SUITES = ("text", "lm", "lm_full", "vision")
 SMOKE_VARIANTS = {"text": ("full",)}  # smoke: one text variant keeps it within minutes
 
 
@@ -69,6 +69,10 @@ def make_suite(name: str, cache_dir: str, smoke: bool) -> Suite:
         from benchmarks.suites.lm_suite import LMSuite
 
         return LMSuite(cache_dir, smoke)
+    if name == "lm_full":
+        from benchmarks.suites.lm_full_suite import LMFullSuite
+
+        return LMFullSuite(cache_dir, smoke)
     if name == "vision":
         from benchmarks.suites.vision_suite import VisionSuite
 
@@ -183,8 +187,7 @@ def run_variant(
 
     ``calibration_overrides``: keys replaced in every task's calibration section (e.g.
     ``{"samples": 32}`` for a method whose cost grows with each sample)."""
-    title = f"{suite.name} suite" + (f" ({variant} experts)" if len(suite.variants) > 1 else "")
-    title += title_suffix
+    title = suite.title(variant) + title_suffix
     if suite.smoke:
         title += " [smoke]"
     t0 = time.perf_counter()

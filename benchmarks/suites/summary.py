@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from benchmarks.suites.merging import REFERENCE_ROWS, ROW_KEYS
 
-TABLE_ORDER = ("text_full", "text_lora", "lm_lora", "vision_full")
+TABLE_ORDER = ("text_full", "text_lora", "lm_lora", "lm_full", "vision_full")
 
 
 def load_tables(results_dir: str) -> list[dict[str, Any]]:
