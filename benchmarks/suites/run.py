@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Any, Optional
 
-from benchmarks.suites.cache import default_cache_dir
+from benchmarks.suites.cache import default_cache_dir, recipe_hash
 from benchmarks.suites.merging import (
     REFERENCE_ROWS,
     ROW_KEYS,
@@ -44,6 +44,8 @@ LOG = logging.getLogger("benchmarks")
 
 SUITES = ("text", "lm", "lm_full", "vision")
 SMOKE_VARIANTS = {"text": ("full",)}  # smoke: one text variant keeps it within minutes
+# ``--suite all --smoke``: lm_full's smoke run is a test of its own (CI time), the rest as before
+SMOKE_ALL = ("text", "lm", "vision")
 
 
 def _command_line() -> str:
@@ -171,6 +173,53 @@ def _ordered(current: list[dict[str, Any]], earlier: list[dict[str, Any]]) -> li
     return sorted([*current, *earlier], key=lambda r: order.get(r["key"], len(order)))
 
 
+def reference_scores(
+    suite: Suite,
+    folder: str,
+    base_dir: str,
+    base_record: dict[str, Any],
+    experts: dict[str, Expert],
+) -> tuple[dict[str, float], dict[str, float], float]:
+    """The pretrained body's and each expert's scores, and the seconds the pretrained one
+    took; kept in ``folder/reference_scores.json`` for the same models, settings and torch
+    thread count (scoring is deterministic), so that runs adding rows in parallel score the
+    references once (the LM suites' scoring takes minutes on a shared CPU)."""
+    import torch
+
+    key = recipe_hash(
+        {
+            "base": base_record["hash"],
+            "experts": {t: e.record["hash"] for t, e in experts.items()},
+            "settings": suite.settings_dict(),
+            "threads": torch.get_num_threads(),
+        }
+    )
+    path = os.path.join(folder, "reference_scores.json")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as fp:
+            stored = json.load(fp)
+        if stored.get("key") == key:
+            return stored["pretrained"], stored["experts"], stored["pretrained_seconds"]
+    t = time.perf_counter()
+    pretrained = suite.evaluate_body(base_dir, experts)
+    pre_eval = round(time.perf_counter() - t, 1)
+    expert_scores = {
+        task: suite.evaluate_body(expert.body, {task: expert})[task]
+        for task, expert in experts.items()
+    }
+    os.makedirs(folder, exist_ok=True)
+    record = {
+        "key": key,
+        "pretrained": pretrained,
+        "experts": expert_scores,
+        "pretrained_seconds": pre_eval,
+    }
+    with open(path + ".tmp", "w", encoding="utf-8") as fp:
+        json.dump(record, fp, indent=2)
+    os.replace(path + ".tmp", path)
+    return pretrained, expert_scores, pre_eval
+
+
 def run_variant(
     suite: Suite,
     variant: str,
@@ -201,12 +250,9 @@ def run_variant(
         "%s: base and experts ready in %.1fs (built: %s)", title, time.perf_counter() - t0, build_s
     )
 
-    t = time.perf_counter()
-    pretrained = suite.evaluate_body(base_dir, experts)
-    pre_eval = time.perf_counter() - t
-    expert_scores = {}
-    for task, expert in experts.items():
-        expert_scores[task] = suite.evaluate_body(expert.body, {task: expert})[task]
+    pretrained, expert_scores, pre_eval = reference_scores(
+        suite, os.path.join(suite.root, "runs", variant), base_dir, base_record, experts
+    )
     LOG.info("pretrained %s | experts %s", pretrained, expert_scores)
     metric = suite.metric
     result_rows = [
@@ -389,7 +435,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     configure_process(args.threads, args.verbose)
 
     rows = select_rows(args.methods, args.smoke)
-    suites = SUITES if args.suite == "all" else (args.suite,)
+    suites = (SMOKE_ALL if args.smoke else SUITES) if args.suite == "all" else (args.suite,)
     start = time.perf_counter()
     for name in suites:
         suite = make_suite(name, args.cache_dir, args.smoke)
