@@ -379,7 +379,10 @@ def test_smoke_run_lm_full_fine_tunes(tmp_path):
     name = next(k for k in merged if k.endswith("layers.0.mlp.down_proj.weight"))
     assert merged[name].dtype == torch.bfloat16
     expected = base[name].float() + sum(e[name].float() - base[name].float() for e in experts)
-    torch.testing.assert_close(merged[name].float(), expected.bfloat16().float(), rtol=0, atol=0)
+    # mergekit sums in its own order and precision: equal within a bfloat16 step
+    torch.testing.assert_close(merged[name].float(), expected, rtol=2**-7, atol=2**-10)
+    mean = torch.stack([e[name].float() for e in experts]).mean(0)
+    assert (merged[name].float() - mean).abs().max() > 10 * 2**-10  # the sum, not the mean
 
 
 def test_reference_scores_are_kept_for_the_same_models_and_settings(tmp_path):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import re
 import sys
@@ -33,7 +34,7 @@ from safetensors.torch import load_file
 from benchmarks.suites.cache import default_cache_dir
 from benchmarks.suites.lm_full_suite import LMFullSuite
 from benchmarks.suites.lm_suite import _tokenizer
-from benchmarks.suites.run import configure_process
+from benchmarks.suites.run import configure_process, reference_scores
 
 GROUPS = (
     ("embed_tokens", r"embed_tokens|lm_head"),
@@ -125,16 +126,74 @@ def losses(suite: LMFullSuite, base_dir: str, state: dict[str, torch.Tensor], ta
     return {t: suite._loss(model.eval(), tok, t) for t in tasks}
 
 
+def solve_records(node: object) -> list[dict]:
+    """Every least-squares group record (``layer`` and ``ridge`` fields) in a diagnostics JSON."""
+    if isinstance(node, dict):
+        if "layer" in node and "ridge" in node and "tasks" in node:
+            return [node]
+        return [r for v in node.values() for r in solve_records(v)]
+    if isinstance(node, list):
+        return [r for v in node for r in solve_records(v)]
+    return []
+
+
+def diagnostics_table(label: str, path: str) -> str:
+    """Per projection kind: the ridge ``auto`` chose (and why, counted), and the mean relative
+    output error over the blocks and tasks, from a merge's ``mergekit_ext_diagnostics.json``."""
+    with open(path, encoding="utf-8") as fp:
+        records = solve_records(json.load(fp))
+    kinds: dict[str, list[dict]] = defaultdict(list)
+    for r in records:
+        kinds[r["layer"].split(".")[-1]].append(r)
+    lines = [
+        f"{label}: {len(records)} solves",
+        "",
+        "| linears | ridge > 0 (of) | ridge reasons | condition number (median) | "
+        "relative output error (mean over blocks and tasks) |",
+        "|---|---|---|---|---|",
+    ]
+    for kind, recs in sorted(kinds.items()):
+        reasons: dict[str, int] = defaultdict(int)
+        for r in recs:
+            reasons[re.sub(r"\d[\d.e+-]*", "#", str(r.get("ridge_reason")))[:90]] += 1
+        errors = [
+            t["relative_output_error"]
+            for r in recs
+            for t in r["tasks"].values()
+            if t.get("relative_output_error") is not None
+        ]
+        conds = sorted(r["condition_number"] for r in recs if r.get("condition_number"))
+        lines.append(
+            f"| {kind} | {sum(1 for r in recs if (r.get('ridge') or 0) > 0)} ({len(recs)}) | "
+            + "; ".join(f"{n}x {why}" for why, n in reasons.items())
+            + f" | {conds[len(conds) // 2] if conds else float('nan'):.3g} | "
+            + f"{sum(errors) / max(1, len(errors)):.4f} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cache-dir", default=default_cache_dir())
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--losses", action="store_true", help="also score merges (minutes)")
     parser.add_argument("--smoke", action="store_true", help="the tiny random Llama suite")
+    parser.add_argument(
+        "--diagnostics",
+        nargs="*",
+        default=[],
+        help="LABEL=MERGED_FOLDER: summarize a kept merge's least-squares solves (ridge, errors)",
+    )
     args = parser.parse_args(argv)
     configure_process(args.threads)
+    for item in args.diagnostics:
+        label, folder = item.split("=", 1)
+        print(diagnostics_table(label, os.path.join(folder, "mergekit_ext_diagnostics.json")))
+        print()
+    if args.diagnostics and not args.losses:
+        return 0
     suite = LMFullSuite(args.cache_dir, smoke=args.smoke)
-    base_dir, _ = suite.base()
+    base_dir, base_record = suite.base()
     experts = {t: suite.expert("full", t) for t in suite.tasks}
     base = load_file(os.path.join(base_dir, "model.safetensors"))
     states = [load_file(os.path.join(e.body, "model.safetensors")) for e in experts.values()]
@@ -143,8 +202,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not args.losses:
         return 0
     tasks = list(experts)
-    pre = losses(suite, base_dir, base, tasks)
-    exp = {t: suite.evaluate_full(e.body, t) for t, e in experts.items()}
+    # the references as run.py scores them (kept beside its runs: scored once)
+    pre, exp, _ = reference_scores(
+        suite, os.path.join(suite.root, "runs", "full"), base_dir, base_record, experts
+    )
 
     def kept(scores: dict[str, float]) -> str:
         shares = [(pre[t] - scores[t]) / (pre[t] - exp[t]) for t in scores]
