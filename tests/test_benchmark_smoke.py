@@ -286,7 +286,9 @@ def test_select_rows_by_method_key_or_exact_row():
         "symerge_lora",
     ]
     assert [r.key for r in select_rows(["row:symerge"], smoke=False)] == ["symerge"]
-    assert len(select_rows(["chain_of_merges"], smoke=False)) == 4
+    assert (
+        len(select_rows(["chain_of_merges"], smoke=False)) == 5
+    )  # defaults, fallback: task_arithmetic, the three ablation rows
     with pytest.raises(SystemExit, match="unknown method"):
         select_rows(["row:nope"], smoke=False)
 
@@ -406,3 +408,11 @@ def test_reference_scores_are_kept_for_the_same_models_and_settings(tmp_path):
     experts["a"].record["hash"] = "e2"  # a rebuilt expert is scored again
     reference_scores(suite, str(tmp_path), "base", {"hash": "b1"}, experts)
     assert Counting.calls == 4
+    # a lock left by a process that died is taken over, not waited on
+    lock = tmp_path / "reference_scores.json.lock"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lock.write_text(str(dead.pid))
+    experts["a"].record["hash"] = "e3"
+    reference_scores(suite, str(tmp_path), "base", {"hash": "b1"}, experts)
+    assert Counting.calls == 6 and not lock.exists()

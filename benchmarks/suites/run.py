@@ -15,12 +15,14 @@ Rows (``--methods``, row keys or method names): see ``benchmarks/suites/merging.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import shutil
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 from benchmarks.suites.cache import default_cache_dir, recipe_hash
@@ -173,6 +175,33 @@ def _ordered(current: list[dict[str, Any]], earlier: list[dict[str, Any]]) -> li
     return sorted([*current, *earlier], key=lambda r: order.get(r["key"], len(order)))
 
 
+def reference_rows(
+    metric: str, pretrained: dict[str, float], expert_scores: dict[str, float], pre_eval: float
+) -> list[dict[str, Any]]:
+    """The table's two reference rows: the pretrained body and each expert alone."""
+    return [
+        _row(
+            "pretrained",
+            "pretrained body + expert heads" if metric == "accuracy" else "pretrained (base)",
+            metric,
+            pretrained,
+            expert_scores,
+            pretrained,
+            eval_seconds=round(pre_eval, 1),
+            merge_method=None,
+        ),
+        _row(
+            "expert",
+            "expert alone (ceiling)",
+            metric,
+            expert_scores,
+            expert_scores,
+            pretrained,
+            merge_method=None,
+        ),
+    ]
+
+
 def reference_scores(
     suite: Suite,
     folder: str,
@@ -195,11 +224,54 @@ def reference_scores(
         }
     )
     path = os.path.join(folder, "reference_scores.json")
-    if os.path.isfile(path):
+    os.makedirs(folder, exist_ok=True)
+
+    def stored() -> Optional[tuple[dict[str, float], dict[str, float], float]]:
+        if not os.path.isfile(path):
+            return None
         with open(path, encoding="utf-8") as fp:
-            stored = json.load(fp)
-        if stored.get("key") == key:
-            return stored["pretrained"], stored["experts"], stored["pretrained_seconds"]
+            record = json.load(fp)
+        if record.get("key") != key:
+            return None
+        LOG.info("reference scores of %s: %s", path, record)
+        return record["pretrained"], record["experts"], record["pretrained_seconds"]
+
+    # one process scores them; another run started beside it waits for its file
+    lock = path + ".lock"
+    while (found := stored()) is None:
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            if _locked_by_a_live_process(lock):
+                time.sleep(5)
+            else:  # left by a process that died
+                with contextlib.suppress(OSError):
+                    os.remove(lock)
+            continue
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        break
+    if found is not None:
+        return found
+    try:
+        return _score_references(suite, path, key, base_dir, experts)
+    finally:
+        os.remove(lock)
+
+
+def _locked_by_a_live_process(lock: str) -> bool:
+    try:
+        with open(lock, encoding="utf-8") as fp:
+            pid = int(fp.read().strip() or 0)
+        os.kill(pid, 0)  # signal 0: only whether the process exists
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _score_references(
+    suite: Suite, path: str, key: str, base_dir: str, experts: dict[str, Expert]
+) -> tuple[dict[str, float], dict[str, float], float]:
     t = time.perf_counter()
     pretrained = suite.evaluate_body(base_dir, experts)
     pre_eval = round(time.perf_counter() - t, 1)
@@ -207,7 +279,6 @@ def reference_scores(
         task: suite.evaluate_body(expert.body, {task: expert})[task]
         for task, expert in experts.items()
     }
-    os.makedirs(folder, exist_ok=True)
     record = {
         "key": key,
         "pretrained": pretrained,
@@ -217,6 +288,7 @@ def reference_scores(
     with open(path + ".tmp", "w", encoding="utf-8") as fp:
         json.dump(record, fp, indent=2)
     os.replace(path + ".tmp", path)
+    LOG.info("pretrained %s | experts %s", pretrained, expert_scores)
     return pretrained, expert_scores, pre_eval
 
 
@@ -250,32 +322,16 @@ def run_variant(
         "%s: base and experts ready in %.1fs (built: %s)", title, time.perf_counter() - t0, build_s
     )
 
-    pretrained, expert_scores, pre_eval = reference_scores(
-        suite, os.path.join(suite.root, "runs", variant), base_dir, base_record, experts
-    )
-    LOG.info("pretrained %s | experts %s", pretrained, expert_scores)
     metric = suite.metric
-    result_rows = [
-        _row(
-            "pretrained",
-            "pretrained body + expert heads" if metric == "accuracy" else "pretrained (base)",
-            metric,
-            pretrained,
-            expert_scores,
-            pretrained,
-            eval_seconds=round(pre_eval, 1),
-            merge_method=None,
-        ),
-        _row(
-            "expert",
-            "expert alone (ceiling)",
-            metric,
-            expert_scores,
-            expert_scores,
-            pretrained,
-            merge_method=None,
-        ),
-    ]
+    run_root = os.path.join(suite.root, "runs", variant)
+    # the references are scored in a thread while the first merge runs (its own process)
+    pool = ThreadPoolExecutor(max_workers=1)
+    refs = pool.submit(reference_scores, suite, run_root, base_dir, base_record, experts)
+    pool.shutdown(wait=False)
+    result_rows: list[dict[str, Any]] = []
+
+    def with_references() -> list[dict[str, Any]]:
+        return [*reference_rows(metric, *refs.result()), *result_rows]
 
     result = {
         "id": (result_id or f"{suite.name}_{variant}") + ("_smoke" if suite.smoke else ""),
@@ -288,7 +344,7 @@ def run_variant(
         "settings": suite.settings_dict(),
         "build_seconds": build_s,
         "total_seconds": None,
-        "rows": result_rows,
+        "rows": [],
         "versions": environment_versions(),
         "commands": [],
     }
@@ -297,10 +353,10 @@ def run_variant(
     )
     command = _command_line()
     result["commands"] = [*earlier_commands, command]
-    run_root = os.path.join(suite.root, "runs", variant)
     for row in rows:
-        result["rows"] = _ordered(result_rows, earlier)
-        write_reports(result, out)  # the tables so far: an interrupted run keeps its rows
+        if refs.done():  # the tables so far: an interrupted run keeps its rows
+            result["rows"] = _ordered(with_references(), earlier)
+            write_reports(result, out)
         reason = availability(row)
         if reason is not None:
             LOG.info("%s: %s", row.key, reason)
@@ -357,6 +413,7 @@ def run_variant(
         except Exception as e:  # a broken output is a result to report, not a crash
             LOG.exception("%s: scoring the merge failed", row.key)
             scores, status = None, f"error: scoring failed: {e}"[:300]
+        pretrained, expert_scores, _ = refs.result()
         result_rows.append(
             _row(
                 row.key,
@@ -376,7 +433,7 @@ def run_variant(
         if not keep_merges:
             shutil.rmtree(merged, ignore_errors=True)
 
-    result["rows"] = _ordered(result_rows, earlier)
+    result["rows"] = _ordered(with_references(), earlier)
     result["total_seconds"] = round(time.perf_counter() - t0, 1)
     paths = write_reports(result, out)
     LOG.info("wrote %s", ", ".join(paths.values()))
