@@ -286,7 +286,9 @@ def test_select_rows_by_method_key_or_exact_row():
         "symerge_lora",
     ]
     assert [r.key for r in select_rows(["row:symerge"], smoke=False)] == ["symerge"]
-    assert len(select_rows(["chain_of_merges"], smoke=False)) == 4
+    assert (
+        len(select_rows(["chain_of_merges"], smoke=False)) == 5
+    )  # defaults, fallback: task_arithmetic, the three ablation rows
     with pytest.raises(SystemExit, match="unknown method"):
         select_rows(["row:nope"], smoke=False)
 
@@ -344,3 +346,73 @@ def test_ace_normalization_share_reads_each_rows_diagnostics(tmp_path):
     assert lines[1].endswith("| normalize: always | 4 / 4 | 100% |")
     # min / quartiles / max of γ (0, 0.01, 0.02, 0.03) and of the spread
     assert statistic_line("t_full", merges[rows[0].key]).startswith("| t_full | 4 | 0 / ")
+
+
+@pytest.mark.slow
+def test_smoke_run_lm_full_fine_tunes(tmp_path):
+    """The LM suite's full-fine-tune variant (issue #51): bfloat16 base and experts in which
+    every weight was trained, merged to bfloat16; task arithmetic is base + the summed deltas."""
+    _require_bench_data()
+    cache, out = tmp_path / "cache", tmp_path / "results"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.suites.run", "--suite", "lm_full", "--smoke",
+         "--methods", "linear", "task_arithmetic_1.0", "--keep-merges", "--threads", "1",
+         "--cache-dir", str(cache), "--out", str(out)],
+        capture_output=True, text=True, timeout=900, env=env, cwd=REPO_ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads((out / "lm_full_smoke.json").read_text())
+    assert markdown_table(result) == (out / "lm_full_smoke.md").read_text()
+    assert "full fine-tunes" in result["title"] and result["variant"] == "full"
+    rows = {r["key"]: r for r in result["rows"]}
+    assert rows["expert"]["avg_normalized"] == pytest.approx(1.0)
+    assert rows["linear"]["status"] == rows["task_arithmetic_1.0"]["status"] == "ok"
+
+    root = cache / "smoke" / "lm"
+    base = load_file(str(root / "base_bfloat16" / "model.safetensors"))
+    experts = [load_file(str(root / "full" / t / "model.safetensors")) for t in result["tasks"]]
+    for name, tensor in base.items():
+        assert tensor.dtype == torch.bfloat16, name
+        for expert in experts:  # every weight trained, saved in bfloat16
+            assert expert[name].dtype == torch.bfloat16, name
+            assert not torch.equal(expert[name], tensor), f"{name} was not trained"
+    merged = load_file(str(root / "runs" / "full" / "task_arithmetic_1.0" / "merged" / "model.safetensors"))  # fmt: skip
+    name = next(k for k in merged if k.endswith("layers.0.mlp.down_proj.weight"))
+    assert merged[name].dtype == torch.bfloat16
+    expected = base[name].float() + sum(e[name].float() - base[name].float() for e in experts)
+    # mergekit sums in its own order and precision: equal within a bfloat16 step
+    torch.testing.assert_close(merged[name].float(), expected, rtol=2**-7, atol=2**-10)
+    mean = torch.stack([e[name].float() for e in experts]).mean(0)
+    assert (merged[name].float() - mean).abs().max() > 10 * 2**-10  # the sum, not the mean
+
+
+def test_reference_scores_are_kept_for_the_same_models_and_settings(tmp_path):
+    from benchmarks.suites.run import reference_scores
+    from benchmarks.suites.suite_base import Expert
+
+    class Counting:
+        settings_dict = staticmethod(lambda: {"test_examples": 4})
+        calls = 0
+
+        def evaluate_body(self, body, experts):
+            Counting.calls += 1
+            return {t: float(len(body)) for t in experts}
+
+    suite = Counting()
+    experts = {"a": Expert("a", "bodyA", "bodyA", None, record={"hash": "e1"})}
+    first = reference_scores(suite, str(tmp_path), "base", {"hash": "b1"}, experts)
+    assert first[:2] == ({"a": 4.0}, {"a": 5.0}) and Counting.calls == 2
+    assert reference_scores(suite, str(tmp_path), "base", {"hash": "b1"}, experts) == first
+    assert Counting.calls == 2  # reused
+    experts["a"].record["hash"] = "e2"  # a rebuilt expert is scored again
+    reference_scores(suite, str(tmp_path), "base", {"hash": "b1"}, experts)
+    assert Counting.calls == 4
+    # a lock left by a process that died is taken over, not waited on
+    lock = tmp_path / "reference_scores.json.lock"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lock.write_text(str(dead.pid))
+    experts["a"].record["hash"] = "e3"
+    reference_scores(suite, str(tmp_path), "base", {"hash": "b1"}, experts)
+    assert Counting.calls == 6 and not lock.exists()

@@ -19,6 +19,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -174,23 +175,10 @@ class LMSuite(Suite):
                     target_modules=list(LORA_TARGETS),
                 ),
             )
-            texts = data.train_inputs
-
-            def loss_of_batch(idx: np.ndarray) -> torch.Tensor:
-                enc = tok(
-                    [texts[i] for i in idx],
-                    truncation=True,
-                    max_length=s.max_length,
-                    padding=True,
-                    return_tensors="pt",
-                )
-                labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
-                return model(**enc, labels=labels).loss
-
             summary = train_loop(
                 model,
-                loss_of_batch,
-                seeded_batches(len(texts), s.batch_size, s.steps, s.seed),
+                lm_loss_of_batch(model, tok, data.train_inputs, s.max_length),
+                seeded_batches(len(data.train_inputs), s.batch_size, s.steps, s.seed),
                 s.steps,
                 s.lr,
                 weight_decay=0.0,
@@ -269,6 +257,25 @@ class LMSuite(Suite):
 
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         return self._loss(model.eval(), _tokenizer(folder), task)
+
+
+def lm_loss_of_batch(
+    model: torch.nn.Module, tok: Any, texts: Any, max_length: int
+) -> Callable[[np.ndarray], torch.Tensor]:
+    """The next-token loss of a batch of ``texts`` (indices), padding left out."""
+
+    def loss_of_batch(idx: np.ndarray) -> torch.Tensor:
+        enc = tok(
+            [texts[i] for i in idx],
+            truncation=True,
+            max_length=max_length,
+            padding=True,
+            return_tensors="pt",
+        )
+        labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+        return model(**enc, labels=labels).loss
+
+    return loss_of_batch
 
 
 def _tokenizer(folder: str) -> Any:

@@ -85,6 +85,20 @@ ROWS: tuple[MethodRow, ...] = (
     MethodRow("wudi", "wudi", "WUDI (300 Adam steps, lr 1e-5)"),
     MethodRow("regmean", "regmean", "RegMean"),
     MethodRow("chain_of_merges", "chain_of_merges", "Chain of Merges (defaults)"),
+    # issue #51: full fine-tunes train the embeddings and norms too, which the least-squares
+    # methods merge by their fallback (the experts' mean by default); summed here instead
+    MethodRow(
+        "regmean_fallback_ta",
+        "regmean",
+        "RegMean (fallback: task_arithmetic)",
+        {"fallback": "task_arithmetic"},
+    ),
+    MethodRow(
+        "com_fallback_ta",
+        "chain_of_merges",
+        "CoM (fallback: task_arithmetic)",
+        {"fallback": "task_arithmetic"},
+    ),
     MethodRow(
         "com_propagate",
         "chain_of_merges",

@@ -84,7 +84,24 @@ def environment_versions() -> dict[str, str]:
             found[package] = version(package)
         except PackageNotFoundError:
             found[package] = "not installed"
+    found["cpu"] = cpu_description()
     return found
+
+
+def cpu_description() -> str:
+    """The CPU model and the cores this process may use (merge times depend on both)."""
+    import platform
+
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fp:
+            model = next(
+                (ln.split(":", 1)[1].strip() for ln in fp if ln.startswith("model name")), model
+            )
+    except OSError:  # not Linux: platform's name
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{model}, {cores} cores"
 
 
 def bar_chart(result: dict[str, Any], path: str) -> None:

@@ -15,6 +15,7 @@ Rows (``--methods``, row keys or method names): see ``benchmarks/suites/merging.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -22,9 +23,10 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
-from benchmarks.suites.cache import default_cache_dir
+from benchmarks.suites.cache import default_cache_dir, recipe_hash
 from benchmarks.suites.merging import (
     REFERENCE_ROWS,
     ROW_KEYS,
@@ -43,8 +45,10 @@ from benchmarks.suites.suite_base import Expert, Suite
 
 LOG = logging.getLogger("benchmarks")
 
-SUITES = ("text", "lm", "vision")
+SUITES = ("text", "lm", "lm_full", "vision")
 SMOKE_VARIANTS = {"text": ("full",)}  # smoke: one text variant keeps it within minutes
+# ``--suite all --smoke``: lm_full's smoke run is a test of its own (CI time), the rest as before
+SMOKE_ALL = ("text", "lm", "vision")
 
 
 def _command_line() -> str:
@@ -74,6 +78,10 @@ def make_suite(
         from benchmarks.suites.lm_suite import LMSuite
 
         return LMSuite(cache_dir, smoke, tasks)
+    if name == "lm_full":
+        from benchmarks.suites.lm_full_suite import LMFullSuite
+
+        return LMFullSuite(cache_dir, smoke, tasks)
     if name == "vision":
         from benchmarks.suites.vision_suite import VisionSuite
 
@@ -172,46 +180,11 @@ def _ordered(current: list[dict[str, Any]], earlier: list[dict[str, Any]]) -> li
     return sorted([*current, *earlier], key=lambda r: order.get(r["key"], len(order)))
 
 
-def run_variant(
-    suite: Suite,
-    variant: str,
-    rows: list[MethodRow],
-    out: str,
-    keep_merges: bool,
-    *,
-    result_id: Optional[str] = None,
-    title_suffix: str = "",
-    calibration_overrides: Optional[dict[str, Any]] = None,
-) -> dict[str, Any]:
-    """Build or reuse the models, score the reference rows and every row in ``rows``, and
-    write the table as ``out/<result_id>.{md,json,png}`` (default id: ``<suite>_<variant>``).
-
-    ``calibration_overrides``: keys replaced in every task's calibration section (e.g.
-    ``{"samples": 32}`` for a method whose cost grows with each sample)."""
-    title = f"{suite.name} suite" + (f" ({variant} experts)" if len(suite.variants) > 1 else "")
-    title += title_suffix
-    if suite.smoke:
-        title += " [smoke]"
-    t0 = time.perf_counter()
-    base_dir, base_record = suite.base()
-    experts = {task: suite.expert(variant, task) for task in suite.tasks}
-    build_s = {
-        "base": base_record["build_seconds"],
-        **{t: e.record["build_seconds"] for t, e in experts.items()},
-    }
-    LOG.info(
-        "%s: base and experts ready in %.1fs (built: %s)", title, time.perf_counter() - t0, build_s
-    )
-
-    t = time.perf_counter()
-    pretrained = suite.evaluate_body(base_dir, experts)
-    pre_eval = time.perf_counter() - t
-    expert_scores = {}
-    for task, expert in experts.items():
-        expert_scores[task] = suite.evaluate_body(expert.body, {task: expert})[task]
-    LOG.info("pretrained %s | experts %s", pretrained, expert_scores)
-    metric = suite.metric
-    result_rows = [
+def reference_rows(
+    metric: str, pretrained: dict[str, float], expert_scores: dict[str, float], pre_eval: float
+) -> list[dict[str, Any]]:
+    """The table's two reference rows: the pretrained body and each expert alone."""
+    return [
         _row(
             "pretrained",
             "pretrained body + expert heads" if metric == "accuracy" else "pretrained (base)",
@@ -233,6 +206,138 @@ def run_variant(
         ),
     ]
 
+
+def reference_scores(
+    suite: Suite,
+    folder: str,
+    base_dir: str,
+    base_record: dict[str, Any],
+    experts: dict[str, Expert],
+) -> tuple[dict[str, float], dict[str, float], float]:
+    """The pretrained body's and each expert's scores, and the seconds the pretrained one
+    took; kept in ``folder/reference_scores.json`` for the same models, settings and torch
+    thread count (scoring is deterministic), so that runs adding rows in parallel score the
+    references once (the LM suites' scoring takes minutes on a shared CPU)."""
+    import torch
+
+    key = recipe_hash(
+        {
+            "base": base_record["hash"],
+            "experts": {t: e.record["hash"] for t, e in experts.items()},
+            "settings": suite.settings_dict(),
+            "threads": torch.get_num_threads(),
+        }
+    )
+    path = os.path.join(folder, "reference_scores.json")
+    os.makedirs(folder, exist_ok=True)
+
+    def stored() -> Optional[tuple[dict[str, float], dict[str, float], float]]:
+        if not os.path.isfile(path):
+            return None
+        with open(path, encoding="utf-8") as fp:
+            record = json.load(fp)
+        if record.get("key") != key:
+            return None
+        LOG.info("reference scores of %s: %s", path, record)
+        return record["pretrained"], record["experts"], record["pretrained_seconds"]
+
+    # one process scores them; another run started beside it waits for its file
+    lock = path + ".lock"
+    while (found := stored()) is None:
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            if _locked_by_a_live_process(lock):
+                time.sleep(5)
+            else:  # left by a process that died
+                with contextlib.suppress(OSError):
+                    os.remove(lock)
+            continue
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        break
+    if found is not None:
+        return found
+    try:
+        return _score_references(suite, path, key, base_dir, experts)
+    finally:
+        os.remove(lock)
+
+
+def _locked_by_a_live_process(lock: str) -> bool:
+    try:
+        with open(lock, encoding="utf-8") as fp:
+            pid = int(fp.read().strip() or 0)
+        os.kill(pid, 0)  # signal 0: only whether the process exists
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _score_references(
+    suite: Suite, path: str, key: str, base_dir: str, experts: dict[str, Expert]
+) -> tuple[dict[str, float], dict[str, float], float]:
+    t = time.perf_counter()
+    pretrained = suite.evaluate_body(base_dir, experts)
+    pre_eval = round(time.perf_counter() - t, 1)
+    expert_scores = {
+        task: suite.evaluate_body(expert.body, {task: expert})[task]
+        for task, expert in experts.items()
+    }
+    record = {
+        "key": key,
+        "pretrained": pretrained,
+        "experts": expert_scores,
+        "pretrained_seconds": pre_eval,
+    }
+    with open(path + ".tmp", "w", encoding="utf-8") as fp:
+        json.dump(record, fp, indent=2)
+    os.replace(path + ".tmp", path)
+    LOG.info("pretrained %s | experts %s", pretrained, expert_scores)
+    return pretrained, expert_scores, pre_eval
+
+
+def run_variant(
+    suite: Suite,
+    variant: str,
+    rows: list[MethodRow],
+    out: str,
+    keep_merges: bool,
+    *,
+    result_id: Optional[str] = None,
+    title_suffix: str = "",
+    calibration_overrides: Optional[dict[str, Any]] = None,
+) -> dict[str, Any]:
+    """Build or reuse the models, score the reference rows and every row in ``rows``, and
+    write the table as ``out/<result_id>.{md,json,png}`` (default id: ``<suite>_<variant>``).
+
+    ``calibration_overrides``: keys replaced in every task's calibration section (e.g.
+    ``{"samples": 32}`` for a method whose cost grows with each sample)."""
+    title = suite.title(variant) + title_suffix
+    if suite.smoke:
+        title += " [smoke]"
+    t0 = time.perf_counter()
+    base_dir, base_record = suite.base()
+    experts = {task: suite.expert(variant, task) for task in suite.tasks}
+    build_s = {
+        "base": base_record["build_seconds"],
+        **{t: e.record["build_seconds"] for t, e in experts.items()},
+    }
+    LOG.info(
+        "%s: base and experts ready in %.1fs (built: %s)", title, time.perf_counter() - t0, build_s
+    )
+
+    metric = suite.metric
+    run_root = os.path.join(suite.root, "runs", variant)
+    # the references are scored in a thread while the first merge runs (its own process)
+    pool = ThreadPoolExecutor(max_workers=1)
+    refs = pool.submit(reference_scores, suite, run_root, base_dir, base_record, experts)
+    pool.shutdown(wait=False)
+    result_rows: list[dict[str, Any]] = []
+
+    def with_references() -> list[dict[str, Any]]:
+        return [*reference_rows(metric, *refs.result()), *result_rows]
+
     result = {
         "id": (result_id or f"{suite.name}_{variant}") + ("_smoke" if suite.smoke else ""),
         "title": title,
@@ -244,7 +349,7 @@ def run_variant(
         "settings": suite.settings_dict(),
         "build_seconds": build_s,
         "total_seconds": None,
-        "rows": result_rows,
+        "rows": [],
         "versions": environment_versions(),
         "commands": [],
     }
@@ -253,10 +358,10 @@ def run_variant(
     )
     command = _command_line()
     result["commands"] = [*earlier_commands, command]
-    run_root = os.path.join(suite.root, "runs", variant)
     for row in rows:
-        result["rows"] = _ordered(result_rows, earlier)
-        write_reports(result, out)  # the tables so far: an interrupted run keeps its rows
+        if refs.done():  # the tables so far: an interrupted run keeps its rows
+            result["rows"] = _ordered(with_references(), earlier)
+            write_reports(result, out)
         reason = availability(row)
         if reason is not None:
             LOG.info("%s: %s", row.key, reason)
@@ -313,6 +418,7 @@ def run_variant(
         except Exception as e:  # a broken output is a result to report, not a crash
             LOG.exception("%s: scoring the merge failed", row.key)
             scores, status = None, f"error: scoring failed: {e}"[:300]
+        pretrained, expert_scores, _ = refs.result()
         result_rows.append(
             _row(
                 row.key,
@@ -332,7 +438,7 @@ def run_variant(
         if not keep_merges:
             shutil.rmtree(merged, ignore_errors=True)
 
-    result["rows"] = _ordered(result_rows, earlier)
+    result["rows"] = _ordered(with_references(), earlier)
     result["total_seconds"] = round(time.perf_counter() - t0, 1)
     paths = write_reports(result, out)
     LOG.info("wrote %s", ", ".join(paths.values()))
@@ -397,7 +503,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     configure_process(args.threads, args.verbose)
 
     rows = select_rows(args.methods, args.smoke)
-    suites = SUITES if args.suite == "all" else (args.suite,)
+    suites = (SMOKE_ALL if args.smoke else SUITES) if args.suite == "all" else (args.suite,)
     start = time.perf_counter()
     for name in suites:
         suite = make_suite(name, args.cache_dir, args.smoke, args.tasks)

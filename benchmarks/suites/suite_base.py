@@ -90,6 +90,10 @@ class Suite(ABC):
     def evaluate_full(self, folder: str, task: str) -> float:
         """Score a complete model (body + head, or a whole LM) on ``task``."""
 
+    def title(self, variant: str) -> str:
+        """The tables' title for ``variant``'s experts."""
+        return f"{self.name} suite" + (f" ({variant} experts)" if len(self.variants) > 1 else "")
+
     # -- helpers ----------------------------------------------------------------------
     def task(self, name: str) -> TaskData:
         return load_task(name)

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from benchmarks.suites.merging import REFERENCE_ROWS, ROW_KEYS
 
-TABLE_ORDER = ("text_full", "text_lora", "lm_lora", "vision_full")
+TABLE_ORDER = ("text_full", "text_lora", "lm_lora", "lm_full", "vision_full", "vision_full_issue51")
 
 
 def load_tables(results_dir: str) -> list[dict[str, Any]]:
@@ -29,7 +29,9 @@ def load_tables(results_dir: str) -> list[dict[str, Any]]:
             continue
         with open(os.path.join(results_dir, name), encoding="utf-8") as fp:
             data = json.load(fp)
-        if isinstance(data, dict) and "rows" in data and "tasks" in data:
+        # run.py names each table after its id; a copy kept under another name (an earlier
+        # run of the same suite, e.g. lm_lora_ridge_auto_condition.json) is not a column
+        if isinstance(data, dict) and "rows" in data and "tasks" in data and data["id"] == stem:
             tables.append(data)
     order = {k: i for i, k in enumerate(TABLE_ORDER)}
     return sorted(tables, key=lambda t: order.get(t["id"], len(order)))
