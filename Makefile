@@ -56,8 +56,14 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
+# Two pytest workers (pytest-xdist): the suite is mostly process start-up and small merges,
+# which one worker alone leaves a core idle through; one process took 29 min on CI's two
+# cores. worksteal keeps the long distributed tests from piling up on one worker.
+# PYTEST_WORKERS=0: one process.
+PYTEST_WORKERS ?= 2
+
 test: lint
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q --durations=25
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q --durations=25 -n $(PYTEST_WORKERS) --dist worksteal
 	$(MAKE) test-avx2
 	$(MAKE) test-mergekit
 
@@ -86,7 +92,7 @@ test-avx2: $(STAMP)
 		echo "test-avx2: this CPU has no AVX-512, so the main pytest run already used the AVX2 kernels; skipped"; \
 	else \
 		$(AVX2_KERNELS) $(BIN)/python -m benchmarks.cpu_kernels --expect avx2 && \
-		HF_HUB_OFFLINE=1 $(AVX2_KERNELS) $(BIN)/python -m pytest -q $(NUMERICS_TESTS); \
+		HF_HUB_OFFLINE=1 $(AVX2_KERNELS) $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal $(NUMERICS_TESTS); \
 	fi
 
 clean:
