@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -181,3 +182,14 @@ def fast_products(monkeypatch: pytest.MonkeyPatch) -> list:
 
     monkeypatch.setattr(solve, "float32_product", counting)
     return calls
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """One torch thread for a test of tiny tensors: on a shared 2-core machine (and beside
+    the other pytest worker) a second thread only costs. Modules ask for it with
+    ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -45,13 +45,7 @@ SAMPLES = 12  # text samples per task: > 64 tokens per task (widest input: 128, 
 OPTIONS = MergeOptions(quiet=True)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matrices: one thread is much faster on a shared 2-core machine."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: see conftest.py
 
 
 @pytest.fixture(scope="module")

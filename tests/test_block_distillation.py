@@ -35,12 +35,7 @@ METHOD = "block_distillation"
 FEW = {"distill_steps": 12, "distill_lr": 0.01}  # short: enough to move every tiny block
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: see conftest.py
 
 
 def _merge(tmp_path, tiny, k: int, method: str, parameters: dict, name: str) -> str:

@@ -31,12 +31,7 @@ from mergekit_ext.models.lora import LoraModelSource
 TOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: see conftest.py
 
 
 def _write_texts(path: str, seed: int, n: int = 6) -> str:

@@ -35,12 +35,7 @@ from mergekit_ext.plots import as_float, block_error_figure
 SAMPLES = 6
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: see conftest.py
 
 
 def _write_unique_texts(path: str, seed: int, n: int) -> str:

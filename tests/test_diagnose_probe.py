@@ -9,7 +9,6 @@ import os
 import shutil
 
 import pytest
-import torch
 import yaml
 from click.testing import CliRunner
 from test_low_diversity_calibration import _config, _low_rank_expert, _tiny_llama, _write_chat
@@ -22,13 +21,7 @@ from mergekit_ext.diagnose import diagnose
 from mergekit_ext.diagnose.probe import PROBE_PATH, diversity_warnings, load_probe
 from mergekit_ext.methods.card_sections.least_squares import summarize_layerwise
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: see conftest.py
 
 
 @pytest.fixture(scope="module")

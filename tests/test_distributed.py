@@ -42,13 +42,7 @@ LAUNCH_TIMEOUT_S = 120  # a whole two-process merge of a tiny model, generously
 COLLECTIVE_TIMEOUT_S = 30  # --distributed-timeout: short, a hang fails the test quickly
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The same thread count as the launched processes (OMP_NUM_THREADS=1)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: see conftest.py
 
 
 def _free_port() -> int:

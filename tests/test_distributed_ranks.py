@@ -41,12 +41,7 @@ from mergekit_ext.testing import make_experts
 LAUNCH_TIMEOUT_S = 240  # four processes of a tiny merge on a small shared machine
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: see conftest.py
 
 
 @pytest.fixture(autouse=True)

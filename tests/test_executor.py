@@ -43,13 +43,7 @@ from mergekit_ext.models.checkpoint import ModelSource
 RIDGE = 1e-3
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matrices: one thread is much faster on a shared 2-core machine."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: see conftest.py
 
 
 # ------------------------------------------------------------------------------------------

@@ -137,12 +137,7 @@ def _selected(request) -> list[str]:
     return [n for n in CLASSES if n in names]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: threads only cost on a shared CPU
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: see conftest.py
 
 
 @pytest.fixture(scope="module")

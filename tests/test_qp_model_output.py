@@ -39,12 +39,7 @@ from mergekit_ext.testing import WORDS
 OPTIONS = MergeOptions(quiet=True)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: see conftest.py
 
 
 # ------------------------------------------------------------------------------------------

@@ -20,10 +20,9 @@ import yaml
 from click.testing import CliRunner
 from mergekit.options import MergeOptions
 from safetensors.torch import load_file
-from test_qp_model_output import (  # noqa: F401 (fixture)
+from test_qp_model_output import (
     _config,
     _merge,
-    _one_thread,
     _sha,
     _texts,
 )
@@ -33,6 +32,9 @@ from mergekit_ext.cli import main
 from mergekit_ext.executor.model_output import next_token_log_probs, next_token_sketch
 
 OPTIONS = MergeOptions(quiet=True)
+
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: see conftest.py
 
 
 # ------------------------------------------------------------------------------------------

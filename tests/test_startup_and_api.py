@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 import yaml
 from click.testing import CliRunner
 
@@ -30,12 +29,7 @@ def _python(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: see conftest.py
 
 
 # ------------------------------------------------------------------------------------------

@@ -64,13 +64,7 @@ def sentences(task: str, n: int, seed: int) -> tuple[list[str], torch.Tensor]:
     return texts, torch.tensor(labels)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These models are tiny: one thread is faster than two on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: see conftest.py
 
 
 @pytest.fixture(scope="module")
