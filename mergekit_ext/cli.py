@@ -30,6 +30,7 @@ import mergekit_ext
 
 mergekit_ext._register()  # the command registers here: mergekit_ext.entry skipped it for speed
 
+from mergekit_ext.cli_eval import run_eval_options  # noqa: E402
 from mergekit_ext.cli_hub import publish_options  # noqa: E402
 from mergekit_ext.config import load_config  # noqa: E402
 from mergekit_ext.console import cli_errors  # noqa: E402
@@ -160,6 +161,7 @@ def _options_verbosity(kwargs: dict[str, Any]) -> int:
     "--push-to-hub", metavar="REPO_ID", default=None, help="Publish the result to the Hub"
 )
 @publish_options
+@run_eval_options
 @click.option(
     "--plugin",
     "plugins",
@@ -201,6 +203,9 @@ def run_command(
     replace_card: bool,
     template_dir: Optional[str],
     hub_timeout: float,
+    eval_tasks: tuple[str, ...],
+    eval_include_path: tuple[str, ...],
+    eval_limit: Optional[float],
     plugins: tuple[str, ...],
     distributed_timeout: Optional[float],
 ) -> None:
@@ -232,6 +237,8 @@ def run_command(
     ]
     if given and not push_to_hub:
         raise click.UsageError(f"{', '.join(given)} only apply with --push-to-hub REPO_ID")
+    if (eval_include_path or eval_limit is not None) and not eval_tasks:
+        raise click.UsageError("--eval-include-path and --eval-limit only apply with --eval TASKS")
     for plugin in plugins:
         _import_plugin(plugin)
     cfg = load_config(config_file)
@@ -278,6 +285,9 @@ def run_command(
                 hub_replace_card=replace_card,
                 hub_template_dir=template_dir,
                 plugins=plugins,
+                eval_tasks=eval_tasks,
+                eval_include_path=eval_include_path,
+                eval_limit=eval_limit,
             ),
             hub=HubActions(),
             show_published=published.append,

@@ -4,7 +4,7 @@ classification accuracy on merged folders, their base and their experts (issue #
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Any, Optional
 
 import click
 
@@ -25,6 +25,49 @@ def _limit(value: Optional[str]) -> Optional[float]:
     return int(number) if number >= 1 else number
 
 
+INCLUDE_PATH_HELP = (
+    "Folder (or file) of your own lm-eval task YAMLs: local or private data, offline "
+    "(repeatable). A YAML's data_files are relative to where you run, as in lm-eval"
+)
+LIMIT_HELP = "Examples per task (N, or a share < 1); for a quick look"
+
+
+def _split_tasks(value: Optional[str]) -> tuple[str, ...]:
+    return tuple(t.strip() for t in (value or "").split(",") if t.strip())
+
+
+def run_eval_options(command: Any) -> Any:
+    """``run``'s evaluation options: ``eval``'s lm-eval options under an ``--eval`` prefix,
+    with the same meaning and help (declared here, next to ``eval``'s)."""
+    options = [
+        click.option(
+            "--eval",
+            "eval_tasks",
+            default=None,
+            metavar="T1,T2",
+            callback=lambda ctx, param, value: _split_tasks(value),
+            help="After merging, run these lm-evaluation-harness tasks on the merge (as "
+            "`mergekit-ext eval`) and put the results on its card and model-index; needs "
+            "pip install 'mergekit-ext[eval]'",
+        ),
+        click.option(
+            "--eval-include-path",
+            multiple=True,
+            type=click.Path(exists=True),
+            help="With --eval: " + INCLUDE_PATH_HELP,
+        ),
+        click.option(
+            "--eval-limit",
+            default=None,
+            callback=lambda ctx, param, value: _limit(value),
+            help="With --eval: " + LIMIT_HELP,
+        ),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 @click.command("eval")
 @click.argument("model_dirs", nargs=-1, type=click.Path(exists=True, file_okay=False))
 @click.option(
@@ -37,8 +80,7 @@ def _limit(value: Optional[str]) -> Optional[float]:
     "--include-path",
     multiple=True,
     type=click.Path(exists=True),
-    help="Folder (or file) of your own lm-eval task YAMLs: local or private data, offline "
-    "(repeatable). A YAML's data_files are relative to where you run, as in lm-eval",
+    help=INCLUDE_PATH_HELP,
 )
 @click.option(
     "--data",
@@ -67,9 +109,7 @@ def _limit(value: Optional[str]) -> Optional[float]:
     help="Results file for `mergekit-ext card OUT --eval`; lm-eval's own results JSON of "
     "each model goes to <output>_lm_eval/",
 )
-@click.option(
-    "--limit", default=None, help="Examples per task (N, or a share < 1); for a quick look"
-)
+@click.option("--limit", default=None, help=LIMIT_HELP)
 @click.option(
     "--num-fewshot", type=int, default=None, help="Few-shot examples (default: the task's)"
 )
@@ -114,7 +154,7 @@ def eval_command(
 
     result = evaluate(
         list(model_dirs),
-        tasks=[t.strip() for t in (tasks or "").split(",") if t.strip()],
+        tasks=list(_split_tasks(tasks)),
         data=list(data),
         with_inputs=with_inputs,
         output=output,

@@ -61,6 +61,9 @@ FILENAME = "mergekit_ext_diagnostics.json"
 #: (:func:`write_manifest`): what ``publish`` uploads, and, uploaded with it, what a later
 #: ``publish`` to the same repository may delete (nothing the user added by hand).
 MANIFEST_FILENAME = "mergekit_ext_manifest.json"
+#: Evaluation results kept beside the card (``run --eval``, ``card --eval``), so that ``card``
+#: and ``publish`` render the same table and model-index again without --eval (issue #52).
+EVAL_FILENAME = "mergekit_ext_eval.json"
 
 
 def jsonable(value: Any) -> Any:

@@ -83,6 +83,10 @@ class RunOptions:
     hub_replace_card: bool = False  # replace a card edited on the Hub
     hub_template_dir: Optional[str] = None  # your own templates for the uploaded card
     plugins: tuple[str, ...] = ()  # --plugin modules or .py files (the files are inputs too)
+    # --eval: lm-eval tasks run on the merge before its card is written (issue #52)
+    eval_tasks: tuple[str, ...] = ()
+    eval_include_path: tuple[str, ...] = ()
+    eval_limit: Optional[float] = None
 
 
 def parse_shard_size(value: Any) -> int:
@@ -301,6 +305,7 @@ def _run_merge_config(
     target = _checked_destinations(cfg, out_path, options, run)
     if run.push_to_hub:
         hub.check_can_publish(run)
+    _check_eval(run)
     kind = method_kind(cfg.method)
     # mergekit's executor writes the tokenizer of tensor-wise merges itself.
     out_tokenizer = (
@@ -384,6 +389,7 @@ def _run_distributed(
         target = _checked_destinations(cfg, out_path, options, run)
         if run.push_to_hub:
             hub.check_can_publish(run)
+        _check_eval(run)
         out_tokenizer = tokenization.plan_output_tokenizer(cfg.merge, options, cfg.method)
         with exclusive_output(target, out_path):
             validate(cfg, options, run)
@@ -503,6 +509,8 @@ def _write_metadata(
         "config_written_sha256", hashlib.sha256(published.encode("utf-8")).hexdigest()
     )
     recorder.write(tmp, redact=redact)
+    if run.eval_tasks:
+        _evaluate(tmp, os.path.basename(target), run, options)
     if options.write_model_card:
         _write_config_copy(cfg.source_text, tmp)
         hub.write_model_card(tmp, os.path.basename(target), run.push_to_hub)
@@ -510,6 +518,40 @@ def _write_metadata(
     # Last: every file in the fresh temporary folder is the merge's own. `publish` uploads
     # these (and what the user names), never a note or a secret that lands in OUT_DIR later.
     merge_record.write_manifest(tmp, written_by="mergekit-ext run")
+
+
+def _check_eval(run: RunOptions) -> None:
+    if run.eval_tasks:
+        from mergekit_ext.evaluate import check_lm_eval_tasks
+
+        check_lm_eval_tasks(run.eval_tasks, run.eval_include_path)
+
+
+def _evaluate(tmp: str, name: str, run: RunOptions, options: MergeOptions) -> None:
+    """lm-eval on the merge before its card (the card shows the results). A failure here
+    costs the evaluation, never the merge: it is written, and the warning says how to
+    evaluate it later."""
+    from mergekit_ext.evaluate import evaluate_into_folder
+
+    phase(f"evaluating the merge with lm-eval: {', '.join(run.eval_tasks)}")
+    try:
+        evaluate_into_folder(
+            tmp,
+            name,
+            run.eval_tasks,
+            include_path=run.eval_include_path,
+            limit=run.eval_limit,
+            device=str(options.device) if options.device not in (None, "auto") else "cpu",
+        )
+    except Exception as e:  # noqa: BLE001 (any failure of lm-eval or the model: keep the merge)
+        LOG.warning(
+            "evaluating the merge failed (%s: %s); the merge is written without results — "
+            "evaluate it later with `mergekit-ext eval OUT --tasks %s` and `mergekit-ext "
+            "card OUT --eval eval_results.json`",
+            type(e).__name__,
+            e,
+            ",".join(run.eval_tasks),
+        )
 
 
 def _publish(out_path: str, run: RunOptions, hub: HubWing) -> str:

@@ -328,3 +328,62 @@ def test_text_classifier_own_head_on_jsonl(tiny_bert_classifier_set, tmp_path: P
     expected = sum(p == r["label"] for p, r in zip(predicted, rows)) / len(rows)
     assert task["accuracy"] == pytest.approx(expected) and task["head"] == "own"
     assert task["data"] == "reviews.jsonl" and task["local"] is True
+
+
+def _llama_config(tiny_llama_set, tmp_path: Path) -> Path:
+    experts = list(tiny_llama_set.experts[:2])
+    models = "".join(f"  - model: {e}\n    name: task{i}\n" for i, e in enumerate(experts))
+    config = tmp_path / "merge.yml"
+    config.write_text(
+        f"merge_method: linear\nbase_model: {tiny_llama_set.base}\nmodels:\n{models}"
+        "parameters:\n  weight: 0.5\ndtype: float32\n",
+        encoding="utf-8",
+    )
+    return config
+
+
+def test_run_eval_puts_the_merge_results_on_its_card(tiny_llama_set, tmp_path: Path) -> None:
+    """`run --eval`: lm-eval on the merge before its card; the card's model-index holds the
+    merge's number, the kept results name the output folder (not the run's temporary one)
+    and hold no local path; an unknown task is refused before anything merges."""
+    pytest.importorskip("lm_eval")
+    config = _llama_config(tiny_llama_set, tmp_path)
+    tasks = _local_task(tmp_path / "tasks")
+    refused = CliRunner().invoke(
+        main, ["run", str(config), str(tmp_path / "bad"), "--eval", "no_such_task"]
+    )
+    assert refused.exit_code != 0 and "no_such_task" in refused.output, refused.output
+    assert not (tmp_path / "bad").exists()
+
+    out = tmp_path / "merged"
+    args = ["run", str(config), str(out), "--eval", "tiny_mc", "--eval-limit", "8"]
+    result = _invoke(args + ["--eval-include-path", str(tasks)])
+    assert result.exit_code == 0, result.output
+    kept = json.loads((out / EVAL_FILENAME).read_text(encoding="utf-8"))
+    assert [(m["role"], m["name"]) for m in kept["models"]] == [("merge", "merged")]
+    assert kept["limit"] == 8 and str(tmp_path) not in json.dumps(kept)
+    assert not any("_lm_eval" in p for p in os.listdir(out))  # lm-eval's files stay out
+    (entry,) = ModelCard.load(out / "README.md").data.eval_results
+    assert entry.metric_value == kept["models"][0]["lm_eval"]["results"]["tiny_mc"]["acc,none"]
+    manifest = json.loads((out / "mergekit_ext_manifest.json").read_text(encoding="utf-8"))
+    assert EVAL_FILENAME in json.dumps(manifest)  # publish uploads it with the card
+
+
+def test_run_eval_without_lm_eval_is_refused_before_merging(tiny_llama_set, tmp_path) -> None:
+    """Where the [eval] extra is missing, `run --eval` says how to install it before the
+    merge starts, and `--eval-limit` alone is refused as a usage error."""
+    config = _llama_config(tiny_llama_set, tmp_path)
+    lonely = CliRunner().invoke(
+        main, ["run", str(config), str(tmp_path / "o"), "--eval-limit", "5"]
+    )
+    assert lonely.exit_code == 2 and "only apply with --eval" in lonely.output, lonely.output
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("lm-eval is installed here; the test above covers the installed case")
+    result = CliRunner().invoke(main, ["run", str(config), str(tmp_path / "out"), "--eval", "x"])
+    assert result.exit_code != 0
+    assert "pip install 'mergekit-ext[eval]'" in result.output, result.output
+    assert not (tmp_path / "out").exists()

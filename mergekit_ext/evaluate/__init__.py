@@ -20,7 +20,7 @@ from typing import Any, Optional, Union
 
 from mergekit_ext.errors import ConfigError
 from mergekit_ext.evaluate.targets import EvalTarget, eval_targets
-from mergekit_ext.merge_record import jsonable
+from mergekit_ext.merge_record import EVAL_FILENAME, jsonable
 from mergekit_ext.output import write_file
 
 #: the ``format`` field of the results file ``evaluate`` writes (read by ``card --eval``)
@@ -141,3 +141,46 @@ def evaluate(
 
 
 __all__ = ["RESULTS_FORMAT", "EvalTarget", "eval_targets", "evaluate", "parse_data_args"]
+
+
+def check_lm_eval_tasks(tasks: Sequence[str], include_path: Sequence[str] = ()) -> None:
+    """Before a merge that ``run --eval`` evaluates: lm-eval is installed and knows every
+    task (a typo found after an hour of merging would cost the hour)."""
+    from mergekit_ext.evaluate.harness import task_manager
+
+    task_manager(list(tasks), list(include_path))
+
+
+def evaluate_into_folder(
+    folder: str,
+    name: str,
+    tasks: Sequence[str],
+    *,
+    include_path: Sequence[str] = (),
+    limit: Optional[Union[int, float]] = None,
+    device: str = "cpu",
+) -> dict[str, Any]:
+    """``run --eval``: lm-eval ``tasks`` on the merged model in ``folder`` (the run's
+    temporary folder), its results saved there as :data:`EVAL_FILENAME` for the card.
+
+    lm-eval's own per-model JSON names the model by its path, so it is written to a
+    temporary folder and left out: nothing local goes into the folder ``publish`` uploads.
+    The merge is named ``name`` (the output folder's name), not the temporary folder's.
+    """
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="mergekit-ext-eval-") as scratch:
+        result = evaluate(
+            [folder],
+            tasks=tasks,
+            output=os.path.join(scratch, "results.json"),
+            include_path=include_path,
+            limit=limit,
+            device=device,
+        )
+    for model in result["models"]:
+        model.pop("results_file", None)
+        if model["role"] == "merge":
+            model["name"] = name
+    write_file(os.path.join(folder, EVAL_FILENAME), json.dumps(jsonable(result), indent=2) + "\n")
+    return result

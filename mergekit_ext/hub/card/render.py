@@ -408,9 +408,7 @@ DIAGNOSE_PLOT = "diagnose_block_errors.png"
 # `mergekit-ext card OUT --diagnose CONFIG` saves its result here; later cards (a rebuild, the
 # copy `publish` uploads) keep the section by reading it back.
 DIAGNOSE_FILENAME = "mergekit_ext_diagnose.json"
-# the evaluation results `card --eval` was given, kept beside the card so that `card` and
-# `publish` render the same table and model-index again without --eval (issue #52)
-EVAL_FILENAME = "mergekit_ext_eval.json"
+EVAL_FILENAME = merge_record.EVAL_FILENAME
 
 
 def _diagnose_section(
