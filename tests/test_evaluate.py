@@ -342,13 +342,16 @@ def _llama_config(tiny_llama_set, tmp_path: Path) -> Path:
     return config
 
 
-def test_run_eval_puts_the_merge_results_on_its_card(tiny_llama_set, tmp_path: Path) -> None:
-    """`run --eval`: lm-eval on the merge before its card; the card's model-index holds the
-    merge's number, the kept results name the output folder (not the run's temporary one)
-    and hold no local path; an unknown task is refused before anything merges."""
+def test_run_eval_puts_the_merge_results_on_its_card(
+    tiny_llama_set, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`run --eval` with the README's example task (examples/eval, run from the repository
+    root as the README does): lm-eval on the merge before its card; the card's model-index
+    holds the merge's number, the kept results name the output folder (not the run's
+    temporary one) and hold no local path; an unknown task is refused before anything merges."""
     pytest.importorskip("lm_eval")
     config = _llama_config(tiny_llama_set, tmp_path)
-    tasks = _local_task(tmp_path / "tasks")
+    monkeypatch.chdir(Path(__file__).resolve().parent.parent)  # the task's data_files root
     refused = CliRunner().invoke(
         main, ["run", str(config), str(tmp_path / "bad"), "--eval", "no_such_task"]
     )
@@ -357,14 +360,15 @@ def test_run_eval_puts_the_merge_results_on_its_card(tiny_llama_set, tmp_path: P
 
     out = tmp_path / "merged"
     args = ["run", str(config), str(out), "--eval", "tiny_mc", "--eval-limit", "8"]
-    result = _invoke(args + ["--eval-include-path", str(tasks)])
+    result = _invoke(args + ["--eval-include-path", "examples/eval"])
     assert result.exit_code == 0, result.output
     kept = json.loads((out / EVAL_FILENAME).read_text(encoding="utf-8"))
     assert [(m["role"], m["name"]) for m in kept["models"]] == [("merge", "merged")]
     assert kept["limit"] == 8 and str(tmp_path) not in json.dumps(kept)
     assert not any("_lm_eval" in p for p in os.listdir(out))  # lm-eval's files stay out
-    (entry,) = ModelCard.load(out / "README.md").data.eval_results
-    assert entry.metric_value == kept["models"][0]["lm_eval"]["results"]["tiny_mc"]["acc,none"]
+    index = {e.metric_type: e for e in ModelCard.load(out / "README.md").data.eval_results}
+    acc = kept["models"][0]["lm_eval"]["results"]["tiny_mc"]["acc,none"]
+    assert set(index) == {"acc", "acc_norm"} and index["acc"].metric_value == acc
     manifest = json.loads((out / "mergekit_ext_manifest.json").read_text(encoding="utf-8"))
     assert EVAL_FILENAME in json.dumps(manifest)  # publish uploads it with the card
 

@@ -33,6 +33,12 @@ DRIVEN = {
 }
 
 
+#: lm-eval task YAMLs (not merge configs), with the test that runs each as the README does
+LM_EVAL_TASKS = {
+    "examples/eval/tiny_mc.yaml": "tests/test_evaluate.py::test_run_eval_puts_the_merge_results_on_its_card",
+}
+
+
 def _examples() -> list[str]:
     found = glob.glob(os.path.join(REPO_ROOT, "examples", "**", "*.y*ml"), recursive=True)
     return sorted(os.path.relpath(p, REPO_ROOT) for p in found if "_build" not in p)
@@ -89,8 +95,13 @@ def test_every_example_runs_here():
     by its script (:data:`DRIVEN`): a new example cannot be left out of CI."""
     examples = _examples()
     assert "examples/tiny/ace.yml" in examples
-    covered = set(_demo_tiny_yamls()) | set(_tiny_yamls()) | set(DRIVEN)
+    covered = set(_demo_tiny_yamls()) | set(_tiny_yamls()) | set(DRIVEN) | set(LM_EVAL_TASKS)
     assert sorted(set(examples) - covered) == []
+    for task, test in LM_EVAL_TASKS.items():  # the named test exists and reads that folder
+        path, name = test.split("::")
+        with open(os.path.join(REPO_ROOT, path), encoding="utf-8") as fp:
+            source = fp.read()
+        assert f"def {name}(" in source and os.path.dirname(task) in source, (task, test)
     assert set(DRIVEN) <= set(examples) and set(_demo_tiny_yamls()) <= set(examples)
 
 
