@@ -1285,3 +1285,31 @@ def test_sizes_use_one_formatter(hub: FakeHub, folder: Path) -> None:
     result = CliRunner().invoke(publish_command, [*args, "--endpoint", hub.url])
     assert re.search(r"^\s+1,500,000\s+1\.50 MB  notes\.txt  \(--include\)$", result.output, re.M)
     assert format_bytes(1_500_000) == "1.50 MB"
+
+
+def test_publish_carries_the_saved_evaluation(hub: FakeHub, folder: Path) -> None:
+    """Issue #52 item 3: results saved by ``card --eval`` (here a results file as lm-eval
+    0.4.13's own tracker writes it) are on the uploaded card, its model-index named for the
+    repo, and their file goes with it (local paths redacted); a later ``card`` without ``--eval`` keeps them."""
+    raw = (Path(__file__).parent / "data" / "lm_eval_0.4.13_results.json").read_text("utf-8")
+    write_model_card(str(folder), eval_results=json.loads(raw))
+    saved = folder / merge_record.EVAL_FILENAME
+    assert saved.is_file()
+
+    publish_folder(str(folder), "alice/evaluated", token=WRITE_TOKEN, endpoint=hub.url)
+    files = hub.commits("alice/evaluated")[-1].files
+    uploaded = files["README.md"].decode("utf-8")
+    (index,) = huggingface_hub.ModelCard(uploaded).data.to_dict()["model-index"]
+    assert index["name"] == "evaluated"
+    (entry,) = index["results"]
+    assert entry["task"]["name"] == "tiny_mc" and entry["metrics"][0]["value"] == 0.2
+    assert entry["source"]["name"] == "lm-evaluation-harness 0.4.13"
+    assert "| tiny_mc" in uploaded  # the table, not only the metadata
+    # lm-eval's own file names the model and data by local path: redacted on the way up
+    assert b"/tmp/evalh_try" in saved.read_bytes()
+    sent = json.loads(files[merge_record.EVAL_FILENAME])
+    assert "/tmp/evalh_try" not in json.dumps(sent)
+    assert sent["results"] == json.loads(raw)["results"]
+
+    write_model_card(str(folder))  # no --eval: the saved results stay on the card
+    assert "| tiny_mc" in (folder / "README.md").read_text("utf-8")

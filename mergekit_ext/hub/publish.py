@@ -280,7 +280,9 @@ def select_upload_files(
     ``run`` once everything else was written), else, for a folder without one (an older
     version, ``mergekit-yaml``), the files with the names a merge writes
     (:data:`MERGE_FILE_NAMES`); and the card's: ``README.md``, the images ``card_text``
-    (default: the local README.md) links to, ``mergekit_ext_diagnose.json``. Never sent,
+    (default: the local README.md) links to, ``mergekit_ext_diagnose.json`` and
+    ``mergekit_ext_eval.json`` (the results ``card --eval`` or ``run --eval`` saved: the card's
+    table and model-index are rendered from it, so the repository keeps its source). Never sent,
     even when ``include`` names them: symbolic links (to files or folders, inside or outside
     ``out_dir``: never followed), hidden files and folders (``.env``, ``.DS_Store``,
     ``.cache/``), the local manifest (the upload carries its own) and ``README.md.bak*``.
@@ -298,7 +300,12 @@ def select_upload_files(
     if card_text is None:
         readme = root / "README.md"
         card_text = readme.read_text(encoding="utf-8") if readme.is_file() else ""
-    card_files = {"README.md", "mergekit_ext_diagnose.json", *_card_links(card_text)}
+    card_files = {
+        "README.md",
+        "mergekit_ext_diagnose.json",
+        merge_record.EVAL_FILENAME,
+        *_card_links(card_text),
+    }
     chosen: list[FolderFile] = []
     included: list[str] = []
     left_out: list[tuple[str, str]] = []
