@@ -77,6 +77,7 @@ from mergekit_ext.diagnose.heldout import (
     parse_heldout,
 )
 from mergekit_ext.diagnose.probe import record_warnings
+from mergekit_ext.diagnose.task import DiagnosisTask
 from mergekit_ext.diagnose.verdict import compare_with_references, evaluated_on
 from mergekit_ext.errors import (
     CalibrationError,
@@ -114,22 +115,6 @@ Role = Literal["merge", "base", "expert"]
 
 # ------------------------------------------------------------------------------------------
 # The plan: everything checked before a weight loads
-
-
-@dataclass
-class DiagnosisTask:
-    """One task: its expert, calibration data and (once loaded) its evaluation batches."""
-
-    name: str
-    label: str  # the model as written in the YAML
-    source: Source
-    data_path: str
-    calibration: CalibrationSpec  # what the merge read
-    evaluation: Optional[CalibrationSpec] = None  # what diagnose runs (None: calibration)
-    data: Optional[CalibrationData] = None
-    data_info: dict[str, Any] = field(default_factory=dict)  # which data, for the output
-    probe: Optional[CalibrationData] = None  # the off-distribution probe (text models)
-    probe_info: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
