@@ -106,7 +106,7 @@ from mergekit_ext.models.checkpoint import (
     resolve_model_folder,
 )
 from mergekit_ext.models.families import ModelFamily
-from mergekit_ext.models.output_kind import output_kind
+from mergekit_ext.models.head_kind import head_kind
 
 LOG = logging.getLogger(__name__)
 
@@ -149,8 +149,8 @@ class DiagnosisPlan:
 
 def _compared_output(skeleton: nn.Module) -> ComparedOutput:
     """What diagnose compares of the expert's class: next-token logits (a causal LM), class
-    logits (any other head) or nothing (a bare body); see ``models/output_kind.py``."""
-    kind = output_kind(skeleton)
+    logits (any other head) or nothing (a bare body); see ``models/head_kind.py``."""
+    kind = head_kind(skeleton)
     if kind == "causal_lm":
         return "next_token"
     return "none" if kind == "none" else "class"
