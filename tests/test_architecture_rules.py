@@ -69,6 +69,7 @@ LAYERS: tuple[tuple[str, int], ...] = (
     # 5: the runner and its one validation pass
     ("mergekit_ext.runner", 5),
     ("mergekit_ext.checks", 5),
+    ("mergekit_ext.preflight", 5),  # every check before a weight loads, in one pass
     ("mergekit_ext.diagnose", 5),  # the post-merge check: walks models with the executor's blocks
     ("mergekit_ext.evaluate", 5),  # `eval`: lm-eval and classifier accuracy on merged models
     # 6: the hub wing (only runner and cli above it reach it; what it reads: HUB_MAY_READ)
