@@ -27,6 +27,7 @@ from mergekit_ext.methods.registry import (
 from mergekit_ext.models.model_files import check_model_files, read_json_object, safetensors_header
 from mergekit_ext.models.model_paths import (
     PICKLE_PATTERNS,
+    VOCABULARY_FILES,
     cached_snapshot,
     checkpoint_shapes,
     is_config_only,
@@ -380,11 +381,8 @@ def check_layer_counts(cfg: ExtMergeConfig) -> None:
         )
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer.model", "vocab.json")
-
-
 def _tokenizer_digest(folder: str) -> Optional[str]:
-    for name in _TOKENIZER_FILES:
+    for name in VOCABULARY_FILES:
         path = os.path.join(folder, name)
         if os.path.isfile(path):
             with open(path, "rb") as fp:
