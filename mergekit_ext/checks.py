@@ -1,4 +1,5 @@
-"""Input validation done before any weight is loaded.
+"""The checks :func:`mergekit_ext.preflight.preflight` runs, in its order, before any weight is
+loaded (a check is called from there, once, never from the runner or an executor).
 
 Each check raises a :class:`~mergekit_ext.errors.MergekitExtError` subclass whose message
 names the model, tensor or field at fault and says what to do.
