@@ -495,11 +495,7 @@ def build_plan(
         experts.append(Expert(entry.name, entry.model, source, data_path, spec))
 
     if family.modality == "text":
-        # Every model that ships a tokenizer must share one vocabulary (models without one
-        # can only use pre-tokenized calibration data, which load_calibration checks).
-        paths = [p for p in [base_data_path, *(e.data_path for e in experts)] if has_tokenizer(p)]
-        if len(paths) > 1:
-            check_tokenizers_match(paths)
+        _check_vocabularies([base_data_path, *(e.data_path for e in experts)])
 
     # Blocks and groups, from the base model's own class.
     backbone = base.backbone
@@ -531,39 +527,7 @@ def build_plan(
             getattr(parameters, "fallback", "mean"),
         )
 
-    # Shapes: every backbone tensor of the base must exist with the same shape in each
-    # expert where the forward pass needs it (blocks, embeddings); heads may differ. Tensors
-    # a class does not load (old buffers) are no part of any source's names.
-    needed = in_blocks | set(pre_block)
-    expert_only: dict[str, list[str]] = {}
-    for e in experts:
-        for name in names:
-            shape = base.shapes[name]
-            if not e.source.provides(name):
-                if name in needed:
-                    raise ModelInputError(
-                        f"tensor {base.checkpoint_key[name]} of the base model is missing from "
-                        f"{e.label}, whose class {type(e.source.skeleton).__name__} loads it; "
-                        "the data-aware merge runs every block and embedding of each expert: "
-                        "give the expert's complete checkpoint"
-                    )
-                continue
-            other = tuple(e.source.shape(name))
-            if other != tuple(shape) and not name.startswith(HEAD_PREFIX):
-                raise ModelInputError(
-                    f"shape mismatch for tensor {base.checkpoint_key[name]}: {list(shape)} in the base "
-                    f"model {base.label} but {list(other)} in {e.label}; the experts must share "
-                    "the base model's architecture"
-                )
-        for name in e.source.names():
-            if not base.has(name):
-                expert_only.setdefault(name, []).append(e.label)
-    for name, labels in expert_only.items():
-        LOG.warning(
-            "tensor %s exists only in %s: not merged",
-            name.removeprefix(HEAD_PREFIX),
-            ", ".join(labels),
-        )
+    expert_only = _check_expert_shapes(base, experts, in_blocks | set(pre_block))
 
     out_dtype_name = cfg.merge.out_dtype or cfg.merge.dtype
     try:
@@ -609,6 +573,56 @@ def build_plan(
         LOG.warning("%s", warning)
     plan.memory = estimate_memory(plan)
     return plan
+
+
+def _check_vocabularies(folders: list[str]) -> None:
+    """Every model that ships a tokenizer must share one vocabulary (models without one can
+    only use pre-tokenized calibration data, which load_calibration checks)."""
+    paths = [p for p in folders if has_tokenizer(p)]
+    if len(paths) > 1:
+        check_tokenizers_match(paths)
+
+
+def _check_expert_shapes(
+    base: Source, experts: list[Expert], needed: set[str]
+) -> dict[str, list[str]]:
+    """Refuse an expert that lacks, or has another shape of, a base tensor the forward pass
+    needs (``needed``: the blocks and the embeddings); heads may differ. Returns the tensors
+    only some experts have (canonical name -> their labels), which are not merged."""
+    names = base.names()
+    # Shapes: every backbone tensor of the base must exist with the same shape in each
+    # expert where the forward pass needs it (blocks, embeddings); heads may differ. Tensors
+    # a class does not load (old buffers) are no part of any source's names.
+    expert_only: dict[str, list[str]] = {}
+    for e in experts:
+        for name in names:
+            shape = base.shapes[name]
+            if not e.source.provides(name):
+                if name in needed:
+                    raise ModelInputError(
+                        f"tensor {base.checkpoint_key[name]} of the base model is missing from "
+                        f"{e.label}, whose class {type(e.source.skeleton).__name__} loads it; "
+                        "the data-aware merge runs every block and embedding of each expert: "
+                        "give the expert's complete checkpoint"
+                    )
+                continue
+            other = tuple(e.source.shape(name))
+            if other != tuple(shape) and not name.startswith(HEAD_PREFIX):
+                raise ModelInputError(
+                    f"shape mismatch for tensor {base.checkpoint_key[name]}: {list(shape)} in the base "
+                    f"model {base.label} but {list(other)} in {e.label}; the experts must share "
+                    "the base model's architecture"
+                )
+        for name in e.source.names():
+            if not base.has(name):
+                expert_only.setdefault(name, []).append(e.label)
+    for name, labels in expert_only.items():
+        LOG.warning(
+            "tensor %s exists only in %s: not merged",
+            name.removeprefix(HEAD_PREFIX),
+            ", ".join(labels),
+        )
+    return expert_only
 
 
 def _device_type(device: Optional[str]) -> str:
