@@ -21,7 +21,7 @@ import os as _os
 import sys as _sys
 from typing import Any as _Any
 
-__version__ = "0.1.0"
+from mergekit_ext._version import __version__
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 

@@ -28,12 +28,8 @@ from mergekit.options import MergeOptions
 from mergekit_ext.config import ExtMergeConfig, load_config, parse_config
 from mergekit_ext.errors import ConfigError, MergekitExtError
 from mergekit_ext.hub.actions import HubActions
-from mergekit_ext.runner import (
-    RunOptions,
-    check_merge_options,
-    merge_option_problem,
-    run_merge_config,
-)
+from mergekit_ext.preflight import check_merge_options, merge_option_problem
+from mergekit_ext.runner import RunOptions, run_merge_config
 
 ConfigLike = Union[str, "os.PathLike[str]", Mapping[str, Any], ExtMergeConfig, MergeConfiguration]
 

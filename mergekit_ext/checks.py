@@ -1,4 +1,5 @@
-"""Input validation done before any weight is loaded.
+"""The checks :func:`mergekit_ext.preflight.preflight` runs, in its order, before any weight is
+loaded (a check is called from there, once, never from the runner or an executor).
 
 Each check raises a :class:`~mergekit_ext.errors.MergekitExtError` subclass whose message
 names the model, tensor or field at fault and says what to do.
@@ -27,6 +28,7 @@ from mergekit_ext.methods.registry import (
 from mergekit_ext.models.model_files import check_model_files, read_json_object, safetensors_header
 from mergekit_ext.models.model_paths import (
     PICKLE_PATTERNS,
+    VOCABULARY_FILES,
     cached_snapshot,
     checkpoint_shapes,
     is_config_only,
@@ -380,11 +382,8 @@ def check_layer_counts(cfg: ExtMergeConfig) -> None:
         )
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer.model", "vocab.json")
-
-
 def _tokenizer_digest(folder: str) -> Optional[str]:
-    for name in _TOKENIZER_FILES:
+    for name in VOCABULARY_FILES:
         path = os.path.join(folder, name)
         if os.path.isfile(path):
             with open(path, "rb") as fp:

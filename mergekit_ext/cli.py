@@ -216,7 +216,8 @@ def run_command(
     """
     from mergekit_ext import distributed
     from mergekit_ext.hub.actions import HubActions
-    from mergekit_ext.runner import RunOptions, check_distributable, run_merge_config
+    from mergekit_ext.preflight import World, check_world
+    from mergekit_ext.runner import RunOptions, run_merge_config
 
     merge_options.apply_global_options()
     given = [
@@ -254,8 +255,8 @@ def run_command(
                 f"--world-size {plan_world_size} but the launcher started {launched} processes "
                 "(WORLD_SIZE); give one of them"
             )
-    # before any rendezvous
-    check_distributable(cfg, plan_world_size or launched, planned=plan_world_size is not None)
+    # preflight's first step, here before any rendezvous (the run's preflight repeats it)
+    check_world(cfg, World.of_run(plan_world_size))
     if not dry_run:  # a dry run plans every rank from rank 0 and needs no process group
         distributed.init_from_env(merge_options.device, distributed_timeout)
     published: list[str] = []  # shown after "merged model written" (the merge comes first)
@@ -310,7 +311,7 @@ class _ShardSize(click.ParamType):
     name = "size"
 
     def convert(self, value: Any, param: Optional[click.Parameter], ctx: Any) -> int:
-        from mergekit_ext.runner import parse_shard_size
+        from mergekit_ext.preflight import parse_shard_size
 
         try:
             return parse_shard_size(value)
@@ -321,7 +322,7 @@ class _ShardSize(click.ParamType):
 def _checked_merge_option(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
     """mergekit's options that fail late (``torch.device``, ``set_num_threads``) checked as
     they are parsed: a usage error naming the option."""
-    from mergekit_ext.runner import merge_option_problem
+    from mergekit_ext.preflight import merge_option_problem
 
     problem = merge_option_problem(str(param.name), value)
     if problem is not None:

@@ -9,7 +9,7 @@ import sys
 
 def main() -> None:
     if sys.argv[1:] == ["--version"]:
-        from mergekit_ext import __version__
+        from mergekit_ext._version import __version__
 
         print(f"mergekit-ext, version {__version__}")  # click's version_option wording
         return

@@ -250,6 +250,6 @@ def load_manifest(folder: str) -> Optional[dict[str, Any]]:
 
 
 def _version() -> str:
-    from mergekit_ext import __version__
+    from mergekit_ext._version import __version__
 
     return __version__

@@ -34,7 +34,7 @@ from mergekit_ext import checks, finite, merge_record
 from mergekit_ext import distributed as dist_context
 from mergekit_ext.config import ExtMergeConfig
 from mergekit_ext.console import phase
-from mergekit_ext.errors import ConfigError, ExecutionError, PublishError
+from mergekit_ext.errors import ConfigError, PublishError
 from mergekit_ext.methods.kinds import Adaptation, Layerwise, MethodKind
 from mergekit_ext.methods.layerwise import LayerwiseMethod
 from mergekit_ext.methods.registry import method_kind
@@ -53,6 +53,7 @@ from mergekit_ext.output import (
     exclusive_output,
     resolve_output,
 )
+from mergekit_ext.preflight import Plan, World, preflight
 from mergekit_ext.resources import ResourceMeter
 
 LOG = logging.getLogger(__name__)
@@ -87,116 +88,6 @@ class RunOptions:
     eval_tasks: tuple[str, ...] = ()
     eval_include_path: tuple[str, ...] = ()
     eval_limit: Optional[float] = None
-
-
-def parse_shard_size(value: Any) -> int:
-    """``--out-shard-size``: parameters per output shard, ``500M``, ``5B``, ``1000000``.
-
-    Raises:
-        ValueError: not a size, or not positive (the message says what is accepted).
-    """
-    from mergekit.common import parse_kmb
-
-    hint = "a positive number of parameters per shard, such as 500M, 5B or 1000000"
-    try:
-        size = parse_kmb(value if isinstance(value, int) else str(value).strip())
-    except (ValueError, IndexError):
-        raise ValueError(f"{value!r} is not a size: give {hint}") from None
-    if isinstance(size, bool) or size <= 0:
-        raise ValueError(f"{value!r}: give {hint}")
-    return size
-
-
-def merge_option_problem(name: str, value: Any) -> Optional[str]:
-    """What is wrong with mergekit's option ``name`` set to ``value`` (None: nothing).
-
-    mergekit takes these as they come and fails late: ``torch.device`` deep in the merge
-    (``Invalid device string``), ``torch.set_num_threads`` without naming ``-j``, numpy's
-    seed range.
-    """
-    import torch
-
-    if value is None:
-        return None
-    if name == "device":
-        if value == "auto":
-            return None
-        try:
-            torch.device(value)
-        except (RuntimeError, TypeError):
-            return f"{value!r} is not a device torch knows: use cpu, cuda, cuda:N, mps, xpu or auto"
-    elif name in ("num_threads", "write_threads"):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            return f"{value!r}: give a whole number of threads, 1 or more"
-    elif name == "random_seed":
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32:
-            return f"{value!r}: give a whole number from 0 to {2**32 - 1} (numpy's seed range)"
-    elif name == "out_shard_size":
-        try:
-            parse_shard_size(value)
-        except ValueError as e:
-            return str(e)
-    return None
-
-
-def check_merge_options(options: MergeOptions, spell: Callable[[str], str]) -> None:
-    """Refuse a value of mergekit's options that would fail late, naming it as ``spell``
-    writes it (``--device`` on the command line, ``options['device']`` in Python)."""
-    for name in ("device", "num_threads", "write_threads", "random_seed", "out_shard_size"):
-        problem = merge_option_problem(name, getattr(options, name))
-        if problem is not None:
-            raise ConfigError(f"{spell(name)} {problem}")
-
-
-def validate(cfg: ExtMergeConfig, options: MergeOptions, run: RunOptions) -> list[str]:
-    """All checks that need no weights; returns the warnings."""
-    checks.check_method(cfg.method)
-    checks.check_parameter_values(cfg)  # pure config: before any path is looked at
-    data_aware = method_kind(cfg.method).data_aware
-    checks.check_models_list(cfg)
-    checks.check_model_paths(cfg, allow_pickle=run.allow_pickle, dry_run=run.dry_run)
-    warnings = checks.check_adapters(cfg)  # before mergekit/PEFT or the executor open one
-    checks.check_compatible(cfg, allow_crimes=options.allow_crimes, shapes=data_aware)
-    checks.check_layer_counts(cfg)
-    checks.check_checkpoint_classes(cfg)
-    warnings += checks.check_parameter_names(cfg)
-    warnings += checks.warn_tokenizers_differ(cfg)
-    checks.check_calibration_present(cfg)
-    if not data_aware:  # data-aware methods resolved it when planning their tokenizer
-        # mergekit resolves it only after writing the weights, then logs a traceback and
-        # writes no tokenizer at all (exit 0)
-        tokenization.resolve_chat_template(cfg.merge, options.trust_remote_code)
-    return warnings
-
-
-def check_distributable(cfg: ExtMergeConfig, world_size: int, planned: bool = False) -> None:
-    """Refuse several processes for a method the distributed executor does not run
-    (``planned``: asked by ``--dry-run --world-size``, not by a launcher)."""
-    if world_size <= 1:
-        return
-    why = method_kind(cfg.method).single_process
-    if why is not None:
-        if planned:
-            raise ExecutionError(
-                f"{cfg.method} runs in a single process ({why}): "
-                f"--world-size {world_size} cannot plan it; drop --world-size"
-            )
-        raise ExecutionError(
-            f"{cfg.method} runs in a single process ({why}); launch it "
-            f"without torchrun/accelerate (WORLD_SIZE is {world_size}), e.g. `mergekit-ext run "
-            "CONFIG OUT`"
-        )
-    kind = method_kind(cfg.method)
-    if isinstance(kind, Layerwise) and kind.method.block_refinement(cfg.parameters) is not None:
-        # the refinement sums each task's gradient on the rank that holds the task; a rank
-        # with no task of its own, or two ranks sharing one, has no term to pass on
-        base = str(cfg.merge.base_model) if cfg.merge.base_model else None
-        tasks = sum(1 for e in cfg.models if e.model != base)
-        if world_size > tasks:
-            raise ExecutionError(
-                f"{cfg.method} refines each block with gradients summed task by task: run it "
-                f"with at most as many processes as tasks ({tasks}), not {world_size}"
-            )
 
 
 class HubWing(Protocol):
@@ -299,7 +190,6 @@ def _run_merge_config(
 ) -> Optional[str]:
     run = run or RunOptions()
     ctx = dist_context.current()
-    check_distributable(cfg, ctx.world_size)
     if ctx.enabled and not run.dry_run:
         return _run_distributed(cfg, out_path, options, run, ctx, hub, show_published)
     target = _checked_destinations(cfg, out_path, options, run)
@@ -318,20 +208,19 @@ def _run_merge_config(
         launched = dist_context.world_size_from_env()
         if launched > 1 and os.environ.get("RANK", "0") != "0":
             return None  # under a launcher, rank 0 prints the plan of every rank
-        world = run.plan_world_size or launched
-        check_distributable(cfg, world, planned=run.plan_world_size is not None)
+        world = World.of_run(run.plan_world_size)
         from mergekit_ext.calibration.sources import in_memory
 
         with in_memory():  # a dry run writes nothing, not even datasets' Arrow cache
-            validate(cfg, options, run)
+            plan = preflight(cfg, options, world, allow_pickle=run.allow_pickle, dry_run=True)
             with _plan_prints_its_warnings() as listed:
-                described = _describe_plan(cfg, options, kind, world)
+                described = _describe_plan(plan)
                 listed.update(line.removeprefix("warning: ") for line in described.splitlines())
             show_plan(described)
         return None
 
     with exclusive_output(target, out_path):
-        validate(cfg, options, run)
+        preflight(cfg, options, allow_pickle=run.allow_pickle)
         recorder = merge_record.DiagnosticsRecorder(
             cfg.method,
             parameters=cfg.parameters,
@@ -374,7 +263,7 @@ def _run_distributed(
     if not ctx.is_writer:
         recorder = merge_record.DiagnosticsRecorder(cfg.method)
         try:
-            validate(cfg, options, run)
+            preflight(cfg, options, World(ctx.world_size), allow_pickle=run.allow_pickle)
         except Exception as e:
             ctx.agree(e, "the checks")
             raise
@@ -392,7 +281,7 @@ def _run_distributed(
         _check_eval(run)
         out_tokenizer = tokenization.plan_output_tokenizer(cfg.merge, options, cfg.method)
         with exclusive_output(target, out_path):
-            validate(cfg, options, run)
+            preflight(cfg, options, World(ctx.world_size), allow_pickle=run.allow_pickle)
             recorder = merge_record.DiagnosticsRecorder(
                 cfg.method,
                 parameters=cfg.parameters,
@@ -698,7 +587,7 @@ def _execute(
 
 
 def _layerwise(cfg: ExtMergeConfig) -> LayerwiseMethod:
-    """The LayerwiseMethod of a distributed merge (``check_distributable`` let only those in)."""
+    """The LayerwiseMethod of a distributed merge (``preflight.check_world`` let only those in)."""
     kind = method_kind(cfg.method)
     assert isinstance(kind, Layerwise), f"{cfg.method} is not a layer-wise method"
     return kind.method
@@ -814,21 +703,14 @@ def _plan_prints_its_warnings() -> Iterator[set[str]]:
                 planner.handle(record)
 
 
-def _describe_plan(
-    cfg: ExtMergeConfig, options: MergeOptions, kind: MethodKind, world_size: int = 1
-) -> str:
+def _describe_plan(plan: Plan) -> str:
+    """The ``--dry-run`` text of a merge that passed preflight."""
+    cfg, options, kind = plan.cfg, plan.options, plan.kind
     if isinstance(kind, Layerwise):  # the sequential executor's own plan
-        from mergekit_ext.executor import plan_layerwise_merge
-
-        plan = plan_layerwise_merge(cfg, options, kind.method, cfg.parameters)
-        if world_size > 1:
-            dist_context.check_tasks(world_size, len(plan.experts))  # the run's own rules
-            dist_context.check_shares(
-                world_size,
-                [(e.task, len(e.data.batches) if e.data else 1) for e in plan.experts],
-            )
-            return plan.describe() + "\n" + plan.describe_ranks(world_size)
-        return plan.describe()
+        layerwise = plan.layerwise()
+        if plan.world.size > 1:
+            return layerwise.describe() + "\n" + layerwise.describe_ranks(plan.world.size)
+        return layerwise.describe()
     lines = [
         f"method: {cfg.method} ({kind.name})",
         f"base_model: {cfg.merge.base_model}",

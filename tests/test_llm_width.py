@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from mergekit_ext.calibration.statistics import ActivationStatistics
-from mergekit_ext.executor.plan import rank_deficiency_warnings
+from mergekit_ext.executor.plan import method_warnings
 from mergekit_ext.methods import least_squares
 from mergekit_ext.methods.chain_of_merges import ChainOfMergesMethod
 from mergekit_ext.methods.layerwise import LinearGroup, StatisticsRequest, TaskStatistics
@@ -332,23 +332,24 @@ def _plan(tokens: list[int], ridge, keep_rows: bool = True):
         parameters=SimpleNamespace(ridge=ridge),
         blocks=[block],
         base=SimpleNamespace(shapes=shapes),
-        method=SimpleNamespace(name="chain_of_merges"),
+        method=ChainOfMergesMethod(),  # the warning is the least-squares method's
+        compute=None,
     )
 
 
 def test_plan_warns_when_tokens_are_fewer_than_inputs():
-    warnings = rank_deficiency_warnings(_plan([20, 21], "auto"))
+    warnings = method_warnings(_plan([20, 21], "auto"))
     assert len(warnings) == 1  # 41 tokens: only the 64-input group
     assert (
         "the Gram of mlp.down_proj (64 inputs) has at most 41 ranks from 41 calibration tokens"
         in warnings[0]
     )
     assert "ridge: auto" in warnings[0]
-    zero = rank_deficiency_warnings(_plan([20, 21], 0.0))
+    zero = method_warnings(_plan([20, 21], 0.0))
     assert "sets the merged weight to 0" in zero[0] and "64 x 64" in zero[0]
-    assert rank_deficiency_warnings(_plan([40, 40], "auto")) == []
-    assert rank_deficiency_warnings(_plan([5, 5], "auto", keep_rows=False)) == []
-    assert len(rank_deficiency_warnings(_plan([5, 5], "auto"))) == 2
+    assert method_warnings(_plan([40, 40], "auto")) == []
+    assert method_warnings(_plan([5, 5], "auto", keep_rows=False)) == []
+    assert len(method_warnings(_plan([5, 5], "auto"))) == 2
 
 
 def test_plan_warning_is_logged_by_a_real_plan(tiny_llama_set, tmp_path, caplog):
@@ -373,6 +374,66 @@ def test_plan_warning_is_logged_by_a_real_plan(tiny_llama_set, tmp_path, caplog)
     assert plan.rank_warnings and all("ranks from" in w for w in plan.rank_warnings)
     assert any("ranks from" in r.getMessage() for r in caplog.records)
     assert "warning: " + plan.rank_warnings[0] in plan.describe()
+
+
+def test_the_plan_asks_the_method_for_its_solve_and_warnings(tiny_llama_set, tmp_path):
+    """The executor's estimate takes the solve's bytes, the span decision and the warnings
+    from the method (methods/layerwise.py), never from least squares' parameters: a method
+    that says otherwise changes the plan (issue #53)."""
+    import yaml
+    from mergekit.options import MergeOptions
+
+    from mergekit_ext.config import parse_config
+    from mergekit_ext.executor import plan_layerwise_merge
+    from mergekit_ext.executor.plan import estimate_memory
+    from mergekit_ext.methods.layerwise import LayerwiseMethod, SpanSolve, dense_solve_bytes
+
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "a b c"}\n{"text": "d e"}\n')
+    models = [
+        {"model": e, "name": f"t{k}", "calibration": {"path": str(data), "samples": 2}}
+        for k, e in enumerate(tiny_llama_set.experts[:2])
+    ]
+    cfg = parse_config(
+        yaml.safe_dump(
+            {"merge_method": "chain_of_merges", "base_model": tiny_llama_set.base, "models": models}
+        )
+    )
+    options = MergeOptions(quiet=True)
+    com = plan_layerwise_merge(cfg, options, ChainOfMergesMethod(), {})
+    assert com.rank_warnings  # few tokens: least squares warns and solves in the span
+
+    class Other(ChainOfMergesMethod):
+        """The same statistics; a solve that holds 1 MB more and never takes the span."""
+
+        def solve_in_span(self, parameters, group):
+            return SpanSolve()
+
+        def solve_bytes(self, parameters, group, tasks, **how):
+            return dense_solve_bytes(group.width, group.out, tasks) + 10**6
+
+        def plan_warnings(self, parameters, groups):
+            return [f"{len(groups)} groups"]
+
+    class Plain(LayerwiseMethod):
+        """The interface's defaults: a dense solve on the Grams, no warning."""
+
+        name = "chain_of_merges"
+        statistics_request = ChainOfMergesMethod.statistics_request
+        parameters_model = ChainOfMergesMethod.parameters_model
+        merge_linear_group = ChainOfMergesMethod.merge_linear_group
+
+    other = plan_layerwise_merge(cfg, options, Other(), {})
+    plain = plan_layerwise_merge(cfg, options, Plain(), {})
+    assert other.rank_warnings == [f"{len(other.blocks[0].groups)} groups"]
+    assert plain.rank_warnings == []
+    assert other.memory.solver > plain.memory.solver  # the extra MB
+    assert other.memory.solver - plain.memory.solver == 10**6
+    assert com.memory.solver != plain.memory.solver  # the span solve's own bytes
+    # several processes: a span group is gathered to rank 0 (rank 1 solves nothing) only
+    # where the method says so; otherwise the solves take turns over the ranks
+    assert estimate_memory(com, 2, 1).solver == 0
+    assert estimate_memory(other, 2, 1).solver > 0
 
 
 @pytest.mark.parametrize("alpha", [1.0, 0.8])

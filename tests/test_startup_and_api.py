@@ -45,6 +45,19 @@ def test_version_loads_no_heavy_module():
     assert loaded == [], loaded[:5]
 
 
+def test_version_is_the_one_pyproject_declares():
+    """``mergekit_ext/_version.py`` holds the version every module reads; it is the
+    distribution's (``pyproject.toml``), so the card and the diagnostics name the release."""
+    import re
+
+    from mergekit_ext._version import __version__
+
+    root = os.path.dirname(os.path.dirname(mergekit_ext.__file__))
+    with open(os.path.join(root, "pyproject.toml"), encoding="utf-8") as fp:
+        declared = re.search(r'^version = "([^"]+)"', fp.read(), re.MULTILINE)
+    assert declared is not None and declared.group(1) == __version__ == mergekit_ext.__version__
+
+
 def test_import_still_registers_every_method():
     script = (
         "import logging, mergekit_ext\n"

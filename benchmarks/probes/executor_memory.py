@@ -260,6 +260,16 @@ def _timed(method: Any, timings: dict[str, float]) -> Any:
         def merge_other(self, name, base, experts, parameters):
             return method.merge_other(name, base, experts, parameters)
 
+        # the plan's estimate and warnings are the method's (methods/layerwise.py)
+        def solve_in_span(self, parameters, group):
+            return method.solve_in_span(parameters, group)
+
+        def solve_bytes(self, parameters, group, tasks, **how):
+            return method.solve_bytes(parameters, group, tasks, **how)
+
+        def plan_warnings(self, parameters, groups):
+            return method.plan_warnings(parameters, groups)
+
     return TimedMethod()
 
 

@@ -24,16 +24,16 @@ from mergekit_ext.kl import (  # the KL helpers' home; re-exported for existing 
     kl_to_top_k_teacher,
     top_k_log_probs,
 )
-from mergekit_ext.models.output_kind import OutputKind  # re-exported for existing importers
+from mergekit_ext.models.head_kind import HeadKind  # re-exported for existing importers
 
 Target = Literal["hard", "soft"]
 
 
 def rows(
-    output: torch.Tensor, attention_mask: Optional[torch.Tensor], output_kind: OutputKind
+    output: torch.Tensor, attention_mask: Optional[torch.Tensor], head_kind: HeadKind
 ) -> torch.Tensor:
     """``(N, C)`` logits: per sample, or per non-padding position for per-token outputs."""
-    if output_kind == "classification":
+    if head_kind == "classification":
         return output
     if attention_mask is None:
         return output.reshape(-1, output.shape[-1])
@@ -112,7 +112,7 @@ def agreement(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> flo
 
 
 __all__ = [
-    "OutputKind",
+    "HeadKind",
     "Target",
     "TopKLogProbs",
     "agreement",

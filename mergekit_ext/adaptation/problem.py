@@ -22,8 +22,8 @@ from torch import nn
 from torch.func import functional_call
 
 from mergekit_ext.adaptation.structure import TaskRoles, body_prefix, canonical_key, plan_roles
+from mergekit_ext.models.head_kind import HeadKind, is_causal_lm, is_causal_lm_class
 from mergekit_ext.models.lora import LowRankUpdate
-from mergekit_ext.models.output_kind import OutputKind, is_causal_lm, is_causal_lm_class
 
 LOG = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ class TaskModel:
     layer: dict[str, nn.Parameter]  # trainable, initialised from the expert
     layer_init: dict[str, torch.Tensor]  # the expert's task layer (a frozen copy)
     frozen: dict[str, torch.Tensor]  # task-specific, kept at the expert's value
-    output_kind: Optional[OutputKind] = None
+    head_kind: Optional[HeadKind] = None
     accepts: Optional[frozenset[str]] = field(default=None)
 
     def inputs(self, batch: Mapping[str, torch.Tensor]) -> dict[str, Any]:

@@ -45,7 +45,7 @@ from mergekit_ext.config import ExtMergeConfig, ExtModelEntry
 from mergekit_ext.errors import CalibrationError, ConfigError, ModelInputError
 from mergekit_ext.models import model_class, model_paths
 from mergekit_ext.models.checkpoint import ResolvedReference, resolve_reference
-from mergekit_ext.models.output_kind import is_causal_lm, is_causal_lm_class, observed_output_kind
+from mergekit_ext.models.head_kind import is_causal_lm, is_causal_lm_class, observed_head_kind
 
 LOG = logging.getLogger(__name__)
 
@@ -386,7 +386,7 @@ def prepare_symerge(
         else:
             first = {key: v[:1] for key, v in data[k].inputs.items()}
             probe = teacher_outputs(forward, first, 1, device)
-        kinds.append(observed_output_kind(expert, probe))
+        kinds.append(observed_head_kind(expert, probe))
         if run_params is None:
             expert_tensors.append(free_parameters(expert))
         elif body_tensors is None:  # relative to θ_0 = the base: factors, None where unchanged
@@ -408,7 +408,7 @@ def prepare_symerge(
         base_tensors=body_tensors if body_tensors is not None else base_own,
     )
     for task, found in zip(problem.tasks, kinds):
-        task.output_kind = found
+        task.head_kind = found
     timing = {
         "load_data_s": data_loaded - started,
         "load_models_and_teacher_s": time.perf_counter() - data_loaded,
@@ -513,7 +513,7 @@ def adapt_session(session: SyMergeSession, *, progress: bool = True) -> dict[str
     log = adapt(problem, data, settings, device=session.device, progress=progress)
     after = evaluate(problem, data, "heldout", **measure)
     for task in problem.tasks:
-        metric = "accuracy" if task.output_kind != "dense" else "l1"
+        metric = "accuracy" if task.head_kind != "dense" else "l1"
         LOG.info(
             "symerge %s: held-out %s vs its expert: task arithmetic %s -> adapted %s",
             task.name,
@@ -529,7 +529,7 @@ def adapt_session(session: SyMergeSession, *, progress: bool = True) -> dict[str
 def task_layers_are_lm_blocks(problem: Any) -> bool:
     """True when some task is a causal LM whose task layer lies inside the body (a block)."""
     return any(
-        t.output_kind == "causal_lm"
+        t.head_kind == "causal_lm"
         and (
             not t.roles.prefix
             or any(m.startswith(t.roles.prefix) for m in t.roles.task_layer_modules)
@@ -710,7 +710,7 @@ def _diagnostics(
         "body": session.parameters.body,
         "start_heldout_accuracy": {t: before[t]["accuracy"] for t in tasks},
         "task_layers": {t.name: list(t.roles.task_layer_modules) for t in problem.tasks},
-        "output_kinds": {t.name: t.output_kind for t in problem.tasks},
+        "output_kinds": {t.name: t.head_kind for t in problem.tasks},
         "samples": {
             d.name: {"adaptation": len(d.adapt_index), "heldout": len(d.heldout_index)}
             for d in session.data
@@ -724,7 +724,7 @@ def _diagnostics(
         "teacher_cached": session.teacher_cached,
         "memory_estimate_bytes": dict(session.estimate.parts),
     }
-    if any(t.output_kind == "dense" for t in problem.tasks):
+    if any(t.head_kind == "dense" for t in problem.tasks):
         section["heldout_l1"] = {t: after[t]["l1"] for t in tasks}
         section["task_arithmetic_heldout_l1"] = {t: before[t]["l1"] for t in tasks}
     return section

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from mergekit_ext.errors import ConfigError
-from mergekit_ext.models.output_kind import is_causal_lm
+from mergekit_ext.models.head_kind import is_causal_lm
 
 LOG = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from mergekit_ext.adaptation.losses import (
 )
 from mergekit_ext.adaptation.problem import SyMergeProblem
 from mergekit_ext.errors import CalibrationError
-from mergekit_ext.models.output_kind import OutputKind
+from mergekit_ext.models.head_kind import HeadKind
 
 LOG = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ def teacher_outputs(
 
 
 def task_loss(
-    output_kind: OutputKind,
+    head_kind: HeadKind,
     student: torch.Tensor,
     teacher: torch.Tensor | TopKLogProbs,
     attention_mask: Optional[torch.Tensor],
@@ -182,19 +182,19 @@ def task_loss(
     top_p: Optional[float],
 ) -> tuple[torch.Tensor, float]:
     """The loss for one batch and the student's agreement with the teacher on it."""
-    if output_kind == "dense":
+    if head_kind == "dense":
         loss = l1_to_teacher(student, teacher, attention_mask)  # type: ignore[arg-type]
         return loss, float("nan")
     s_rows, t_rows = (
-        rows(student, attention_mask, output_kind),
-        rows(teacher, attention_mask, output_kind),
+        rows(student, attention_mask, head_kind),
+        rows(teacher, attention_mask, head_kind),
     )
     if isinstance(t_rows, TopKLogProbs):
         n = max(int(s_rows.shape[0]), 1)
         same = s_rows.detach().argmax(-1) == t_rows.argmax()
         agree = float(same.float().mean()) if s_rows.shape[0] else float("nan")
         return kl_to_top_k_teacher(s_rows, t_rows) / n, agree
-    if output_kind == "causal_lm":
+    if head_kind == "causal_lm":
         loss = kl_to_teacher(s_rows, t_rows)
     else:
         loss, _ = self_labelling_loss(s_rows, t_rows, target, top_p)
@@ -304,7 +304,7 @@ def _teacher_batch(
         return data.teacher[index.to(data.teacher.device)]
     with torch.no_grad():
         out = output_tensor(problem.teacher_forward(k, batch)).detach()
-        if top_k is not None and problem.tasks[k].output_kind == "causal_lm":
+        if top_k is not None and problem.tasks[k].head_kind == "causal_lm":
             return top_k_log_probs(out, top_k)
         return out.float()
 
@@ -323,7 +323,7 @@ def _student_loss(
     ``logit_chunk_tokens`` positions at a time (:func:`causal_lm_chunked_loss`).
     """
     task = problem.tasks[k]
-    mask = batch.get("attention_mask") if task.output_kind != "classification" else None
+    mask = batch.get("attention_mask") if task.head_kind != "classification" else None
     if isinstance(teacher, TopKLogProbs):
         split = problem.hidden_and_head(k, batch, merged)
         if split is not None:
@@ -332,9 +332,9 @@ def _student_loss(
                 hidden.float(), head.float(), teacher, mask, settings.logit_chunk_tokens
             )
     student = output_tensor(problem.forward(k, batch, merged)).float()
-    assert task.output_kind is not None
+    assert task.head_kind is not None
     return task_loss(
-        task.output_kind, student, teacher, mask, settings.target, settings.confidence_top_p
+        task.head_kind, student, teacher, mask, settings.target, settings.confidence_top_p
     )
 
 
@@ -363,7 +363,7 @@ def _accumulate_step(
     task = problem.tasks[k]
     micro = settings.micro_batch_size
     parts = [index]
-    if task.output_kind == "causal_lm" and micro is not None and micro < len(index):
+    if task.head_kind == "causal_lm" and micro is not None and micro < len(index):
         parts = list(index.split(micro))
     batches = [
         {key: v.to(device) for key, v in select(data.inputs, part).items()} for part in parts
@@ -397,7 +397,7 @@ def adapt(
     for task, d in zip(problem.tasks, data):
         if len(d.adapt_index) == 0:
             raise CalibrationError(f"symerge: task {task.name} has no adaptation samples left")
-        if task.output_kind is None:
+        if task.head_kind is None:
             raise ValueError(f"task {task.name}: output kind unknown (compute the teacher first)")
     order_generator = torch.Generator().manual_seed(settings.seed)
     cyclers = [
@@ -465,22 +465,22 @@ def evaluate(
             chunk = index[start : start + batch_size]
             batch = {key: v.to(device) for key, v in select(d.inputs, chunk).items()}
             teacher = _teacher_batch(problem, k, d, chunk, batch, settings.teacher_top_k)
-            mask = batch.get("attention_mask") if task.output_kind != "classification" else None
-            if task.output_kind == "dense":
+            mask = batch.get("attention_mask") if task.head_kind != "classification" else None
+            if task.head_kind == "dense":
                 student = output_tensor(problem.forward(k, batch, merged)).float()
                 l1_sum += float(l1_to_teacher(student, teacher, mask)) * len(chunk)
                 total += len(chunk)
                 continue
             n_rows = (
-                int(mask.sum()) if mask is not None and task.output_kind != "classification" else 0
+                int(mask.sum()) if mask is not None and task.head_kind != "classification" else 0
             )
             _, agree = _student_loss(problem, k, batch, teacher, settings, merged)
             if not n_rows:
-                n_rows = rows(teacher, mask, task.output_kind).shape[0]
+                n_rows = rows(teacher, mask, task.head_kind).shape[0]
             if not math.isnan(agree):
                 same += round(agree * n_rows)
                 total += n_rows
-        if task.output_kind == "dense":
+        if task.head_kind == "dense":
             result[task.name] = {"accuracy": None, "l1": l1_sum / max(total, 1)}
         else:
             result[task.name] = {"accuracy": same / max(total, 1), "l1": None}

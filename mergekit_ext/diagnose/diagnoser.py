@@ -77,6 +77,7 @@ from mergekit_ext.diagnose.heldout import (
     parse_heldout,
 )
 from mergekit_ext.diagnose.probe import record_warnings
+from mergekit_ext.diagnose.task import DiagnosisTask
 from mergekit_ext.diagnose.verdict import compare_with_references, evaluated_on
 from mergekit_ext.errors import (
     CalibrationError,
@@ -105,7 +106,7 @@ from mergekit_ext.models.checkpoint import (
     resolve_model_folder,
 )
 from mergekit_ext.models.families import ModelFamily
-from mergekit_ext.models.output_kind import output_kind
+from mergekit_ext.models.head_kind import head_kind
 
 LOG = logging.getLogger(__name__)
 
@@ -114,22 +115,6 @@ Role = Literal["merge", "base", "expert"]
 
 # ------------------------------------------------------------------------------------------
 # The plan: everything checked before a weight loads
-
-
-@dataclass
-class DiagnosisTask:
-    """One task: its expert, calibration data and (once loaded) its evaluation batches."""
-
-    name: str
-    label: str  # the model as written in the YAML
-    source: Source
-    data_path: str
-    calibration: CalibrationSpec  # what the merge read
-    evaluation: Optional[CalibrationSpec] = None  # what diagnose runs (None: calibration)
-    data: Optional[CalibrationData] = None
-    data_info: dict[str, Any] = field(default_factory=dict)  # which data, for the output
-    probe: Optional[CalibrationData] = None  # the off-distribution probe (text models)
-    probe_info: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -164,8 +149,8 @@ class DiagnosisPlan:
 
 def _compared_output(skeleton: nn.Module) -> ComparedOutput:
     """What diagnose compares of the expert's class: next-token logits (a causal LM), class
-    logits (any other head) or nothing (a bare body); see ``models/output_kind.py``."""
-    kind = output_kind(skeleton)
+    logits (any other head) or nothing (a bare body); see ``models/head_kind.py``."""
+    kind = head_kind(skeleton)
     if kind == "causal_lm":
         return "next_token"
     return "none" if kind == "none" else "class"

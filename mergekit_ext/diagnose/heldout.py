@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import ValidationError
 
@@ -22,11 +22,9 @@ from mergekit_ext.calibration.sources import (
     same_source,
 )
 from mergekit_ext.diagnose.probe import PROBE_NAME, diversity_warnings, load_probe
+from mergekit_ext.diagnose.task import DiagnosisTask
 from mergekit_ext.errors import CalibrationError, ConfigError, ConfigFileNotFoundError
 from mergekit_ext.yaml_input import load_yaml
-
-if TYPE_CHECKING:
-    from mergekit_ext.diagnose.diagnoser import DiagnosisTask
 
 LOG = logging.getLogger(__name__)
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -20,12 +21,9 @@ from mergekit_ext.memory_model import (
     activation_bytes,
     available_memory_bytes,
 )
-from mergekit_ext.methods.layerwise import ModelOutputRequest
+from mergekit_ext.methods.layerwise import LayerwiseMethod, ModelOutputRequest, StatisticsRequest
 from mergekit_ext.models.checkpoint import HEAD_PREFIX
 from mergekit_ext.models.families import ModelFamily
-
-if TYPE_CHECKING:
-    from mergekit_ext.executor.plan import MergePlan
 
 LOG = logging.getLogger(__name__)
 
@@ -71,6 +69,20 @@ def check_model_output_supported(
 
 class ModelOutputMemory(MemoryParts):
     """The whole-model path's peak memory by part."""
+
+
+class MergePlan(Protocol):
+    """What the estimates below read of :class:`mergekit_ext.executor.plan.MergePlan`, named
+    here because the plan calls them: importing it back, even for its type, would close a
+    circle (tests/test_architecture_rules.py)."""
+
+    method: LayerwiseMethod
+    request: StatisticsRequest
+    family: ModelFamily
+    base: Any  # a ModelSource or LoraModelSource: shapes, config
+    experts: Sequence[Any]  # plan.Expert: the loaded calibration data
+    blocks: Sequence[Any]  # plan.BlockLayout: the linear shapes
+    hidden_size: int
 
 
 def _output_width(plan: MergePlan, tokens: str, positions: int) -> int:

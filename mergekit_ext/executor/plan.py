@@ -42,8 +42,11 @@ from mergekit_ext.executor.model_output_checks import (
     check_model_output_supported,
     estimate_model_output_memory,
 )
-from mergekit_ext.methods.layerwise import LayerwiseMethod, StatisticsRequest
-from mergekit_ext.methods.least_squares import AUTO_RIDGE, span_solve_may_apply
+from mergekit_ext.methods.layerwise import (
+    GroupToSize,
+    LayerwiseMethod,
+    StatisticsRequest,
+)
 from mergekit_ext.models.checkpoint import (
     HEAD_PREFIX,
     ModelSource,
@@ -492,11 +495,7 @@ def build_plan(
         experts.append(Expert(entry.name, entry.model, source, data_path, spec))
 
     if family.modality == "text":
-        # Every model that ships a tokenizer must share one vocabulary (models without one
-        # can only use pre-tokenized calibration data, which load_calibration checks).
-        paths = [p for p in [base_data_path, *(e.data_path for e in experts)] if has_tokenizer(p)]
-        if len(paths) > 1:
-            check_tokenizers_match(paths)
+        _check_vocabularies([base_data_path, *(e.data_path for e in experts)])
 
     # Blocks and groups, from the base model's own class.
     backbone = base.backbone
@@ -528,39 +527,7 @@ def build_plan(
             getattr(parameters, "fallback", "mean"),
         )
 
-    # Shapes: every backbone tensor of the base must exist with the same shape in each
-    # expert where the forward pass needs it (blocks, embeddings); heads may differ. Tensors
-    # a class does not load (old buffers) are no part of any source's names.
-    needed = in_blocks | set(pre_block)
-    expert_only: dict[str, list[str]] = {}
-    for e in experts:
-        for name in names:
-            shape = base.shapes[name]
-            if not e.source.provides(name):
-                if name in needed:
-                    raise ModelInputError(
-                        f"tensor {base.checkpoint_key[name]} of the base model is missing from "
-                        f"{e.label}, whose class {type(e.source.skeleton).__name__} loads it; "
-                        "the data-aware merge runs every block and embedding of each expert: "
-                        "give the expert's complete checkpoint"
-                    )
-                continue
-            other = tuple(e.source.shape(name))
-            if other != tuple(shape) and not name.startswith(HEAD_PREFIX):
-                raise ModelInputError(
-                    f"shape mismatch for tensor {base.checkpoint_key[name]}: {list(shape)} in the base "
-                    f"model {base.label} but {list(other)} in {e.label}; the experts must share "
-                    "the base model's architecture"
-                )
-        for name in e.source.names():
-            if not base.has(name):
-                expert_only.setdefault(name, []).append(e.label)
-    for name, labels in expert_only.items():
-        LOG.warning(
-            "tensor %s exists only in %s: not merged",
-            name.removeprefix(HEAD_PREFIX),
-            ", ".join(labels),
-        )
+    expert_only = _check_expert_shapes(base, experts, in_blocks | set(pre_block))
 
     out_dtype_name = cfg.merge.out_dtype or cfg.merge.dtype
     try:
@@ -601,11 +568,61 @@ def build_plan(
             )
             if not e.data.batches:
                 raise CalibrationError(f"model {e.label} (task {e.task!r}): no calibration batches")
-    plan.rank_warnings = rank_deficiency_warnings(plan)
+    plan.rank_warnings = method_warnings(plan)
     for warning in plan.rank_warnings:
         LOG.warning("%s", warning)
     plan.memory = estimate_memory(plan)
     return plan
+
+
+def _check_vocabularies(folders: list[str]) -> None:
+    """Every model that ships a tokenizer must share one vocabulary (models without one can
+    only use pre-tokenized calibration data, which load_calibration checks)."""
+    paths = [p for p in folders if has_tokenizer(p)]
+    if len(paths) > 1:
+        check_tokenizers_match(paths)
+
+
+def _check_expert_shapes(
+    base: Source, experts: list[Expert], needed: set[str]
+) -> dict[str, list[str]]:
+    """Refuse an expert that lacks, or has another shape of, a base tensor the forward pass
+    needs (``needed``: the blocks and the embeddings); heads may differ. Returns the tensors
+    only some experts have (canonical name -> their labels), which are not merged."""
+    names = base.names()
+    # Shapes: every backbone tensor of the base must exist with the same shape in each
+    # expert where the forward pass needs it (blocks, embeddings); heads may differ. Tensors
+    # a class does not load (old buffers) are no part of any source's names.
+    expert_only: dict[str, list[str]] = {}
+    for e in experts:
+        for name in names:
+            shape = base.shapes[name]
+            if not e.source.provides(name):
+                if name in needed:
+                    raise ModelInputError(
+                        f"tensor {base.checkpoint_key[name]} of the base model is missing from "
+                        f"{e.label}, whose class {type(e.source.skeleton).__name__} loads it; "
+                        "the data-aware merge runs every block and embedding of each expert: "
+                        "give the expert's complete checkpoint"
+                    )
+                continue
+            other = tuple(e.source.shape(name))
+            if other != tuple(shape) and not name.startswith(HEAD_PREFIX):
+                raise ModelInputError(
+                    f"shape mismatch for tensor {base.checkpoint_key[name]}: {list(shape)} in the base "
+                    f"model {base.label} but {list(other)} in {e.label}; the experts must share "
+                    "the base model's architecture"
+                )
+        for name in e.source.names():
+            if not base.has(name):
+                expert_only.setdefault(name, []).append(e.label)
+    for name, labels in expert_only.items():
+        LOG.warning(
+            "tensor %s exists only in %s: not merged",
+            name.removeprefix(HEAD_PREFIX),
+            ", ".join(labels),
+        )
+    return expert_only
 
 
 def _device_type(device: Optional[str]) -> str:
@@ -633,41 +650,37 @@ def calibration_tokens(plan: MergePlan) -> Optional[int]:
     return sum(int(e.data.num_tokens) for e in plan.experts)  # type: ignore[union-attr]
 
 
-def rank_deficiency_warnings(plan: MergePlan) -> list[str]:
-    """One line per linear group whose merged Gram is rank-deficient by count, for methods that
-    solve on input Grams (``StatisticsRequest.keep_rows``): the Gram of a group with ``n``
-    inputs summed over tasks with ``T < n`` tokens has rank at most ``T``."""
-    tokens = calibration_tokens(plan)
-    if not plan.request.keep_rows or tokens is None or not plan.blocks:
+def method_warnings(plan: MergePlan) -> list[str]:
+    """What the method warns about this merge's data (:meth:`LayerwiseMethod.plan_warnings`,
+    for the first block's groups: a least-squares method, one line per group whose summed
+    Gram is rank-deficient by count)."""
+    if not plan.blocks:
         return []
-    ridge = getattr(plan.parameters, "ridge", None)
     block = plan.blocks[0]
-    out = []
-    for g in block.groups:
-        width = block.group_width(g, plan.base.shapes)
-        if tokens >= width:
-            continue
-        if ridge == "auto":
-            remedy = (
-                f"meanwhile ridge: auto applies a relative ridge of {AUTO_RIDGE:g} toward the "
-                "experts' mean "
-                "(unseen directions keep the experts' mean) and solves in the tokens' span"
-            )
-        elif ridge == 0:
-            remedy = (
-                "with ridge: 0 the pseudo-inverse sets the merged weight to 0 in the unseen "
-                f"directions and needs an eigendecomposition of a {width} x {width} matrix "
-                "(slow): use ridge: auto"
-            )
-        else:
-            remedy = f"ridge: {ridge} regularises it toward the experts' mean"
-        out.append(
-            f"{plan.method.name}: the Gram of {g.label} ({width} inputs) has at most "
-            f"{tokens:,} ranks from {tokens:,} calibration tokens ({len(plan.experts)} tasks): "
-            f"add calibration data (at least {width:,} tokens in all) for the unregularised "
-            f"solution; {remedy}"
-        )
-    return out
+    return plan.method.plan_warnings(
+        plan.parameters, [_group_to_size(plan, block, g) for g in block.groups]
+    )
+
+
+def _group_to_size(
+    plan: MergePlan, block: BlockLayout, group: GroupSpec, several: bool = False
+) -> GroupToSize:
+    """What the method sees of a group when the plan asks it (shapes and token counts)."""
+    request = plan.request
+    tokens = calibration_tokens(plan)
+    return GroupToSize(
+        label=group.label,
+        width=block.group_width(group, plan.base.shapes),
+        out=sum(block.linear_shape(group, m, plan.base.shapes)[0] for m in group.modules),
+        task_tokens=(
+            None if tokens is None else tuple(int(e.data.num_tokens) for e in plan.experts)  # type: ignore[union-attr]
+        ),
+        keep_rows=request.keep_rows,
+        rows_kept=request.keep_rows and request.statistics_dtype == torch.float64,
+        normalized_gram=request.normalized_gram,
+        low_precision=plan.compute is not None and plan.compute.low_precision,
+        several=several,
+    )
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -675,29 +688,6 @@ def _numel(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= int(s)
     return n
-
-
-def _solve_bytes(
-    width: int, out: int, k: int, span_tokens: Optional[int], low_precision: bool = False
-) -> int:
-    """Working memory of the least-squares solve of one group (``least_squares.py``).
-
-    Both: the K stacked expert weights (float32). Span solve (``span_tokens`` T < width):
-    W₀ and one ``W_k − W₀`` (float64, and a float32 result; after a bf16 / fp16 pass
-    (``low_precision``) both float32, W₀ becoming the result), Vᵀ and ``(V H⁻¹)ᵀ`` (``T x out``),
-    the rows, R E⁻¹ and ``H⁻¹ R E⁻¹`` (``T x in``), H, its symmetrised copy and its factor
-    (``T x T``), all float64. Dense: four ``out x in`` float64 matrices at once (the summed
-    numerator, ``Σ ω W_k`` of the ridge, the buffer each task's terms are widened in, then
-    the solution), Σ ω G̃, its symmetrised copy and its Cholesky factor (``in x in``,
-    float64); the products ``W_k G_k`` are formed one at a time (float32, beside the float32
-    copy of ``W_k``) and reduced to the output error's reference before the solve.
-    """
-    weights = k * out * width * 4
-    if span_tokens is not None:
-        t = span_tokens
-        buffers = out * width * (4 + 4 if low_precision else 8 + 8 + 4)
-        return weights + buffers + 2 * out * t * 8 + t * width * 24 + 3 * t * t * 8
-    return weights + 4 * out * width * 8 + 4 * width * width * 8 + 2 * out * width * 4
 
 
 def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> MemoryEstimate:
@@ -770,12 +760,8 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
     )
     request = plan.request
     itemsize = request.statistics_dtype.itemsize
-    # after a bf16 / fp16 pass the span solve's out x in work is float32 (span_product_dtype)
-    low = plan.compute is not None and plan.compute.low_precision
     paths = int(request.expert_path) + int(request.propagate)
-    tokens = calibration_tokens(plan)
-    ridge = getattr(plan.parameters, "ridge", None)
-    alpha = getattr(plan.parameters, "reduce_non_diagonal", 1.0)
+    method, parameters = plan.method, plan.parameters  # the solve's part is the method's
     grams_per_task = 0  # expert path: every group's statistics at once
     group_peak = (0, 0)  # (merged-path statistics, solve) of the group where their sum peaks
     largest_gram = 0  # several processes, gathered: one group's statistics of one task
@@ -803,17 +789,20 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
                 linears = ((width, 2 * inner), (inner, width))  # (in, out) of each expert's
                 largest_sums = max(largest_sums, *((o * w + w * w + w + 1) * 8 for w, o in linears))
                 merged_stats = k_run * per_task if request.propagate else 0
+                sizes = [GroupToSize(g.label, w, o, several=several) for w, o in linears]
                 if several and gathers:
                     solve = (
-                        max(_solve_bytes(w, o, k_all, None) for w, o in linears) if rank == 0 else 0
+                        max(method.solve_bytes(parameters, s, k_all, gathered=True) for s in sizes)
+                        if rank == 0
+                        else 0
                     )
                 else:
-                    solve = max(_solve_bytes(w, o, k, None) for w, o in linears)
+                    solve = max(method.solve_bytes(parameters, s, k) for s in sizes)
                 if merged_stats + solve > sum(group_peak):
                     group_peak = (merged_stats, solve)
                 continue
-            width = b.group_width(g, base.shapes)
-            out = sum(b.linear_shape(g, m, base.shapes)[0] for m in g.modules)
+            size = _group_to_size(plan, b, g, several)
+            width, out = size.width, size.out
             largest_sums = max(largest_sums, (out * width + width * width + width + 1) * 8)
             gram = width * width * itemsize
             normalized = gram if request.normalized_gram else 0
@@ -836,7 +825,7 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
                         rows = part * width * 4
                         expert_deferred += rows if request.expert_path else 0
                         merged_deferred = max(merged_deferred, rows if request.propagate else 0)
-            keeps = request.keep_rows and request.statistics_dtype == torch.float64
+            keeps = size.rows_kept
             # an accumulator holding a Gram also holds the float32 rows of a chunk not yet
             # added (calibration.statistics.gram_chunk_rows: at most an eighth of the Gram)
             pending = gram_chunk_rows(width) * width * 4
@@ -844,51 +833,29 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
                 raw = sum(n * width * 4 if n < width else gram + pending for n in per_task)
             else:
                 raw = k_run * (gram + pending)
-            span = bool(
-                keeps
-                and tokens is not None
-                and tokens < width
-                and alpha > 0
-                and (ridge == "auto" or (isinstance(ridge, (int, float)) and ridge > 0))
-            )
-            # more tokens than inputs, each task's fewer: where a ridge makes the span solve
-            # pay, several processes gather the group on rank 0, which forms every task's
-            # Gram first (the dense bytes bound both solves)
-            counts = [int(e.data.num_tokens) for e in plan.experts if e.data is not None]
-            late_span = bool(
-                several
-                and keeps
-                and not span
-                and ridge is not None
-                and len(counts) == k_all
-                and all(n < width for n in counts)
-                and span_solve_may_apply(alpha, ridge, out, width, counts)
-            )
+            # whether the method solves in the tokens' span: several processes then gather
+            # the group on rank 0 (every task's rows and linear weights)
+            span = method.solve_in_span(parameters, size)
             merged_stats = raw + k_run * normalized if request.propagate else 0
             if request.propagate:  # the expert path is a reference: no normalized Gram
                 limit = request.reference_gram_max_dim
                 block_grams += gram + pending if limit is None or width <= limit else width * 16
             else:
                 block_grams += (raw // k_run if k_run else 0) + normalized
-            # The dense solve of a task that kept its rows forms its Gram from them (float64)
-            formed = (
-                sum(width * width * 8 for n in per_task if n < width)
-                if keeps and not span and not request.normalized_gram
-                else 0
-            )
+            # tasks run here that hand their rows, not a Gram (the method may form it)
+            row_tasks = sum(1 for n in per_task if n < width) if keeps else 0
             # kept matrices: the group's base and expert weights widened to float32 for it
             widen = out * width * 4 if keep_of(b) is not None else 0
-            if several and (gathers or span or late_span):
+            if several and (gathers or span.now or span.after_gather):
                 # gathered: rank 0 merges the whole group (a span group: every task's rows
                 # and linear weights)
                 solve = (
-                    _solve_bytes(width, out, k_all, tokens if span else None, low)
+                    method.solve_bytes(parameters, size, k_all, span=span, gathered=True)
                     + (k_all + 1) * widen
-                    + (k_all * width * width * 8 if late_span else 0)
                     if rank == 0
                     else 0
                 )
-                if (span or late_span) and rank == 0:
+                if (span.now or span.after_gather) and rank == 0:
                     others = [
                         int(e.data.num_tokens)
                         for i, e in enumerate(plan.experts)
@@ -902,8 +869,7 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
                 # the groups' solves take turns over the ranks (any rank solves any group)
                 solve = (
                     (
-                        _solve_bytes(width, out, k, tokens if span else None, low)
-                        + formed
+                        method.solve_bytes(parameters, size, k, span=span, row_tasks=row_tasks)
                         + (k + 1) * widen
                     )
                     if k
@@ -965,8 +931,14 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
         merged_hidden = activations // paths
         replay = max(REPLAY_MIN_BYTES, REPLAY_HIDDEN_MULTIPLE * merged_hidden)
     refinement = 0
-    if plan.method.block_refinement(plan.parameters) is not None and k_run:
-        refinement = _refinement_bytes(plan, activations // max(paths, 1), largest_batch)
+    refine = plan.method.block_refinement(plan.parameters)
+    if refine is not None and k_run:
+        # the refined linears of each block (experts modules are not refined), as stored
+        linears = [
+            [plan.base.shapes[t] for g in b.groups if not g.experts for t in b.group_tensors(g)]
+            for b in plan.blocks
+        ]
+        refinement = refine.memory_bytes(linears, activations // max(paths, 1), largest_batch)
     block_weights = (k_run + 2) * block_bytes
     if plan.compute is not None and plan.compute.low_precision:
         # each float32 block matrix a pass reads is also held cast to the compute dtype
@@ -993,25 +965,3 @@ def estimate_memory(plan: MergePlan, world_size: int = 1, rank: int = 0) -> Memo
         reduction=reduction,
         refinement=refinement,
     )
-
-
-# A block refinement's float32 copies of one block's linears: the start, the trained
-# correction, two Adam moments, the weights of a step, the gradient sums and one task's
-# gradient (docs/methods.md, "Block-wise distillation").
-REFINE_LINEAR_COPIES = 7
-
-
-def _refinement_bytes(plan: MergePlan, merged_hidden: int, batch_positions: int) -> int:
-    """Peak bytes of a block refinement on top of the (K + 2) blocks: the optimizer state
-    and gradients of the widest block's linears, the targets (as many bytes as this rank's
-    merged-path hidden states) and the autograd graph of one batch (every linear's input
-    and output per position, float32, twice for the elementwise steps between them;
-    attention scores not counted)."""
-    linear = graph = 0
-    for b in plan.blocks:
-        shapes = [
-            plan.base.shapes[t] for g in b.groups if not g.experts for t in b.group_tensors(g)
-        ]
-        linear = max(linear, sum(_numel(s) for s in shapes) * 4)
-        graph = max(graph, sum(int(s[0]) + int(s[-1]) for s in shapes) * 4 * 2)
-    return REFINE_LINEAR_COPIES * linear + merged_hidden + graph * batch_positions

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -85,6 +86,12 @@ def _rms(t: torch.Tensor) -> float:
     return float(t.double().pow(2).mean().sqrt()) if t.numel() else 0.0
 
 
+# A refinement's float32 copies of one block's linears: the start, the trained correction,
+# two Adam moments, the weights of a step, the gradient sums and one task's gradient
+# (docs/methods.md, "Block-wise distillation").
+REFINE_LINEAR_COPIES = 7
+
+
 class BlockDistillation(BlockRefinement):
     """Adam on the block's linears from CoM's solution (one object per merge)."""
 
@@ -116,6 +123,23 @@ class BlockDistillation(BlockRefinement):
     @staticmethod
     def _correction(parts: list[torch.Tensor]) -> torch.Tensor:
         return parts[0] if len(parts) == 1 else parts[0] @ parts[1]
+
+    def memory_bytes(
+        self,
+        blocks: Sequence[Sequence[tuple[int, ...]]],
+        merged_hidden: int,
+        batch_positions: int,
+    ) -> int:
+        """The optimizer state and gradient sums of the widest block's linears
+        (:data:`REFINE_LINEAR_COPIES` float32 copies), the targets (as many bytes as the merged-path
+        hidden states) and the autograd graph of one batch (every linear's input and output
+        per position, float32, twice for the elementwise steps between them; attention
+        scores not counted)."""
+        linear = graph = 0
+        for shapes in blocks:
+            linear = max(linear, sum(math.prod(int(d) for d in s) for s in shapes) * 4)
+            graph = max(graph, sum(int(s[0]) + int(s[-1]) for s in shapes) * 4 * 2)
+        return REFINE_LINEAR_COPIES * linear + merged_hidden + graph * batch_positions
 
     def refine(self, block: BlockToRefine) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         p = self.p

@@ -45,13 +45,13 @@ from pydantic import Field
 from mergekit_ext.methods.card_sections.least_squares import least_squares_report
 from mergekit_ext.methods.kinds import Layerwise
 from mergekit_ext.methods.layerwise import (
-    LayerwiseMethod,
     LinearGroup,
     StatisticsRequest,
     TaskStatistics,
 )
 from mergekit_ext.methods.least_squares import (
     FULL_COVARIANCE_W2_MAX_DIM,
+    LeastSquaresMethod,
     LeastSquaresReduction,
     RegMeanParameters,
     merge_group_least_squares,
@@ -105,7 +105,7 @@ class ChainOfMergesParameters(RegMeanParameters):
     )
 
 
-class ChainOfMergesMethod(LayerwiseMethod):
+class ChainOfMergesMethod(LeastSquaresMethod):
     """Chain of Merges on the sequential executor."""
 
     name = "chain_of_merges"

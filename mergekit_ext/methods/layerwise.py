@@ -16,6 +16,13 @@ hands the method, per linear and calibration batch, the linear's inputs, the out
 vector-Jacobian products with respect to the linear's output and the sketched output error
 (:class:`ModelOutputFit`); the method still only does tensor arithmetic.
 
+Before anything loads, the plan (``executor/plan.py``) sizes the merge: the executor's own
+memory (blocks, statistics, hidden states) it counts itself; what the method's solve holds,
+whether it solves in the tokens' span, and what it warns about the data, it asks the method
+(:meth:`LayerwiseMethod.solve_bytes`, :meth:`LayerwiseMethod.solve_in_span`,
+:meth:`LayerwiseMethod.plan_warnings`, :meth:`BlockRefinement.memory_bytes`), which sees
+only :class:`GroupToSize`: shapes and token counts, no weight.
+
 Several processes (``torchrun``): each holds the statistics and expert weights of its own
 tasks only. A method whose merge depends on the tasks through sums returns a
 :class:`SumReduction` from :meth:`LayerwiseMethod.reduction`; otherwise (the default) the
@@ -38,12 +45,15 @@ from mergekit_ext.methods.parameters import MethodParameters
 __all__ = [
     "BlockRefinement",
     "BlockToRefine",
+    "GroupToSize",
     "LayerwiseMethod",
     "LinearGroup",
     "ModelOutputFit",
     "ModelOutputRequest",
+    "SpanSolve",
     "StatisticsRequest",
     "TaskStatistics",
+    "dense_solve_bytes",
     "fallback_merge",
 ]
 
@@ -146,6 +156,63 @@ class ModelOutputRequest:
     sketch_rows: int
     tokens: str = "first"
     seed: int = 0
+
+
+@dataclass(frozen=True)
+class GroupToSize:
+    """One linear group as the plan sizes its solve, before any weight is loaded.
+
+    - ``label``: the group's label in a block (``mlp.down_proj``)
+    - ``width``: its inputs (the Gram is ``width x width``); ``out``: its linears' outputs
+      together (an experts module: one expert's linear)
+    - ``task_tokens``: every task's calibration tokens (or patches), in task order; None
+      before the data is loaded (a plan made with ``load_data=False``)
+    - ``keep_rows``: the method's ``StatisticsRequest.keep_rows``; ``rows_kept``: and the
+      sums are float64, so a task with fewer tokens than inputs does hand the method its
+      rows instead of its Gram
+    - ``normalized_gram``: the method asked for the Gram of unit-norm inputs too
+    - ``low_precision``: the block passes ran in bfloat16 / float16
+    - ``several``: several processes run the merge
+    """
+
+    label: str
+    width: int
+    out: int
+    task_tokens: Optional[tuple[int, ...]] = None
+    keep_rows: bool = False
+    rows_kept: bool = False
+    normalized_gram: bool = False
+    low_precision: bool = False
+    several: bool = False
+
+    @property
+    def tokens(self) -> Optional[int]:
+        """All tasks' tokens together (None before the data is loaded)."""
+        return None if self.task_tokens is None else sum(self.task_tokens)
+
+
+@dataclass(frozen=True)
+class SpanSolve:
+    """Whether a method solves a group in the span of the tasks' token rows, not on Grams.
+
+    - ``now``: from the rows, decided before any sum (every task's rows meet where it runs)
+    - ``after_gather``: several processes, where only the summed system decides it (its
+      ridge): every task's rows and Grams meet on rank 0, which may then take the span
+    """
+
+    now: bool = False
+    after_gather: bool = False
+
+
+def dense_solve_bytes(width: int, out: int, tasks: int) -> int:
+    """Working memory of a dense solve on one group's input Grams (float64), the default of
+    :meth:`LayerwiseMethod.solve_bytes`: the ``tasks`` stacked expert weights (float32), four
+    ``out x in`` float64 matrices at once (a summed numerator, a weighted sum of the experts,
+    the buffer each task's terms are widened in, then the solution), the summed system, its
+    symmetrised copy and its factor plus one more ``in x in`` (float64), and two ``out x in``
+    float32 products formed one task at a time."""
+    weights = tasks * out * width * 4
+    return weights + 4 * out * width * 8 + 4 * width * width * 8 + 2 * out * width * 4
 
 
 class ModelOutputFit(ABC):
@@ -307,6 +374,19 @@ class BlockRefinement(ABC):
     def refine(self, block: BlockToRefine) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """``({weight name: refined weight}, diagnostics of the block)``."""
 
+    def memory_bytes(
+        self,
+        blocks: Sequence[Sequence[tuple[int, ...]]],
+        merged_hidden: int,
+        batch_positions: int,
+    ) -> int:
+        """Peak bytes of one block's refinement on top of the blocks the executor holds, for
+        the plan's estimate: ``blocks`` lists each block's refined linear weights' shapes (as
+        stored), ``merged_hidden`` the bytes of this process's merged-path hidden states (the
+        targets take as many), ``batch_positions`` the positions of its largest batch.
+        None known by default (0); a refinement that holds state overrides it."""
+        return 0
+
 
 class LayerwiseMethod(ABC):
     """A data-aware merge method run by the sequential executor.
@@ -342,6 +422,38 @@ class LayerwiseMethod(ABC):
         """A step after each block's group merges (:class:`BlockRefinement`); None (the
         default): the merged groups are the result."""
         return None
+
+    # -- what the plan asks before anything loads (sizes and warnings; no weight is read)
+
+    def solve_in_span(self, parameters: Any, group: GroupToSize) -> SpanSolve:
+        """Whether ``group`` is solved in its tokens' span (:class:`SpanSolve`): the plan
+        then sizes the rows, and several processes gather the group to rank 0. No by
+        default (a solve on the Grams)."""
+        return SpanSolve()
+
+    def solve_bytes(
+        self,
+        parameters: Any,
+        group: GroupToSize,
+        tasks: int,
+        *,
+        span: SpanSolve = SpanSolve(),
+        gathered: bool = False,
+        row_tasks: int = 0,
+    ) -> int:
+        """Peak working bytes of merging ``group`` from ``tasks`` tasks' terms on one process
+        (the method's own copies, the stacked expert weights included; the statistics and
+        blocks the executor holds are counted by the plan): ``span`` as
+        :meth:`solve_in_span` answered, ``gathered`` when rank 0 merges every task's
+        statistics (several processes, no reduction), ``row_tasks`` of ``tasks`` handed
+        their rows instead of a Gram. The default is :func:`dense_solve_bytes`, a dense solve
+        on the Grams; a method whose solve holds other buffers overrides it."""
+        return dense_solve_bytes(group.width, group.out, tasks)
+
+    def plan_warnings(self, parameters: Any, groups: Sequence[GroupToSize]) -> list[str]:
+        """What the plan warns about the merge of one block's ``groups`` with this data (the
+        plan logs them and a dry run lists them); none by default."""
+        return []
 
     def model_output_fit(
         self,

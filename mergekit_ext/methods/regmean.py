@@ -14,8 +14,9 @@ import torch
 
 from mergekit_ext.methods.card_sections.least_squares import least_squares_report
 from mergekit_ext.methods.kinds import Layerwise
-from mergekit_ext.methods.layerwise import LayerwiseMethod, LinearGroup, StatisticsRequest
+from mergekit_ext.methods.layerwise import LinearGroup, StatisticsRequest
 from mergekit_ext.methods.least_squares import (
+    LeastSquaresMethod,
     LeastSquaresReduction,
     RegMeanParameters,
     merge_group_least_squares,
@@ -27,7 +28,7 @@ from mergekit_ext.methods.registry import (
 )
 
 
-class RegMeanMethod(LayerwiseMethod):
+class RegMeanMethod(LeastSquaresMethod):
     """RegMean on the sequential executor: Grams of each expert's OWN forward pass."""
 
     name = "regmean"

@@ -36,7 +36,7 @@ from mergekit_ext.errors import ModelInputError, ModelNotFoundError
 from mergekit_ext.models import model_class
 from mergekit_ext.models.families import ModelFamily
 from mergekit_ext.models.model_files import check_model_files, read_json_object
-from mergekit_ext.models.model_paths import config_shapes, is_config_only
+from mergekit_ext.models.model_paths import VOCABULARY_FILES, config_shapes, is_config_only
 from mergekit_ext.models.model_paths import resolve_model_folder as resolve_model_folder
 
 LOG = logging.getLogger(__name__)
@@ -415,9 +415,6 @@ TAGALONG_FILES = (
 
 
 def has_tokenizer(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "tokenizer_config.json")) and (
-        os.path.isfile(os.path.join(path, "tokenizer.json"))
-        or os.path.isfile(os.path.join(path, "tokenizer.model"))
-        or os.path.isfile(os.path.join(path, "vocab.txt"))
-        or os.path.isfile(os.path.join(path, "vocab.json"))
+    return os.path.isfile(os.path.join(path, "tokenizer_config.json")) and any(
+        os.path.isfile(os.path.join(path, name)) for name in VOCABULARY_FILES
     )

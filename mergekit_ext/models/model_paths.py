@@ -25,6 +25,11 @@ DOWNLOAD_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "
 # Pickled weights (``torch.load`` runs their code): accepted only with --allow-pickle.
 PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 
+# The files that hold a tokenizer's vocabulary, in the order they describe it best: whether a
+# folder has a tokenizer (with its tokenizer_config.json), and which file the inputs'
+# tokenizers are compared by (checks.warn_tokenizers_differ: the first found).
+VOCABULARY_FILES = ("tokenizer.json", "vocab.txt", "tokenizer.model", "vocab.json")
+
 # Tokenizer files a merge copies from its donor model (mergekit's list, plus vocabularies of
 # WordPiece/BPE tokenizers); replaced as a whole when the tokenizer is rewritten.
 TOKENIZER_FILES = (

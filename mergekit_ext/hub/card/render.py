@@ -131,7 +131,7 @@ def _package_version(name: str) -> str:
 
 def _versions(diag: Mapping[str, Any]) -> list[tuple[str, str]]:
     recorded = diag.get("versions") if isinstance(diag.get("versions"), Mapping) else {}
-    from mergekit_ext import __version__
+    from mergekit_ext._version import __version__
 
     rows = [("mergekit-ext", str(diag.get("mergekit_ext_version") or __version__))]
     for pkg in ("mergekit", "torch", "transformers", "huggingface_hub"):

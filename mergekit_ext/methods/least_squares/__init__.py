@@ -37,6 +37,10 @@ from mergekit_ext.methods.least_squares.measures import (
 from mergekit_ext.methods.least_squares.parameters import (
     RegMeanParameters,
 )
+from mergekit_ext.methods.least_squares.planning import (
+    LeastSquaresMethod,
+    span_solve_bytes,
+)
 from mergekit_ext.methods.least_squares.reduction import (
     LeastSquaresReduction,
 )
@@ -77,6 +81,7 @@ __all__ = [
     "FULL_COVARIANCE_W2_MAX_DIM",
     "FactoredSystem",
     "Fallback",
+    "LeastSquaresMethod",
     "LeastSquaresReduction",
     "NormRange",
     "RegMeanParameters",
@@ -104,6 +109,7 @@ __all__ = [
     "solve_regmean_sums",
     "span_solve",
     "span_solve_applies",
+    "span_solve_bytes",
     "span_solve_may_apply",
     "span_solve_pays",
     "takes_row_terms",

@@ -48,7 +48,7 @@ from torch.utils._pytree import tree_flatten
 
 from mergekit_ext.errors import ModelInputError
 from mergekit_ext.models.families import GroupSpec, ModelFamily
-from mergekit_ext.models.output_kind import is_causal_lm
+from mergekit_ext.models.head_kind import is_causal_lm
 
 LOG = logging.getLogger(__name__)
 

@@ -1,4 +1,6 @@
-"""What a model outputs: the one place that decides it from the model's class and config.
+"""What a model's head produces: the one place that decides it from the model's class and
+config (named the *head* kind so that "output" means the output folder only, issue #53;
+SyMerge's record keeps its ``output_kinds`` key).
 
 SyMerge's losses, ``diagnose``'s output comparison and the families' ``causal_lm`` flag (the
 model-output objective's next-token KL) all ask this module; each maps the kind to what it
@@ -13,7 +15,7 @@ from typing import Literal, Optional
 import torch
 from torch import nn
 
-OutputKind = Literal["causal_lm", "classification", "token_classification", "dense", "none"]
+HeadKind = Literal["causal_lm", "classification", "token_classification", "dense", "none"]
 """``causal_lm``: next-token logits over the vocabulary from a linear output embedding;
 ``classification``: one softmax over classes per sample (sequence or image);
 ``token_classification``: one softmax over classes per position; ``dense``: any other head
@@ -53,14 +55,14 @@ def is_causal_lm(model: nn.Module) -> bool:
     return is_causal_lm_class(type(model)) and get is not None and isinstance(get(), nn.Linear)
 
 
-def output_kind(model: nn.Module) -> OutputKind:
+def head_kind(model: nn.Module) -> HeadKind:
     """The model's output kind, from its class name and config (no forward pass).
 
     Args:
         model: a transformers model (a skeleton on the meta device will do).
 
     Returns:
-        The :data:`OutputKind`. Single-output (``num_labels == 1``), regression and
+        The :data:`HeadKind`. Single-output (``num_labels == 1``), regression and
         multi-label classifiers are ``dense``: their logits are not one softmax.
     """
     if is_causal_lm(model):
@@ -81,8 +83,8 @@ def output_kind(model: nn.Module) -> OutputKind:
     return "dense"
 
 
-def observed_output_kind(model: nn.Module, output: torch.Tensor) -> OutputKind:
-    """:func:`output_kind` confirmed against one forward pass's ``output`` (what SyMerge learns).
+def observed_head_kind(model: nn.Module, output: torch.Tensor) -> HeadKind:
+    """:func:`head_kind` confirmed against one forward pass's ``output`` (what SyMerge learns).
 
     A class head is kept only when its output has the shape a softmax over classes needs
     (``(B, C)`` per sample, ``(B, T, C)`` per token, ``C > 1``); a head that returns something
@@ -96,7 +98,7 @@ def observed_output_kind(model: nn.Module, output: torch.Tensor) -> OutputKind:
     Returns:
         ``causal_lm``, ``classification``, ``token_classification`` or ``dense``.
     """
-    kind = output_kind(model)
+    kind = head_kind(model)
     if kind == "causal_lm":
         return kind
     if output.shape[-1] == 1:
@@ -109,9 +111,9 @@ def observed_output_kind(model: nn.Module, output: torch.Tensor) -> OutputKind:
 
 
 __all__ = [
-    "OutputKind",
+    "HeadKind",
     "is_causal_lm",
     "is_causal_lm_class",
-    "observed_output_kind",
-    "output_kind",
+    "observed_head_kind",
+    "head_kind",
 ]

@@ -1,4 +1,4 @@
-"""The one home of "what does this model output" (models/output_kind.py) and its consumers:
+"""The one home of "what does this model output" (models/head_kind.py) and its consumers:
 SyMerge's losses (the kind confirmed on a forward pass), diagnose (next-token / class / none)
 and the families' ``causal_lm`` flag agree on tiny models of several architectures."""
 
@@ -18,11 +18,11 @@ from mergekit_ext.adaptation.run import adapt_session, prepare_symerge
 from mergekit_ext.adaptation.trainer import output_tensor
 from mergekit_ext.config import parse_config
 from mergekit_ext.diagnose.diagnoser import _compared_output
-from mergekit_ext.models.output_kind import (
+from mergekit_ext.models.head_kind import (
+    head_kind,
     is_causal_lm,
     is_causal_lm_class,
-    observed_output_kind,
-    output_kind,
+    observed_head_kind,
 )
 
 # (model type, class, config changes, output kind, what diagnose compares)
@@ -61,9 +61,9 @@ def _inputs(model_type: str) -> dict[str, torch.Tensor]:
     CASES,
     ids=[f"{c[0]}-{c[1] or 'default'}-{c[3]}" for c in CASES],
 )
-def test_output_kind_of_tiny_architectures(model_type, cls_name, changes, kind, compared):
+def test_head_kind_of_tiny_architectures(model_type, cls_name, changes, kind, compared):
     model = _model(model_type, cls_name, changes)
-    assert output_kind(model) == kind
+    assert head_kind(model) == kind
     assert is_causal_lm(model) == (kind == "causal_lm") == is_causal_lm_class(type(model))
     assert _compared_output(model) == compared
     if model_type == "clip":  # needs text and images at once; its kind comes from the class
@@ -71,15 +71,15 @@ def test_output_kind_of_tiny_architectures(model_type, cls_name, changes, kind, 
     with torch.no_grad():
         output = output_tensor(model(**_inputs(model_type)))
     # SyMerge learns a bare body's hidden states (and single-output heads) as dense features
-    assert observed_output_kind(model, output) == ("dense" if kind == "none" else kind)
+    assert observed_head_kind(model, output) == ("dense" if kind == "none" else kind)
 
 
 def test_a_head_whose_output_does_not_fit_its_name_is_learned_as_dense():
     model = _model("bert", "BertForTokenClassification", {})
-    assert output_kind(model) == "token_classification"
+    assert head_kind(model) == "token_classification"
     per_sample = torch.zeros(2, 3)  # (B, C) where a token head gives (B, T, C)
-    assert observed_output_kind(model, per_sample) == "dense"
-    assert observed_output_kind(model, torch.zeros(2, 5, 3)) == "token_classification"
+    assert observed_head_kind(model, per_sample) == "dense"
+    assert observed_head_kind(model, torch.zeros(2, 5, 3)) == "token_classification"
 
 
 def test_a_causal_lm_class_without_a_linear_vocabulary_projection_is_not_a_causal_lm():
@@ -87,7 +87,7 @@ def test_a_causal_lm_class_without_a_linear_vocabulary_projection_is_not_a_causa
     model.lm_head = torch.nn.Identity()
     assert is_causal_lm_class(type(model))
     assert not is_causal_lm(model)
-    assert output_kind(model) == "dense"
+    assert head_kind(model) == "dense"
 
 
 def test_symerge_treats_gpt2_as_a_causal_lm(tmp_path):
