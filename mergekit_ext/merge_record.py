@@ -119,8 +119,9 @@ class MergeRecord:
 
     The writer (``runner.write``) adds what it knows itself (parameters, seed, config hashes,
     inputs) and turns it into :data:`FILENAME` with :meth:`to_json`; the card reads that.
-    A new field: a typed attribute here, filled by the executor that measures it, and one
-    line in :meth:`to_json` (docs/architecture.md, "A new record field").
+    A new field: a typed attribute here, filled by the executor that measures it, and its
+    name among the optional fields of :meth:`to_json` (docs/architecture.md, "A new record
+    field").
     """
 
     method: str  # the config's merge_method

@@ -4,9 +4,12 @@
 home directory; ``--overwrite`` only of a mergekit-ext output) and ``--push-to-hub`` → lock
 ``OUT_DIR`` → validate everything (method, paths, shapes, parameters, calibration) → pick the executor by the type of the method's kind (``methods/kinds.py``:
 mergekit's own planner for tensor-wise methods, our sequential executor for layer-wise
-methods, the adaptation loop for SyMerge) → write weights, ``mergekit_config.yml``, the diagnostics JSON and the
-model card into a temporary folder → check every written tensor for NaN/Inf, and that the
-checkpoint is complete and in the base's layout (``completeness``) → rename it into place.
+methods, the adaptation loop for SyMerge; :func:`_execute`), which writes the weights into a
+temporary folder and returns the merge's :class:`~mergekit_ext.merge_record.MergeRecord` →
+the output tokenizer, a check of every written tensor for NaN/Inf, and that the checkpoint
+is complete and in the base's layout (``completeness``) → :func:`write`: the diagnostics
+JSON, the model card (rendered from the config and the record in memory),
+``mergekit_config.yml`` and the manifest → rename the folder into place.
 
 Several processes (``torchrun``, :mod:`mergekit_ext.distributed`): every rank validates;
 only rank 0 checks and locks ``OUT_DIR``, writes the temporary folder and renames it. The
