@@ -221,10 +221,12 @@ class HubWing(Protocol):
         repo_id: Optional[str],
         *,
         config: ExtMergeConfig,
+        config_text: str,
         diagnostics: dict[str, Any],
     ) -> None:
         """Write README.md into ``folder`` (the merge's own temporary folder), rendered from
-        ``config`` (as the user wrote it) and ``diagnostics`` (as written beside it)."""
+        ``config`` (as the user wrote it), ``config_text`` and ``diagnostics`` (the config
+        copy and the diagnostics as written beside it)."""
 
     def publish(self, out_path: str, run: RunOptions) -> str:
         """Upload ``out_path`` to ``run.push_to_hub``; returns the line that says what
@@ -489,8 +491,9 @@ def write(
     the ``--eval`` results, the model card, ``mergekit_config.yml`` and, last, the manifest,
     with no absolute local path.
 
-    The card is rendered here from ``cfg`` and the diagnostics as written, never read back
-    from the folder; the config copy is redacted once and written once.
+    The card is rendered here from ``cfg``, the config copy and the diagnostics as they are
+    written, never read back from the folder (so it shows what lies beside it, and is the
+    card ``mergekit-ext card OUT`` renders later); the copy is redacted once, written once.
     """
     from mergekit_ext.merge_inputs import (
         dot_local_models,
@@ -529,6 +532,7 @@ def write(
             os.path.basename(target),
             run.push_to_hub,
             config=cfg,
+            config_text=published,
             diagnostics=json.loads(diagnostics),  # as written: paths redacted
         )
     with open(os.path.join(staging, "mergekit_config.yml"), "w", encoding="utf-8") as fp:

@@ -787,6 +787,33 @@ def test_card_command_rebuilds_card(llama_merge: Path, tmp_path: Path) -> None:
     assert result.exit_code == 1 and "not the output of a finished merge" in result.output
 
 
+def test_run_card_is_the_card_of_the_folder_and_names_no_local_path(
+    tiny_llama_set, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``run`` renders the card in memory from the config copy and the diagnostics it
+    writes; ``card OUT`` reads them back later. Same text, and no absolute local path, not
+    even one in a YAML comment (the copy beside the card shortens it too)."""
+    from mergekit_ext.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    experts = "".join(f"  - model: {e}\n" for e in tiny_llama_set.experts)
+    config = tmp_path / "c.yml"
+    config.write_text(
+        f"# experts built in {tmp_path}/models\nmerge_method: ace\n"
+        f"base_model: {tiny_llama_set.base}\nmodels:\n{experts}dtype: float32\n",
+        encoding="utf-8",
+    )
+    result = CliRunner().invoke(main, ["run", str(config), "merged"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    readme = tmp_path / "merged" / "README.md"
+    written = readme.read_text(encoding="utf-8")
+    assert str(tmp_path) not in written
+    assert str(tmp_path) not in (tmp_path / "merged" / "mergekit_config.yml").read_text()
+    assert "absolute local paths are shortened" in written
+    write_model_card(str(tmp_path / "merged"))
+    assert readme.read_text(encoding="utf-8") == written
+
+
 def test_runner_temporary_folder_name(llama_merge: Path, tmp_path: Path) -> None:
     out = tmp_path / ".final-name.partial-abc123"
     shutil.copytree(llama_merge, out)

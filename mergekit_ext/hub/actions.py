@@ -36,13 +36,14 @@ class HubActions:
         repo_id: Optional[str],
         *,
         config: Any,
+        config_text: str,
         diagnostics: dict[str, Any],
     ) -> None:
         """README.md into the merge's temporary folder (nothing of the user's to keep),
-        rendered from the run's config and diagnostics in memory."""
+        rendered from the run's config, config copy and diagnostics in memory."""
         from mergekit_ext.hub.card import MergeInMemory, write_model_card
 
-        merge = MergeInMemory(config, diagnostics)
+        merge = MergeInMemory(config, config_text, diagnostics)
         write_model_card(folder, name=name, repo_id=repo_id, force=True, merge=merge)
 
     def publish(self, out_path: str, run: Any) -> str:

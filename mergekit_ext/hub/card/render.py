@@ -575,10 +575,13 @@ def _resources(diag: Mapping[str, Any]) -> Optional[dict[str, Any]]:
 @dataclass(frozen=True)
 class MergeInMemory:
     """The merge ``mergekit-ext run`` is writing, handed to the card in memory: its config
-    as the user wrote it (parsed) and its diagnostics as written beside it (paths redacted).
-    Without it the card reads both back from the folder (``mergekit-ext card OUT``)."""
+    as the user wrote it (parsed), the text of the config copy and the diagnostics, both as
+    written beside the card (paths shortened). Without it the card reads the copy and the
+    diagnostics back from the folder (``mergekit-ext card OUT``), through the same code, so
+    the two cards are the same text."""
 
     config: ExtMergeConfig
+    config_text: str
     diagnostics: Mapping[str, Any]
 
 
@@ -597,8 +600,9 @@ def _read_merge(out_dir: str, cwd: str) -> tuple[str, ExtMergeConfig, dict[str, 
 
 def _copy_provenance(config_text: str, diag: Mapping[str, Any]) -> tuple[str, bool, bool]:
     """``(hash of the original config, the runner shortened this text's paths, the text was
-    edited after the merge)`` of a config text, from the hashes the diagnostics recorded:
-    the copy in a folder is the runner's redacted one, the text in memory the original."""
+    edited after the merge)`` of a config copy, from the hashes the diagnostics recorded
+    (the runner's copy is the original with its local paths shortened; a copy written by
+    ``mergekit-yaml`` is the original)."""
     text_sha = hashlib.sha256(config_text.encode("utf-8")).hexdigest()
     recorded_sha = diag.get("config_sha256")
     written_sha = diag.get("config_written_sha256")
@@ -657,7 +661,7 @@ def build_card_context(
     if merge is None:
         config_text, cfg, diag = _read_merge(out_dir, cwd)
     else:
-        config_text, cfg, diag = merge.config.source_text, merge.config, dict(merge.diagnostics)
+        config_text, cfg, diag = merge.config_text, merge.config, dict(merge.diagnostics)
     model_config = _read_json(os.path.join(out_dir, "config.json"))
     if model_config is None:
         raise ModelNotFoundError(f"{out_dir} has no readable config.json: re-run the merge")
