@@ -472,6 +472,7 @@ def _finish_weights(
 
 
 def _measured(record: merge_record.MergeRecord, meter: ResourceMeter) -> merge_record.MergeRecord:
+    """``record`` with what the merge took (``meter`` wrapped the executor and the checks)."""
     assert meter.usage is not None
     record.resources = meter.usage.to_json()
     return record
