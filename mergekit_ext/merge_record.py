@@ -154,7 +154,6 @@ class MergeRecord:
                 data[name] = value
         return jsonable(data)
 
-
     def write(
         self, out_dir: str, redact: Optional[Callable[[str], str]] = None, **header: Any
     ) -> str:
