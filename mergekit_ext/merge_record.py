@@ -38,19 +38,22 @@ Schema (``schema_version`` 1), stable and read by the model card::
       }
     }
 
-A method records into its own section through :func:`record`; the CLI opens a
-:class:`DiagnosticsRecorder` around a merge with :func:`recording` and writes it with
-:meth:`DiagnosticsRecorder.write`.
+Every executor returns a :class:`MergeRecord`; the runner's writer turns it into this file
+(:meth:`MergeRecord.to_json`, :func:`diagnostics_text`). A tensor-wise kernel, which runs
+inside mergekit's task graph, records into its section through :func:`record_item`, into
+the :class:`DiagnosticsCollector` the tensor-wise executor opened with :func:`collecting`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import math
 import os
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from mergekit_ext.output import write_file
@@ -109,85 +112,143 @@ def _map_strings(value: Any, fn: Callable[[str], str]) -> Any:
     return value
 
 
-class DiagnosticsRecorder:
-    """Collects diagnostics of one merge; thread-safe."""
+@dataclass
+class MergeRecord:
+    """What one executor reports about one merge: the typed result of every executor
+    (tensor-wise through mergekit, the sequential and model-output executors, SyMerge).
 
-    def __init__(self, method: str, **header: Any) -> None:
-        self._lock = threading.Lock()
-        self.data: dict[str, Any] = {
+    The writer (``runner.write``) adds what it knows itself (parameters, seed, config hashes,
+    inputs) and turns it into :data:`FILENAME` with :meth:`to_json`; the card reads that.
+    A new field: a typed attribute here, filled by the executor that measures it, and its
+    name among the optional fields of :meth:`to_json` (docs/architecture.md, "A new record
+    field").
+    """
+
+    method: str  # the config's merge_method
+    #: diagnostics by section name: the method's own (per tensor, layer or group; under
+    #: ``method``) and any a tensor-wise kernel recorded (:func:`record_item`)
+    sections: dict[str, dict[str, Any]] = field(default_factory=dict)
+    calibration: Optional[dict[str, Any]] = None  # per task: source, samples, tokens, sha256
+    executor: Optional[dict[str, Any]] = None  # the sequential executor's compute dtype
+    distributed: Optional[dict[str, Any]] = None  # world size, backend, task ranks
+    resources: Optional[dict[str, Any]] = None  # ``ResourceUsage.to_json()``, set by the runner
+
+    @property
+    def diagnostics(self) -> dict[str, Any]:
+        """The method's own section (empty when it recorded nothing)."""
+        return self.sections.get(self.method, {})
+
+    def to_json(self, **header: Any) -> dict[str, Any]:
+        """The content of :data:`FILENAME`: the schema's header, ``header`` (the writer's
+        fields), the optional fields that were measured, and the sections."""
+        data: dict[str, Any] = {
             "schema_version": SCHEMA_VERSION,
             "mergekit_ext_version": _version(),
-            "method": method,
-            **{key: _jsonable(value) for key, value in header.items()},
-            "sections": {},
+            "method": self.method,
+            **header,
+            "sections": {name: s for name, s in self.sections.items() if s},
         }
+        for name in ("calibration", "executor", "distributed", "resources"):
+            value = getattr(self, name)
+            if value:  # not measured by this executor: absent, as the schema says
+                data[name] = value
+        return jsonable(data)
 
-    def section(self, name: str) -> dict[str, Any]:
-        with self._lock:
-            return self.data["sections"].setdefault(name, {})
+    def write(
+        self, out_dir: str, redact: Optional[Callable[[str], str]] = None, **header: Any
+    ) -> str:
+        """Write :data:`FILENAME` into ``out_dir`` (:meth:`to_json` with ``header``, then
+        :func:`diagnostics_text`); returns the path."""
+        return write_diagnostics(out_dir, diagnostics_text(self.to_json(**header), redact))
+
+
+def diagnostics_text(data: dict[str, Any], redact: Optional[Callable[[str], str]] = None) -> str:
+    """The text of :data:`FILENAME` for ``data``; ``redact`` rewrites every string (to drop
+    local paths)."""
+    data = _map_strings(data, redact) if redact is not None else data
+    return json.dumps(data, indent=2, sort_keys=True, allow_nan=False) + "\n"
+
+
+def write_diagnostics(out_dir: str, text: str) -> str:
+    """Write :func:`diagnostics_text`'s text into ``out_dir``; returns the path."""
+    return write_file(os.path.join(out_dir, FILENAME), text)
+
+
+class DiagnosticsCollector:
+    """The sections a tensor-wise kernel records during one merge; thread-safe.
+
+    mergekit runs the kernels inside its own task graph, where no record can be handed to
+    them: the tensor-wise executor opens one with :func:`collecting` and turns it into its
+    :class:`MergeRecord` afterwards.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.sections: dict[str, dict[str, Any]] = {}
 
     def record(self, section: str, key: str, value: Any) -> None:
         """Set ``sections[section][key] = value``."""
         with self._lock:
-            self.data["sections"].setdefault(section, {})[key] = _jsonable(value)
+            self.sections.setdefault(section, {})[key] = _jsonable(value)
 
     def record_item(self, section: str, collection: str, key: str, value: Any) -> None:
         """Set ``sections[section][collection][key] = value`` (for per-tensor records)."""
         with self._lock:
-            sec = self.data["sections"].setdefault(section, {})
+            sec = self.sections.setdefault(section, {})
             sec.setdefault(collection, {})[key] = _jsonable(value)
 
     def append(self, section: str, collection: str, value: Any) -> None:
         """Append to ``sections[section][collection]`` (for per-layer records)."""
         with self._lock:
-            sec = self.data["sections"].setdefault(section, {})
+            sec = self.sections.setdefault(section, {})
             sec.setdefault(collection, []).append(_jsonable(value))
 
-    def set_header(self, key: str, value: Any) -> None:
-        with self._lock:
-            self.data[key] = _jsonable(value)
 
-    def write(self, out_dir: str, redact: Optional[Callable[[str], str]] = None) -> str:
-        """Write the JSON file; ``redact`` rewrites every string (to drop local paths)."""
-        path = os.path.join(out_dir, FILENAME)
-        with self._lock:
-            data = _map_strings(self.data, redact) if redact is not None else self.data
-            text = json.dumps(data, indent=2, sort_keys=True, allow_nan=False)
-        return write_file(path, text + "\n")
+# The collector of the merge running in this context, None outside :func:`collecting`
+# (recording is then a no-op). A new thread starts with empty context variables: whoever
+# runs kernels in threads hands them its context (the runner does for mergekit's
+# --multi-gpu workers).
+_COLLECTOR: contextvars.ContextVar[Optional[DiagnosticsCollector]] = contextvars.ContextVar(
+    "mergekit_ext_diagnostics_collector", default=None
+)
 
 
-_ACTIVE: Optional[DiagnosticsRecorder] = None
-
-
-def active() -> Optional[DiagnosticsRecorder]:
-    """The recorder of the merge in progress, or None outside :func:`recording`."""
-    return _ACTIVE
+def active() -> Optional[DiagnosticsCollector]:
+    """The collector of the merge in progress in this context, or None."""
+    return _COLLECTOR.get()
 
 
 @contextlib.contextmanager
-def recording(recorder: DiagnosticsRecorder) -> Iterator[DiagnosticsRecorder]:
-    global _ACTIVE
-    previous, _ACTIVE = _ACTIVE, recorder
+def collecting(
+    collector: Optional[DiagnosticsCollector] = None,
+) -> Iterator[DiagnosticsCollector]:
+    """Collect what the kernels called in this context record (a fresh collector unless
+    one is given); the previous one, if any, is active again afterwards."""
+    collector = collector if collector is not None else DiagnosticsCollector()
+    token = _COLLECTOR.set(collector)
     try:
-        yield recorder
+        yield collector
     finally:
-        _ACTIVE = previous
+        _COLLECTOR.reset(token)
 
 
 def record_item(section: str, collection: str, key: str, value: Any) -> None:
-    """Record into the active recorder; a no-op when none is active (library use)."""
-    if _ACTIVE is not None:
-        _ACTIVE.record_item(section, collection, key, value)
+    """Record into the active collector; a no-op when none is active (library use)."""
+    collector = _COLLECTOR.get()
+    if collector is not None:
+        collector.record_item(section, collection, key, value)
 
 
 def append(section: str, collection: str, value: Any) -> None:
-    if _ACTIVE is not None:
-        _ACTIVE.append(section, collection, value)
+    collector = _COLLECTOR.get()
+    if collector is not None:
+        collector.append(section, collection, value)
 
 
 def record(section: str, key: str, value: Any) -> None:
-    if _ACTIVE is not None:
-        _ACTIVE.record(section, key, value)
+    collector = _COLLECTOR.get()
+    if collector is not None:
+        collector.record(section, key, value)
 
 
 def load(out_dir: str) -> dict[str, Any]:

@@ -4,9 +4,12 @@
 home directory; ``--overwrite`` only of a mergekit-ext output) and ``--push-to-hub`` → lock
 ``OUT_DIR`` → validate everything (method, paths, shapes, parameters, calibration) → pick the executor by the type of the method's kind (``methods/kinds.py``:
 mergekit's own planner for tensor-wise methods, our sequential executor for layer-wise
-methods, the adaptation loop for SyMerge) → write weights, ``mergekit_config.yml``, the diagnostics JSON and the
-model card into a temporary folder → check every written tensor for NaN/Inf, and that the
-checkpoint is complete and in the base's layout (``completeness``) → rename it into place.
+methods, the adaptation loop for SyMerge; :func:`_execute`), which writes the weights into a
+temporary folder and returns the merge's :class:`~mergekit_ext.merge_record.MergeRecord` →
+the output tokenizer, a check of every written tensor for NaN/Inf, and that the checkpoint
+is complete and in the base's layout (``completeness``) → :func:`write`: the diagnostics
+JSON, the model card (rendered from the config and the record in memory),
+``mergekit_config.yml`` and the manifest → rename the folder into place.
 
 Several processes (``torchrun``, :mod:`mergekit_ext.distributed`): every rank validates;
 only rank 0 checks and locks ``OUT_DIR``, writes the temporary folder and renames it. The
@@ -19,7 +22,9 @@ collective, and rank 0 removes its temporary folder.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hashlib
+import json
 import logging
 import math
 import os
@@ -100,8 +105,19 @@ class HubWing(Protocol):
     def check_can_publish(self, run: RunOptions) -> None:
         """Refuse what ``publish`` would refuse (``--push-to-hub``), before anything merges."""
 
-    def write_model_card(self, folder: str, name: str, repo_id: Optional[str]) -> None:
-        """Write README.md into ``folder`` (the merge's own temporary folder)."""
+    def write_model_card(
+        self,
+        folder: str,
+        name: str,
+        repo_id: Optional[str],
+        *,
+        config: ExtMergeConfig,
+        config_text: str,
+        diagnostics: dict[str, Any],
+    ) -> None:
+        """Write README.md into ``folder`` (the merge's own temporary folder), rendered from
+        ``config`` (as the user wrote it), ``config_text`` and ``diagnostics`` (the config
+        copy and the diagnostics as written beside it)."""
 
     def publish(self, out_path: str, run: RunOptions) -> str:
         """Upload ``out_path`` to ``run.push_to_hub``; returns the line that says what
@@ -221,30 +237,11 @@ def _run_merge_config(
 
     with exclusive_output(target, out_path):
         preflight(cfg, options, allow_pickle=run.allow_pickle)
-        recorder = merge_record.DiagnosticsRecorder(
-            cfg.method,
-            parameters=cfg.parameters,
-            seed=options.random_seed,
-            config_sha256=cfg.sha256,
-            versions=_versions(),
-        )
         with atomic_output_dir(target, overwrite=run.overwrite, shown=out_path) as tmp:
-            with merge_record.recording(recorder), ResourceMeter() as meter:
-                _execute(kind, cfg, tmp, options, run, recorder, out_path)
-                if out_tokenizer is not None:
-                    phase("writing the output tokenizer")
-                    tokenization.write_output_tokenizer(
-                        out_tokenizer,
-                        _donor_folder(cfg, options),
-                        tmp,
-                        copy_tokenizer=options.copy_tokenizer,
-                        trust_remote_code=options.trust_remote_code,
-                    )
-                _check_finite(cfg, tmp)
-                _check_complete(cfg, tmp, options)
-            assert meter.usage is not None
-            recorder.set_header("resources", meter.usage.to_json())
-            _write_metadata(cfg, tmp, target, options, run, recorder, hub)
+            with ResourceMeter() as meter:
+                record = _execute(kind, cfg, tmp, options, run, out_path)
+                _finish_weights(cfg, tmp, options, out_tokenizer)
+            write(cfg, _measured(record, meter), tmp, target, options, run, hub)
     if run.push_to_hub:
         show_published(_publish(out_path, run, hub))
     return os.path.abspath(out_path)
@@ -261,14 +258,13 @@ def _run_distributed(
 ) -> Optional[str]:
     """:func:`run_merge_config` on one of several ranks of a layerwise merge."""
     if not ctx.is_writer:
-        recorder = merge_record.DiagnosticsRecorder(cfg.method)
         try:
             preflight(cfg, options, World(ctx.world_size), allow_pickle=run.allow_pickle)
         except Exception as e:
             ctx.agree(e, "the checks")
             raise
         ctx.agree(None, "the checks")
-        _run_layerwise(_layerwise(cfg), cfg, None, options, recorder, ctx)
+        _run_layerwise(_layerwise(cfg), cfg, None, options, ctx)  # rank 0 writes the record
         ctx.agree(None, "writing the output")
         return None
 
@@ -282,31 +278,16 @@ def _run_distributed(
         out_tokenizer = tokenization.plan_output_tokenizer(cfg.merge, options, cfg.method)
         with exclusive_output(target, out_path):
             preflight(cfg, options, World(ctx.world_size), allow_pickle=run.allow_pickle)
-            recorder = merge_record.DiagnosticsRecorder(
-                cfg.method,
-                parameters=cfg.parameters,
-                seed=options.random_seed,
-                config_sha256=cfg.sha256,
-                versions=_versions(),
-            )
             with atomic_output_dir(target, overwrite=run.overwrite, shown=out_path) as tmp:
                 prologue = False
                 ctx.agree(None, "the checks")
-                with merge_record.recording(recorder):
-                    _run_layerwise(_layerwise(cfg), cfg, tmp, options, recorder, ctx)
+                # rank 0's resources: its wall time covers the whole merge (every rank
+                # walks the blocks together), its memory is its own
+                with ResourceMeter() as meter:
+                    record = _run_layerwise(_layerwise(cfg), cfg, tmp, options, ctx)
                     merged = True
-                    if out_tokenizer is not None:
-                        phase("writing the output tokenizer")
-                        tokenization.write_output_tokenizer(
-                            out_tokenizer,
-                            _donor_folder(cfg, options),
-                            tmp,
-                            copy_tokenizer=options.copy_tokenizer,
-                            trust_remote_code=options.trust_remote_code,
-                        )
-                _check_finite(cfg, tmp)
-                _check_complete(cfg, tmp, options)
-                _write_metadata(cfg, tmp, target, options, run, recorder, hub)
+                    _finish_weights(cfg, tmp, options, out_tokenizer)
+                write(cfg, _measured(record, meter), tmp, target, options, run, hub)
     except BaseException as e:
         if prologue:
             ctx.agree(e, "the checks")
@@ -361,19 +342,48 @@ def _check_complete(cfg: ExtMergeConfig, tmp: str, options: MergeOptions) -> Non
     )
 
 
-def _write_metadata(
+def _finish_weights(
+    cfg: ExtMergeConfig, tmp: str, options: MergeOptions, out_tokenizer: Optional[Any]
+) -> None:
+    """After the executor: the output tokenizer of a data-aware merge (mergekit's executor
+    writes that of a tensor-wise one), then the checks of what was written."""
+    if out_tokenizer is not None:
+        phase("writing the output tokenizer")
+        tokenization.write_output_tokenizer(
+            out_tokenizer,
+            _donor_folder(cfg, options),
+            tmp,
+            copy_tokenizer=options.copy_tokenizer,
+            trust_remote_code=options.trust_remote_code,
+        )
+    _check_finite(cfg, tmp)
+    _check_complete(cfg, tmp, options)
+
+
+def _measured(record: merge_record.MergeRecord, meter: ResourceMeter) -> merge_record.MergeRecord:
+    """``record`` with what the merge took (``meter`` wrapped the executor and the checks)."""
+    assert meter.usage is not None
+    record.resources = meter.usage.to_json()
+    return record
+
+
+def write(
     cfg: ExtMergeConfig,
-    tmp: str,
+    record: merge_record.MergeRecord,
+    staging: str,
     target: str,
     options: MergeOptions,
     run: RunOptions,
-    recorder: merge_record.DiagnosticsRecorder,
     hub: HubWing,
 ) -> None:
-    """``mergekit_config.yml``, the diagnostics and the card, with no absolute local path.
+    """The one writer of a merge's own files into ``staging`` (the temporary folder renamed
+    to ``target`` afterwards), for one process and for rank 0 of several: the diagnostics,
+    the ``--eval`` results, the model card, ``mergekit_config.yml`` and, last, the manifest,
+    with no absolute local path.
 
-    The card reads the config as written (it looks up the inputs' licenses); the copy that
-    stays, like every other published file, has the paths in their display form.
+    The card is rendered here from ``cfg``, the config copy and the diagnostics as they are
+    written, never read back from the folder (so it shows what lies beside it, and is the
+    card ``mergekit-ext card OUT`` renders later); the copy is redacted once, written once.
     """
     from mergekit_ext.merge_inputs import (
         dot_local_models,
@@ -386,27 +396,40 @@ def _write_metadata(
 
     # Where each input came from is decided here, where the merge read it, never later.
     records = input_records(cfg)
-    recorder.set_header("inputs", records)
     redact = local_path_redactor(cfg.raw)
+    shortened = redact(cfg.source_text)
     local = {undot(redact(r["model"])) for r in records if r["source"] == "local"}
     local |= {undot(redact(r["lora"])) for r in records if r.get("lora_source") == "local"}
     # local folders as ./x: `m/x` would read as a Hub id to whoever reproduces the merge
-    published = dot_local_models(redact(cfg.source_text), local.__contains__)
-    # whether the copy's text differs by more than the ./ of local folders (the card says so)
-    recorder.set_header("config_paths_shortened", redact(cfg.source_text) != cfg.source_text)
-    recorder.set_header(
-        "config_written_sha256", hashlib.sha256(published.encode("utf-8")).hexdigest()
+    published = dot_local_models(shortened, local.__contains__)
+    data = record.to_json(
+        parameters=cfg.parameters,
+        seed=options.random_seed,
+        config_sha256=cfg.sha256,
+        versions=_versions(),
+        inputs=records,
+        # whether the copy differs by more than the ./ of local folders (`card OUT` says so)
+        config_paths_shortened=shortened != cfg.source_text,
+        config_written_sha256=hashlib.sha256(published.encode("utf-8")).hexdigest(),
     )
-    recorder.write(tmp, redact=redact)
+    diagnostics = merge_record.diagnostics_text(data, redact=redact)
+    merge_record.write_diagnostics(staging, diagnostics)
     if run.eval_tasks:
-        _evaluate(tmp, os.path.basename(target), run, options)
+        _evaluate(staging, os.path.basename(target), run, options)
     if options.write_model_card:
-        _write_config_copy(cfg.source_text, tmp)
-        hub.write_model_card(tmp, os.path.basename(target), run.push_to_hub)
-    _write_config_copy(published, tmp)
+        hub.write_model_card(
+            staging,
+            os.path.basename(target),
+            run.push_to_hub,
+            config=cfg,
+            config_text=published,
+            diagnostics=json.loads(diagnostics),  # as written: paths redacted
+        )
+    with open(os.path.join(staging, "mergekit_config.yml"), "w", encoding="utf-8") as fp:
+        fp.write(published)
     # Last: every file in the fresh temporary folder is the merge's own. `publish` uploads
     # these (and what the user names), never a note or a secret that lands in OUT_DIR later.
-    merge_record.write_manifest(tmp, written_by="mergekit-ext run")
+    merge_record.write_manifest(staging, written_by="mergekit-ext run")
 
 
 def _check_eval(run: RunOptions) -> None:
@@ -504,11 +527,15 @@ def _missing_parameter(cfg: ExtMergeConfig, message: str) -> Optional[str]:
     )
 
 
-def _run_tensorwise(cfg: ExtMergeConfig, out_dir: str, options: MergeOptions) -> None:
+def _run_tensorwise(
+    cfg: ExtMergeConfig, out_dir: str, options: MergeOptions
+) -> merge_record.MergeRecord:
     """mergekit's own planner and executor; its card generator is replaced by ours.
 
     mergekit 0.1.5's card generator asks the Hub about short relative paths and crashes
-    offline, so it is switched off here and the card is written by ``hub.card``.
+    offline, so it is switched off here and the card is written by ``hub.card``. What the
+    kernels record (ACE's, WUDI's per-tensor diagnostics) is collected for this merge only
+    and becomes its record.
     """
     from mergekit.merge import run_merge
 
@@ -528,13 +555,14 @@ def _run_tensorwise(cfg: ExtMergeConfig, out_dir: str, options: MergeOptions) ->
         changes["lora_merge_cache"] = lora_cache
         LOG.info("model+LoRA inputs: full-size merged copies go to %s (removed after)", lora_cache)
     try:
-        with _no_torch_dtype_notice():
-            run_merge(
-                with_cached_snapshots(cfg.merge),
-                out_dir,
-                options=_mergekit_options(options, **changes),
-                config_source=cfg.source_text,
-            )
+        with merge_record.collecting() as collector, _no_torch_dtype_notice():
+            with _workers_share_context(options):
+                run_merge(
+                    with_cached_snapshots(cfg.merge),
+                    out_dir,
+                    options=_mergekit_options(options, **changes),
+                    config_source=cfg.source_text,
+                )
     except RuntimeError as e:
         missing = _missing_parameter(cfg, str(e))
         if missing is None:
@@ -543,6 +571,31 @@ def _run_tensorwise(cfg: ExtMergeConfig, out_dir: str, options: MergeOptions) ->
     finally:
         if lora_cache is not None:
             shutil.rmtree(lora_cache, ignore_errors=True)
+    return merge_record.MergeRecord(cfg.method, sections=collector.sections)
+
+
+@contextlib.contextmanager
+def _workers_share_context(options: MergeOptions) -> Iterator[None]:
+    """mergekit's ``--multi-gpu`` executor runs the kernels in a thread pool, and a new
+    thread starts with empty context variables: for this call its device workers run in a
+    copy of the caller's context, so what the kernels record reaches this merge's collector
+    (mergekit's class is as it was on return)."""
+    if not options.multi_gpu:
+        yield
+        return
+    from mergekit.multigpu_executor import MultiGPUExecutor
+
+    worker = MultiGPUExecutor._device_worker
+    context = contextvars.copy_context()
+
+    def in_context(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return context.copy().run(worker, self, *args, **kwargs)
+
+    MultiGPUExecutor._device_worker = in_context  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        MultiGPUExecutor._device_worker = worker  # type: ignore[method-assign]
 
 
 class _TorchDtypeNotice(logging.Filter):
@@ -573,17 +626,24 @@ def _execute(
     out_dir: str,
     options: MergeOptions,
     run: RunOptions,
-    recorder: merge_record.DiagnosticsRecorder,
     out_path: str,
-) -> None:
-    """Run the merge on the executor of ``kind``'s type (the one place that chooses)."""
+) -> merge_record.MergeRecord:
+    """Run the merge on the executor of ``kind``'s type (the one place that chooses); every
+    executor returns the merge's :class:`~mergekit_ext.merge_record.MergeRecord`."""
     if isinstance(kind, Layerwise):
-        _run_layerwise(kind.method, cfg, out_dir, options, recorder)
-    elif isinstance(kind, Adaptation):
-        body = _adapter_body_path(out_path)
-        _run_adaptation(kind, cfg, out_dir, options, run, recorder, body_path=body)
-    else:
-        _run_tensorwise(cfg, out_dir, options)
+        return _run_layerwise(kind.method, cfg, out_dir, options)
+    if isinstance(kind, Adaptation):
+        return kind.run(
+            cfg,
+            out_dir,
+            cfg.parameters,
+            device=options.device or "cpu",
+            force=run.force,
+            task_layers_only=run.task_layers_only,
+            trust_remote_code=options.trust_remote_code,
+            body_path=_adapter_body_path(out_path),
+        )
+    return _run_tensorwise(cfg, out_dir, options)
 
 
 def _layerwise(cfg: ExtMergeConfig) -> LayerwiseMethod:
@@ -598,12 +658,11 @@ def _run_layerwise(
     cfg: ExtMergeConfig,
     out_dir: Optional[str],
     options: MergeOptions,
-    recorder: merge_record.DiagnosticsRecorder,
     ctx: Optional[dist_context.DistributedContext] = None,
-) -> None:
+) -> merge_record.MergeRecord:
     from mergekit_ext.executor import run_layerwise_merge
 
-    result = run_layerwise_merge(
+    return run_layerwise_merge(
         cfg,
         out_dir,
         options,
@@ -612,49 +671,6 @@ def _run_layerwise(
         device=options.device or "cpu",
         distributed=ctx,
     )
-    _record_result(recorder, cfg.method, result)
-
-
-def _run_adaptation(
-    kind: Adaptation,
-    cfg: ExtMergeConfig,
-    out_dir: str,
-    options: MergeOptions,
-    run: RunOptions,
-    recorder: merge_record.DiagnosticsRecorder,
-    body_path: str,
-) -> None:
-    result = kind.run(
-        cfg,
-        out_dir,
-        cfg.parameters,
-        device=options.device or "cpu",
-        force=run.force,
-        task_layers_only=run.task_layers_only,
-        trust_remote_code=options.trust_remote_code,
-        body_path=body_path,
-    )
-    _record_result(recorder, cfg.method, result)
-
-
-def _record_result(recorder: merge_record.DiagnosticsRecorder, method: str, result: dict) -> None:
-    result = dict(result or {})
-    calibration = result.pop("calibration", None)
-    if calibration:
-        recorder.set_header("calibration", calibration)
-    distributed = result.pop("distributed", None)
-    if distributed:
-        recorder.set_header("distributed", distributed)
-    executor = result.pop("executor", None)
-    if executor:
-        recorder.set_header("executor", executor)  # compute dtype (docs/methods.md)
-    for key, value in result.items():
-        recorder.record(method, key, value)
-
-
-def _write_config_copy(text: str, out_dir: str) -> None:
-    with open(os.path.join(out_dir, "mergekit_config.yml"), "w", encoding="utf-8") as fp:
-        fp.write(text)
 
 
 def _describe_calibration(cfg: ExtMergeConfig, options: MergeOptions) -> list[str]:

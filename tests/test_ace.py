@@ -309,8 +309,7 @@ def _group(name: str, base: torch.Tensor, experts, vocabulary_axis=None) -> Tens
 
 def test_adapter_merges_linear_weights_with_ace_and_records_diagnostics() -> None:
     name = "model.layers.0.mlp.up_proj.weight"
-    recorder = merge_record.DiagnosticsRecorder("ace")
-    with merge_record.recording(recorder):
+    with merge_record.collecting() as recorder:
         merged = ace_merge.merge_group(
             _group(name, W0, EXPERTS),
             eps=1.0,
@@ -320,7 +319,7 @@ def test_adapter_merges_linear_weights_with_ace_and_records_diagnostics() -> Non
             scale=1.0,
         )
     torch.testing.assert_close(merged, W0 + M_REFINED, rtol=0, atol=1e-12)
-    record = recorder.data["sections"]["ace"]["tensors"][name]
+    record = recorder.sections["ace"]["tensors"][name]
     assert record["normalized"] is True
     assert record["gamma"] == pytest.approx(GAMMA, rel=1e-9)
     assert record["condition_number"] == pytest.approx(COND_NORM, rel=1e-9)

@@ -139,7 +139,7 @@ def test_merges_or_refuses(model_type, method, checkpoints, data, tmp_path, monk
         return
     out = str(tmp_path / "out")
     result = run_layerwise_merge(cfg, out, OPTIONS, _method(method), cfg.parameters)
-    assert result["layers"], "no linear group was merged with data"
+    assert result.diagnostics["layers"], "no linear group was merged with data"
     model = getattr(transformers, arch.model_class).from_pretrained(out, dtype=torch.float32)
     # every tensor of the base is written, none left at random initialisation
     merged = load_file(os.path.join(out, "model.safetensors"))
@@ -339,7 +339,7 @@ def test_model_output_objective_on_conv1d_weights(checkpoints, data, tmp_path):
     )
     out = str(tmp_path / "out")
     result = run_layerwise_merge(cfg, out, OPTIONS, _method("qp_projection"), cfg.parameters)
-    summary = result["model_output"]
+    summary = result.diagnostics["model_output"]
     assert summary["output_error_final"] < summary["output_error_initial"]
     merged = load_file(os.path.join(out, "model.safetensors"))
     original = load_file(os.path.join(base, "model.safetensors"))
@@ -515,10 +515,10 @@ def test_regmean_mixtral_equals_per_expert_reference(checkpoints, data, tmp_path
         f"mixtral: worst error {worst:.3f} κ·ε; unsquared routing weights {nearest_wrong:.0f} κ·ε"
     )
     assert nearest_wrong > 10.0
-    assert result["moe"]["experts_without_tokens"] == {
+    assert result.diagnostics["moe"]["experts_without_tokens"] == {
         i: {"module": "mlp.experts", "count": 0, "experts": []} for i in range(2)
     }
-    records = [r for r in result["layers"] if r.get("group") == "experts"]
+    records = [r for r in result.diagnostics["layers"] if r.get("group") == "experts"]
     assert len(records) == 2 * 4 * 2 and all(r["tokens"] > 0 for r in records)
 
 
@@ -541,7 +541,7 @@ def test_expert_without_routed_tokens_takes_the_fallback(checkpoints, data, tmp_
     cfg = _config("regmean", folders[0], folders[1:], data["text"], fallback="mean")
     out = str(tmp_path / "out")
     result = run_layerwise_merge(cfg, out, OPTIONS, _method("regmean"), cfg.parameters)
-    assert result["moe"]["experts_without_tokens"] == {
+    assert result.diagnostics["moe"]["experts_without_tokens"] == {
         1: {"module": "mlp.experts", "count": 1, "experts": [3]}
     }
     merged = load_file(os.path.join(out, "model.safetensors"))
@@ -554,7 +554,9 @@ def test_expert_without_routed_tokens_takes_the_fallback(checkpoints, data, tmp_
         assert not torch.allclose(
             merged[solved], (inputs[0][solved] + inputs[1][solved]) / 2, atol=1e-4
         )
-    solved_experts = {r["expert"] for r in result["layers"] if r.get("group") == "experts"}
+    solved_experts = {
+        r["expert"] for r in result.diagnostics["layers"] if r.get("group") == "experts"
+    }
     assert solved_experts == {0, 1, 2}
     model = getattr(transformers, arch.model_class).from_pretrained(out, dtype=torch.float32)
     batch = load_calibration(
@@ -766,9 +768,9 @@ def test_model_output_objective_across_types(model_type, checkpoints, data, tmp_
             plan_layerwise_merge(cfg, OPTIONS, method, cfg.parameters)
         return
     result = run_layerwise_merge(cfg, out, OPTIONS, method, cfg.parameters)
-    summary = result["model_output"]
+    summary = result.diagnostics["model_output"]
     assert math.isfinite(summary["output_error_final"])
-    assert len(result["layers"]) >= 2 * 3
+    assert len(result.diagnostics["layers"]) >= 2 * 3
     model = getattr(transformers, arch.model_class).from_pretrained(out, dtype=torch.float32)
     batch = load_calibration(
         cfg.calibration_for(cfg.models[0]), base, task="task0", modality=arch.modality

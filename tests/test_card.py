@@ -1,7 +1,7 @@
 """Model cards: templates per architecture, front matter, diagnostics summaries and plots.
 
 The ACE diagnostics come from real tiny merges (mergekit's ``run_merge`` inside
-``merge_record.recording``); RegMean, Chain of Merges and QP records come from the methods'
+``merge_record.collecting``); RegMean, Chain of Merges and QP records come from the methods'
 own ``merge_linear_group`` on random linear groups; SyMerge's section is built from the
 documented schema. Every test runs with sockets blocked: building a card must never touch
 the network.
@@ -76,15 +76,8 @@ def ace_merge(base: str, experts: list[str], out_dir: Path, *, extra_yaml: str =
         f"parameters:\n  gamma_threshold: 0.2\ndtype: float32\n{extra_yaml}"
     )
     cfg = parse_config(yaml_text)
-    recorder = merge_record.DiagnosticsRecorder(
-        cfg.method,
-        parameters=cfg.parameters,
-        seed=0,
-        config_sha256=cfg.sha256,
-        inputs=card_mod.input_records(cfg),  # as the runner records them
-    )
     # with the architecture definitions mergekit-ext's runner gives mergekit
-    with merge_record.recording(recorder), our_architectures(layout_tensor_names(base)):
+    with merge_record.collecting() as collector, our_architectures(layout_tensor_names(base)):
         run_merge(
             cfg.merge,
             str(out_dir),
@@ -92,7 +85,13 @@ def ace_merge(base: str, experts: list[str], out_dir: Path, *, extra_yaml: str =
             config_source=yaml_text,
         )
     (out_dir / "mergekit_config.yml").write_text(yaml_text, encoding="utf-8")
-    recorder.write(str(out_dir))
+    merge_record.MergeRecord(cfg.method, sections=collector.sections).write(
+        str(out_dir),
+        parameters=cfg.parameters,
+        seed=0,
+        config_sha256=cfg.sha256,
+        inputs=card_mod.input_records(cfg),  # as the runner records them
+    )
     return yaml_text
 
 
@@ -395,14 +394,14 @@ def record_merge_metadata(out: Path, yaml_text: str) -> None:
     cfg = parse_config(yaml_text)
     redact = card_mod.local_path_redactor(cfg.raw)
     published = redact(yaml_text)
-    recorder = merge_record.DiagnosticsRecorder(
-        cfg.method,
+    merge_record.MergeRecord(cfg.method).write(
+        str(out),
+        redact=redact,
         parameters=cfg.parameters,
         config_sha256=cfg.sha256,
         config_written_sha256=hashlib.sha256(published.encode()).hexdigest(),
         inputs=card_mod.input_records(cfg),
     )
-    recorder.write(str(out), redact=redact)
     (out / "mergekit_config.yml").write_text(published, encoding="utf-8")
 
 
@@ -603,18 +602,17 @@ def test_data_aware_sections_summaries_and_plots(llama_merge: Path, tmp_path: Pa
         for g in groups
     ]
     recorded = merge_record.load(str(out))
-    recorder = merge_record.DiagnosticsRecorder(
-        "ace", parameters=recorded["parameters"], seed=0, config_sha256=recorded["config_sha256"]
-    )
-    recorder.section("ace").update(recorded["sections"]["ace"])
-    for section, records in (("regmean", regmean), ("chain_of_merges", com), ("qp_projection", qp)):
-        for record in records:
-            recorder.append(section, "layers", record)
-    for key, value in _symerge_section(tasks).items():
-        recorder.record("symerge", key, value)
-    recorder.set_header(
-        "calibration",
-        {
+    sections = {
+        "ace": recorded["sections"]["ace"],
+        "regmean": {"layers": regmean},
+        "chain_of_merges": {"layers": com},
+        "qp_projection": {"layers": qp},
+        "symerge": _symerge_section(tasks),
+    }
+    merge_record.MergeRecord(
+        "ace",
+        sections=sections,
+        calibration={
             "math": {
                 "source": "/data/secret/math.jsonl",
                 "samples": 64,
@@ -630,8 +628,9 @@ def test_data_aware_sections_summaries_and_plots(llama_merge: Path, tmp_path: Pa
                 "modality": "text",
             },
         },
+    ).write(
+        str(out), parameters=recorded["parameters"], seed=0, config_sha256=recorded["config_sha256"]
     )
-    recorder.write(str(out))
     (out / "tasks" / "math").mkdir(parents=True)
     (out / "tasks" / "code").mkdir()
     # math: a complete checkpoint of the expert's class; code: a PEFT adapter (--task-layers-only)
@@ -786,6 +785,33 @@ def test_card_command_rebuilds_card(llama_merge: Path, tmp_path: Path) -> None:
     empty.mkdir()
     result = CliRunner().invoke(card_command, [str(empty)])
     assert result.exit_code == 1 and "not the output of a finished merge" in result.output
+
+
+def test_run_card_is_the_card_of_the_folder_and_names_no_local_path(
+    tiny_llama_set, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``run`` renders the card in memory from the config copy and the diagnostics it
+    writes; ``card OUT`` reads them back later. Same text, and no absolute local path, not
+    even one in a YAML comment (the copy beside the card shortens it too)."""
+    from mergekit_ext.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    experts = "".join(f"  - model: {e}\n" for e in tiny_llama_set.experts)
+    config = tmp_path / "c.yml"
+    config.write_text(
+        f"# experts built in {tmp_path}/models\nmerge_method: ace\n"
+        f"base_model: {tiny_llama_set.base}\nmodels:\n{experts}dtype: float32\n",
+        encoding="utf-8",
+    )
+    result = CliRunner().invoke(main, ["run", str(config), "merged"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    readme = tmp_path / "merged" / "README.md"
+    written = readme.read_text(encoding="utf-8")
+    assert str(tmp_path) not in written
+    assert str(tmp_path) not in (tmp_path / "merged" / "mergekit_config.yml").read_text()
+    assert "absolute local paths are shortened" in written
+    write_model_card(str(tmp_path / "merged"))
+    assert readme.read_text(encoding="utf-8") == written
 
 
 def test_runner_temporary_folder_name(llama_merge: Path, tmp_path: Path) -> None:

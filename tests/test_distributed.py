@@ -272,6 +272,10 @@ def test_two_ranks_equal_one_process(request, case, tmp_path):
         assert all(list(r["tasks"]) == [f"task{i}" for i in range(k)] for r in layers)
     card = open(os.path.join(out, "README.md"), encoding="utf-8").read()
     assert "2 processes" in card and "task1: rank 1" in card
+    # one writer for one process and several: rank 0 records what the merge took too
+    assert diag_two["resources"]["wall_time_s"] > 0
+    assert set(diag_two["resources"]) == set(diag_one["resources"])
+    assert "**Merge time and memory:**" in card
 
 
 def _poisoned_expert(source: str, folder: str, tensor: str) -> str:

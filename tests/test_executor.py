@@ -359,13 +359,13 @@ def test_streaming_matches_whole_model_reference(request, family, propagate, dat
         torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=2e-5, msg=name)
 
     # One diagnostics record per group, in forward order, with the method's own fields.
-    layers = result["layers"]
+    layers = result.diagnostics["layers"]
     assert [r["group"] for r in layers] == [g for _ in range(2) for g in _labels(family)]
     assert [r["block"] for r in layers] == [0] * 4 + [1] * 4
     if modality == "text":  # statistics count the non-padding tokens of each task
         tokens = [sum(int(b["attention_mask"].sum()) for b in task) for task in batches]
         assert all(r["tokens"] == tokens for r in layers)
-    assert set(result["calibration"]) == {"task0", "task1", "task2"}
+    assert set(result.calibration) == {"task0", "task1", "task2"}
 
 
 def _labels(family: str) -> list[str]:
@@ -556,8 +556,11 @@ def test_headless_base_with_classifier_experts(
     assert set(a) == set(b)  # the base's names; no classifier
     for name in a:
         torch.testing.assert_close(a[name], b[name], msg=name)
-    assert {r["tensor"] for r in result["not_merged"]} == {"classifier.weight", "classifier.bias"}
-    assert reference["not_merged"] == []
+    assert {r["tensor"] for r in result.diagnostics["not_merged"]} == {
+        "classifier.weight",
+        "classifier.bias",
+    }
+    assert reference.diagnostics["not_merged"] == []
 
 
 def test_head_with_another_shape_is_not_merged(tiny_vit_set, data_dir, tmp_path):
@@ -575,7 +578,7 @@ def test_head_with_another_shape_is_not_merged(tiny_vit_set, data_dir, tmp_path)
         str(tmp_path / "out"),
         GramLeastSquares(False),
     )
-    reasons = {r["tensor"]: r["reason"] for r in result["not_merged"]}
+    reasons = {r["tensor"]: r["reason"] for r in result.diagnostics["not_merged"]}
     assert set(reasons) == {"classifier.weight", "classifier.bias"}
     assert odd in reasons["classifier.weight"]
     merged = load_file(str(tmp_path / "out" / "model.safetensors"))
@@ -589,7 +592,7 @@ def test_whole_clip_model_merges_vision_tower_with_data(tiny_clip_set, data_dir,
     data = [_data(data_dir, "image", k) for k in range(3)]
     cfg = _config("regmean", tiny_clip_set.base, list(tiny_clip_set.experts), data)
     result = _run(cfg, str(tmp_path / "out"), GramLeastSquares(propagate=True))
-    assert result["layers"][0]["layer"] == "vision_model.encoder.layers.0.self_attn.qkv"
+    assert result.diagnostics["layers"][0]["layer"] == "vision_model.encoder.layers.0.self_attn.qkv"
     merged = load_file(str(tmp_path / "out" / "model.safetensors"))
     experts = [load_file(os.path.join(e, "model.safetensors")) for e in tiny_clip_set.experts]
     name = "text_model.encoder.layers.0.self_attn.q_proj.weight"  # text tower: fallback (mean)
@@ -620,7 +623,7 @@ def test_registered_methods_run(method_name, tiny_llama_set, data_dir, tmp_path)
     result = run_layerwise_merge(
         cfg, str(tmp_path / "out"), OPTIONS, info.implementation, cfg.parameters
     )
-    assert len(result["layers"]) == 8  # 2 blocks x 4 groups
+    assert len(result.diagnostics["layers"]) == 8  # 2 blocks x 4 groups
     merged = load_file(str(tmp_path / "out" / "model.safetensors"))
     name = "model.layers.1.mlp.down_proj.weight"
     for source in tiny_llama_set.models:
@@ -701,7 +704,7 @@ def test_com_reference_path_keeps_moments_only_above_the_width_limit(
     method = chain_of_merges.ChainOfMergesMethod()
     assert method.statistics_request({}).reference_gram_max_dim == hidden
     result = run_layerwise_merge(cfg, str(tmp_path / "out"), OPTIONS, method, {})
-    kinds = {r["layer"]: r["covariate_shift_covariance"] for r in result["layers"]}
+    kinds = {r["layer"]: r["covariate_shift_covariance"] for r in result.diagnostics["layers"]}
     widths = set()
     for name, group in seen.items():
         width = group.experts[0][group.weights[0]].shape[1]
@@ -715,7 +718,7 @@ def test_com_reference_path_keeps_moments_only_above_the_width_limit(
             assert ref.second_moment.shape == (width,)
             assert ref.count == merged.count > 0
         assert kinds[name] == ("full" if width <= hidden else "diagonal")
-        for task in result["layers"][0]["tasks"].values():
+        for task in result.diagnostics["layers"][0]["tasks"].values():
             assert task["covariate_shift_w2"] is not None
     assert min(widths) <= hidden < max(widths)  # both kinds were exercised
 

@@ -175,8 +175,7 @@ def test_task_arithmetic_is_exact_for_every_tensor(tiny, tmp_path) -> None:
 def check_ace_merge(tiny, out: str, normalize: str) -> None:
     """Merge with ACE and compare every output tensor with the pure functions of ace.py."""
     params = {"eps": 0.01, "k_frac": 0.3, "gamma_threshold": 0.3, "normalize": normalize}
-    recorder = merge_record.DiagnosticsRecorder("ace")
-    with merge_record.recording(recorder):
+    with merge_record.collecting() as recorder:
         merge(tiny, "ace", out, parameters=params)
     base = load_tensors(tiny.base)
     experts = [load_tensors(e) for e in tiny.experts]
@@ -197,7 +196,7 @@ def check_ace_merge(tiny, out: str, normalize: str) -> None:
             merged[name], expected, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}"
         )
     # The adapter recorded diagnostics for exactly the linear weights.
-    recorded = recorder.data["sections"]["ace"]["tensors"]
+    recorded = recorder.sections["ace"]["tensors"]
     assert set(recorded) == linear
     for record in recorded.values():
         assert record["normalized"] is (normalize == "always" or record["gamma"] > 0.3)

@@ -70,10 +70,7 @@ def merged(tiny_llama_set, tmp_path_factory: pytest.TempPathFactory) -> Path:
         f"merge_method: ace\nbase_model: {tiny_llama_set.base}\nmodels:\n{experts}dtype: float32\n"
     )
     cfg = parse_config(yaml_text)
-    recorder = merge_record.DiagnosticsRecorder(
-        "ace", parameters={}, seed=0, config_sha256=cfg.sha256
-    )
-    with merge_record.recording(recorder):
+    with merge_record.collecting() as collector:
         run_merge(
             cfg.merge,
             str(out),
@@ -81,7 +78,8 @@ def merged(tiny_llama_set, tmp_path_factory: pytest.TempPathFactory) -> Path:
             config_source=yaml_text,
         )
     (out / "mergekit_config.yml").write_text(yaml_text)
-    recorder.write(str(out))
+    record = merge_record.MergeRecord("ace", sections=collector.sections)
+    record.write(str(out), parameters={}, seed=0, config_sha256=cfg.sha256)
     write_model_card(str(out))
     return out
 

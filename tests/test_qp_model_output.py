@@ -300,9 +300,11 @@ def test_executor_design_equals_a_whole_model_jacobian(
     torch.testing.assert_close(first.sums.normal, normal, rtol=0, atol=1e-5 * scale)
     torch.testing.assert_close(first.sums.rhs, rhs, rtol=0, atol=1e-5 * float(rhs.abs().max()))
     assert float(first.sums.energy) == pytest.approx(energy, rel=1e-6)
-    record = result["layers"][0]["weights"][first.name]
+    record = result.diagnostics["layers"][0]["weights"][first.name]
     assert record["output_error_before"] == pytest.approx(energy, rel=1e-6)
-    assert result["model_output"]["output_error_initial"] == pytest.approx(energy, rel=1e-6)
+    assert result.diagnostics["model_output"]["output_error_initial"] == pytest.approx(
+        energy, rel=1e-6
+    )
 
 
 def test_the_solve_lowers_the_linearised_error_of_every_linear(tiny_vit_set, vit_data, tmp_path):
@@ -314,13 +316,13 @@ def test_the_solve_lowers_the_linearised_error_of_every_linear(tiny_vit_set, vit
             {"objective": "model_output", "prior": prior, "output_sketch": 4},
         )
         result = _merge(cfg, tmp_path / f"prior{prior}")
-        assert len(result["layers"]) == 12  # 2 blocks x 6 linears, one at a time
-        for layer in result["layers"]:
+        assert len(result.diagnostics["layers"]) == 12  # 2 blocks x 6 linears, one at a time
+        for layer in result.diagnostics["layers"]:
             (record,) = layer["weights"].values()
             assert record["objective"] == "model_output"
             reference = record["J0"] if prior == 0.0 else record["J_task_arithmetic"]["1"]
             assert record["J_opt"] <= reference * (1 + 1e-9)
-        assert result["model_output"]["output_sketch"] == 4
+        assert result.diagnostics["model_output"]["output_sketch"] == 4
 
 
 def test_default_objective_is_unchanged_and_model_output_is_deterministic(

@@ -350,19 +350,20 @@ def test_same_seed_gives_identical_bytes(problem_set, tmp_path):
         cfg, params = make_config(problem_set, parameters={"epochs": 3, "seed": 7})
         out = str(tmp_path / run)
         os.makedirs(out)
-        section = run_symerge(cfg, out, params)
+        record = run_symerge(cfg, out, params)
         files = {}
         for folder, _, names in os.walk(out):
             for name in names:
                 path = os.path.join(folder, name)
                 with open(path, "rb") as fp:
                     files[os.path.relpath(path, out)] = fp.read()
-        outputs.append((files, section))
-    (files_a, section_a), (files_b, section_b) = outputs
+        outputs.append((files, record))
+    (files_a, record_a), (files_b, record_b) = outputs
+    section_a, section_b = record_a.diagnostics, record_b.diagnostics
     assert "tasks/animal/model.safetensors" in files_a and "model.safetensors" in files_a
     assert files_a == files_b
     assert section_a["loss"] == section_b["loss"] and section_a["lambda"] == section_b["lambda"]
-    assert section_a["calibration"]["animal"]["samples"] == 200
+    assert record_a.calibration["animal"]["samples"] == 200
 
 
 def test_invariants_during_adaptation(problem_set):

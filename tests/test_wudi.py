@@ -262,9 +262,8 @@ def test_kernel_records_diagnostics_and_treats_other_tensors_as_asked() -> None:
     params = info.parse_parameters({"steps": 10, "lr": 1e-3})
     base = torch.randn(6, 4)
     experts = [base + 0.1 * torch.randn(6, 4) for _ in range(2)]
-    recorder = merge_record.DiagnosticsRecorder("wudi")
     kernel = wudi_merge.merge_group
-    with merge_record.recording(recorder):
+    with merge_record.collecting() as recorder:
         merged = kernel(_group("layers.0.q.weight", base, experts), steps=10, lr=1e-3)
         emb = kernel(_group("embed_tokens.weight", base, experts, vocabulary_axis=0), steps=10)
         norm = kernel(_group("layers.0.norm.weight", base[0], [e[0] for e in experts]), steps=10)
@@ -274,7 +273,7 @@ def test_kernel_records_diagnostics_and_treats_other_tensors_as_asked() -> None:
     torch.testing.assert_close(
         norm, base[0] + (experts[0][0] - base[0] + experts[1][0] - base[0]) / 2
     )
-    recorded = recorder.data["sections"]["wudi"]["tensors"]
+    recorded = recorder.sections["wudi"]["tensors"]
     assert list(recorded) == ["layers.0.q.weight"]
     assert recorded["layers.0.q.weight"]["final_loss"] == pytest.approx(d.final_loss)
     kept = wudi_merge_simple(base, experts, other_tensors="base")

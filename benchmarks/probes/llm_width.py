@@ -253,7 +253,7 @@ def _child(
             k: d.get(k)
             for k in ("layer", "solver", "ridge", "tokens", "input_width", "condition_number")
         }
-        for d in (result.get("layers") or result.get("layer_diagnostics") or [])
+        for d in result.diagnostics.get("layers", [])
         if isinstance(d, dict)
     ]
     record = {

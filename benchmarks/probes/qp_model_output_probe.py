@@ -59,7 +59,7 @@ def run_variant(config: dict[str, Any], variant: str, linears: int) -> dict[str,
         with tempfile.TemporaryDirectory() as out:
             return run_layerwise_merge(
                 cfg, os.path.join(out, "merged"), MergeOptions(quiet=True), method, cfg.parameters
-            )
+            ).diagnostics
     finally:
         model_output.next_token_sketch = sketch
         model_output.ModelOutputExecutor._merge_linear = merge_linear

@@ -43,6 +43,7 @@ from mergekit_ext.adaptation.trainer import (
 )
 from mergekit_ext.config import ExtMergeConfig, ExtModelEntry
 from mergekit_ext.errors import CalibrationError, ConfigError, ModelInputError
+from mergekit_ext.merge_record import MergeRecord
 from mergekit_ext.models import model_class, model_paths
 from mergekit_ext.models.checkpoint import ResolvedReference, resolve_reference
 from mergekit_ext.models.head_kind import is_causal_lm, is_causal_lm_class, observed_head_kind
@@ -659,11 +660,11 @@ def run_symerge(
     task_layers_only: bool = False,
     trust_remote_code: bool = False,
     body_path: Optional[str] = None,
-) -> dict:
+) -> MergeRecord:
     """Run SyMerge for ``cfg`` and write the outputs into ``out_dir`` (which may exist).
 
-    Returns the diagnostics section (see :func:`_diagnostics`) with a ``calibration``
-    entry per task, which the runner moves into the diagnostics header.
+    Returns the merge's record: the diagnostics section (see :func:`_diagnostics`) under
+    the config's method, and the calibration summary of each task.
     """
     started = time.perf_counter()
     session = prepare_symerge(
@@ -673,8 +674,7 @@ def run_symerge(
     save_symerge(session, out_dir, task_layers_only=task_layers_only, body_path=body_path)
     session.timing["total_s"] = time.perf_counter() - started
     section["timing"] = dict(session.timing)
-    section["calibration"] = session.calibration
-    return section
+    return MergeRecord(cfg.method, sections={cfg.method: section}, calibration=session.calibration)
 
 
 def _nan_to_none(values: Sequence[float]) -> list[Optional[float]]:

@@ -29,6 +29,7 @@ from typing import Any
 from mergekit_ext.adaptation import run
 from mergekit_ext.adaptation.parameters import SyMergeParameters
 from mergekit_ext.config import ExtMergeConfig
+from mergekit_ext.merge_record import MergeRecord
 from mergekit_ext.methods.card_sections.symerge import plot_symerge, summarize_symerge
 from mergekit_ext.methods.kinds import Adaptation
 from mergekit_ext.methods.registry import (
@@ -39,7 +40,7 @@ from mergekit_ext.methods.registry import (
 )
 
 
-def run_symerge(cfg: ExtMergeConfig, out_dir: str, parameters: Any, **options: Any) -> dict:
+def run_symerge(cfg: ExtMergeConfig, out_dir: str, parameters: Any, **options: Any) -> MergeRecord:
     """Validate ``parameters`` and run SyMerge (:func:`mergekit_ext.adaptation.run.run_symerge`)."""
     return run.run_symerge(cfg, out_dir, SyMergeParameters.parse(parameters, "symerge"), **options)
 

@@ -4,16 +4,17 @@ Entry points used by the CLI (``mergekit_ext.runner``):
 
 - :func:`plan_layerwise_merge`: validates the merge before any weight is loaded and returns
   a :class:`MergePlan` whose :meth:`MergePlan.describe` is the ``--dry-run`` text;
-- :func:`run_layerwise_merge`: writes the merged model into a folder and returns the
-  diagnostics section ``{"layers": [...], "not_merged": [...]}`` plus ``"calibration"``
-  (the per-task calibration summaries, which the CLI records in the diagnostics header).
+- :func:`run_layerwise_merge`: writes the merged model into a folder and returns its
+  :class:`~mergekit_ext.merge_record.MergeRecord`: the method's section
+  (``{"layers": [...], "not_merged": [...]}``), the per-task calibration summaries, the
+  compute dtype and, in several processes, who held which task.
 
 See :mod:`mergekit_ext.executor.sequential` for how the network is walked.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from mergekit.options import MergeOptions
@@ -23,6 +24,7 @@ from mergekit_ext.distributed import DistributedContext
 from mergekit_ext.errors import ExecutionError
 from mergekit_ext.executor.plan import MemoryEstimate, MergePlan, build_plan
 from mergekit_ext.executor.sequential import SequentialExecutor, resolve_device
+from mergekit_ext.merge_record import MergeRecord
 from mergekit_ext.methods.layerwise import LayerwiseMethod
 from mergekit_ext.models.families import family_for, family_names
 
@@ -48,15 +50,16 @@ def run_layerwise_merge(
     *,
     device: str = "cpu",
     distributed: Optional[DistributedContext] = None,
-) -> dict[str, Any]:
-    """Merge block by block into ``out_dir`` (config, tokenizer/processor files, safetensors).
+) -> MergeRecord:
+    """Merge block by block into ``out_dir`` (config, tokenizer/processor files, safetensors);
+    returns the merge's record (its section, calibration, compute dtype, distribution).
 
     ``device``: ``cpu`` | ``cuda`` | ``auto``; statistics and block forwards run there,
     weights stream from disk. ``distributed``: this process's place among several
     (``torchrun``); rank r runs on ``cuda:LOCAL_RANK`` with ``cuda``, and only rank 0
-    writes (the others pass ``out_dir=None``). The result then also has
-    ``"distributed": {"world_size", "backend", "task_ranks"}`` (and ``"task_shares"`` when
-    there are more processes than tasks).
+    writes (the others pass ``out_dir=None``). The record then also has ``distributed``:
+    ``{"world_size", "backend", "task_ranks"}`` (and ``"task_shares"`` when there are more
+    processes than tasks).
     """
     torch_device = resolve_device(device)
     if distributed is not None and distributed.enabled and torch_device.type == "cuda":

@@ -48,6 +48,7 @@ from mergekit_ext.executor.model_output_checks import VJP_CHUNK
 from mergekit_ext.executor.plan import MergePlan
 from mergekit_ext.executor.sequential import SequentialExecutor
 from mergekit_ext.kl import kl_from_log_probs
+from mergekit_ext.merge_record import MergeRecord
 from mergekit_ext.methods.layerwise import ModelOutputRequest
 from mergekit_ext.models.checkpoint import HEAD_PREFIX, canonical_name
 
@@ -218,7 +219,7 @@ class ModelOutputExecutor(SequentialExecutor):
 
     # ---------------------------------------------------------------------------------
 
-    def run(self) -> dict[str, Any]:
+    def run(self) -> MergeRecord:
         with torch.no_grad():
             self._prepare_tasks()
             self.params.update(self._merge_pre_block())
@@ -259,10 +260,10 @@ class ModelOutputExecutor(SequentialExecutor):
         self.writer.finalize()
         self._write_support_files()
         request = self.output_request
-        return {
+        method = self.plan.cfg.method
+        section = {
             "layers": self.layer_diagnostics,
             "not_merged": self.not_merged,
-            "calibration": {e.task: e.data.summary() for e in self.experts if e.data is not None},
             "model_output": {
                 "objective": "model_output",
                 "output": "next_token_kl" if self.causal_lm else "hidden_state",
@@ -273,6 +274,11 @@ class ModelOutputExecutor(SequentialExecutor):
                 "output_error_final": final,
             },
         }
+        return MergeRecord(
+            method,
+            sections={method: section},
+            calibration={e.task: e.data.summary() for e in self.experts if e.data is not None},
+        )
 
     # ---------------------------------------------------------------------------------
     # Tensors

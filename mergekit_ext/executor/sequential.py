@@ -112,6 +112,7 @@ from mergekit_ext.executor.plan import (
     safetensors_dtype,
 )
 from mergekit_ext.executor.refine import refine_block
+from mergekit_ext.merge_record import MergeRecord
 from mergekit_ext.methods.layerwise import LinearGroup, SumReduction, TaskStatistics
 from mergekit_ext.models import model_class
 from mergekit_ext.models.checkpoint import HEAD_PREFIX, TAGALONG_FILES
@@ -269,7 +270,7 @@ class SequentialExecutor:
     # ---------------------------------------------------------------------------------
     # Entry point
 
-    def run(self) -> dict[str, Any]:
+    def run(self) -> MergeRecord:
         if not self.plan.options.safe_serialization:
             LOG.warning("the sequential executor always writes safetensors")
         with torch.no_grad():
@@ -293,8 +294,8 @@ class SequentialExecutor:
             phase("writing the last checkpoint shard and the shard index")
             self.writer.finalize()
             self._write_support_files()
-        result: dict[str, Any] = {
-            "executor": self.compute.record(),
+        method = self.plan.cfg.method
+        section: dict[str, Any] = {
             "layers": self.layer_diagnostics,
             "not_merged": self.not_merged,
             **({"blocks": self.block_records} if self.refinement is not None else {}),
@@ -303,32 +304,43 @@ class SequentialExecutor:
                 if any(g.experts for b in self.plan.blocks for g in b.groups)
                 else {}
             ),
-            "calibration": {e.task: e.data.summary() for e in self.experts if e.data is not None},
         }
-        if self.dist.enabled:
-            num_tasks = len(self.experts)
-            result["distributed"] = {
-                "world_size": self.dist.world_size,
-                "backend": self.dist.backend,
-                # the rank that holds each task's statistics
-                "task_ranks": {
-                    e.task: self.dist.owner(k, num_tasks) for k, e in enumerate(self.experts)
-                },
-            }
-            if self.dist.world_size > num_tasks:
-                # ranks sharing a task: each one's [first, stop) of the task's batches
-                result["distributed"]["task_shares"] = {
-                    e.task: {
-                        r: list(
-                            DistributedContext(self.dist.world_size, r).share(
-                                k, num_tasks, len(e.data.batches) if e.data else 1
-                            )
+        return MergeRecord(
+            method,
+            sections={method: section},
+            calibration={e.task: e.data.summary() for e in self.experts if e.data is not None},
+            executor=self.compute.record(),
+            distributed=self._distributed_record(),
+        )
+
+    def _distributed_record(self) -> Optional[dict[str, Any]]:
+        """Several processes: the world, the backend and the rank that holds each task's
+        statistics (with each sharing rank's batches when there are more ranks than tasks);
+        None in one process."""
+        if not self.dist.enabled:
+            return None
+        num_tasks = len(self.experts)
+        record: dict[str, Any] = {
+            "world_size": self.dist.world_size,
+            "backend": self.dist.backend,
+            "task_ranks": {
+                e.task: self.dist.owner(k, num_tasks) for k, e in enumerate(self.experts)
+            },
+        }
+        if self.dist.world_size > num_tasks:
+            # ranks sharing a task: each one's [first, stop) of the task's batches
+            record["task_shares"] = {
+                e.task: {
+                    r: list(
+                        DistributedContext(self.dist.world_size, r).share(
+                            k, num_tasks, len(e.data.batches) if e.data else 1
                         )
-                        for r in self.dist.ranks_of(k, num_tasks)
-                    }
-                    for k, e in enumerate(self.experts)
+                    )
+                    for r in self.dist.ranks_of(k, num_tasks)
                 }
-        return result
+                for k, e in enumerate(self.experts)
+            }
+        return record
 
     def _collect_task_diagnostics(self) -> None:
         """Several processes: every rank's per-task group records into rank 0's records."""

@@ -29,11 +29,22 @@ class HubActions:
             timeout=run.hub_timeout,
         )
 
-    def write_model_card(self, folder: str, name: str, repo_id: Optional[str]) -> None:
-        """README.md into the merge's temporary folder (nothing of the user's to keep)."""
-        from mergekit_ext.hub.card import write_model_card
+    def write_model_card(
+        self,
+        folder: str,
+        name: str,
+        repo_id: Optional[str],
+        *,
+        config: Any,
+        config_text: str,
+        diagnostics: dict[str, Any],
+    ) -> None:
+        """README.md into the merge's temporary folder (nothing of the user's to keep),
+        rendered from the run's config, config copy and diagnostics in memory."""
+        from mergekit_ext.hub.card import MergeInMemory, write_model_card
 
-        write_model_card(folder, name=name, repo_id=repo_id, force=True)
+        merge = MergeInMemory(config, config_text, diagnostics)
+        write_model_card(folder, name=name, repo_id=repo_id, force=True, merge=merge)
 
     def publish(self, out_path: str, run: Any) -> str:
         """Upload ``out_path`` to ``run.push_to_hub`` in one commit; returns the line that

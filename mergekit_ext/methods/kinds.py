@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Union
 
+from mergekit_ext.merge_record import MergeRecord
 from mergekit_ext.methods.layerwise import LayerwiseMethod
 
 if TYPE_CHECKING:
@@ -52,7 +53,8 @@ class Layerwise:
 
 class AdaptationRun(Protocol):
     """A test-time adaptation merge: reads the config's models and data, writes ``out_dir``
-    and returns its diagnostics (``calibration`` goes to the diagnostics header)."""
+    and returns its :class:`~mergekit_ext.merge_record.MergeRecord` (its diagnostics under
+    the config's method, the calibration summaries)."""
 
     def __call__(
         self,
@@ -65,7 +67,7 @@ class AdaptationRun(Protocol):
         task_layers_only: bool,
         trust_remote_code: bool,
         body_path: str,
-    ) -> dict[str, Any]: ...
+    ) -> MergeRecord: ...
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Rendering a model card: the template context from a finished output folder, Jinja2, ``README.md``."""
+"""Rendering a model card: the template context (from a finished output folder, or from the
+run writing it: :class:`MergeInMemory`), Jinja2, ``README.md``."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from mergekit_ext import merge_record
+from mergekit_ext.config import ExtMergeConfig
 from mergekit_ext.errors import ExecutionError, MergekitExtError, ModelNotFoundError
 from mergekit_ext.hub.card.evaluation import (
     EvalReport,
@@ -570,6 +572,49 @@ def _resources(diag: Mapping[str, Any]) -> Optional[dict[str, Any]]:
     }
 
 
+@dataclass(frozen=True)
+class MergeInMemory:
+    """The merge ``mergekit-ext run`` is writing, handed to the card in memory: its config
+    as the user wrote it (parsed), the text of the config copy and the diagnostics, both as
+    written beside the card (paths shortened). Without it the card reads the copy and the
+    diagnostics back from the folder (``mergekit-ext card OUT``), through the same code, so
+    the two cards are the same text."""
+
+    config: ExtMergeConfig
+    config_text: str
+    diagnostics: Mapping[str, Any]
+
+
+def _read_merge(out_dir: str, cwd: str) -> tuple[str, ExtMergeConfig, dict[str, Any]]:
+    """The config copy (text and parsed) and the diagnostics of a finished output folder."""
+    from mergekit_ext.config import parse_config
+
+    config_path = os.path.join(out_dir, CONFIG_FILENAME)
+    with open(config_path, encoding="utf-8") as fp:
+        config_text = fp.read()
+    # the merge warned about unknown keys when it read the config; its copy does not warn again
+    cfg = parse_config(config_text, config_path, warn_unknown=False)
+    cfg.base_dir = cwd  # relative paths in the YAML resolve against the CWD, like mergekit
+    return config_text, cfg, merge_record.load(out_dir)
+
+
+def _copy_provenance(config_text: str, diag: Mapping[str, Any]) -> tuple[str, bool, bool]:
+    """``(hash of the original config, the runner shortened this text's paths, the text was
+    edited after the merge)`` of a config copy, from the hashes the diagnostics recorded
+    (the runner's copy is the original with its local paths shortened; a copy written by
+    ``mergekit-yaml`` is the original)."""
+    text_sha = hashlib.sha256(config_text.encode("utf-8")).hexdigest()
+    recorded_sha = diag.get("config_sha256")
+    written_sha = diag.get("config_written_sha256")
+    shortened = (
+        recorded_sha != text_sha
+        and written_sha == text_sha
+        and diag.get("config_paths_shortened", True) is not False
+    )
+    modified = bool(recorded_sha) and recorded_sha != text_sha and written_sha != text_sha
+    return recorded_sha or text_sha, shortened, modified
+
+
 def build_card_context(
     out_dir: str,
     *,
@@ -581,8 +626,13 @@ def build_card_context(
     images_dir: Optional[str] = None,
     card_eval_results: Optional[list[EvalResult]] = None,
     diagnose: Optional[Mapping[str, Any]] = None,
+    merge: Optional[MergeInMemory] = None,
 ) -> CardContext:
     """Read a finished output folder and assemble the card's metadata and template variables.
+
+    ``merge``: the config and diagnostics of the merge being written (``mergekit-ext run``),
+    used instead of the folder's copies; the weights' files (``config.json``, tokenizer)
+    are read from ``out_dir`` either way.
 
     ``images_dir`` draws the plots somewhere else than ``out_dir/images`` (the links stay
     ``images/...``): :mod:`~mergekit_ext.hub.publish` renders the uploaded copy of the card
@@ -592,10 +642,9 @@ def build_card_context(
     reads (``mergekit-ext eval``'s file, lm-eval's results, our list); without it the results
     saved by an earlier ``card --eval`` (``mergekit_ext_eval.json``) are used.
     """
-    from mergekit_ext.config import parse_config
     from mergekit_ext.hub.card import tools
 
-    source = tools.card_source(out_dir)
+    source = "merge" if merge is not None else tools.card_source(out_dir)
     if source != "merge":  # mergekit-moe's or mergekit-extract-lora's output (or none)
         return tools.build_tool_context(
             out_dir,
@@ -609,17 +658,13 @@ def build_card_context(
     if diagnose is None:  # a result saved by an earlier `card --diagnose`
         diagnose = _read_json(os.path.join(out_dir, DIAGNOSE_FILENAME))
     cwd = os.path.abspath(cwd or os.getcwd())
-    config_path = os.path.join(out_dir, CONFIG_FILENAME)
-    with open(config_path, encoding="utf-8") as fp:
-        config_text = fp.read()
-    # the merge warned about unknown keys when it read the config; its copy (inside a
-    # temporary `.partial-*` folder during the run) does not warn again
-    cfg = parse_config(config_text, config_path, warn_unknown=False)
-    cfg.base_dir = cwd  # relative paths in the YAML resolve against the CWD, like mergekit
+    if merge is None:
+        config_text, cfg, diag = _read_merge(out_dir, cwd)
+    else:
+        config_text, cfg, diag = merge.config_text, merge.config, dict(merge.diagnostics)
     model_config = _read_json(os.path.join(out_dir, "config.json"))
     if model_config is None:
         raise ModelNotFoundError(f"{out_dir} has no readable config.json: re-run the merge")
-    diag = merge_record.load(out_dir)
     arch = architecture_info(model_config)
     model_name = _model_name(out_dir, name, repo_id)
     method = _describe_method(cfg.method)
@@ -674,8 +719,7 @@ def build_card_context(
     dotted = dot_local_models(shown_yaml, local.__contains__)
     yaml_dotted = dotted != shown_yaml or bool(re.search(r"model:\s*['\"]?\./", shown_yaml))
     shown_yaml = dotted
-    text_sha = hashlib.sha256(config_text.encode("utf-8")).hexdigest()
-    recorded_sha = diag.get("config_sha256")
+    config_sha256, shortened_by_run, config_modified = _copy_provenance(config_text, diag)
     has_tokenizer = any(
         os.path.isfile(os.path.join(out_dir, f))
         for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt")
@@ -708,18 +752,10 @@ def build_card_context(
         "base": next((m for m in inputs if m.role == "base"), None),
         "license": license_decision,
         "config_yaml": shown_yaml,
-        # A copy the runner already shortened: the hash differs from the recorded original.
-        "yaml_shortened": shortened
-        or (
-            recorded_sha != text_sha
-            and diag.get("config_written_sha256") == text_sha
-            and diag.get("config_paths_shortened", True) is not False
-        ),
+        "yaml_shortened": shortened or shortened_by_run,
         "yaml_dotted": yaml_dotted,
-        "config_sha256": recorded_sha or text_sha,
-        "config_modified": bool(recorded_sha)
-        and recorded_sha != text_sha
-        and diag.get("config_written_sha256") != text_sha,
+        "config_sha256": config_sha256,
+        "config_modified": config_modified,
         "seed": diag.get("seed"),
         "resources": _resources(diag),
         "distributed": diag.get("distributed"),
@@ -857,6 +893,7 @@ def write_model_card(
     template_dir: Optional[str] = None,
     diagnose: Optional[Mapping[str, Any]] = None,
     force: bool = False,
+    merge: Optional[MergeInMemory] = None,
 ) -> str:
     """Write ``README.md`` and ``images/*.png`` for the merge in ``out_dir``; returns the card path.
 
@@ -868,11 +905,17 @@ def write_model_card(
     A README.md that mergekit-ext did not write as it is now is never replaced silently:
     it is refused (:func:`keep_edited_card`) unless ``force``, which replaces whatever is
     there (the caller kept it: ``keep_edited_card(out_dir, force=True)`` backs it up).
+    ``merge``: the run's config and diagnostics in memory (:class:`MergeInMemory`).
     """
     if not force:
         keep_edited_card(out_dir, force=False)
     context = build_card_context(
-        out_dir, eval_results=eval_results, name=name, repo_id=repo_id, diagnose=diagnose
+        out_dir,
+        eval_results=eval_results,
+        name=name,
+        repo_id=repo_id,
+        diagnose=diagnose,
+        merge=merge,
     )
     card = render_model_card(context, template_dir)
     if eval_results:  # kept for the next `card` and for `publish`
