@@ -119,6 +119,25 @@ ROWS: tuple[MethodRow, ...] = (
     ),
     # issue #51: CoM's closed form, then each block distilled toward the experts' blocks
     MethodRow("block_distillation", "block_distillation", "Block distillation on CoM (defaults)"),
+    # the settings the defaults were chosen against: the targets, then the step-size schedule
+    MethodRow(
+        "block_distillation_merged_path",
+        "block_distillation",
+        "Block distillation on CoM (merged-path targets, constant step: the first defaults)",
+        {"distill_target": "merged_path", "distill_schedule": "constant"},
+    ),
+    MethodRow(
+        "block_distillation_merged_path_cosine",
+        "block_distillation",
+        "Block distillation on CoM (merged-path targets, cosine step)",
+        {"distill_target": "merged_path"},
+    ),
+    MethodRow(
+        "block_distillation_constant",
+        "block_distillation",
+        "Block distillation on CoM (expert-path targets, constant step)",
+        {"distill_schedule": "constant"},
+    ),
     MethodRow(
         "qp_diagonal", "qp_projection", "QP projection (diagonal basis)", {"basis": "diagonal"}
     ),
