@@ -163,7 +163,8 @@ def test_expert_path_target_brings_the_features_closer_to_the_experts(request, s
     """ProDistill's dual inputs: each block's target is the expert's own feature, so the
     drift of the merged blocks below is corrected too; the merged model's last hidden
     states on held-out texts end closer to each expert's own than CoM's and than those
-    of the merged-path target (which fits each block's own error only)."""
+    of the merged-path target (which fits each block's own error only, and need not bring
+    the last features closer than CoM's)."""
     tiny = request.getfixturevalue(set_name)
     experts = list(tiny.experts[:3])
     com = _merge(tmp_path, tiny, 3, "chain_of_merges", {}, "com")
@@ -180,7 +181,7 @@ def test_expert_path_target_brings_the_features_closer_to_the_experts(request, s
         name: sum(_feature_errors(m, experts, tiny.architecture))
         for name, m in (("com", com), ("own", own), ("dual", dual))
     }
-    assert errors["dual"] < errors["own"] < errors["com"], errors
+    assert errors["dual"] < min(errors["own"], errors["com"]), errors
     card = open(os.path.join(dual, "README.md"), encoding="utf-8").read()
     assert "own path (the expert's features" in " ".join(card.split()), card
 
@@ -194,7 +195,7 @@ def test_cosine_schedule_decays_the_step_size_to_zero(tiny_llama_set, tmp_path, 
         return step(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.optim.Adam, "step", spy)
-    _merge(tmp_path, tiny_llama_set, 2, METHOD, FEW, "cosine")
+    _merge(tmp_path, tiny_llama_set, 2, METHOD, {**FEW, "distill_schedule": "cosine"}, "cos")
     steps = FEW["distill_steps"]
     assert len(seen) == 2 * steps  # two blocks
     for block in (seen[:steps], seen[steps:]):
@@ -204,7 +205,7 @@ def test_cosine_schedule_decays_the_step_size_to_zero(tiny_llama_set, tmp_path, 
         assert all(b < 0.02 * a for a, b in zip(first, last))
         assert all(x >= y for s, t in zip(block, block[1:]) for x, y in zip(s, t))
     seen.clear()
-    _merge(tmp_path, tiny_llama_set, 2, METHOD, {**FEW, "distill_schedule": "constant"}, "c")
+    _merge(tmp_path, tiny_llama_set, 2, METHOD, FEW, "constant")  # the default
     assert seen and all(s == seen[0] for s in seen[:steps])
 
 
@@ -293,13 +294,13 @@ def test_good_values_are_accepted_and_listed():
             "distill_train": "lowrank",
             "distill_rank": 4,
             "distill_target": "merged_path",
-            "distill_schedule": "constant",
+            "distill_schedule": "cosine",
         }
     )
     assert (p.distill_steps, p.distill_train, p.propagate) == (0, "lowrank", True)
-    assert (p.distill_target, p.distill_schedule) == ("merged_path", "constant")
+    assert (p.distill_target, p.distill_schedule) == ("merged_path", "cosine")
     default = info.parse_parameters({})
-    assert (default.distill_target, default.distill_schedule) == ("expert_path", "cosine")
+    assert (default.distill_target, default.distill_schedule) == ("expert_path", "constant")
     result = CliRunner().invoke(main, ["methods", "--json"])
     assert result.exit_code == 0, result.output
     listed = {m["name"]: m for m in json.loads(result.output)}

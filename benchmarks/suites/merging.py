@@ -123,20 +123,20 @@ ROWS: tuple[MethodRow, ...] = (
     MethodRow(
         "block_distillation_merged_path",
         "block_distillation",
-        "Block distillation on CoM (merged-path targets, constant step: the first defaults)",
-        {"distill_target": "merged_path", "distill_schedule": "constant"},
+        "Block distillation on CoM (merged-path targets: the first defaults)",
+        {"distill_target": "merged_path"},
     ),
     MethodRow(
         "block_distillation_merged_path_cosine",
         "block_distillation",
         "Block distillation on CoM (merged-path targets, cosine step)",
-        {"distill_target": "merged_path"},
+        {"distill_target": "merged_path", "distill_schedule": "cosine"},
     ),
     MethodRow(
-        "block_distillation_constant",
+        "block_distillation_cosine",
         "block_distillation",
-        "Block distillation on CoM (expert-path targets, constant step)",
-        {"distill_schedule": "constant"},
+        "Block distillation on CoM (cosine step)",
+        {"distill_schedule": "cosine"},
     ),
     MethodRow(
         "qp_diagonal", "qp_projection", "QP projection (diagonal basis)", {"basis": "diagonal"}

@@ -13,7 +13,7 @@ statistics, solve and result guard), then takes ``distill_steps`` Adam steps on
 and step, in turn), ``Y_k`` the target: expert k's block on expert k's own-path inputs
 (``distill_target: expert_path``, ProDistill's "dual inputs": the expert's real features,
 so each block also corrects the drift of the merged blocks below it) or on ``X_k``
-(``merged_path``: the block's own error), with a cosine step size by default. The executor runs the blocks and adds the
+(``merged_path``: the block's own error). The executor runs the blocks and adds the
 tasks' gradients in task order (:mod:`mergekit_ext.executor.refine`); this module only
 does tensor arithmetic: the parametrization, Adam, the guard. What is trained
 (``distill_train``), the defaults and the measurements behind them: ``docs/methods.md``,
@@ -83,8 +83,8 @@ class BlockDistillationParameters(ChainOfMergesParameters):
         "block on the merged block's inputs: the block's own error only)",
     )
     distill_schedule: Schedule = Field(
-        "cosine",
-        description="step size over the steps: cosine (from distill_lr down to 0) | constant",
+        "constant",
+        description="step size over the steps: constant | cosine (from distill_lr down to 0)",
     )
 
     @model_validator(mode="after")
