@@ -1,10 +1,12 @@
 """Block-wise distillation on Chain of Merges (issue #51): real merges of tiny models.
 
-The method starts each block from CoM's solution and trains the block's linears toward each
-expert's block output on the task's merged-path inputs; these tests run it through
-``mergekit-ext run`` and check what it promises: a lower block error than CoM's start (on
-the calibration data and on held-out texts of the same tasks), the same bytes twice and
-on two processes, the bfloat16 path on float32 master weights, clear errors for bad values.
+The method starts each block from CoM's solution and trains the block's linears, on the
+task's merged-path inputs, toward each expert's block output on the expert's own path (the
+default) or on the same inputs; these tests run it through ``mergekit-ext run`` and check
+what it promises: a lower block error than CoM's start (on the calibration data and on
+held-out texts of the same tasks), merged features closer to the experts' own with the
+expert-path target, the cosine step size, the same bytes twice and on two processes, the
+bfloat16 path on float32 master weights, clear errors for bad values.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from mergekit_ext.testing import WORDS
 
 METHOD = "block_distillation"
 FEW = {"distill_steps": 12, "distill_lr": 0.01}  # short: enough to move every tiny block
+# the block's own error: what ``_block_errors`` measures on held-out texts
+OWN = {**FEW, "distill_target": "merged_path"}
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors: see conftest.py
@@ -102,7 +106,7 @@ def _layers(model) -> list:
 def test_distillation_lowers_the_block_error_below_com(request, set_name, tmp_path):
     tiny = request.getfixturevalue(set_name)
     com = _merge(tmp_path, tiny, 3, "chain_of_merges", {}, "com")
-    out = _merge(tmp_path, tiny, 3, METHOD, FEW, "distill")
+    out = _merge(tmp_path, tiny, 3, METHOD, OWN, "distill")
 
     # on the calibration data: the executor's own measurement, per block and task
     blocks = _diagnostics(out, METHOD)["blocks"]
@@ -132,6 +136,77 @@ def test_distillation_lowers_the_block_error_below_com(request, set_name, tmp_pa
     )
     changed = {n for n in a if not torch.equal(a[n], b[n])}
     assert changed and all(n.endswith(".weight") and "norm" not in n for n in changed), changed
+
+
+def _feature_errors(merged_dir: str, expert_dirs: list[str], arch: str) -> list[float]:
+    """Per task: ‖h − h_k‖ / ‖h_k‖ of the last hidden states on held-out texts, h the
+    merged model's, h_k expert k's (each on its own path: what the task's head reads)."""
+    cls = getattr(transformers, arch)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(merged_dir)
+    merged = cls.from_pretrained(merged_dir).eval()
+    errors = []
+    for k, expert_dir in enumerate(expert_dirs):
+        expert = cls.from_pretrained(expert_dir).eval()
+        batch = tokenizer(_held_out_texts(k), return_tensors="pt", padding=True)
+        mask = batch["attention_mask"].bool()
+        with torch.no_grad():
+            h, h_k = (
+                m(**batch, output_hidden_states=True).hidden_states[-1] for m in (merged, expert)
+            )
+        diff = (h - h_k).pow(2).sum(-1)[mask].sum()
+        errors.append(float((diff / h_k.pow(2).sum(-1)[mask].sum()).sqrt()))
+    return errors
+
+
+@pytest.mark.parametrize("set_name", ["tiny_llama_set", "tiny_bert_set"])
+def test_expert_path_target_brings_the_features_closer_to_the_experts(request, set_name, tmp_path):
+    """ProDistill's dual inputs: each block's target is the expert's own feature, so the
+    drift of the merged blocks below is corrected too; the merged model's last hidden
+    states on held-out texts end closer to each expert's own than CoM's and than those
+    of the merged-path target (which fits each block's own error only, and need not bring
+    the last features closer than CoM's)."""
+    tiny = request.getfixturevalue(set_name)
+    experts = list(tiny.experts[:3])
+    com = _merge(tmp_path, tiny, 3, "chain_of_merges", {}, "com")
+    own = _merge(tmp_path, tiny, 3, METHOD, OWN, "own")
+    dual = _merge(tmp_path, tiny, 3, METHOD, FEW, "dual")
+    blocks = _diagnostics(dual, METHOD)["blocks"]
+    assert [b["target"] for b in blocks] == ["expert_path"] * 2
+    assert all(b["kept"] == "refined" for b in blocks), blocks
+    # above the first block the expert-path target also holds the drift below: a larger
+    # start error than the block's own on the same weights (CoM's)
+    own_blocks = _diagnostics(own, METHOD)["blocks"]
+    assert blocks[1]["error_before"] > own_blocks[1]["error_before"], (blocks, own_blocks)
+    errors = {
+        name: sum(_feature_errors(m, experts, tiny.architecture))
+        for name, m in (("com", com), ("own", own), ("dual", dual))
+    }
+    assert errors["dual"] < min(errors["own"], errors["com"]), errors
+    card = open(os.path.join(dual, "README.md"), encoding="utf-8").read()
+    assert "own path (the expert's features" in " ".join(card.split()), card
+
+
+def test_cosine_schedule_decays_the_step_size_to_zero(tiny_llama_set, tmp_path, monkeypatch):
+    seen: list[list[float]] = []
+    step = torch.optim.Adam.step
+
+    def spy(self, *args, **kwargs):
+        seen.append([g["lr"] for g in self.param_groups])
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", spy)
+    _merge(tmp_path, tiny_llama_set, 2, METHOD, {**FEW, "distill_schedule": "cosine"}, "cos")
+    steps = FEW["distill_steps"]
+    assert len(seen) == 2 * steps  # two blocks
+    for block in (seen[:steps], seen[steps:]):
+        first, last = block[0], block[-1]
+        # the first step at distill_lr × RMS(W_CoM − W_0), then falling to ~0
+        assert all(a > 0 for a in first)
+        assert all(b < 0.02 * a for a, b in zip(first, last))
+        assert all(x >= y for s, t in zip(block, block[1:]) for x, y in zip(s, t))
+    seen.clear()
+    _merge(tmp_path, tiny_llama_set, 2, METHOD, FEW, "constant")  # the default
+    assert seen and all(s == seen[0] for s in seen[:steps])
 
 
 def test_same_bytes_twice_and_zero_steps_is_com(tiny_llama_set, tmp_path):
@@ -200,6 +275,8 @@ def test_bf16_compute_trains_float32_master_weights(tiny_llama_set, tmp_path, mo
         ({"distill_train": "everything"}, "distill_train"),
         ({"distill_rank": 0}, "distill_rank"),
         ({"propagate": False}, "propagate"),
+        ({"distill_target": "expert"}, "distill_target"),
+        ({"distill_schedule": "linear"}, "distill_schedule"),
     ],
 )
 def test_bad_values_name_the_field(bad, field):
@@ -211,14 +288,32 @@ def test_bad_values_name_the_field(bad, field):
 def test_good_values_are_accepted_and_listed():
     info = ext_method_info(METHOD)
     p = info.parse_parameters(
-        {"distill_steps": 0, "distill_lr": 1.0, "distill_train": "lowrank", "distill_rank": 4}
+        {
+            "distill_steps": 0,
+            "distill_lr": 1.0,
+            "distill_train": "lowrank",
+            "distill_rank": 4,
+            "distill_target": "merged_path",
+            "distill_schedule": "cosine",
+        }
     )
     assert (p.distill_steps, p.distill_train, p.propagate) == (0, "lowrank", True)
+    assert (p.distill_target, p.distill_schedule) == ("merged_path", "cosine")
+    default = info.parse_parameters({})
+    assert (default.distill_target, default.distill_schedule) == ("expert_path", "constant")
     result = CliRunner().invoke(main, ["methods", "--json"])
     assert result.exit_code == 0, result.output
     listed = {m["name"]: m for m in json.loads(result.output)}
     names = {q["name"] for q in listed[METHOD]["parameters"]}
-    assert {"distill_steps", "distill_lr", "distill_train", "distill_rank", "seed"} <= names
+    assert {
+        "distill_steps",
+        "distill_lr",
+        "distill_train",
+        "distill_rank",
+        "seed",
+        "distill_target",
+        "distill_schedule",
+    } <= names
     assert listed[METHOD]["needs_calibration"]
 
 

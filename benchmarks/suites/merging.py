@@ -119,6 +119,25 @@ ROWS: tuple[MethodRow, ...] = (
     ),
     # issue #51: CoM's closed form, then each block distilled toward the experts' blocks
     MethodRow("block_distillation", "block_distillation", "Block distillation on CoM (defaults)"),
+    # the settings the defaults were chosen against: the targets, then the step-size schedule
+    MethodRow(
+        "block_distillation_merged_path",
+        "block_distillation",
+        "Block distillation on CoM (merged-path targets: the first defaults)",
+        {"distill_target": "merged_path"},
+    ),
+    MethodRow(
+        "block_distillation_merged_path_cosine",
+        "block_distillation",
+        "Block distillation on CoM (merged-path targets, cosine step)",
+        {"distill_target": "merged_path", "distill_schedule": "cosine"},
+    ),
+    MethodRow(
+        "block_distillation_cosine",
+        "block_distillation",
+        "Block distillation on CoM (cosine step)",
+        {"distill_schedule": "cosine"},
+    ),
     MethodRow(
         "qp_diagonal", "qp_projection", "QP projection (diagonal basis)", {"basis": "diagonal"}
     ),

@@ -2,19 +2,23 @@
 
 The sequential executor merges a block's linear groups (Chain of Merges' closed form, say),
 holds their weights unwritten, and hands the method a
-:class:`~mergekit_ext.methods.layerwise.BlockToRefine` whose callbacks run the block: the
-targets are each task's expert block applied to that task's merged-path inputs (the same
-inputs the merged block sees, so the loss measures the block alone, ProDistill's layer-wise
-objective), the loss of task k on one calibration batch is ``‖f(X) − f_k(X)‖² / ‖f_k(X)‖²``
-over its non-padding tokens, and the gradient of ``Σ_k ω_k L_k`` (``ω_k = 1/K``) reaches the
-method with the tasks' terms added in task order: the sum passes from the rank of task k
-to that of task k+1, as the executor's reductions pass their sums, and the last holder
-broadcasts it, so W processes compute the bits of one (docs/methods.md, "Block-wise
-distillation").
+:class:`~mergekit_ext.methods.layerwise.BlockToRefine` whose callbacks run the block on each
+task's merged-path inputs. The targets (the refinement's ``target`` attribute): with
+``"expert_path"`` each expert block's output on the expert's own path (the features the
+expert computes; the executor's expert pass of the block already holds them, ProDistill's
+"dual inputs": the block also corrects the drift of the merged blocks below it), with
+``"merged_path"`` (the default) each expert block applied to the task's merged-path inputs
+(the same inputs the merged block sees: the block's own error alone). The loss of task k
+on one calibration batch is ``‖f(X) − Y_k‖² / ‖Y_k‖²`` over its non-padding tokens (``Y_k``
+the target), and the gradient of ``Σ_k ω_k L_k`` (``ω_k = 1/K``) reaches the method with
+the tasks' terms added in task order: the sum passes from the rank of task k to that of
+task k+1, as the executor's reductions pass their sums, and the last holder broadcasts it,
+so W processes compute the bits of one (docs/methods.md, "Block-wise distillation").
 
-Memory: the targets (one more copy of this rank's merged-path hidden states), the gradient
-sums (one copy of the block's linears) and one batch's autograd graph, beside the (K + 2)
-blocks the executor holds anyway; the method holds its optimizer state.
+Memory: the targets (on the merged path one more copy of this rank's hidden states; the
+expert path's are the ones held anyway), the gradient sums (one copy of the block's
+linears) and one batch's autograd graph, beside the (K + 2) blocks the executor holds
+anyway; the method holds its optimizer state.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ class BlockDistillation:
         base_block: dict[str, torch.Tensor],
         expert_blocks: list[dict[str, torch.Tensor]],
         merged: dict[str, torch.Tensor],
+        target: str = "merged_path",
     ) -> None:
         ex = self.ex = executor
         if any(ex._shares(k) for k in range(len(ex.experts))):
@@ -71,18 +76,29 @@ class BlockDistillation:
         self.num_tasks = len(ex.experts)
         self.weight = 1.0 / self.num_tasks  # ω_k: each task counts once (CoM's uniform ω)
         self.held = {s.index: s for s in ex._held_states}
-        # the targets: expert k's block on task k's merged-path inputs
+        self.target = target
         self.targets: dict[int, list[torch.Tensor]] = {}
         self.energies: dict[int, list[torch.Tensor]] = {}
         for k, state in self.held.items():
-            params = {n[self.local :]: t for n, t in expert_blocks[k].items()}
-            assert state.merged_hidden is not None
-            outs, energies = [], []
-            for b, hidden in enumerate(state.merged_hidden):
-                y = ex._run_block(block.index, params, hidden, state.calls[b][block.index])
-                outs.append(y)
-                energies.append(_squared_error(y, state.masks[b]))
-            self.targets[k], self.energies[k] = outs, energies
+            if target == "expert_path":
+                # expert k's block output on its own path: the executor's expert pass of
+                # this block has just computed it (the next block's expert-path inputs)
+                if state.expert_hidden is None:
+                    raise ExecutionError(
+                        f"{ex.method.name}: distill_target: expert_path needs the expert "
+                        f"path's hidden states of task {state.name}, which this merge did not "
+                        "compute (set distill_target: merged_path)"
+                    )
+                outs = list(state.expert_hidden)
+            else:  # expert k's block on task k's merged-path inputs
+                params = {n[self.local :]: t for n, t in expert_blocks[k].items()}
+                assert state.merged_hidden is not None
+                outs = [
+                    ex._run_block(block.index, params, hidden, state.calls[b][block.index])
+                    for b, hidden in enumerate(state.merged_hidden)
+                ]
+            self.targets[k] = outs
+            self.energies[k] = [_squared_error(y, state.masks[b]) for b, y in enumerate(outs)]
         # max_k ‖W_k‖_F per linear over every task (the max of the ranks' maxima: exact)
         own = {
             n: max((frobenius64(widened(expert_blocks[k][n])) for k in self.held), default=0.0)
@@ -219,7 +235,10 @@ def refine_block(
 ) -> dict[str, Any]:
     """Refine ``block``'s held linears in ``merged`` and write them; the block's record."""
     ex = executor
-    distill = BlockDistillation(ex, block, base_block, expert_blocks, merged)
+    # which targets (``distill_target``): the refinement says; the hook's default is the
+    # merged path's (the block's own error)
+    target = getattr(refinement, "target", "merged_path")
+    distill = BlockDistillation(ex, block, base_block, expert_blocks, merged, target)
     name = block.prefix.rstrip(".") or f"block {block.index}"
     try:
         result, diagnostics = refinement.refine(distill.request(name))

@@ -7,10 +7,13 @@ layer's output on the same inputs, with a few unlabeled samples per task. Here e
 starts from Chain of Merges' closed-form solution (``chain_of_merges.py``: the same
 statistics, solve and result guard), then takes ``distill_steps`` Adam steps on
 
-    Σ_k ω_k ‖f(X_k) − f_k(X_k)‖² / ‖f_k(X_k)‖²,   ω_k = 1/K,
+    Σ_k ω_k ‖f(X_k) − Y_k‖² / ‖Y_k‖²,   ω_k = 1/K,
 
-``f`` the merged block, ``f_k`` expert k's block, ``X_k`` task k's merged-path inputs (one
-calibration batch per task and step, in turn). The executor runs the blocks and adds the
+``f`` the merged block, ``X_k`` task k's merged-path inputs (one calibration batch per task
+and step, in turn), ``Y_k`` the target: expert k's block on expert k's own-path inputs
+(``distill_target: expert_path``, ProDistill's "dual inputs": the expert's real features,
+so each block also corrects the drift of the merged blocks below it) or on ``X_k``
+(``merged_path``: the block's own error). The executor runs the blocks and adds the
 tasks' gradients in task order (:mod:`mergekit_ext.executor.refine`); this module only
 does tensor arithmetic: the parametrization, Adam, the guard. What is trained
 (``distill_train``), the defaults and the measurements behind them: ``docs/methods.md``,
@@ -42,6 +45,8 @@ from mergekit_ext.methods.registry import MethodInfo, data_aware_method, registe
 LOG = logging.getLogger(__name__)
 
 Trained = Literal["weights", "lowrank"]
+Target = Literal["expert_path", "merged_path"]
+Schedule = Literal["constant", "cosine"]
 
 
 class BlockDistillationParameters(ChainOfMergesParameters):
@@ -71,6 +76,17 @@ class BlockDistillationParameters(ChainOfMergesParameters):
         8, ge=1, le=4096, description="distill_train: lowrank: rank of each linear's correction"
     )
     seed: int = Field(0, ge=0, description="seed of the low-rank correction's initial A")
+    distill_target: Target = Field(
+        "expert_path",
+        description="each task's target: expert_path (expert k's block output on its own "
+        "path's inputs, the expert's real features: each block also corrects the drift of "
+        "the merged blocks below it, ProDistill's dual inputs) | merged_path (expert k's "
+        "block on the merged block's inputs: the block's own error only)",
+    )
+    distill_schedule: Schedule = Field(
+        "constant",
+        description="step size over the steps: constant | cosine (from distill_lr down to 0)",
+    )
 
     @model_validator(mode="after")
     def _needs_merged_path(self) -> BlockDistillationParameters:
@@ -98,6 +114,8 @@ class BlockDistillation(BlockRefinement):
     def __init__(self, p: BlockDistillationParameters, method: str) -> None:
         self.p = p
         self.method = method
+        # read by the executor (executor/refine.py) when it builds each block's targets
+        self.target: str = p.distill_target
 
     def _parts(
         self, block: BlockToRefine
@@ -145,16 +163,21 @@ class BlockDistillation(BlockRefinement):
         p = self.p
         start = dict(block.start)
         parts, lrs = self._parts(block)
+        trained = [n for n in start if lrs[n] > 0.0]
         groups = [
-            {"params": [t.requires_grad_(True) for t in parts[n]], "lr": lrs[n]}
-            for n in start
-            if lrs[n] > 0.0
+            {"params": [t.requires_grad_(True) for t in parts[n]], "lr": lrs[n]} for n in trained
         ]
         before = block.errors(start)
         losses: list[float] = []
         if groups and p.distill_steps:
             optimizer = torch.optim.Adam(groups)
             for step in range(p.distill_steps):
+                if p.distill_schedule == "cosine":
+                    # the last steps small: the result is not one noisy batch's step away
+                    # from the minimum (each step sees one calibration batch per task)
+                    factor = 0.5 * (1.0 + math.cos(math.pi * step / p.distill_steps))
+                    for group, n in zip(optimizer.param_groups, trained):
+                        group["lr"] = lrs[n] * factor
                 weights = {
                     n: start[n] + self._correction([t.detach() for t in parts[n]]) for n in start
                 }
@@ -187,6 +210,7 @@ class BlockDistillation(BlockRefinement):
         diagnostics = {
             "steps": len(losses),
             "trained": p.distill_train,
+            "target": p.distill_target,
             "kept": "refined" if kept else "start",
             "error_before": mean_before,
             "error_after": mean_after if kept else mean_before,

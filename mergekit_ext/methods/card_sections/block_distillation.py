@@ -27,6 +27,8 @@ def summarize_distillation(section: Mapping[str, Any], parameters: Any = None) -
         "blocks": len(blocks),
         "refined": sum(1 for b in blocks if b.get("kept") == "refined"),
         "steps": max((int(b.get("steps") or 0) for b in blocks), default=0),
+        # older records have no target: theirs was the merged path's
+        "target": next((b.get("target") for b in blocks if b.get("target")), "merged_path"),
         "error_before": sum(before) / len(before) if before else math.nan,
         "error_after": sum(after) / len(after) if after else math.nan,
         "worst": (
