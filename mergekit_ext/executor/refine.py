@@ -235,10 +235,7 @@ def refine_block(
 ) -> dict[str, Any]:
     """Refine ``block``'s held linears in ``merged`` and write them; the block's record."""
     ex = executor
-    # which targets (``distill_target``): the refinement says; the hook's default is the
-    # merged path's (the block's own error)
-    target = getattr(refinement, "target", "merged_path")
-    distill = BlockDistillation(ex, block, base_block, expert_blocks, merged, target)
+    distill = BlockDistillation(ex, block, base_block, expert_blocks, merged, refinement.target)
     name = block.prefix.rstrip(".") or f"block {block.index}"
     try:
         result, diagnostics = refinement.refine(distill.request(name))

@@ -149,15 +149,17 @@ class BlockDistillation(BlockRefinement):
         batch_positions: int,
     ) -> int:
         """The optimizer state and gradient sums of the widest block's linears
-        (:data:`REFINE_LINEAR_COPIES` float32 copies), the targets (as many bytes as the merged-path
-        hidden states) and the autograd graph of one batch (every linear's input and output
+        (:data:`REFINE_LINEAR_COPIES` float32 copies), the targets (``merged_path``: as many
+        bytes as the merged-path hidden states; ``expert_path``: none, the executor holds the
+        expert path's anyway) and the autograd graph of one batch (every linear's input and output
         per position, float32, twice for the elementwise steps between them; attention
         scores not counted)."""
         linear = graph = 0
         for shapes in blocks:
             linear = max(linear, sum(math.prod(int(d) for d in s) for s in shapes) * 4)
             graph = max(graph, sum(int(s[0]) + int(s[-1]) for s in shapes) * 4 * 2)
-        return REFINE_LINEAR_COPIES * linear + merged_hidden + graph * batch_positions
+        targets = merged_hidden if self.target == "merged_path" else 0
+        return REFINE_LINEAR_COPIES * linear + targets + graph * batch_positions
 
     def refine(self, block: BlockToRefine) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         p = self.p

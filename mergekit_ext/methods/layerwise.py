@@ -364,11 +364,16 @@ class BlockRefinement(ABC):
     """A block-level step after the group merges (:meth:`LayerwiseMethod.block_refinement`).
 
     The executor merges a block's groups as usual, then, before writing its linears and
-    carrying the hidden states on, computes each task's expert block output on the task's
-    merged-path inputs (the targets) and calls :meth:`refine`, whose weights it writes and
-    carries forward instead. Every process calls :meth:`refine` with the same arguments and
-    must return the same weights (no randomness beyond ``seed``).
+    carrying the hidden states on, gathers each task's targets (:attr:`target`) and calls
+    :meth:`refine`, whose weights it writes and carries forward instead. Every process calls
+    :meth:`refine` with the same arguments and must return the same weights (no randomness
+    beyond ``seed``).
     """
+
+    #: Each task's target: ``"merged_path"``, expert k's block applied to task k's
+    #: merged-path inputs (the block's own error); ``"expert_path"``, expert k's block output
+    #: on its own path (the expert's features: the block also corrects the drift below it).
+    target: str = "merged_path"
 
     @abstractmethod
     def refine(self, block: BlockToRefine) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
