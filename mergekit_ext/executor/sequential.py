@@ -435,6 +435,9 @@ class SequentialExecutor:
     # One block: load, statistics, merge the groups, propagate, write
 
     def _merge_block(self, block: BlockLayout, progress: Any = None) -> None:
+        """Load the block; merge its non-linear tensors; the expert paths' statistics; its
+        groups merged in forward order on the merged path; the refinement; each task's merged
+        path on to the next block; then the block's tensors are dropped."""
         tensors = self._load_block(block)
         # Non-linear tensors first: every later forward sees them merged ("norms included").
         for name in block.others:
@@ -454,16 +457,7 @@ class SequentialExecutor:
                 _show(progress, block, len(self.plan.blocks), "refinement")
                 # the replayed outputs are the start's; the refined linears change them
                 replay.close()
-                self.block_records.append(
-                    refine_block(
-                        self,
-                        self.refinement,
-                        block,
-                        tensors.base,
-                        tensors.experts,
-                        tensors.merged,
-                    )
-                )
+                self.block_records.append(self._refine(tensors))
             if self.request.propagate:
                 self._propagate(tensors, replay)
         finally:
@@ -487,6 +481,13 @@ class SequentialExecutor:
         ]
         self._check_inputs(base, experts, f"layer {block.index}")
         return BlockTensors(block, base, experts)
+
+    def _refine(self, tensors: BlockTensors) -> dict[str, Any]:
+        """The block's merged linears refined (:mod:`~mergekit_ext.executor.refine`), written."""
+        assert self.refinement is not None
+        return refine_block(
+            self, self.refinement, tensors.layout, tensors.base, tensors.experts, tensors.merged
+        )
 
     def _propagate(self, tensors: BlockTensors, replay: LinearOutputCache) -> None:
         """Each task's merged-path hidden states through the merged block, for the next."""
@@ -586,14 +587,12 @@ class SequentialExecutor:
 
         return hook
 
-    def _group_width(self, block: BlockLayout, group: GroupSpec) -> int:
-        return block.group_width(group, self.base.shapes)
-
     def _accumulator(self, block: BlockLayout, group: GroupSpec, *, expert_path: bool) -> Any:
         """A new accumulator of one task's input statistics at ``group``."""
         if group.experts:
             return self._routed_accumulator(block, group)
-        return self._new_accumulator(self._group_width(block, group), expert_path=expert_path)
+        width = block.group_width(group, self.base.shapes)
+        return self._new_accumulator(width, expert_path=expert_path)
 
     def _hook(
         self,
