@@ -56,11 +56,6 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from mergekit_ext import finite
-from mergekit_ext.calibration.statistics import (
-    ActivationStatistics,
-    flatten_tokens,
-    multiplied_input,
-)
 from mergekit_ext.console import phase
 from mergekit_ext.distributed import DistributedContext
 from mergekit_ext.errors import ExecutionError, TensorError
@@ -85,16 +80,14 @@ from mergekit_ext.executor.compute import (
     kept_dtype,
     widened,
 )
+from mergekit_ext.executor.input_hooks import InputHooks
 from mergekit_ext.executor.moe import (
     DOWN,
     GATE_UP,
     ExpertMergeResult,
-    RoutedExpertStatistics,
     merge_experts,
-    routed_call,
 )
 from mergekit_ext.executor.plan import (
-    EXPERT_WEIGHTS,
     BlockLayout,
     MergePlan,
     output_shard_bytes,
@@ -185,7 +178,8 @@ class SequentialExecutor:
             {"tensor": name.removeprefix(HEAD_PREFIX), "reason": f"only in {', '.join(labels)}"}
             for name, labels in plan.expert_only.items()
         ]
-        self._mask: Optional[torch.Tensor] = None
+        # the statistics at the groups' inputs, taken by hooks during the block passes
+        self.hooks = InputHooks(self.request, device, self.base.shapes, self.compute.rounds_inputs)
         self.states: list[TaskState] = []
         # block index -> experts (of an experts module) that took the fallback merge
         self.experts_without_tokens: dict[int, dict[str, Any]] = {}
@@ -535,105 +529,6 @@ class SequentialExecutor:
             out = run_block(self.blocks[index], params, hidden, call)
         return carried(out)
 
-    def _input_hook(
-        self, accumulator: ActivationStatistics, stop: bool, reads: tuple[str, ...] = ()
-    ):
-        """A pre-hook adding the module's input rows: the non-padding tokens, or for a
-        ``"table"`` call (``GroupSpec.reads``) every row of the table, once per call
-        (docs/methods.md, "Relative position tables"). ``stop``: end the forward after the
-        module's last call of the pass."""
-        calls = [0]
-
-        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-            kind = reads[calls[0] % len(reads)] if reads else "tokens"
-            calls[0] += 1
-            x = multiplied_input(module, args[0]) if self.compute.rounds_inputs else args[0]
-            if kind == "table":
-                accumulator.update(x.reshape(-1, x.shape[-1]))
-            else:
-                accumulator.update(flatten_tokens(x, self._mask))
-            if stop and (not reads or calls[0] % len(reads) == 0):
-                raise StopForward
-
-        return hook
-
-    def _routed_accumulator(self, block: BlockLayout, group: GroupSpec) -> RoutedExpertStatistics:
-        """Per-expert statistics of one task at an experts module (docs/methods.md,
-        "Mixture-of-experts blocks")."""
-        gate_up = self.base.shapes[f"{block.prefix}{group.modules[0]}.{GATE_UP}"]
-        return RoutedExpertStatistics(
-            int(gate_up[0]),
-            int(gate_up[2]),
-            int(gate_up[1]) // 2,
-            dtype=self.request.statistics_dtype,
-            device=self.device,
-        )
-
-    def _experts_hook(
-        self,
-        accumulator: RoutedExpertStatistics,
-        group: GroupSpec,
-        params: dict[str, torch.Tensor],
-        stop: bool,
-    ):
-        """A pre-hook on the experts module: the routing the block's own router chose, and
-        each expert's rows through its own weights (``params``: the block's tensors)."""
-        own = {w: params[f"{group.modules[0]}.{w}"] for w in EXPERT_WEIGHTS}
-
-        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            accumulator.update(module, own, routed_call(args, kwargs), self._mask)
-            if stop:
-                raise StopForward
-
-        return hook
-
-    def _accumulator(self, block: BlockLayout, group: GroupSpec, *, expert_path: bool) -> Any:
-        """A new accumulator of one task's input statistics at ``group``."""
-        if group.experts:
-            return self._routed_accumulator(block, group)
-        width = block.group_width(group, self.base.shapes)
-        return self._new_accumulator(width, expert_path=expert_path)
-
-    def _hook(
-        self,
-        module: nn.Module,
-        group: GroupSpec,
-        accumulator: Any,
-        params: dict[str, torch.Tensor],
-        stop: bool,
-    ) -> Any:
-        """``accumulator``'s input hook on the group's first module (of the block ``module``)."""
-        target = module.get_submodule(group.modules[0])
-        if group.experts:
-            hook = self._experts_hook(accumulator, group, params, stop=stop)
-            return target.register_forward_pre_hook(hook, with_kwargs=True)
-        return target.register_forward_pre_hook(
-            self._input_hook(accumulator, stop=stop, reads=group.reads)
-        )
-
-    def _new_accumulator(self, width: int, *, expert_path: bool) -> ActivationStatistics:
-        """An accumulator for one group and task on the merged or the expert path.
-
-        The normalized Gram only on the path the merge uses; with ``propagate`` the expert
-        path is a reference, and above ``reference_gram_max_dim`` it keeps moments only.
-        """
-        request = self.request
-        reference = expert_path and request.propagate
-        full_gram = not (
-            reference
-            and request.reference_gram_max_dim is not None
-            and width > request.reference_gram_max_dim
-        )
-        return ActivationStatistics(
-            width,
-            normalized_gram=request.normalized_gram and not reference,
-            full_gram=full_gram,
-            dtype=request.statistics_dtype,
-            product_dtype=request.product_dtype,
-            device=self.device,
-            keep_rows=request.keep_rows and not reference,
-        )
-
     def _expert_path_statistics(
         self, block: BlockLayout, expert_blocks: list[dict[str, torch.Tensor]]
     ) -> dict[str, list[TaskStatistics]]:
@@ -645,20 +540,20 @@ class SequentialExecutor:
             params = {name[len(block.prefix) :]: t for name, t in weights.items()}
             accumulators: Optional[dict[str, Any]] = {
                 g.label: self.strategy.accumulator(
-                    state.index, partial(self._accumulator, block, g, expert_path=True)
+                    state.index, partial(self.hooks.accumulator, block, g, expert_path=True)
                 )
                 for g in block.groups
             }
             assert accumulators is not None
             handles = [
-                self._hook(module, g, accumulators[g.label], params, stop=False)
+                self.hooks.hook(module, g, accumulators[g.label], params, stop=False)
                 for g in block.groups
             ]
             try:
                 assert state.expert_hidden is not None
                 outputs = []
                 for b, hidden in enumerate(state.expert_hidden):
-                    self._mask = state.masks[b]
+                    self.hooks.mask = state.masks[b]
                     calls = state.expert_calls or state.calls
                     outputs.append(
                         self._run_block(block.index, params, hidden, calls[b][block.index])
@@ -667,7 +562,7 @@ class SequentialExecutor:
             finally:
                 for h in handles:
                     h.remove()
-                self._mask = None
+                self.hooks.mask = None
             accumulators = self.strategy.finished(state.index, accumulators)
             if accumulators is None:
                 continue  # the task's statistics end in another process
@@ -688,13 +583,13 @@ class SequentialExecutor:
         stats = []
         for t, state in enumerate(self.states):
             accumulator = self.strategy.accumulator(
-                state.index, partial(self._accumulator, block, group, expert_path=False)
+                state.index, partial(self.hooks.accumulator, block, group, expert_path=False)
             )
-            handle = self._hook(module, group, accumulator, params, stop=True)
+            handle = self.hooks.hook(module, group, accumulator, params, stop=True)
             try:
                 assert state.merged_hidden is not None
                 for b, hidden in enumerate(state.merged_hidden):
-                    self._mask = state.masks[b]
+                    self.hooks.mask = state.masks[b]
                     replay.begin(t, b)
                     try:
                         self._run_block(block.index, params, hidden, state.calls[b][block.index])
@@ -705,7 +600,7 @@ class SequentialExecutor:
                     )
             finally:
                 handle.remove()
-                self._mask = None
+                self.hooks.mask = None
             finished = self.strategy.finished(state.index, {group.label: accumulator})
             if finished is None:
                 continue  # the task's statistics end in another process
