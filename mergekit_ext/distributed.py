@@ -9,8 +9,9 @@ control messages) where ``--device cuda`` puts rank r on ``cuda:LOCAL_RANK``.
 With W ≤ K processes for K tasks, rank r owns the tasks ``{k : k mod W = r}``
 (:meth:`DistributedContext.owned`); with W > K, each task gets a contiguous group of ranks
 (:func:`task_ranks`), each of which runs a contiguous share of the task's calibration
-batches. The sequential executor runs those forward passes and statistics there and
-combines the statistics with the collectives below. Only rank 0 writes anything.
+batches. The sequential executor runs those forward passes and statistics there; its
+rank strategy (:class:`mergekit_ext.executor.strategy.RankStrategy`) combines the statistics
+with the collectives below. Only rank 0 writes anything.
 
 Every collective is bounded by the process group's timeout (``--distributed-timeout``,
 default :data:`DEFAULT_TIMEOUT_S`); a rank that fails exits at once, which closes its

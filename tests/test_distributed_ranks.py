@@ -260,7 +260,7 @@ def test_a_travelling_accumulator_gives_the_running_sum_and_partial_sums_do_not(
     import io
 
     from mergekit_ext.calibration.statistics import ActivationStatistics
-    from mergekit_ext.executor.sequential import _DeferredUpdates
+    from mergekit_ext.executor.strategy import DeferredUpdates
 
     gen = torch.Generator().manual_seed(3)
     batches = [torch.randn(n, 16, generator=gen, dtype=torch.float64) for n in (5, 7, 4)]
@@ -275,7 +275,7 @@ def test_a_travelling_accumulator_gives_the_running_sum_and_partial_sums_do_not(
 
     first = new()
     first.update(batches[0])
-    later = _DeferredUpdates()
+    later = DeferredUpdates()
     for b in batches[1:]:
         later.update(b)
     buffer = io.BytesIO()
