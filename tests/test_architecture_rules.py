@@ -191,18 +191,7 @@ def test_every_module_has_a_layer():
 
 
 #: circles the code still has, each with the reason and the step that removes it
-KNOWN_CIRCLES: frozenset[frozenset[str]] = frozenset(
-    {
-        # refine.py drives the sequential executor's private state (held hidden states,
-        # block runs, the writer) and names its type under TYPE_CHECKING; the split of the
-        # distributed rank logic out of executor/sequential.py (issue #53) gives the
-        # refinement a narrow interface instead
-        frozenset({"mergekit_ext.executor.refine", "mergekit_ext.executor.sequential"}),
-        # render.py hands mergekit-moe's and extract-lora's folders to tools.py, which reuses
-        # render's helpers; the in-process card of issue #53 (the writer's step) separates them
-        frozenset({"mergekit_ext.hub.card.render", "mergekit_ext.hub.card.tools"}),
-    }
-)
+KNOWN_CIRCLES: frozenset[frozenset[str]] = frozenset()
 
 
 def _circles() -> list[list[str]]:

@@ -23,12 +23,13 @@ anyway; the method holds its optimizer state.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Optional
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional, Protocol
 
 import torch
 
 from mergekit_ext.console import phase
+from mergekit_ext.distributed import DistributedContext
 from mergekit_ext.errors import ExecutionError
 from mergekit_ext.executor.blocks import run_block
 from mergekit_ext.executor.compute import carried, compute_in, widened
@@ -36,8 +37,30 @@ from mergekit_ext.executor.plan import BlockLayout
 from mergekit_ext.methods.layerwise import BlockRefinement, BlockToRefine
 from mergekit_ext.wide_sums import frobenius64
 
-if TYPE_CHECKING:
-    from mergekit_ext.executor.sequential import SequentialExecutor
+
+class RefiningExecutor(Protocol):
+    """What a block's refinement uses of the sequential executor (``SequentialExecutor``
+    satisfies it): the executor's own block runs, dtypes, writer and process ranks. Declared
+    here, not imported, so that the refinement and the walk that calls it do not import each
+    other (tests/test_architecture_rules.py)."""
+
+    dist: DistributedContext
+    experts: Sequence[Any]  # the tasks' expert models, in task order (``.task``: the name)
+    method: Any  # the LayerwiseMethod (``.name``)
+    base: Any  # the base model's tensors (``.shapes``)
+    blocks: Sequence[Any]  # transformers' own modules of the blocks
+    compute: Any  # the executor's compute dtype record (``.dtype``, ``.low_precision``)
+    device: torch.device
+    _held_states: Sequence[Any]  # this process's tasks' hidden states
+    _low_params: Any  # cached low-precision copies of block parameters (callable, ``.clear()``)
+
+    def _shares(self, k: int) -> bool: ...
+    def _kept_dtype(self, block: BlockLayout) -> Any: ...
+    def _run_block(self, index: int, params: Any, hidden: Any, call: Any) -> torch.Tensor: ...
+    def _pass(self, sums: Any, holder: int, owner: int) -> None: ...
+    def _written_dtype(self, name: str) -> torch.dtype: ...
+    def _check_merged(self, name: str, weight: torch.Tensor, shape: Any) -> None: ...
+    def _write(self, name: str, weight: torch.Tensor, keep: Any) -> torch.Tensor: ...
 
 
 def _squared_error(diff: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -53,7 +76,7 @@ class BlockDistillation:
 
     def __init__(
         self,
-        executor: SequentialExecutor,
+        executor: RefiningExecutor,
         block: BlockLayout,
         base_block: dict[str, torch.Tensor],
         expert_blocks: list[dict[str, torch.Tensor]],
@@ -226,7 +249,7 @@ class BlockDistillation:
 
 
 def refine_block(
-    executor: SequentialExecutor,
+    executor: RefiningExecutor,
     refinement: BlockRefinement,
     block: BlockLayout,
     base_block: dict[str, torch.Tensor],

@@ -31,6 +31,7 @@ from mergekit_ext.hub.card.evaluation import (
     load_eval_results,
     read_eval_results,
 )
+from mergekit_ext.hub.card.folder import build_card_context, render_card_for_repo, write_model_card
 from mergekit_ext.hub.card.render import (
     BACKUP_SUFFIX,
     CONFIG_FILENAME,
@@ -43,13 +44,10 @@ from mergekit_ext.hub.card.render import (
     CardError,
     MergeInMemory,
     _diagnostic_sections,
-    build_card_context,
     card_is_unedited,
     card_text_is_unedited,
     keep_edited_card,
-    render_card_for_repo,
     render_model_card,
-    write_model_card,
 )
 from mergekit_ext.merge_inputs import (
     README_FILENAME,

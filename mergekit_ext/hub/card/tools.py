@@ -9,7 +9,7 @@
   mergekit-extract-lora's own click command. Once ``card --force`` replaced that README,
   the copy it kept (``README.md.bak``) is read instead.
 
-:func:`card_source` says which tool wrote a folder; ``render.build_card_context`` hands
+:func:`card_source` says which tool wrote a folder; ``folder.build_card_context`` hands
 the two tools' folders to :func:`build_tool_context`. Inputs are described as for a merge
 (:func:`~mergekit_ext.merge_inputs.reference_input`): local paths never reach the card,
 and only Hub ids become ``base_model`` metadata.
