@@ -40,8 +40,7 @@ from mergekit_ext import distributed as dist_context
 from mergekit_ext.config import ExtMergeConfig
 from mergekit_ext.console import phase
 from mergekit_ext.errors import ConfigError, PublishError
-from mergekit_ext.methods.kinds import Adaptation, Layerwise, MethodKind
-from mergekit_ext.methods.layerwise import LayerwiseMethod
+from mergekit_ext.methods.kinds import Adaptation, Layerwise
 from mergekit_ext.methods.registry import method_kind
 from mergekit_ext.models import completeness, mergekit_definitions, tokenization
 from mergekit_ext.models.model_paths import (
@@ -236,10 +235,10 @@ def _run_merge_config(
         return None
 
     with exclusive_output(target, out_path):
-        preflight(cfg, options, allow_pickle=run.allow_pickle)
+        plan = preflight(cfg, options, allow_pickle=run.allow_pickle)
         with atomic_output_dir(target, overwrite=run.overwrite, shown=out_path) as tmp:
             with ResourceMeter() as meter:
-                record = _execute(kind, cfg, tmp, options, run, out_path)
+                record = _execute(plan, tmp, run, out_path)
                 _finish_weights(cfg, tmp, options, out_tokenizer)
             write(cfg, _measured(record, meter), tmp, target, options, run, hub)
     if run.push_to_hub:
@@ -259,12 +258,12 @@ def _run_distributed(
     """:func:`run_merge_config` on one of several ranks of a layerwise merge."""
     if not ctx.is_writer:
         try:
-            preflight(cfg, options, World(ctx.world_size), allow_pickle=run.allow_pickle)
+            plan = preflight(cfg, options, World(ctx.world_size), allow_pickle=run.allow_pickle)
         except Exception as e:
             ctx.agree(e, "the checks")
             raise
         ctx.agree(None, "the checks")
-        _run_layerwise(_layerwise(cfg), cfg, None, options, ctx)  # rank 0 writes the record
+        _run_layerwise(plan, None, ctx)  # rank 0 writes the record
         ctx.agree(None, "writing the output")
         return None
 
@@ -277,14 +276,14 @@ def _run_distributed(
         _check_eval(run)
         out_tokenizer = tokenization.plan_output_tokenizer(cfg.merge, options, cfg.method)
         with exclusive_output(target, out_path):
-            preflight(cfg, options, World(ctx.world_size), allow_pickle=run.allow_pickle)
+            plan = preflight(cfg, options, World(ctx.world_size), allow_pickle=run.allow_pickle)
             with atomic_output_dir(target, overwrite=run.overwrite, shown=out_path) as tmp:
                 prologue = False
                 ctx.agree(None, "the checks")
                 # rank 0's resources: its wall time covers the whole merge (every rank
                 # walks the blocks together), its memory is its own
                 with ResourceMeter() as meter:
-                    record = _run_layerwise(_layerwise(cfg), cfg, tmp, options, ctx)
+                    record = _run_layerwise(plan, tmp, ctx)
                     merged = True
                     _finish_weights(cfg, tmp, options, out_tokenizer)
                 write(cfg, _measured(record, meter), tmp, target, options, run, hub)
@@ -620,18 +619,12 @@ def _no_torch_dtype_notice() -> Iterator[None]:
         logger.removeFilter(notice)
 
 
-def _execute(
-    kind: MethodKind,
-    cfg: ExtMergeConfig,
-    out_dir: str,
-    options: MergeOptions,
-    run: RunOptions,
-    out_path: str,
-) -> merge_record.MergeRecord:
-    """Run the merge on the executor of ``kind``'s type (the one place that chooses); every
-    executor returns the merge's :class:`~mergekit_ext.merge_record.MergeRecord`."""
+def _execute(plan: Plan, out_dir: str, run: RunOptions, out_path: str) -> merge_record.MergeRecord:
+    """Run the merge preflight planned on the executor of its kind (the one place that
+    chooses); every executor returns the merge's :class:`~mergekit_ext.merge_record.MergeRecord`."""
+    cfg, options, kind = plan.cfg, plan.options, plan.kind
     if isinstance(kind, Layerwise):
-        return _run_layerwise(kind.method, cfg, out_dir, options)
+        return _run_layerwise(plan, out_dir)
     if isinstance(kind, Adaptation):
         return kind.run(
             cfg,
@@ -646,30 +639,25 @@ def _execute(
     return _run_tensorwise(cfg, out_dir, options)
 
 
-def _layerwise(cfg: ExtMergeConfig) -> LayerwiseMethod:
-    """The LayerwiseMethod of a distributed merge (``preflight.check_world`` let only those in)."""
-    kind = method_kind(cfg.method)
-    assert isinstance(kind, Layerwise), f"{cfg.method} is not a layer-wise method"
-    return kind.method
-
-
 def _run_layerwise(
-    method: LayerwiseMethod,
-    cfg: ExtMergeConfig,
+    plan: Plan,
     out_dir: Optional[str],
-    options: MergeOptions,
     ctx: Optional[dist_context.DistributedContext] = None,
 ) -> merge_record.MergeRecord:
+    """The sequential (or model-output) executor on the plan preflight built, built once."""
     from mergekit_ext.executor import run_layerwise_merge
 
+    kind = plan.kind
+    assert isinstance(kind, Layerwise), f"{plan.cfg.method} is not a layer-wise method"
     return run_layerwise_merge(
-        cfg,
+        plan.cfg,
         out_dir,
-        options,
-        method,
-        cfg.parameters,
-        device=options.device or "cpu",
+        plan.options,
+        kind.method,
+        plan.cfg.parameters,
+        device=plan.options.device or "cpu",
         distributed=ctx,
+        plan=plan.layerwise(),
     )
 
 

@@ -50,9 +50,13 @@ def run_layerwise_merge(
     *,
     device: str = "cpu",
     distributed: Optional[DistributedContext] = None,
+    plan: Optional[MergePlan] = None,
 ) -> MergeRecord:
     """Merge block by block into ``out_dir`` (config, tokenizer/processor files, safetensors);
     returns the merge's record (its section, calibration, compute dtype, distribution).
+
+    ``plan``: the plan preflight built (``Plan.layerwise()``), run as it is; without it (a
+    direct call) it is built here from the same arguments.
 
     ``device``: ``cpu`` | ``cuda`` | ``auto``; statistics and block forwards run there,
     weights stream from disk. ``distributed``: this process's place among several
@@ -64,7 +68,8 @@ def run_layerwise_merge(
     torch_device = resolve_device(device)
     if distributed is not None and distributed.enabled and torch_device.type == "cuda":
         torch_device = torch.device("cuda", distributed.local_rank)
-    plan = plan_layerwise_merge(cfg, options, method, parameters)
+    if plan is None:
+        plan = plan_layerwise_merge(cfg, options, method, parameters)
     plan.check_weights()
     if plan.request.model_output is not None:
         # Whole-model path (qp_projection objective: model_output): one process, memory
