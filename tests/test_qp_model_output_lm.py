@@ -109,7 +109,7 @@ def test_linear_term_is_the_exact_kl_gradient_of_the_whole_model(
         llama_texts,
         {"objective": "model_output", "output_sketch": 4},
     )
-    result = _merge(cfg, tmp_path / "out")
+    result = _merge(cfg, tmp_path / "out").diagnostics
     first = recorded_fits[0]
     assert first.name == "model.layers.0.self_attn.q_proj.weight"
     assert len(result["layers"]) == 14  # 2 blocks x 7 linears, one at a time
