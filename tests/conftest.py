@@ -21,11 +21,19 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if TESTS_DIR not in sys.path:
     sys.path.insert(0, TESTS_DIR)
 
+# The torch threads of a test process and of the processes it starts: the cores shared by the
+# pytest workers (`make test` runs two on CI's two cores). More threads than cores make
+# OpenMP teams spin on cores another worker needs; tiny models gain nothing from a second
+# thread. OMP_NUM_THREADS reaches the `mergekit-ext` / torchrun processes tests start.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+TEST_THREADS = max(1, min(2, (os.cpu_count() or 1) // _WORKERS))
+os.environ.setdefault("OMP_NUM_THREADS", str(TEST_THREADS))
+
 import pytest  # noqa: E402
 import tiny_models  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(2)
+torch.set_num_threads(TEST_THREADS)
 
 NUM_EXPERTS = 3
 

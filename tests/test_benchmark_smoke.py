@@ -116,19 +116,31 @@ def test_task_splits_are_fixed_and_disjoint():
     assert np.bincount(grouped.test_labels).tolist() == [1000, 200, 600, 200]  # 5/1/3/1 classes
 
 
+# One suite per test (what `make bench-smoke`'s `--suite all` runs, one after the other): the
+# three are the slowest tests there are, and apart two pytest workers share them.
+SMOKE_STEMS = {"text": "text_full_smoke", "lm": "lm_lora_smoke", "vision": "vision_full_smoke"}
+
+
+def test_smoke_all_is_the_three_suites():
+    from benchmarks.suites.run import SMOKE_ALL
+
+    assert set(SMOKE_ALL) == set(SMOKE_STEMS)
+
+
 @pytest.mark.slow
-def test_smoke_run_all_suites(tmp_path):
+@pytest.mark.parametrize("suite", sorted(SMOKE_STEMS))
+def test_smoke_run_suite(tmp_path, suite):
     _require_bench_data()
     cache, out = tmp_path / "cache", tmp_path / "results"
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.suites.run", "--suite", "all",
+        [sys.executable, "-m", "benchmarks.suites.run", "--suite", suite,
          "--smoke", "--keep-merges", "--cache-dir", str(cache), "--out", str(out)],
         capture_output=True, text=True, timeout=900, env=env, cwd=REPO_ROOT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
 
-    for stem in ("text_full_smoke", "lm_lora_smoke", "vision_full_smoke"):
+    for stem in (SMOKE_STEMS[suite],):
         result = json.loads((out / f"{stem}.json").read_text())
         assert (out / f"{stem}.png").stat().st_size > 1000
         assert markdown_table(result) == (out / f"{stem}.md").read_text()

@@ -188,7 +188,7 @@ def _leftovers(folder: str) -> list[str]:
 
 
 CASES = {
-    "regmean-K3": ("regmean", {}, 3, "tiny_llama_set"),
+    # RegMean across ranks: regmean-K2-accelerate (its reduction is CoM's without the chain)
     "com-K3-torchrun": ("chain_of_merges", {}, 3, "tiny_llama_set"),
     "com-normalize-correlation-K3": (
         "chain_of_merges",
