@@ -133,6 +133,32 @@ ROWS: tuple[MethodRow, ...] = (
         {"distill_target": "merged_path", "distill_schedule": "cosine"},
     ),
     MethodRow(
+        "block_distillation_no_embeddings",
+        "block_distillation",
+        "Block distillation on CoM (embeddings not trained: the defaults before)",
+        {"distill_embeddings": False},
+    ),
+    # issue #51 sweep (temporary)
+    MethodRow("bd_first4", "block_distillation", "BD first x4", {"distill_vectors": False}),
+    MethodRow("bd_vectors", "block_distillation", "BD vectors", {"distill_first_block_factor": 1}),
+    MethodRow("bd_first8", "block_distillation", "BD first x8", {"distill_first_block_factor": 8}),
+    MethodRow(
+        "bd_first16", "block_distillation", "BD first x16", {"distill_first_block_factor": 16}
+    ),
+    MethodRow("bd_s160", "block_distillation", "BD 160 steps", {"distill_steps": 160}),
+    MethodRow(
+        "bd_s200_f3",
+        "block_distillation",
+        "BD 200 steps x3",
+        {"distill_steps": 200, "distill_first_block_factor": 3},
+    ),
+    MethodRow(
+        "bd_s480",
+        "block_distillation",
+        "BD 480 steps",
+        {"distill_steps": 480, "distill_first_block_factor": 1, "distill_vectors": False},
+    ),
+    MethodRow(
         "block_distillation_cosine",
         "block_distillation",
         "Block distillation on CoM (cosine step)",
