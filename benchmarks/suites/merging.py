@@ -133,29 +133,74 @@ ROWS: tuple[MethodRow, ...] = (
         {"distill_target": "merged_path", "distill_schedule": "cosine"},
     ),
     MethodRow(
+        "block_distillation_previous",
+        "block_distillation",
+        "Block distillation on CoM (the defaults before: 120 steps, linears only)",
+        {
+            "distill_steps": 120,
+            "distill_first_block_factor": 1,
+            "distill_vectors": False,
+            "distill_embeddings": False,
+        },
+    ),
+    MethodRow(
         "block_distillation_no_embeddings",
         "block_distillation",
-        "Block distillation on CoM (embeddings not trained: the defaults before)",
+        "Block distillation on CoM (defaults, embeddings not trained)",
         {"distill_embeddings": False},
     ),
-    # issue #51 sweep (temporary)
-    MethodRow("bd_first4", "block_distillation", "BD first x4", {"distill_vectors": False}),
-    MethodRow("bd_vectors", "block_distillation", "BD vectors", {"distill_first_block_factor": 1}),
-    MethodRow("bd_first8", "block_distillation", "BD first x8", {"distill_first_block_factor": 8}),
     MethodRow(
-        "bd_first16", "block_distillation", "BD first x16", {"distill_first_block_factor": 16}
-    ),
-    MethodRow("bd_s160", "block_distillation", "BD 160 steps", {"distill_steps": 160}),
-    MethodRow(
-        "bd_s200_f3",
+        "block_distillation_no_vectors",
         "block_distillation",
-        "BD 200 steps x3",
-        {"distill_steps": 200, "distill_first_block_factor": 3},
+        "Block distillation on CoM (defaults, biases and norms not trained)",
+        {"distill_vectors": False},
     ),
     MethodRow(
-        "bd_s480",
+        "block_distillation_first_1",
         "block_distillation",
-        "BD 480 steps",
+        "Block distillation on CoM (defaults, first block no extra steps)",
+        {"distill_first_block_factor": 1},
+    ),
+    MethodRow(
+        "block_distillation_s120_emb",
+        "block_distillation",
+        "120 steps + embeddings",
+        {"distill_steps": 120, "distill_first_block_factor": 1, "distill_vectors": False},
+    ),
+    MethodRow(
+        "block_distillation_s120_emb_vec",
+        "block_distillation",
+        "120 steps + embeddings + vectors",
+        {"distill_steps": 120, "distill_first_block_factor": 1},
+    ),
+    MethodRow(
+        "block_distillation_s120_emb_first4",
+        "block_distillation",
+        "120 steps + embeddings, first block x4",
+        {"distill_steps": 120, "distill_first_block_factor": 4, "distill_vectors": False},
+    ),
+    MethodRow(
+        "block_distillation_s120_all_first4",
+        "block_distillation",
+        "120 steps + embeddings + vectors, first block x4",
+        {"distill_steps": 120, "distill_first_block_factor": 4},
+    ),
+    MethodRow(
+        "block_distillation_s120_all_first8",
+        "block_distillation",
+        "120 steps + embeddings + vectors, first block x8",
+        {"distill_steps": 120, "distill_first_block_factor": 8},
+    ),
+    MethodRow(
+        "block_distillation_s160_all_first4",
+        "block_distillation",
+        "160 steps + embeddings + vectors, first block x4",
+        {"distill_steps": 160, "distill_first_block_factor": 4},
+    ),
+    MethodRow(
+        "block_distillation_s480_emb",
+        "block_distillation",
+        "480 steps + embeddings",
         {"distill_steps": 480, "distill_first_block_factor": 1, "distill_vectors": False},
     ),
     MethodRow(

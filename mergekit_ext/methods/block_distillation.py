@@ -53,14 +53,14 @@ class BlockDistillationParameters(ChainOfMergesParameters):
     """CoM's parameters (the start) plus the distillation's."""
 
     distill_steps: int = Field(
-        120,
+        200,
         ge=0,
         le=100_000,
         description="Adam steps per block (each: one calibration batch of every task, in turn); "
         "0 gives Chain of Merges",
     )
     distill_first_block_factor: int = Field(
-        4,
+        3,
         ge=1,
         le=100,
         description="the first block takes this many times distill_steps: its start error "
