@@ -99,9 +99,10 @@ class BlockDistillationParameters(ChainOfMergesParameters):
         "where the experts' do (merged_path: not trained, the targets would move with them)",
     )
     distill_vectors: bool = Field(
-        True,
+        False,
         description="also train each block's vectors (the linears' biases, the norms' "
-        "weights and biases), merged as CoM merges non-linear tensors otherwise",
+        "weights and biases), merged as CoM merges non-linear tensors otherwise (off: "
+        "no measured gain, docs/methods.md)",
     )
     distill_schedule: Schedule = Field(
         "constant",
