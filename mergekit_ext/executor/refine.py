@@ -15,6 +15,11 @@ the tasks' terms added in task order: the sum passes from the rank of task k to 
 task k+1, as the executor's reductions pass their sums, and the last holder broadcasts it,
 so W processes compute the bits of one (docs/methods.md, "Block-wise distillation").
 
+Besides the block's linears the refinement may train the block's vectors (biases, norms;
+``trains_vectors``) and, in the first block, the tensors before it (the embeddings but an
+LM's token table; ``trains_pre_block``): the block's input is then recomputed from them in
+every forward, and their gradients pass in task order with the linears'.
+
 Memory: the targets (on the merged path one more copy of this rank's hidden states; the
 expert path's are the ones held anyway), the gradient sums (one copy of the block's
 linears) and one batch's autograd graph, beside the (K + 2) blocks the executor holds

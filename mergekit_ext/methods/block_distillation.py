@@ -16,8 +16,10 @@ so each block also corrects the drift of the merged blocks below it) or on ``X_k
 (``merged_path``: the block's own error). The executor runs the blocks and adds the
 tasks' gradients in task order (:mod:`mergekit_ext.executor.refine`); this module only
 does tensor arithmetic: the parametrization, Adam, the guard. What is trained
-(``distill_train``), the defaults and the measurements behind them: ``docs/methods.md``,
-section "Block-wise distillation".
+(``distill_train``; the embeddings before the first block, ``distill_embeddings``; each
+block's biases and norms, ``distill_vectors``), the first block's extra steps
+(``distill_first_block_factor``), the defaults and the measurements behind them:
+``docs/methods.md``, section "Block-wise distillation".
 
 The optimizer works on float32 master weights whatever ``compute_dtype`` the block passes
 run in; the result is kept only where it lowers the ω-weighted calibration error of the
