@@ -18,8 +18,10 @@ import random
 import pytest
 import torch
 import transformers
+import yaml
 from click.testing import CliRunner
 from safetensors.torch import load_file
+from test_data_aware_cli import _calibration
 from test_distributed import (
     COLLECTIVE_TIMEOUT_S,
     _launch,
@@ -110,7 +112,9 @@ def test_distillation_lowers_the_block_error_below_com(request, set_name, tmp_pa
 
     # on the calibration data: the executor's own measurement, per block and task
     blocks = _diagnostics(out, METHOD)["blocks"]
-    assert len(blocks) == 2 and all(b["steps"] == FEW["distill_steps"] for b in blocks)
+    # the first block takes distill_first_block_factor times the steps
+    factor = bd.BlockDistillationParameters().distill_first_block_factor
+    assert [b["steps"] for b in blocks] == [FEW["distill_steps"] * factor, FEW["distill_steps"]]
     for b in blocks:
         assert b["kept"] == "refined", b
         # the objective is the tasks' mean: one task may give a little for the others
@@ -135,7 +139,10 @@ def test_distillation_lowers_the_block_error_below_com(request, set_name, tmp_pa
         load_file(os.path.join(out, "model.safetensors")),
     )
     changed = {n for n in a if not torch.equal(a[n], b[n])}
-    assert changed and all(n.endswith(".weight") and "norm" not in n for n in changed), changed
+    # the blocks' linear weights only (the merged-path target trains no embeddings;
+    # distill_vectors is off by default)
+    assert changed and all(n.endswith(".weight") and "norm" not in n.lower() for n in changed)
+    assert not any("embed" in n for n in changed), changed
 
 
 def _feature_errors(merged_dir: str, expert_dirs: list[str], arch: str) -> list[float]:
@@ -195,7 +202,8 @@ def test_cosine_schedule_decays_the_step_size_to_zero(tiny_llama_set, tmp_path, 
         return step(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.optim.Adam, "step", spy)
-    _merge(tmp_path, tiny_llama_set, 2, METHOD, {**FEW, "distill_schedule": "cosine"}, "cos")
+    one = {**FEW, "distill_first_block_factor": 1}  # every block the same number of steps
+    _merge(tmp_path, tiny_llama_set, 2, METHOD, {**one, "distill_schedule": "cosine"}, "cos")
     steps = FEW["distill_steps"]
     assert len(seen) == 2 * steps  # two blocks
     for block in (seen[:steps], seen[steps:]):
@@ -205,7 +213,7 @@ def test_cosine_schedule_decays_the_step_size_to_zero(tiny_llama_set, tmp_path, 
         assert all(b < 0.02 * a for a, b in zip(first, last))
         assert all(x >= y for s, t in zip(block, block[1:]) for x, y in zip(s, t))
     seen.clear()
-    _merge(tmp_path, tiny_llama_set, 2, METHOD, FEW, "constant")  # the default
+    _merge(tmp_path, tiny_llama_set, 2, METHOD, one, "constant")  # the default
     assert seen and all(s == seen[0] for s in seen[:steps])
 
 
@@ -225,12 +233,13 @@ def test_same_bytes_twice_and_zero_steps_is_com(tiny_llama_set, tmp_path):
     assert all(torch.equal(a[n], b[n]) for n in a)
 
 
-def test_two_processes_write_the_bytes_of_one(tiny_llama_set, tmp_path):
-    # a few steps: every step passes the gradient sums between the ranks
+@pytest.mark.parametrize("set_name", ["tiny_llama_set", "tiny_bert_set"])
+def test_two_processes_write_the_bytes_of_one(request, set_name, tmp_path):
+    # a few steps: every step passes the gradient sums between the ranks (BERT: the
+    # embeddings' too, trained with the first block)
+    tiny = request.getfixturevalue(set_name)
     steps = {**FEW, "distill_steps": 4}
-    config = _write_config(
-        str(tmp_path), METHOD, tiny_llama_set.base, list(tiny_llama_set.experts[:3]), steps
-    )
+    config = _write_config(str(tmp_path), METHOD, tiny.base, list(tiny.experts[:3]), steps)
     reference = str(tmp_path / "one" / "merged")
     _single_process(config, reference)
     (tmp_path / "two").mkdir()
@@ -244,7 +253,9 @@ def test_two_processes_write_the_bytes_of_one(tiny_llama_set, tmp_path):
     assert set(one) == set(two)
     for name in one:
         assert torch.equal(one[name], two[name]), name
-    assert _diagnostics(out, METHOD)["blocks"] == _diagnostics(reference, METHOD)["blocks"]
+    blocks = _diagnostics(reference, METHOD)["blocks"]
+    assert _diagnostics(out, METHOD)["blocks"] == blocks
+    assert ("pre_block" in blocks[0]) == (set_name == "tiny_bert_set"), blocks[0]
 
 
 def test_bf16_compute_trains_float32_master_weights(tiny_llama_set, tmp_path, monkeypatch):
@@ -277,6 +288,12 @@ def test_bf16_compute_trains_float32_master_weights(tiny_llama_set, tmp_path, mo
         ({"propagate": False}, "propagate"),
         ({"distill_target": "expert"}, "distill_target"),
         ({"distill_schedule": "linear"}, "distill_schedule"),
+        ({"distill_embeddings": "some"}, "distill_embeddings"),
+        ({"distill_embeddings": 2}, "distill_embeddings"),
+        ({"distill_vectors": "norms"}, "distill_vectors"),
+        ({"distill_first_block_factor": 0}, "distill_first_block_factor"),
+        ({"distill_first_block_factor": 101}, "distill_first_block_factor"),
+        ({"distill_first_block_factor": 1.5}, "distill_first_block_factor"),
     ],
 )
 def test_bad_values_name_the_field(bad, field):
@@ -295,12 +312,17 @@ def test_good_values_are_accepted_and_listed():
             "distill_rank": 4,
             "distill_target": "merged_path",
             "distill_schedule": "cosine",
+            "distill_embeddings": False,
+            "distill_vectors": True,
+            "distill_first_block_factor": 1,
         }
     )
     assert (p.distill_steps, p.distill_train, p.propagate) == (0, "lowrank", True)
     assert (p.distill_target, p.distill_schedule) == ("merged_path", "cosine")
     default = info.parse_parameters({})
     assert (default.distill_target, default.distill_schedule) == ("expert_path", "constant")
+    assert default.distill_embeddings and not p.distill_embeddings
+    assert not default.distill_vectors and default.distill_first_block_factor == 3
     result = CliRunner().invoke(main, ["methods", "--json"])
     assert result.exit_code == 0, result.output
     listed = {m["name"]: m for m in json.loads(result.output)}
@@ -313,6 +335,9 @@ def test_good_values_are_accepted_and_listed():
         "seed",
         "distill_target",
         "distill_schedule",
+        "distill_embeddings",
+        "distill_vectors",
+        "distill_first_block_factor",
     } <= names
     assert listed[METHOD]["needs_calibration"]
 
@@ -354,3 +379,89 @@ def test_more_processes_than_tasks_is_refused_before_loading(tiny_llama_set, tmp
     assert code != 0 and "at most as many processes as tasks (2), not 3" in out, out
     assert dry_run(METHOD, 2)[0] == 0
     assert dry_run("chain_of_merges", 3)[0] == 0
+
+
+def _merge_any(tmp_path, tiny, method: str, parameters: dict, name: str) -> str:
+    """A K = 3 merge of any tiny set (pixel tensors for a ViT, texts otherwise)."""
+    folder = tmp_path / name
+    folder.mkdir()
+    config = {
+        "merge_method": method,
+        "base_model": tiny.base,
+        "models": [
+            {"model": e, "name": f"task{k}", "calibration": _calibration(folder, tiny, k)}
+            for k, e in enumerate(tiny.experts[:3])
+        ],
+        "calibration": {"samples": 8, "max_length": 16, "batch_size": 4},
+        "parameters": parameters,
+    }
+    (folder / "c.yml").write_text(yaml.safe_dump(config))
+    out = str(folder / "merged")
+    _single_process(str(folder / "c.yml"), out)
+    return out
+
+
+# the tensors before the first block each family trains with it (never a token table)
+EMBEDDINGS = {
+    "tiny_vit_set": {
+        "embeddings.cls_token",
+        "embeddings.position_embeddings",
+        "embeddings.patch_embeddings.projection.weight",
+        "embeddings.patch_embeddings.projection.bias",
+    },
+    "tiny_bert_set": {
+        "embeddings.position_embeddings.weight",
+        "embeddings.token_type_embeddings.weight",
+        "embeddings.LayerNorm.weight",
+        "embeddings.LayerNorm.bias",
+    },
+    "tiny_llama_set": set(),
+}
+
+
+@pytest.mark.parametrize("set_name", sorted(EMBEDDINGS))
+def test_embeddings_trained_with_the_first_block_lower_its_error(request, set_name, tmp_path):
+    """``distill_embeddings`` (the default): the tensors before the first block are trained
+    with it against its expert-path targets; they change, and the first block ends with a
+    lower error than with the embeddings as merged. An LM's token table is never trained
+    (a Llama has nothing else before its first block: the bytes of ``false``)."""
+    tiny = request.getfixturevalue(set_name)
+    on = _merge_any(tmp_path, tiny, METHOD, FEW, "on")
+    off = _merge_any(tmp_path, tiny, METHOD, {**FEW, "distill_embeddings": False}, "off")
+    a, b = (load_file(os.path.join(m, "model.safetensors")) for m in (on, off))
+    changed = {n for n in a if not torch.equal(a[n], b[n])}
+    first_on, first_off = (_diagnostics(m, METHOD)["blocks"][0] for m in (on, off))
+    expected = EMBEDDINGS[set_name]
+    if not expected:
+        assert not changed and "pre_block" not in first_on
+        return
+    trained = {n.removeprefix("vit.").removeprefix("bert.") for n in first_on["pre_block"]}
+    assert trained == expected, first_on["pre_block"]
+    assert all(r["change"] > 0 for r in first_on["pre_block"].values())
+    assert {n.removeprefix("vit.").removeprefix("bert.") for n in changed} >= expected
+    assert "pre_block" not in first_off and first_on["kept"] == "refined"
+    # the same start (CoM's block on the merged embeddings), a lower end
+    assert first_on["error_before"] == first_off["error_before"]
+    assert first_on["error_after"] < first_off["error_after"], (first_on, first_off)
+
+
+@pytest.mark.parametrize("set_name", ["tiny_llama_set", "tiny_vit_set"])
+def test_block_vectors_are_trained_with_the_linears(request, set_name, tmp_path):
+    """``distill_vectors: true``: each block's biases and norm weights are trained with its
+    linears (written after the steps); without it (the default) only the linears' weights
+    change from CoM's, and the blocks end with a higher calibration error."""
+    tiny = request.getfixturevalue(set_name)
+    params = {**FEW, "distill_embeddings": False}
+    com = _merge_any(tmp_path, tiny, "chain_of_merges", {}, "com")
+    on = _merge_any(tmp_path, tiny, METHOD, {**params, "distill_vectors": True}, "on")
+    off = _merge_any(tmp_path, tiny, METHOD, params, "off")
+    a, b, c = (load_file(os.path.join(m, "model.safetensors")) for m in (com, on, off))
+    linears_only = {n for n in a if not torch.equal(a[n], c[n])}
+    assert linears_only and all(c[n].dim() == 2 for n in linears_only), linears_only
+    vectors = {n for n in a if not torch.equal(a[n], b[n]) and b[n].dim() == 1}
+    assert any("norm" in n for n in vectors) and any(n.endswith(".bias") for n in vectors) == (
+        set_name == "tiny_vit_set"  # a Llama's linears have no biases
+    ), vectors
+    assert not any("embed" in n for n in vectors)
+    errors = [sum(b["error_after"] for b in _diagnostics(m, METHOD)["blocks"]) for m in (on, off)]
+    assert errors[0] < errors[1], errors

@@ -15,6 +15,11 @@ the tasks' terms added in task order: the sum passes from the rank of task k to 
 task k+1, as the executor's reductions pass their sums, and the last holder broadcasts it,
 so W processes compute the bits of one (docs/methods.md, "Block-wise distillation").
 
+Besides the block's linears the refinement may train the block's vectors (biases, norms;
+``trains_vectors``) and, in the first block, the tensors before it (the embeddings but an
+LM's token table; ``trains_pre_block``): the block's input is then recomputed from them in
+every forward, and their gradients pass in task order with the linears'.
+
 Memory: the targets (on the merged path one more copy of this rank's hidden states; the
 expert path's are the ones held anyway), the gradient sums (one copy of the block's
 linears) and one batch's autograd graph, beside the (K + 2) blocks the executor holds
@@ -45,6 +50,7 @@ class RefiningExecutor(Protocol):
     other (tests/test_architecture_rules.py)."""
 
     dist: DistributedContext
+    plan: Any  # the MergePlan (``.blocks``: the block layouts in forward order)
     experts: Sequence[Any]  # the tasks' expert models, in task order (``.task``: the name)
     method: Any  # the LayerwiseMethod (``.name``)
     base: Any  # the base model's tensors (``.shapes``)
@@ -57,6 +63,7 @@ class RefiningExecutor(Protocol):
     def _shares(self, k: int) -> bool: ...
     def _kept_dtype(self, block: BlockLayout) -> Any: ...
     def _run_block(self, index: int, params: Any, hidden: Any, call: Any) -> torch.Tensor: ...
+    def _embed_batch(self, params: Any, inputs: Any) -> tuple[torch.Tensor, Any]: ...
     def _pass(self, sums: Any, holder: int, owner: int) -> None: ...
     def _written_dtype(self, name: str) -> torch.dtype: ...
     def _check_merged(self, name: str, weight: torch.Tensor, shape: Any) -> None: ...
@@ -82,6 +89,9 @@ class BlockDistillation:
         expert_blocks: list[dict[str, torch.Tensor]],
         merged: dict[str, torch.Tensor],
         target: str = "merged_path",
+        vectors: Sequence[str] = (),
+        pre_block: Optional[dict[str, torch.Tensor]] = None,
+        pre_trained: Sequence[str] = (),
     ) -> None:
         ex = self.ex = executor
         if any(ex._shares(k) for k in range(len(ex.experts))):
@@ -92,7 +102,14 @@ class BlockDistillation:
             )
         self.block = block
         self.local = len(block.prefix)
-        self.names = [t for g in block.groups if not g.experts for t in block.group_tensors(g)]
+        linears = [t for g in block.groups if not g.experts for t in block.group_tensors(g)]
+        # the block's biases and norm weights, when the refinement trains them too
+        self.linears = linears + [n for n in vectors if n not in linears]
+        # the first block may train the tensors before it (embeddings) with it: its inputs
+        # are then recomputed from them in every forward, and the gradient reaches them
+        self.pre_block = pre_block or {}
+        self.pre = [n for n in pre_trained if n in self.pre_block]
+        self.names = self.linears + self.pre
         self.keep = ex._kept_dtype(block)
         self.merged = merged
         self.base_block = base_block
@@ -123,10 +140,22 @@ class BlockDistillation:
             self.targets[k] = outs
             self.energies[k] = [_squared_error(y, state.masks[b]) for b, y in enumerate(outs)]
         # max_k ‖W_k‖_F per linear over every task (the max of the ranks' maxima: exact)
+        # the trained tensors before the block: the base's, each held expert's (small)
+        self.pre_base = {n: ex.base.load(n, ex.device) for n in self.pre}
+        pre_experts = {
+            k: {n: ex.experts[k].source.load(n, ex.device) for n in self.pre} for k in self.held
+        }
         own = {
-            n: max((frobenius64(widened(expert_blocks[k][n])) for k in self.held), default=0.0)
+            n: max(
+                (
+                    frobenius64(widened((pre_experts if n in self.pre else expert_blocks)[k][n]))
+                    for k in self.held
+                ),
+                default=0.0,
+            )
             for n in self.names
         }
+        del pre_experts
         parts = ex.dist.gather_objects(own)
         norms = {n: max(p[n] for p in parts) for n in self.names} if parts is not None else None
         self.expert_norms: dict[str, float] = ex.dist.broadcast_object(norms)
@@ -134,8 +163,10 @@ class BlockDistillation:
     # ---------------------------------------------------------------------------------
 
     def request(self, name: str) -> BlockToRefine:
-        start = {n: widened(self.merged[n]).float() for n in self.names}
-        base = {n: widened(self.base_block[n]).float() for n in self.names}
+        start = {n: widened(self.merged[n]).float() for n in self.linears}
+        base = {n: widened(self.base_block[n]).float() for n in self.linears}
+        start.update({n: widened(self.pre_block[n]).float() for n in self.pre})
+        base.update({n: widened(self.pre_base[n]).float() for n in self.pre})
         return BlockToRefine(
             name=name,
             start=start,
@@ -145,12 +176,14 @@ class BlockDistillation:
             gradient=self.gradient,
             errors=self.errors,
             batches=max((len(t) for t in self.targets.values()), default=1),
+            first=self.block is self.ex.plan.blocks[0],
         )
 
     def _params(self, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The block's tensors by local name: ``weights`` for the trained linears (cast to
         the compute dtype inside the graph: float32 master weights), the rest as merged."""
         ex = self.ex
+        weights = {n: w for n, w in weights.items() if n not in self.pre_block}
         fixed = {n[self.local :]: self.merged[n] for n in self.block.tensors if n not in weights}
         if ex.compute.low_precision:
             fixed = ex._low_params(fixed)
@@ -162,14 +195,22 @@ class BlockDistillation:
             trained = {n[self.local :]: w for n, w in weights.items()}
         return {**fixed, **trained}
 
-    def _forward(self, params: dict[str, torch.Tensor], k: int, b: int) -> torch.Tensor:
+    def _forward(
+        self, params: dict[str, torch.Tensor], k: int, b: int, weights: Mapping[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """The block's output on task k's batch b; with trained tensors before the block its
+        input is recomputed from them (``weights``: float32, the embeddings' own pass)."""
         state = self.held[k]
         assert state.merged_hidden is not None
+        hidden = state.merged_hidden[b]
+        if self.pre:
+            pre = {**self.pre_block, **{n: weights[n] for n in self.pre}}
+            hidden = self.ex._embed_batch(pre, state.inputs[b])[0]
         with compute_in(self.ex.compute.dtype, self.ex.device):
             out = run_block(
                 self.ex.blocks[self.block.index],
                 params,
-                state.merged_hidden[b],
+                hidden,
                 state.calls[b][self.block.index],
             )
         return carried(out)
@@ -180,11 +221,18 @@ class BlockDistillation:
         b = step % len(self.targets[k])
         leaves = {n: weights[n].detach().requires_grad_(True) for n in self.names}
         with torch.enable_grad():
-            out = self._forward(self._params(leaves), k, b)
+            out = self._forward(self._params(leaves), k, b, leaves)
             error = _squared_error(out - self.targets[k][b], self.held[k].masks[b])
             loss = error / self.energies[k][b].clamp_min(1e-30)
-            grads = torch.autograd.grad(loss * self.weight, [leaves[n] for n in self.names])
-        return dict(zip(self.names, grads)), float(loss.detach())
+            # allow_unused: a tensor before the block that this input does not reach (a
+            # token-type table of one type) gets a zero gradient
+            grads = torch.autograd.grad(
+                loss * self.weight, [leaves[n] for n in self.names], allow_unused=True
+            )
+        return {
+            n: g if g is not None else torch.zeros_like(leaves[n])
+            for n, g in zip(self.names, grads)
+        }, float(loss.detach())
 
     def gradient(
         self, weights: Mapping[str, torch.Tensor], step: int
@@ -230,13 +278,14 @@ class BlockDistillation:
 
     def errors(self, weights: Mapping[str, torch.Tensor]) -> dict[str, float]:
         """Each task's relative block-output error over all its calibration batches."""
-        params = self._params({n: self.as_written(n, weights[n]) for n in self.names})
+        written = {n: self.as_written(n, weights[n]) for n in self.names}
+        params = self._params(written)
         mine: dict[int, float] = {}
         for k in self.held:
             error = torch.zeros((), dtype=torch.float64)
             energy = torch.zeros((), dtype=torch.float64)
             for b, target in enumerate(self.targets[k]):
-                out = self._forward(params, k, b)
+                out = self._forward(params, k, b, written)
                 error += _squared_error(out - target, self.held[k].masks[b]).double().cpu()
                 energy += self.energies[k][b].double().cpu()
             mine[k] = float((error / energy.clamp_min(1e-300)).sqrt())
@@ -255,20 +304,50 @@ def refine_block(
     base_block: dict[str, torch.Tensor],
     expert_blocks: list[dict[str, torch.Tensor]],
     merged: dict[str, torch.Tensor],
+    vectors: Sequence[str] = (),
+    pre_block: Optional[dict[str, torch.Tensor]] = None,
+    pre_trained: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """Refine ``block``'s held linears in ``merged`` and write them; the block's record."""
+    """Refine ``block``'s held linears in ``merged`` and write them; the block's record.
+    ``pre_trained``: the tensors of ``pre_block`` (the merged tensors before the first
+    block, held unwritten) trained with this block; refined and written into ``pre_block``."""
     ex = executor
-    distill = BlockDistillation(ex, block, base_block, expert_blocks, merged, refinement.target)
+    distill = BlockDistillation(
+        ex,
+        block,
+        base_block,
+        expert_blocks,
+        merged,
+        refinement.target,
+        vectors,
+        pre_block,
+        pre_trained,
+    )
     name = block.prefix.rstrip(".") or f"block {block.index}"
+    start = {n: distill.pre_block[n].clone() for n in distill.pre}
     try:
         result, diagnostics = refinement.refine(distill.request(name))
     finally:
         distill.close()
+    if distill.pre:
+        # the embeddings trained with the block: how far each moved from its fallback merge
+        diagnostics["pre_block"] = {
+            n: {
+                "change": frobenius64(widened(result[n]).float() - start[n])
+                / max(frobenius64(start[n]), 1e-30)
+            }
+            for n in distill.pre
+        }
     for n in distill.names:
         if n not in result:
             raise ExecutionError(f"{ex.method.name} returned no refined weight for {n}")
         ex._check_merged(n, result[n], ex.base.shapes[n])
-        merged[n] = ex._write(n, result[n], distill.keep)
+        if n in distill.pre:
+            distill.pre_block[n] = ex._write(n, result[n])  # as the embeddings were merged
+        elif n in vectors:
+            merged[n] = ex._write(n, result[n])  # as the block's other tensors were merged
+        else:
+            merged[n] = ex._write(n, result[n], distill.keep)
     ex._low_params.clear()  # the refined weights replace the start's cast copies
     before, after = diagnostics.get("error_before"), diagnostics.get("error_after")
     if isinstance(before, float) and isinstance(after, float):

@@ -130,6 +130,8 @@ class BlockTensors:
     base: dict[str, torch.Tensor]
     experts: list[dict[str, torch.Tensor]]
     merged: dict[str, torch.Tensor] = field(default_factory=dict)
+    # the merged vectors a refinement trains (held unwritten until it is done)
+    vectors: list[str] = field(default_factory=list)
 
     def params(self) -> dict[str, torch.Tensor]:
         """The block's tensors by local name: the merged ones so far, else the base's."""
@@ -175,6 +177,10 @@ class SequentialExecutor:
         # a method that refines each block after its group merges (BlockRefinement)
         self.refinement = plan.method.block_refinement(plan.parameters)
         self.block_records: list[dict[str, Any]] = []
+        # the tensors before the first block that the refinement trains with that block
+        # (written after it), and the merged tensors before the blocks while it needs them
+        self.pre_trained: list[str] = self._pre_trained()
+        self.pre_block: dict[str, torch.Tensor] = {}
         self.not_merged: list[dict[str, Any]] = [
             {"tensor": name.removeprefix(HEAD_PREFIX), "reason": f"only in {', '.join(labels)}"}
             for name, labels in plan.expert_only.items()
@@ -221,6 +227,9 @@ class SequentialExecutor:
             self._prepare_tasks()
             merged_pre = self._merge_pre_block()
             self._embed_tasks(merged_pre)
+            # a refinement that trains the tensors before the first block with it keeps them
+            # (written after that block's refinement); otherwise they are done with
+            self.pre_block = merged_pre if self.pre_trained else {}
             del merged_pre
             progress = tqdm(
                 self.plan.blocks,
@@ -315,8 +324,10 @@ class SequentialExecutor:
         base: torch.Tensor,
         experts: Sequence[torch.Tensor],
         share: bool = True,
+        write: bool = True,
     ) -> torch.Tensor:
-        """The fallback merge of one tensor (by the writer, shared when ``share``), written."""
+        """The fallback merge of one tensor (by the writer, shared when ``share``), written
+        (``write=False``: the value as written only, for a refinement that writes it later)."""
         name = self.plan.output_name(canonical)
         if not base.dtype.is_floating_point:
             return self._write(canonical, base)  # integer buffers (position ids): the base's
@@ -327,7 +338,7 @@ class SequentialExecutor:
         if share:
             merged = self.strategy.share(canonical, merged)
         assert merged is not None
-        return self._write(canonical, merged)
+        return self._write(canonical, merged, write=write)
 
     def _check_inputs(
         self,
@@ -376,26 +387,68 @@ class SequentialExecutor:
         """Run the backbone up to its first block; the block inputs and every block's call."""
         hidden, calls = [], []
         for inputs in state.inputs:
-            self.sink.reset()
-            try:
-                torch.func.functional_call(
-                    self.backbone, params, args=(), kwargs={**inputs, **self.extra_inputs}
-                )
-            except StopForward:
-                pass
-            else:  # pragma: no cover - every supported backbone calls its blocks
-                raise ExecutionError(
-                    f"{type(self.backbone).__name__}.forward returned without calling its last block"
-                )
-            if self.sink.hidden is None or len(self.sink.calls) != len(self.blocks):
-                raise ExecutionError(
-                    f"{type(self.backbone).__name__}.forward called {len(self.sink.calls)} of "
-                    f"{len(self.blocks)} blocks"
-                )
-            hidden.append(self.sink.hidden.to(torch.float32))
-            calls.append(list(self.sink.calls))
-        self.sink.reset()
+            first, call = self._embed_batch(params, inputs)
+            hidden.append(first)
+            calls.append(call)
         return hidden, calls
+
+    def _embed_batch(
+        self, params: dict[str, torch.Tensor], inputs: dict[str, Any]
+    ) -> tuple[torch.Tensor, list[tuple[tuple[Any, ...], dict[str, Any]]]]:
+        """One batch up to the first block: its input (float32; differentiable in ``params``
+        when grad is on, for executor/refine.py) and every block's call."""
+        self.sink.reset()
+        try:
+            torch.func.functional_call(
+                self.backbone, params, args=(), kwargs={**inputs, **self.extra_inputs}
+            )
+        except StopForward:
+            pass
+        else:  # pragma: no cover - every supported backbone calls its blocks
+            raise ExecutionError(
+                f"{type(self.backbone).__name__}.forward returned without calling its last block"
+            )
+        if self.sink.hidden is None or len(self.sink.calls) != len(self.blocks):
+            raise ExecutionError(
+                f"{type(self.backbone).__name__}.forward called {len(self.sink.calls)} of "
+                f"{len(self.blocks)} blocks"
+            )
+        first, calls = self.sink.hidden.to(torch.float32), list(self.sink.calls)
+        self.sink.reset()
+        return first, calls
+
+    def _vectors(self, block: BlockLayout, base: dict[str, torch.Tensor]) -> list[str]:
+        """The block's floating vectors (biases, norm weights) the refinement trains."""
+        if self.refinement is None or not self.refinement.trains_vectors:
+            return []
+        return [
+            n
+            for n in block.others
+            if base[n].dim() <= 1 and base[n].dtype.is_floating_point and base[n].numel()
+        ]
+
+    def _pre_trained(self) -> list[str]:
+        """The tensors before the first block that the refinement trains with that block:
+        the floating ones except the token embedding table (an LM's vocabulary-sized matrix:
+        optimizer state of that size is more than a block's, and most rows see no token of
+        the calibration data). A ViT's patch and position embeddings and CLS token, BERT's
+        position and type embeddings and their LayerNorm; nothing for a Llama."""
+        if self.refinement is None or not self.refinement.trains_pre_block:
+            return []
+        if not self.request.propagate or not self.plan.blocks:
+            return []
+        get = getattr(self.backbone, "get_input_embeddings", None)
+        tokens = get() if callable(get) else None
+        table = {
+            f"{m}.weight" if m else "weight"
+            for m, module in self.backbone.named_modules()
+            if isinstance(module, nn.Embedding) and module is tokens
+        }
+        return [
+            n
+            for n in self.plan.pre_block
+            if n not in table and safetensors_dtype(self.base.dtypes.get(n, "")).is_floating_point
+        ]
 
     def _merge_pre_block(self) -> dict[str, torch.Tensor]:
         """Merge the tensors before the first block, one at a time; returns the merged ones."""
@@ -407,7 +460,9 @@ class SequentialExecutor:
                 [e.source.load(name, self.device) for e in self.experts] if self.writes else []
             )
             self._check_inputs({name: base}, [{name: w} for w in experts], "the embeddings")
-            merged[name] = self._merge_other(name, base, experts)
+            # a trained tensor is written after the first block's refinement
+            write = name not in self.pre_trained
+            merged[name] = self._merge_other(name, base, experts, write=write)
             del base, experts
             self._release()
         return merged
@@ -437,12 +492,15 @@ class SequentialExecutor:
         groups merged in forward order on the merged path; the refinement; each task's merged
         path on to the next block; then the block's tensors are dropped."""
         tensors = self._load_block(block)
+        # the block's vectors a refinement trains with its linears: written after it
+        tensors.vectors = self._vectors(block, tensors.base)
         # Non-linear tensors first: every later forward sees them merged ("norms included").
         for name in block.others:
             tensors.merged[name] = self._merge_other(
                 name,
                 widened(tensors.base[name]),
                 [widened(w[name]) for w in tensors.experts if name in w],
+                write=name not in tensors.vectors,
             )
         expert_stats: Optional[dict[str, list[TaskStatistics]]] = None
         if self.request.expert_path:
@@ -483,9 +541,28 @@ class SequentialExecutor:
     def _refine(self, tensors: BlockTensors) -> dict[str, Any]:
         """The block's merged linears refined (:mod:`~mergekit_ext.executor.refine`), written."""
         assert self.refinement is not None
-        return refine_block(
-            self, self.refinement, tensors.layout, tensors.base, tensors.experts, tensors.merged
+        # the first block trains the tensors before it too (the refinement's choice)
+        pre = self.pre_trained if tensors.layout is self.plan.blocks[0] else []
+        record = refine_block(
+            self,
+            self.refinement,
+            tensors.layout,
+            tensors.base,
+            tensors.experts,
+            tensors.merged,
+            vectors=tensors.vectors,
+            pre_block=self.pre_block if pre else None,
+            pre_trained=pre,
         )
+        if pre:
+            # the refined embeddings give the merged path's first inputs anew
+            for state in self.states:
+                if state.merged_hidden is not None:
+                    state.merged_hidden = [
+                        self._embed_batch(self.pre_block, inputs)[0] for inputs in state.inputs
+                    ]
+            self.pre_block = {}
+        return record
 
     def _propagate(self, tensors: BlockTensors, replay: LinearOutputCache) -> None:
         """Each task's merged-path hidden states through the merged block, for the next."""

@@ -16,8 +16,10 @@ so each block also corrects the drift of the merged blocks below it) or on ``X_k
 (``merged_path``: the block's own error). The executor runs the blocks and adds the
 tasks' gradients in task order (:mod:`mergekit_ext.executor.refine`); this module only
 does tensor arithmetic: the parametrization, Adam, the guard. What is trained
-(``distill_train``), the defaults and the measurements behind them: ``docs/methods.md``,
-section "Block-wise distillation".
+(``distill_train``; the embeddings before the first block, ``distill_embeddings``; each
+block's biases and norms, ``distill_vectors``), the first block's extra steps
+(``distill_first_block_factor``), the defaults and the measurements behind them:
+``docs/methods.md``, section "Block-wise distillation".
 
 The optimizer works on float32 master weights whatever ``compute_dtype`` the block passes
 run in; the result is kept only where it lowers the ω-weighted calibration error of the
@@ -53,11 +55,19 @@ class BlockDistillationParameters(ChainOfMergesParameters):
     """CoM's parameters (the start) plus the distillation's."""
 
     distill_steps: int = Field(
-        120,
+        200,
         ge=0,
         le=100_000,
         description="Adam steps per block (each: one calibration batch of every task, in turn); "
         "0 gives Chain of Merges",
+    )
+    distill_first_block_factor: int = Field(
+        3,
+        ge=1,
+        le=100,
+        description="the first block takes this many times distill_steps: its start error "
+        "is the largest (the embeddings before it are merged by the fallback) and every "
+        "later block starts from what it leaves",
     )
     distill_lr: float = Field(
         0.1,
@@ -82,6 +92,19 @@ class BlockDistillationParameters(ChainOfMergesParameters):
         "path's inputs, the expert's real features: each block also corrects the drift of "
         "the merged blocks below it, ProDistill's dual inputs) | merged_path (expert k's "
         "block on the merged block's inputs: the block's own error only)",
+    )
+    distill_embeddings: bool = Field(
+        True,
+        description="with distill_target: expert_path, also train the tensors before the "
+        "first block (patch and position embeddings, CLS token, embedding LayerNorm; never an "
+        "LM's token embedding table) with the first block: the merged path then starts "
+        "where the experts' do (merged_path: not trained, the targets would move with them)",
+    )
+    distill_vectors: bool = Field(
+        False,
+        description="also train each block's vectors (the linears' biases, the norms' "
+        "weights and biases), merged as CoM merges non-linear tensors otherwise (off: "
+        "no measured gain, docs/methods.md)",
     )
     distill_schedule: Schedule = Field(
         "constant",
@@ -116,6 +139,9 @@ class BlockDistillation(BlockRefinement):
         self.method = method
         # read by the executor (executor/refine.py) when it builds each block's targets
         self.target: str = p.distill_target
+        # read by the executor: the first block also trains the embeddings before it
+        self.trains_pre_block = p.distill_embeddings and p.distill_target == "expert_path"
+        self.trains_vectors = p.distill_vectors
 
     def _parts(
         self, block: BlockToRefine
@@ -171,13 +197,14 @@ class BlockDistillation(BlockRefinement):
         ]
         before = block.errors(start)
         losses: list[float] = []
-        if groups and p.distill_steps:
+        steps = p.distill_steps * (p.distill_first_block_factor if block.first else 1)
+        if groups and steps:
             optimizer = torch.optim.Adam(groups)
-            for step in range(p.distill_steps):
+            for step in range(steps):
                 if p.distill_schedule == "cosine":
                     # the last steps small: the result is not one noisy batch's step away
                     # from the minimum (each step sees one calibration batch per task)
-                    factor = 0.5 * (1.0 + math.cos(math.pi * step / p.distill_steps))
+                    factor = 0.5 * (1.0 + math.cos(math.pi * step / steps))
                     for group, n in zip(optimizer.param_groups, trained):
                         group["lr"] = lrs[n] * factor
                 weights = {

@@ -347,6 +347,8 @@ class BlockToRefine:
       calibration batches, the weights rounded as written (``f``: the block with ``weights``,
       ``f_k``: expert k's block, ``X_k``: task k's merged-path inputs)
     - ``batches``: the largest number of calibration batches of a task
+    - ``first``: whether this is the model's first block (its inputs come from the
+      embeddings, which it may train with it: see :attr:`BlockRefinement.trains_pre_block`)
     The executor runs the block; the method only does tensor arithmetic with these.
     """
 
@@ -358,6 +360,7 @@ class BlockToRefine:
     gradient: Callable[[Mapping[str, torch.Tensor], int], tuple[dict[str, torch.Tensor], list]]
     errors: Callable[[Mapping[str, torch.Tensor]], dict[str, float]]
     batches: int = 1
+    first: bool = False
 
 
 class BlockRefinement(ABC):
@@ -374,6 +377,15 @@ class BlockRefinement(ABC):
     #: merged-path inputs (the block's own error); ``"expert_path"``, expert k's block output
     #: on its own path (the expert's features: the block also corrects the drift below it).
     target: str = "merged_path"
+
+    #: Whether the first block's refinement also trains the tensors before it (the
+    #: executor's choice of which: the embeddings but an LM's token table); they then come
+    #: in ``start``/``base``/``expert_norms``/``gradient`` beside the block's linears.
+    trains_pre_block: bool = False
+
+    #: Whether each block's refinement also trains the block's vectors (biases, norm
+    #: weights; merged by the fallback otherwise), beside its linears.
+    trains_vectors: bool = False
 
     @abstractmethod
     def refine(self, block: BlockToRefine) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

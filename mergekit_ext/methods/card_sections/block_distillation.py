@@ -26,7 +26,11 @@ def summarize_distillation(section: Mapping[str, Any], parameters: Any = None) -
     summary["distillation"] = {
         "blocks": len(blocks),
         "refined": sum(1 for b in blocks if b.get("kept") == "refined"),
-        "steps": max((int(b.get("steps") or 0) for b in blocks), default=0),
+        # the later blocks' steps (the first may take more: distill_first_block_factor)
+        "steps": int(blocks[-1].get("steps") or 0) if blocks else 0,
+        "first_steps": int(blocks[0].get("steps") or 0) if blocks else 0,
+        # the tensors before the first block trained with it (distill_embeddings)
+        "embeddings": sorted((blocks[0].get("pre_block") or {}) if blocks else []),
         # older records have no target: theirs was the merged path's
         "target": next((b.get("target") for b in blocks if b.get("target")), "merged_path"),
         "error_before": sum(before) / len(before) if before else math.nan,
