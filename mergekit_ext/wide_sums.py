@@ -116,13 +116,13 @@ def add_widened(total: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
     statistics add one such product per chunk of tokens, task and group).
 
     Args:
-        total: the running sum, contiguous, 2-D.
+        total: the running sum, 2-D (a block of a larger one too).
         part: a tensor of ``total``'s shape.
 
     Returns:
         ``total``.
     """
-    if part.dtype == total.dtype or total.ndim != 2 or not total.is_contiguous():
+    if part.dtype == total.dtype or total.ndim != 2:
         return total.add_(part)
     rows, cols = int(total.shape[0]), int(total.shape[1])
     step = max(1, _ADD_CHUNK_ENTRIES // max(cols, 1))
