@@ -144,7 +144,13 @@ def test_upper_block_triangle_is_not_taken_for_bfloat16_values_or_float64_rows()
     assert not statistics.takes_upper_gram(torch.randn(64, 512))
 
 
-def test_mirror_upper_copies_the_upper_triangle():
-    m = torch.arange(16.0, dtype=torch.float64).view(4, 4)
-    mirrored = statistics.mirror_upper(m.clone())
-    assert torch.equal(mirrored, torch.triu(m) + torch.triu(m, 1).T)
+def test_mirror_upper_copies_the_blocks_above_the_diagonal(monkeypatch):
+    """Blocks left of the diagonal blocks are copied from above them; the diagonal blocks,
+    formed whole, are kept as they are."""
+    monkeypatch.setattr(statistics, "HALF_GRAM_BLOCK", 2)
+    m = torch.arange(25.0, dtype=torch.float64).view(5, 5)
+    m = m + m.T  # symmetric diagonal blocks
+    upper = m.clone()
+    upper[2:4, :2] = 0.0
+    upper[4:, :4] = 0.0
+    assert torch.equal(statistics.mirror_upper(upper), m)

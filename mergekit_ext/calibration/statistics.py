@@ -341,9 +341,8 @@ class ActivationStatistics:
         gram = None
         if self._gram_sum is not None:
             gram, self._gram_sum = self._gram_sum.div_(self.count), None  # in place: one copy less
-            if self._upper_only:
-                gram = mirror_upper(gram)
-            gram = symmetrized(gram)
+            # exactly symmetric when mirrored: symmetrized would give the same bits
+            gram = mirror_upper(gram) if self._upper_only else symmetrized(gram)
             second_moment = torch.diagonal(gram).clone()
         else:
             assert self._square_sum is not None
@@ -467,10 +466,12 @@ def add_upper_gram(total: torch.Tensor, rows: torch.Tensor) -> None:
 
 
 def mirror_upper(matrix: torch.Tensor) -> torch.Tensor:
-    """``matrix`` with its strictly lower triangle replaced by the transposed upper one
-    (copies; in place)."""
-    lower = matrix.T.contiguous().tril_(-1)
-    return matrix.triu_().add_(lower)
+    """``matrix`` with the blocks left of its diagonal blocks copied from those above them
+    (in place): the whole sum of :func:`add_upper_gram`'s products, whose diagonal blocks
+    were formed whole. Exactly symmetric, so :func:`symmetrized` would return it unchanged."""
+    for a, b in _column_blocks(int(matrix.shape[1])):
+        matrix[a:b, :a].copy_(matrix[:a, a:b].T)
+    return matrix
 
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
