@@ -446,6 +446,7 @@ def takes_upper_gram(rows: torch.Tensor) -> bool:
         rows.dtype == torch.float32
         and rows.device.type == "cpu"
         and rows.ndim == 2
+        and rows.is_contiguous()  # the layout the check multiplied
         and HALF_GRAM_MIN_DIM <= int(rows.shape[1]) <= HALF_GRAM_MAX_DIM
         and not holds_bfloat16(rows)
         and upper_gram_is_exact(int(rows.shape[0]), int(rows.shape[1]))
@@ -454,7 +455,9 @@ def takes_upper_gram(rows: torch.Tensor) -> bool:
 
 def add_upper_gram(total: torch.Tensor, rows: torch.Tensor) -> None:
     """Add the upper block triangle of ``rowsᵀ rows`` to ``total`` (the strictly lower
-    blocks are left as they are; :func:`mirror_upper` completes the sum).
+    blocks are left as they are; :func:`mirror_upper` completes the sum, and replaces what a
+    chunk that took the full product added there by its transposed upper part: the same
+    bits where that product is exactly symmetric, as every one checked so far).
 
     The Gram is symmetric: the blocks left of each diagonal block repeat those above it.
     ``(n + 1) / 2n`` of the product's FLOPs for ``n`` column blocks: 0.6x at 3584 inputs
