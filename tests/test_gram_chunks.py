@@ -154,3 +154,36 @@ def test_mirror_upper_copies_the_blocks_above_the_diagonal(monkeypatch):
     upper[2:4, :2] = 0.0
     upper[4:, :4] = 0.0
     assert torch.equal(statistics.mirror_upper(upper), m)
+
+
+@pytest.mark.parametrize("view", [False, True], ids=["contiguous", "view"])
+@pytest.mark.parametrize("exact_rows", [None, 100, 300])
+def test_accumulator_and_kept_rows_agree_whatever_the_check_says(monkeypatch, exact_rows, view):
+    """The accumulator's Gram and the one formed from kept rows go through the same chunk
+    rule (add_gram_chunk), so they are the same bits on a machine where the one-time check
+    passes for no chunk shape (None), or for some only (the others take the full product,
+    whose lower blocks the mirror then replaces), and for a non-contiguous batch (a
+    transposed view) as for its copy. The full products here are made slightly asymmetric,
+    as a machine's kernels may make them: then a full-product Gram symmetrised and one
+    mirrored differ in their last bits, so only one rule for both sums keeps them equal."""
+    monkeypatch.setattr(statistics, "HALF_GRAM_MIN_DIM", 8)
+    monkeypatch.setattr(statistics, "HALF_GRAM_BLOCK", 16)
+    monkeypatch.setattr(statistics, "upper_gram_is_exact", lambda rows, dim: rows == exact_rows)
+    original = statistics.gram_product
+
+    def asymmetric(rows):
+        product = original(rows)
+        return product + torch.triu(product, 1) * 2.0**-20
+
+    monkeypatch.setattr(statistics, "gram_product", asymmetric)
+    dim = 40
+    g = torch.Generator().manual_seed(3)
+    sizes = [100, 100, 300, 7, 1200, 90]  # chunks of 100 (joined to the minimum) and 1200
+    x = torch.randn(sum(sizes), dim, generator=g) * torch.rand(dim, generator=g)
+    acc = ActivationStatistics(dim)
+    for batch in torch.split(x, sizes):
+        acc.update(batch.T.contiguous().T if view else batch)  # a view: strides not row-major
+    gram = acc.finalize().gram
+    assert torch.equal(gram, summed_gram(x, sizes))
+    assert torch.equal(gram, gram.T)
+    torch.testing.assert_close(gram, x.double().T @ x.double() / x.shape[0], rtol=1e-5, atol=1e-5)

@@ -131,10 +131,11 @@ class TaskStatistics:
         dim = self.rows.shape[1]
         total = torch.zeros(dim, dim, dtype=torch.float64, device=self.rows.device)
         chunks = gram_chunks(sizes, gram_chunk_rows(int(self.rows.shape[1])))
+        upper_only = False
         for chunk in torch.split(self.rows, chunks):
-            add_widened(total, gram_product(chunk))
+            upper_only |= add_gram_chunk(total, chunk)
         total.div_(self.count)
-        return symmetrized(total)
+        return finish_gram(total, upper_only)
 
     @property
     def covariance(self) -> torch.Tensor:
@@ -325,11 +326,7 @@ class ActivationStatistics:
 
     def _add_chunk(self, rows: torch.Tensor) -> None:
         assert self._gram_sum is not None
-        if self._gram_sum.dtype == torch.float64 and takes_upper_gram(rows):
-            add_upper_gram(self._gram_sum, rows)
-            self._upper_only = True
-        else:
-            add_widened(self._gram_sum, gram_product(rows))
+        self._upper_only |= add_gram_chunk(self._gram_sum, rows)
 
     def finalize(self) -> TaskStatistics:
         """Means over the accumulated tokens; raises when there were none or they were not finite."""
@@ -341,8 +338,7 @@ class ActivationStatistics:
         gram = None
         if self._gram_sum is not None:
             gram, self._gram_sum = self._gram_sum.div_(self.count), None  # in place: one copy less
-            # exactly symmetric when mirrored: symmetrized would give the same bits
-            gram = mirror_upper(gram) if self._upper_only else symmetrized(gram)
+            gram = finish_gram(gram, self._upper_only)
             second_moment = torch.diagonal(gram).clone()
         else:
             assert self._square_sum is not None
@@ -451,6 +447,40 @@ def takes_upper_gram(rows: torch.Tensor) -> bool:
         and not holds_bfloat16(rows)
         and upper_gram_is_exact(int(rows.shape[0]), int(rows.shape[1]))
     )
+
+
+def add_gram_chunk(total: torch.Tensor, rows: torch.Tensor) -> bool:
+    """Add one chunk's Gram product ``rowsᵀ rows`` to ``total``; True where only its upper
+    block triangle was added (:func:`finish_gram` then mirrors the sum).
+
+    The one rule for every Gram sum, the accumulator's and :meth:`TaskStatistics.gram_from_rows`'s:
+    both take the same chunks through it, so the two give the same bits whatever
+    :func:`upper_gram_is_exact` says on a machine, even where some chunk shapes pass its check
+    and others do not. Rows are made contiguous first, so a view and its copy (what a
+    distributed run receives) take the same path.
+    """
+    if total.dtype == torch.float64:
+        rows = rows.contiguous()
+        if takes_upper_gram(rows):
+            add_upper_gram(total, rows)
+            return True
+    add_widened(total, gram_product(rows))
+    return False
+
+
+def finish_gram(total: torch.Tensor, upper_only: bool) -> torch.Tensor:
+    """The symmetric Gram from a sum of :func:`add_gram_chunk`: where some chunk added only
+    its upper blocks (the strictly lower blocks then miss that chunk), those mirrored and each
+    diagonal block ``(D + Dᵀ) / 2`` (a chunk that took the full product may have left it not
+    exactly symmetric); else ``(S + Sᵀ) / 2``. Where every chunk passed
+    :func:`upper_gram_is_exact` the two are the same bits (each full product exactly
+    symmetric, its upper blocks the block products')."""
+    if not upper_only:
+        return symmetrized(total)
+    mirror_upper(total)
+    for a, b in _column_blocks(int(total.shape[1])):
+        total[a:b, a:b] = symmetrized(total[a:b, a:b])
+    return total
 
 
 def add_upper_gram(total: torch.Tensor, rows: torch.Tensor) -> None:
