@@ -99,3 +99,36 @@ def frobenius64(w: torch.Tensor) -> float:
         The norm, a Python float.
     """
     return math.sqrt(dot64(w, w))
+
+
+# Entries per chunk of :func:`add_widened`'s widened copy (2 MB in float64: it stays in
+# cache between the copy and the addition).
+_ADD_CHUNK_ENTRIES = 1 << 18
+
+
+def add_widened(total: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+    """``total += part`` for a wider ``total`` (a float64 sum of float32 products), in place.
+
+    The same bits as ``total.add_(part)`` (each entry is widened exactly, then added once),
+    one chunk of rows at a time through a small reused buffer of ``total``'s dtype: torch's
+    mixed-dtype ``add_`` casts inside its inner loop and runs ~5x slower on this CPU
+    (3584 x 3584 float32 into float64, one thread: 0.12 s against 0.02 s, measured; the
+    statistics add one such product per chunk of tokens, task and group).
+
+    Args:
+        total: the running sum, 2-D (a block of a larger one too).
+        part: a tensor of ``total``'s shape.
+
+    Returns:
+        ``total``.
+    """
+    if part.dtype == total.dtype or total.ndim != 2:
+        return total.add_(part)
+    rows, cols = int(total.shape[0]), int(total.shape[1])
+    step = max(1, _ADD_CHUNK_ENTRIES // max(cols, 1))
+    buffer = torch.empty(min(step, rows) * cols, dtype=total.dtype, device=total.device)
+    for start in range(0, rows, step):
+        stop = min(start + step, rows)
+        wide = buffer[: (stop - start) * cols].view(stop - start, cols)
+        total[start:stop].add_(wide.copy_(part[start:stop]))
+    return total

@@ -214,6 +214,21 @@ def test_relative_output_error_equals_direct_computation(data):
     assert relative_output_error(ws[0], ws[0], grams[0]) == 0.0
 
 
+def test_output_error_quadratic_form_from_the_upper_block_triangle():
+    """tr(D G Dᵀ) from the symmetric G's upper block triangle (issue #47): the full
+    product's value to float64 rounding, with a ragged last block and one block only."""
+    from mergekit_ext.methods.least_squares import measures
+
+    g = torch.Generator().manual_seed(3)
+    for n_in in (700, 100):
+        x = torch.randn(900, n_in, generator=g, dtype=torch.float64)
+        gram = x.T @ x / 900
+        gram = (gram + gram.T) / 2
+        diff = torch.randn(50, n_in, generator=g, dtype=torch.float64)
+        full = float(((diff @ gram) * diff).sum())
+        assert measures._quadratic_form(diff, gram) == pytest.approx(full, rel=1e-12)
+
+
 def test_w2_closed_forms():
     # 1-D Gaussians: W2² = (μ1 − μ2)² + (σ1 − σ2)², full and diagonal alike.
     f64 = torch.float64
