@@ -232,6 +232,14 @@ def test_same_bytes_twice_and_zero_steps_is_com(tiny_llama_set, tmp_path):
     b = load_file(os.path.join(com, "model.safetensors"))
     assert all(torch.equal(a[n], b[n]) for n in a)
 
+    # steps that lower the error by less than distill_min_gain are dropped: CoM's bytes
+    small = _merge(tmp_path, tiny_llama_set, 2, METHOD, {**params, "distill_min_gain": 0.99}, "mg")
+    blocks = _diagnostics(small, METHOD)["blocks"]
+    assert all(r["kept"] == "start" for r in blocks), blocks
+    assert all(r["error_after"] == r["error_before"] > r["error_refined"] for r in blocks), blocks
+    a = load_file(os.path.join(small, "model.safetensors"))
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
 
 @pytest.mark.parametrize("set_name", ["tiny_llama_set", "tiny_bert_set"])
 def test_two_processes_write_the_bytes_of_one(request, set_name, tmp_path):
@@ -288,6 +296,8 @@ def test_bf16_compute_trains_float32_master_weights(tiny_llama_set, tmp_path, mo
         ({"propagate": False}, "propagate"),
         ({"distill_target": "expert"}, "distill_target"),
         ({"distill_schedule": "linear"}, "distill_schedule"),
+        ({"distill_min_gain": -0.1}, "distill_min_gain"),
+        ({"distill_min_gain": 1.0}, "distill_min_gain"),
         ({"distill_embeddings": "some"}, "distill_embeddings"),
         ({"distill_embeddings": 2}, "distill_embeddings"),
         ({"distill_vectors": "norms"}, "distill_vectors"),
@@ -323,6 +333,7 @@ def test_good_values_are_accepted_and_listed():
     assert (default.distill_target, default.distill_schedule) == ("expert_path", "constant")
     assert default.distill_embeddings and not p.distill_embeddings
     assert not default.distill_vectors and default.distill_first_block_factor == 3
+    assert default.distill_min_gain == 0.02
     result = CliRunner().invoke(main, ["methods", "--json"])
     assert result.exit_code == 0, result.output
     listed = {m["name"]: m for m in json.loads(result.output)}
@@ -338,6 +349,7 @@ def test_good_values_are_accepted_and_listed():
         "distill_embeddings",
         "distill_vectors",
         "distill_first_block_factor",
+        "distill_min_gain",
     } <= names
     assert listed[METHOD]["needs_calibration"]
 

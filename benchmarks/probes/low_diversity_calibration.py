@@ -206,6 +206,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--work-dir", default="/tmp/low_diversity_calibration")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    parser.add_argument(
+        "--rows",
+        nargs="+",
+        metavar="TEXT",
+        help="only the merges whose label contains one of these (the base model is always "
+        "scored); write such a run to its own --out",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     torch.manual_seed(0)
@@ -244,9 +251,9 @@ def main(argv: Optional[list[str]] = None) -> None:
             entries.append(entry)
         return entries
 
-    def com(calibration: str, **parameters: Any) -> dict[str, Any]:
+    def com(calibration: str, method: str = "chain_of_merges", **parameters: Any) -> dict[str, Any]:
         return {
-            "merge_method": "chain_of_merges",
+            "merge_method": method,
             "base_model": base,
             "models": models({}, calibration),
             "parameters": parameters,
@@ -267,7 +274,11 @@ def main(argv: Optional[list[str]] = None) -> None:
         "CoM, regmean-style (propagate: false), defaults": com("chat", propagate=False),
         "control: CoM defaults, varied prose calibration": com("prose"),
         "control: CoM ridge 0, varied prose calibration": com("prose", ridge=0.0),
+        # issue #51: CoM's solution, then each block distilled on the same chat calibration
+        "block distillation on CoM (defaults)": com("chat", "block_distillation"),
     }
+    if args.rows:
+        runs = {k: v for k, v in runs.items() if any(r in k for r in args.rows)}
     windows = _held_out_windows(tokenizer)
     expert_lp = [_log_probs(e, windows) for e in experts]
     rows: list[dict[str, Any]] = []
@@ -303,7 +314,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         diagnostics = os.path.join(out, "mergekit_ext_diagnostics.json")
         if os.path.exists(diagnostics):
             with open(diagnostics, encoding="utf-8") as fp:
-                layers = json.load(fp)["sections"].get("chain_of_merges", {}).get("layers", [])
+                sections = json.load(fp)["sections"]
+            section = sections.get(config["merge_method"], {})
+            layers = section.get("layers", [])
+            blocks = section.get("blocks", [])
             ridged = [layer["layer"] for layer in layers if float(layer.get("ridge") or 0) > 0]
             if layers:
                 conditions = [
@@ -322,6 +336,11 @@ def main(argv: Optional[list[str]] = None) -> None:
                     f"ridge where the condition triggered it, else as solved): min {min(conditions):.3g}, max {max(conditions):.3g}; max "
                     f"relative output error (calibration) {max(errors):.3g}"
                 )
+            if blocks:  # block distillation: each block's output error, start -> kept
+                steps = ", ".join(
+                    f"{b['error_before']:.3g} -> {b['error_after']:.3g}" for b in blocks
+                )
+                note += f"; block output error (calibration), CoM -> distilled: {steps}"
         score(label, out, seconds, note)
 
     command = "python -m benchmarks.probes.low_diversity_calibration " + " ".join(

@@ -307,6 +307,7 @@ def run_variant(
     result_id: Optional[str] = None,
     title_suffix: str = "",
     calibration_overrides: Optional[dict[str, Any]] = None,
+    merge_timeout_s: float = 3600,
 ) -> dict[str, Any]:
     """Build or reuse the models, score the reference rows and every row in ``rows``, and
     write the table as ``out/<result_id>.{md,json,png}`` (default id: ``<suite>_<variant>``).
@@ -388,7 +389,7 @@ def run_variant(
         config = build_config(row, base_dir, inputs, calibration, suite.merge_dtype)
         work = os.path.join(run_root, row.key)
         merged = os.path.join(work, "merged")
-        run = run_merge_process(config, work, merged)
+        run = run_merge_process(config, work, merged, merge_timeout_s)
         LOG.info(
             "%s: %s in %.1fs, peak RSS %.0f MB",
             row.key,
@@ -497,6 +498,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         help="tasks instead of the suite's default three (e.g. vision: mnist digits "
         "fashion_grouped fashion_mnist); write such a run to its own --out",
     )
+    parser.add_argument(
+        "--merge-timeout",
+        type=float,
+        default=3600,
+        metavar="S",
+        help="stop a row's merge after S seconds and record it as timed out (default 3600)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
 
@@ -511,7 +519,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.variants:
             variants = tuple(v for v in suite.variants if v in args.variants)
         for variant in variants:
-            result = run_variant(suite, variant, rows, args.out, args.keep_merges)
+            result = run_variant(
+                suite,
+                variant,
+                rows,
+                args.out,
+                args.keep_merges,
+                merge_timeout_s=args.merge_timeout,
+            )
             print(f"\n{result['title']}: {result['total_seconds']}s")
     LOG.info("benchmark finished in %.1fs", time.perf_counter() - start)
     return 0
