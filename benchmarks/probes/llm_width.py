@@ -108,7 +108,14 @@ def _build(folder: str, experts: int, small: bool = False) -> None:
     write_calibration(folder, experts, size)
 
 
-def _yaml(method: str, folder: str, experts: int, compute: str = "auto") -> str:
+def _yaml(
+    method: str,
+    folder: str,
+    experts: int,
+    compute: str = "auto",
+    parameters: dict[str, Any] | None = None,
+) -> str:
+    """The merge's YAML; ``parameters``: the method's own, beside ``compute_dtype``."""
     import yaml
 
     models = []
@@ -130,7 +137,7 @@ def _yaml(method: str, folder: str, experts: int, compute: str = "auto") -> str:
         "base_model": os.path.join(folder, "base"),
         "models": models,
         "dtype": "bfloat16",
-        "parameters": {"compute_dtype": compute},
+        "parameters": {"compute_dtype": compute, **(parameters or {})},
     }
     return yaml.safe_dump(config)
 
@@ -148,6 +155,7 @@ def _child(
     compute: str = "auto",
     device_name: str = "cpu",
     roofline: bool = False,
+    parameters: dict[str, Any] | None = None,
 ) -> None:
     import logging
 
@@ -178,7 +186,7 @@ def _child(
                 warnings.append(record.getMessage())
 
     logging.getLogger("mergekit_ext").addHandler(Collect())
-    cfg = parse_config(_yaml(method, folder, experts, compute))
+    cfg = parse_config(_yaml(method, folder, experts, compute, parameters))
     options = MergeOptions(quiet=True, write_model_card=False, copy_tokenizer=False)
     info = ext_method_info(method)
     assert info is not None
@@ -256,6 +264,12 @@ def _child(
         for d in result.diagnostics.get("layers", [])
         if isinstance(d, dict)
     ]
+    # a block refinement's record per block (block_distillation: its steps and errors)
+    refined = [
+        {k: d.get(k) for k in ("layer", "steps", "kept", "error_before", "error_refined")}
+        for d in result.diagnostics.get("blocks", [])
+        if isinstance(d, dict)
+    ]
     record = {
         "method": method,
         "experts": experts,
@@ -273,6 +287,8 @@ def _child(
         "estimate_parts": {k: int(v) for k, v in vars(plan.memory).items()},
         "plan_warnings": plan_warnings,
         "diagnostics": diagnostics,
+        "parameters": parameters or {},
+        "refined_blocks": refined,
         **timings,
     }
     print("RESULT " + json.dumps(record), flush=True)
@@ -324,6 +340,7 @@ def _run_child(
     device: str = "cpu",
     roofline: bool = False,
     setting: str = "native",
+    parameters: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     from benchmarks.cpu_kernels import SETTINGS
 
@@ -333,6 +350,8 @@ def _run_child(
     cmd += ["--out", out, "--compute-dtype", compute, "--device", device]
     if roofline:
         cmd.append("--roofline")
+    if parameters:
+        cmd += ["--parameters-json", json.dumps(parameters)]
     env = {
         **os.environ,
         **(SETTINGS[setting] if setting != "native" else {}),
@@ -514,6 +533,20 @@ def solve_only(experts: int, tokens: int, dense_max_inputs: int) -> list[dict[st
     return out
 
 
+def _method_parameters(settings: list[str]) -> dict[str, dict[str, Any]]:
+    """``--set METHOD.KEY=VALUE`` lines as ``{method: {key: value}}``."""
+    import yaml
+
+    parameters: dict[str, dict[str, Any]] = {}
+    for item in settings:
+        name, sep, value = item.partition("=")
+        method, dot, key = name.partition(".")
+        if not (sep and dot and method and key):
+            raise SystemExit(f"--set {item!r}: write METHOD.KEY=VALUE")
+        parameters.setdefault(method, {})[key] = yaml.safe_load(value)
+    return parameters
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models-dir", default=None, help=f"default {DEFAULT_MODELS_DIR}")
@@ -562,6 +595,15 @@ def main(argv: list[str] | None = None) -> int:
         help="kernel settings to run in turn: native (this CPU's own), avx512-no-amx, avx2 "
         "(benchmarks/cpu_kernels.py's variables; each caps only what this CPU has)",
     )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="METHOD.KEY=VALUE",
+        help="a method parameter in that method's YAML (VALUE read as YAML), e.g. "
+        "block_distillation.distill_steps=4; repeatable",
+    )
+    parser.add_argument("--parameters-json", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -587,8 +629,10 @@ def main(argv: list[str] | None = None) -> int:
             args.compute_dtype[0],
             args.device,
             args.roofline,
+            json.loads(args.parameters_json) if args.parameters_json else None,
         )
         return 0
+    method_parameters = _method_parameters(args.set)
     results = []
     folder = _folder(args.models_dir)
     # built in a subprocess so the children's ru_maxrss is their own
@@ -625,7 +669,15 @@ def main(argv: list[str] | None = None) -> int:
             continue
         load_before = os.getloadavg()[0]
         r = _run_child(
-            method, folder, experts, threads, compute, args.device, args.roofline, setting
+            method,
+            folder,
+            experts,
+            threads,
+            compute,
+            args.device,
+            args.roofline,
+            setting,
+            method_parameters.get(method),
         )
         r["load_before"] = load_before
         results.append(r)
