@@ -324,7 +324,7 @@ def _instrument(seq: Any, least_squares: Any) -> Any:
         setattr(owner, attribute, wrapped)
 
     executor = seq.SequentialExecutor
-    for attribute in ("_expert_path_statistics", "_merged_path_statistics", "_run_block"):
+    for attribute in ("_expert_path_statistics", "_merged_path_statistics", "run_block"):
         in_phase(executor, attribute, "passes")
     for attribute in ("update", "finalize"):
         in_phase(ActivationStatistics, attribute, "grams")

@@ -572,9 +572,9 @@ class ModelOutputExecutor(SequentialExecutor):
                 del x, grads
         merged, diagnostics = fit.solve()
         merged = orient(merged, flip)
-        self._check_merged(name, merged, base.shape)
+        self.check_merged(name, merged, base.shape)
         diagnostics["output_error_before"] = error_before
-        self.params[canonical] = self._write(canonical, merged)
+        self.params[canonical] = self.write(canonical, merged)
         record = {
             "layer": group_name([name], group.label),
             "block": block.index,

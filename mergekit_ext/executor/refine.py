@@ -36,20 +36,23 @@ import torch
 from mergekit_ext.console import phase
 from mergekit_ext.distributed import DistributedContext
 from mergekit_ext.errors import ExecutionError
-from mergekit_ext.executor.blocks import run_block
-from mergekit_ext.executor.compute import carried, compute_in, widened
+from mergekit_ext.executor.blocks import TaskState, run_block
+from mergekit_ext.executor.compute import LowPrecisionParams, carried, compute_in, widened
 from mergekit_ext.executor.plan import BlockLayout
+from mergekit_ext.executor.strategy import WalkStrategy
 from mergekit_ext.methods.layerwise import BlockRefinement, BlockToRefine
 from mergekit_ext.wide_sums import frobenius64
 
 
 class RefiningExecutor(Protocol):
     """What a block's refinement uses of the sequential executor (``SequentialExecutor``
-    satisfies it): the executor's own block runs, dtypes, writer and process ranks. Declared
-    here, not imported, so that the refinement and the walk that calls it do not import each
-    other (tests/test_architecture_rules.py)."""
+    satisfies it): its public members for the block runs, dtypes, writer and process ranks,
+    the same ones its own walk calls, so that a refined block is run, rounded, checked and
+    written as a merged one. Declared here, not imported, so that the refinement and the
+    walk that calls it do not import each other (tests/test_architecture_rules.py)."""
 
     dist: DistributedContext
+    strategy: WalkStrategy  # this process's tasks (``.shares``) and the passes of sums
     plan: Any  # the MergePlan (``.blocks``: the block layouts in forward order)
     experts: Sequence[Any]  # the tasks' expert models, in task order (``.task``: the name)
     method: Any  # the LayerwiseMethod (``.name``)
@@ -57,17 +60,39 @@ class RefiningExecutor(Protocol):
     blocks: Sequence[Any]  # transformers' own modules of the blocks
     compute: Any  # the executor's compute dtype record (``.dtype``, ``.low_precision``)
     device: torch.device
-    _held_states: Sequence[Any]  # this process's tasks' hidden states
-    _low_params: Any  # cached low-precision copies of block parameters (callable, ``.clear()``)
+    low_params: LowPrecisionParams  # the block parameters' cached compute-dtype casts
 
-    def _shares(self, k: int) -> bool: ...
-    def _kept_dtype(self, block: BlockLayout) -> Any: ...
-    def _run_block(self, index: int, params: Any, hidden: Any, call: Any) -> torch.Tensor: ...
-    def _embed_batch(self, params: Any, inputs: Any) -> tuple[torch.Tensor, Any]: ...
-    def _pass(self, sums: Any, holder: int, owner: int) -> None: ...
-    def _written_dtype(self, name: str) -> torch.dtype: ...
-    def _check_merged(self, name: str, weight: torch.Tensor, shape: Any) -> None: ...
-    def _write(self, name: str, weight: torch.Tensor, keep: Any) -> torch.Tensor: ...
+    @property
+    def held_states(self) -> Sequence[TaskState]:
+        """The states of the tasks whose statistics end in this process."""
+
+    def kept_dtype(self, block: BlockLayout) -> Optional[torch.dtype]:
+        """The dtype the block's matrices are held in as stored (None: float32)."""
+
+    def run_block(
+        self, index: int, params: dict[str, torch.Tensor], hidden: torch.Tensor, call: Any
+    ) -> torch.Tensor:
+        """Block ``index`` with tensors ``params`` in the compute dtype; float32 out."""
+
+    def embed_batch(
+        self, params: dict[str, torch.Tensor], inputs: dict[str, Any]
+    ) -> tuple[torch.Tensor, Any]:
+        """One batch up to the first block: its input and every block's call."""
+
+    def written_dtype(self, canonical: str) -> torch.dtype:
+        """The dtype a floating tensor is written in."""
+
+    def check_merged(self, name: str, merged: Any, shape: torch.Size) -> None:
+        """Refuses a merged tensor that is no tensor, of another shape, or not finite."""
+
+    def write(
+        self,
+        canonical: str,
+        tensor: torch.Tensor,
+        keep: Optional[torch.dtype] = None,
+        write: bool = True,
+    ) -> torch.Tensor:
+        """Write a merged tensor; it as the saved model holds it."""
 
 
 def _squared_error(diff: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -94,7 +119,7 @@ class BlockDistillation:
         pre_trained: Sequence[str] = (),
     ) -> None:
         ex = self.ex = executor
-        if any(ex._shares(k) for k in range(len(ex.experts))):
+        if any(ex.strategy.shares(k) for k in range(len(ex.experts))):
             raise ExecutionError(
                 f"{ex.method.name} refines each block with gradients summed task by task: run it "
                 f"with at most as many processes as tasks ({len(ex.experts)}), not "
@@ -110,12 +135,12 @@ class BlockDistillation:
         self.pre_block = pre_block or {}
         self.pre = [n for n in pre_trained if n in self.pre_block]
         self.names = self.linears + self.pre
-        self.keep = ex._kept_dtype(block)
+        self.keep = ex.kept_dtype(block)
         self.merged = merged
         self.base_block = base_block
         self.num_tasks = len(ex.experts)
         self.weight = 1.0 / self.num_tasks  # ω_k: each task counts once (CoM's uniform ω)
-        self.held = {s.index: s for s in ex._held_states}
+        self.held = {s.index: s for s in ex.held_states}
         self.target = target
         self.targets: dict[int, list[torch.Tensor]] = {}
         self.energies: dict[int, list[torch.Tensor]] = {}
@@ -134,7 +159,7 @@ class BlockDistillation:
                 params = {n[self.local :]: t for n, t in expert_blocks[k].items()}
                 assert state.merged_hidden is not None
                 outs = [
-                    ex._run_block(block.index, params, hidden, state.calls[b][block.index])
+                    ex.run_block(block.index, params, hidden, state.calls[b][block.index])
                     for b, hidden in enumerate(state.merged_hidden)
                 ]
             self.targets[k] = outs
@@ -186,7 +211,7 @@ class BlockDistillation:
         weights = {n: w for n, w in weights.items() if n not in self.pre_block}
         fixed = {n[self.local :]: self.merged[n] for n in self.block.tensors if n not in weights}
         if ex.compute.low_precision:
-            fixed = ex._low_params(fixed)
+            fixed = ex.low_params(fixed)
             trained = {
                 n[self.local :]: w.to(ex.compute.dtype) if w.dim() >= 2 else w
                 for n, w in weights.items()
@@ -205,7 +230,7 @@ class BlockDistillation:
         hidden = state.merged_hidden[b]
         if self.pre:
             pre = {**self.pre_block, **{n: weights[n] for n in self.pre}}
-            hidden = self.ex._embed_batch(pre, state.inputs[b])[0]
+            hidden = self.ex.embed_batch(pre, state.inputs[b])[0]
         with compute_in(self.ex.compute.dtype, self.ex.device):
             out = run_block(
                 self.ex.blocks[self.block.index],
@@ -245,7 +270,7 @@ class BlockDistillation:
         for k in range(self.num_tasks):
             owner = ex.dist.owner(k, self.num_tasks)
             if owner != holder:
-                ex._pass(sums, holder, owner)
+                ex.strategy.pass_sums(sums, holder, owner)
                 holder = owner
             if owner == ex.dist.rank:
                 grads, losses[k] = self._task_gradient(k, weights, step)
@@ -274,7 +299,7 @@ class BlockDistillation:
 
     def as_written(self, name: str, weight: torch.Tensor) -> torch.Tensor:
         """``weight`` rounded as the output file holds it, float32."""
-        return weight.to(self.ex._written_dtype(name)).to(torch.float32)
+        return weight.to(self.ex.written_dtype(name)).to(torch.float32)
 
     def errors(self, weights: Mapping[str, torch.Tensor]) -> dict[str, float]:
         """Each task's relative block-output error over all its calibration batches."""
@@ -341,14 +366,14 @@ def refine_block(
     for n in distill.names:
         if n not in result:
             raise ExecutionError(f"{ex.method.name} returned no refined weight for {n}")
-        ex._check_merged(n, result[n], ex.base.shapes[n])
+        ex.check_merged(n, result[n], ex.base.shapes[n])
         if n in distill.pre:
-            distill.pre_block[n] = ex._write(n, result[n])  # as the embeddings were merged
+            distill.pre_block[n] = ex.write(n, result[n])  # as the embeddings were merged
         elif n in vectors:
-            merged[n] = ex._write(n, result[n])  # as the block's other tensors were merged
+            merged[n] = ex.write(n, result[n])  # as the block's other tensors were merged
         else:
-            merged[n] = ex._write(n, result[n], distill.keep)
-    ex._low_params.clear()  # the refined weights replace the start's cast copies
+            merged[n] = ex.write(n, result[n], distill.keep)
+    ex.low_params.clear()  # the refined weights replace the start's cast copies
     before, after = diagnostics.get("error_before"), diagnostics.get("error_after")
     if isinstance(before, float) and isinstance(after, float):
         # one line per block: where the remaining loss sits, without opening the record

@@ -146,6 +146,11 @@ class SequentialExecutor:
 
     ``distributed``: this process's place among several; the walk is the same for every
     process, the differences are its :class:`~mergekit_ext.executor.strategy.WalkStrategy`.
+
+    Public beside :meth:`run`, for a block's refinement (executor/refine.py's
+    ``RefiningExecutor``) as for the walk itself: :attr:`held_states`, :attr:`low_params`,
+    :meth:`kept_dtype`, :meth:`run_block`, :meth:`embed_batch`, :meth:`written_dtype`,
+    :meth:`check_merged`, :meth:`write`, and the attributes set in ``__init__``.
     """
 
     def __init__(
@@ -172,7 +177,8 @@ class SequentialExecutor:
         self.writer: Optional[TensorWriter] = self._open_writer() if self.writes else None
         # dtype of the block passes (docs/methods.md, "Compute dtype")
         self.compute = plan.compute or ComputeChoice(torch.float32, "float32", "as set")
-        self._low_params = LowPrecisionParams(self.compute.dtype)
+        # the block parameters' compute-dtype casts, kept while a block runs (cleared after)
+        self.low_params = LowPrecisionParams(self.compute.dtype)
         self.layer_diagnostics: list[dict[str, Any]] = []
         # a method that refines each block after its group merges (BlockRefinement)
         self.refinement = plan.method.block_refinement(plan.parameters)
@@ -274,11 +280,11 @@ class SequentialExecutor:
     # ---------------------------------------------------------------------------------
     # Tensors in and out
 
-    def _written_dtype(self, canonical: str) -> torch.dtype:
+    def written_dtype(self, canonical: str) -> torch.dtype:
         """The dtype a floating tensor is written in: the merge's ``dtype``, else the base's."""
         return self.plan.out_dtype or safetensors_dtype(self.base.dtypes[canonical])
 
-    def _write(
+    def write(
         self,
         canonical: str,
         tensor: torch.Tensor,
@@ -292,7 +298,7 @@ class SequentialExecutor:
         only (a block's linears held for its refinement, written after it).
         """
         if tensor.dtype.is_floating_point:
-            saved = tensor.to(self._written_dtype(canonical))
+            saved = tensor.to(self.written_dtype(canonical))
         else:
             saved = tensor
         kept = keep is not None and saved.dtype == keep and saved.dim() >= 2
@@ -330,15 +336,15 @@ class SequentialExecutor:
         (``write=False``: the value as written only, for a refinement that writes it later)."""
         name = self.plan.output_name(canonical)
         if not base.dtype.is_floating_point:
-            return self._write(canonical, base)  # integer buffers (position ids): the base's
+            return self.write(canonical, base)  # integer buffers (position ids): the base's
         merged: Optional[torch.Tensor] = None
         if self.writes:
             merged = self.method.merge_other(name, base, list(experts), self.parameters)
-            self._check_merged(name, merged, base.shape)
+            self.check_merged(name, merged, base.shape)
         if share:
             merged = self.strategy.share(canonical, merged)
         assert merged is not None
-        return self._write(canonical, merged, write=write)
+        return self.write(canonical, merged, write=write)
 
     def _check_inputs(
         self,
@@ -352,7 +358,8 @@ class SequentialExecutor:
             finite.check_loaded_finite(tensors, model=e.label, task=e.task, where=where)
 
     @staticmethod
-    def _check_merged(name: str, merged: Any, shape: torch.Size) -> None:
+    def check_merged(name: str, merged: Any, shape: torch.Size) -> None:
+        """Refuse a method's result for ``name`` that is no tensor, not ``shape`` or not finite."""
         if not isinstance(merged, torch.Tensor):
             raise TensorError(f"the merge of {name} returned {type(merged).__name__}, not a tensor")
         if tuple(merged.shape) != tuple(shape):
@@ -387,12 +394,12 @@ class SequentialExecutor:
         """Run the backbone up to its first block; the block inputs and every block's call."""
         hidden, calls = [], []
         for inputs in state.inputs:
-            first, call = self._embed_batch(params, inputs)
+            first, call = self.embed_batch(params, inputs)
             hidden.append(first)
             calls.append(call)
         return hidden, calls
 
-    def _embed_batch(
+    def embed_batch(
         self, params: dict[str, torch.Tensor], inputs: dict[str, Any]
     ) -> tuple[torch.Tensor, list[tuple[tuple[Any, ...], dict[str, Any]]]]:
         """One batch up to the first block: its input (float32; differentiable in ``params``
@@ -518,7 +525,7 @@ class SequentialExecutor:
                 self._propagate(tensors, replay)
         finally:
             replay.close()
-            self._low_params.clear()
+            self.low_params.clear()
         del tensors
         self._release()
 
@@ -526,7 +533,7 @@ class SequentialExecutor:
         """The block's tensors of the base and of each expert (those this process needs)."""
         cache: dict[tuple[str, str], torch.Tensor] = {}
         # the passes read these as loaded; the methods widened (kept_dtype)
-        keep = self._kept_dtype(block)
+        keep = self.kept_dtype(block)
         base = {name: self.base.load(name, self.device, cache, keep) for name in block.tensors}
         experts = [
             {
@@ -559,7 +566,7 @@ class SequentialExecutor:
             for state in self.states:
                 if state.merged_hidden is not None:
                     state.merged_hidden = [
-                        self._embed_batch(self.pre_block, inputs)[0] for inputs in state.inputs
+                        self.embed_batch(self.pre_block, inputs)[0] for inputs in state.inputs
                     ]
             self.pre_block = {}
         return record
@@ -577,35 +584,29 @@ class SequentialExecutor:
             for b, hidden in enumerate(state.merged_hidden):
                 replay.begin(t, b)
                 outputs.append(
-                    self._run_block(block.index, params, hidden, state.calls[b][block.index])
+                    self.run_block(block.index, params, hidden, state.calls[b][block.index])
                 )
             state.merged_hidden = outputs
 
     @property
-    def _held_states(self) -> list[TaskState]:
+    def held_states(self) -> list[TaskState]:
         """The states of the tasks whose statistics end in this process."""
         return [s for s in self.states if s.index in self.strategy.holds]
-
-    def _shares(self, task: int) -> bool:
-        """Whether several processes share this task's batches (for executor/refine.py)."""
-        return self.strategy.shares(task)
-
-    def _pass(self, sums: dict[str, torch.Tensor], src: int, dst: int) -> None:
-        """Running sums from process ``src`` to ``dst`` (for executor/refine.py)."""
-        self.strategy.pass_sums(sums, src, dst)
 
     # ---------------------------------------------------------------------------------
     # Passes and statistics
 
-    def _run_block(
+    def run_block(
         self,
         index: int,
         params: dict[str, torch.Tensor],
         hidden: torch.Tensor,
         call: tuple[tuple[Any, ...], dict[str, Any]],
     ) -> torch.Tensor:
+        """Block ``index`` with its tensors ``params`` (local names) on ``hidden``, as
+        recorded in ``call``; run in the compute dtype, float32 out."""
         if self.compute.low_precision:
-            params = self._low_params(params)
+            params = self.low_params(params)
         with compute_in(self.compute.dtype, self.device):
             out = run_block(self.blocks[index], params, hidden, call)
         return carried(out)
@@ -637,7 +638,7 @@ class SequentialExecutor:
                     self.hooks.mask = state.masks[b]
                     calls = state.expert_calls or state.calls
                     outputs.append(
-                        self._run_block(block.index, params, hidden, calls[b][block.index])
+                        self.run_block(block.index, params, hidden, calls[b][block.index])
                     )
                 state.expert_hidden = outputs
             finally:
@@ -673,7 +674,7 @@ class SequentialExecutor:
                     self.hooks.mask = state.masks[b]
                     replay.begin(t, b)
                     try:
-                        self._run_block(block.index, params, hidden, state.calls[b][block.index])
+                        self.run_block(block.index, params, hidden, state.calls[b][block.index])
                     except StopForward:
                         continue
                     raise ExecutionError(  # pragma: no cover - the group is in the block
@@ -740,8 +741,8 @@ class SequentialExecutor:
         result, diagnostics = self.strategy.merge_group(job)
         for n_, c in zip(linear_group.weights, canonical):
             # with a refinement the block's linears are written after it
-            tensors.merged[c] = self._write(
-                c, result[n_], self._kept_dtype(block), write=self.refinement is None
+            tensors.merged[c] = self.write(
+                c, result[n_], self.kept_dtype(block), write=self.refinement is None
             )
         record = {"layer": linear_group.name, "block": block.index, "group": group.label}
         record.update(diagnostics or {})
@@ -761,7 +762,7 @@ class SequentialExecutor:
         canonical = [block.group_weight(m) for m in group.modules]
         names = [self.plan.output_name(c) for c in canonical]
         flip = {n_: m in group.transposed for n_, m in zip(names, group.modules)}
-        held = self._held_states
+        held = self.held_states
         linear_group = LinearGroup(
             name=group_name(names, group.label),
             weights=names,
@@ -778,7 +779,7 @@ class SequentialExecutor:
             task_names=[s.name for s in held],
             expert_stats=expert_stats if expert_stats is not None else [],
             merged_stats=merged_stats,
-            output_dtypes={n_: self._written_dtype(c) for n_, c in zip(names, canonical)},
+            output_dtypes={n_: self.written_dtype(c) for n_, c in zip(names, canonical)},
             compute_dtype=self.compute.dtype,
         )
         return linear_group, canonical, flip
@@ -804,7 +805,7 @@ class SequentialExecutor:
             if flip.get(n_) and isinstance(out[n_], torch.Tensor):
                 out[n_] = out[n_].t()
         for n_, c in zip(group.weights, canonical):
-            self._check_merged(n_, out[n_], base_block[c].shape)
+            self.check_merged(n_, out[n_], base_block[c].shape)
         return out
 
     def _merge_experts_group(
@@ -820,7 +821,7 @@ class SequentialExecutor:
         block, base, experts = tensors.layout, tensors.base, tensors.experts
         gate_up, down = block.group_tensors(group)
         names = (self.plan.output_name(gate_up), self.plan.output_name(down))
-        dtype = self._written_dtype(gate_up)
+        dtype = self.written_dtype(gate_up)
         tasks = list(range(len(self.experts)))
 
         def solve(parts: tuple[str, ...], path: Optional[list[Any]]) -> ExpertMergeResult:
@@ -847,8 +848,8 @@ class SequentialExecutor:
         else:
             result = self._experts_on_the_merged_path(tensors, group, solve, merged_stats)
         for canonical, tensor in ((gate_up, result.gate_up), (down, result.down)):
-            self._check_merged(self.plan.output_name(canonical), tensor, base[canonical].shape)
-            tensors.merged[canonical] = self._write(canonical, tensor)
+            self.check_merged(self.plan.output_name(canonical), tensor, base[canonical].shape)
+            tensors.merged[canonical] = self.write(canonical, tensor)
         self._record_experts(block, group, result)
 
     def _experts_on_the_merged_path(
@@ -864,10 +865,10 @@ class SequentialExecutor:
         block = tensors.layout
         gate_up, _ = block.group_tensors(group)
         first = solve((GATE_UP,), merged_stats)
-        self._check_merged(
+        self.check_merged(
             self.plan.output_name(gate_up), first.gate_up, tensors.base[gate_up].shape
         )
-        tensors.merged[gate_up] = self._write(gate_up, first.gate_up)
+        tensors.merged[gate_up] = self.write(gate_up, first.gate_up)
         replay = LinearOutputCache(self.blocks[block.index], 0)  # nothing recorded
         try:
             again = self._merged_path_statistics(block, group, tensors.params(), replay)
@@ -901,7 +902,8 @@ class SequentialExecutor:
             "experts": result.without_tokens,
         }
 
-    def _kept_dtype(self, block: BlockLayout) -> Optional[torch.dtype]:
+    def kept_dtype(self, block: BlockLayout) -> Optional[torch.dtype]:
+        """The dtype the block's matrices are held in as stored (:func:`kept_dtype`)."""
         return kept_dtype(self.compute, any(g.experts for g in block.groups))
 
     def _release(self) -> None:
@@ -954,7 +956,7 @@ class SequentialExecutor:
                 )
             if not contributing:
                 LOG.warning("%s: no expert has it with the base's shape; kept from the base", shown)
-                written = self._write(name, base)
+                written = self.write(name, base)
             else:
                 written = self._merge_other(name, base, contributing, share=False)  # rank 0 only
             if not name.startswith(HEAD_PREFIX):
