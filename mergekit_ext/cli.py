@@ -124,6 +124,16 @@ def main() -> None:
     """mergekit-ext: ACE, Chain of Merges, QP projection, SyMerge and RegMean for mergekit."""
 
 
+# `run` and `diagnose` import the same user code first (_import_plugin): one option, one help
+plugin_option = click.option(
+    "--plugin",
+    "plugins",
+    multiple=True,
+    metavar="MODULE_OR_FILE",
+    help="Import a Python module or .py file first (e.g. one that registers calibration sources)",
+)
+
+
 def _options_verbosity(kwargs: dict[str, Any]) -> int:
     options: Optional[MergeOptions] = kwargs.get("merge_options")
     return options.verbosity if options is not None else 0
@@ -162,13 +172,7 @@ def _options_verbosity(kwargs: dict[str, Any]) -> int:
 )
 @publish_options
 @run_eval_options
-@click.option(
-    "--plugin",
-    "plugins",
-    multiple=True,
-    metavar="MODULE_OR_FILE",
-    help="Import a Python module or .py file first (e.g. one that registers calibration sources)",
-)
+@plugin_option
 @click.option(
     "--distributed-timeout",
     type=float,
@@ -509,13 +513,7 @@ def methods_command(name: Optional[str], as_json: bool, verbose: int) -> None:
     "--plots", "plots_dir", type=click.Path(file_okay=False), help="Write the per-block plot here"
 )
 @click.option("--device", default="cpu", show_default=True, help="cpu | cuda[:n] | auto")
-@click.option(
-    "--plugin",
-    "plugins",
-    multiple=True,
-    metavar="MODULE_OR_FILE",
-    help="Import a Python module or .py file first (e.g. one that registers calibration sources)",
-)
+@plugin_option
 @click.option("--trust-remote-code", is_flag=True, help="Trust remote code of tokenizers")
 @click.option("-v", "--verbose", count=True, help="Show logs (-vv: debug) and tracebacks")
 @_friendly_errors(lambda kwargs: kwargs.get("verbose", 0))

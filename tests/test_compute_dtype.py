@@ -454,7 +454,7 @@ def test_dense_group_output_errors_from_kept_rows_equal_the_gram_form():
     with the reference from the solve's ``W_k G_k``: equal to the Gram form's
     ``tr(ΔW G ΔWᵀ) / tr(W_k G W_kᵀ)`` with the float64 Gram of the same rows."""
     from mergekit_ext.methods.layerwise import LinearGroup, TaskStatistics
-    from mergekit_ext.methods.least_squares import merge_group_least_squares
+    from mergekit_ext.methods.least_squares import LeastSquaresSettings, merge_group_least_squares
 
     g = torch.Generator().manual_seed(3)
     n_in, out, tokens = 48, 20, 30  # three tasks of 30 tokens: 90 >= 48 inputs, dense path
@@ -484,12 +484,14 @@ def test_dense_group_output_errors_from_kept_rows_equal_the_gram_form():
     )
     merged, diagnostics = merge_group_least_squares(
         group,
-        method="regmean",
-        reduce_non_diagonal=1.0,
-        ridge=0.0,
-        solver="pinv",
-        use_merged_path=False,
-        use_normalized_gram=False,
+        LeastSquaresSettings(
+            method="regmean",
+            reduce_non_diagonal=1.0,
+            ridge=0.0,
+            solver="pinv",
+            use_merged_path=False,
+            use_normalized_gram=False,
+        ),
     )
     assert diagnostics["solver"] != "" and "span" not in diagnostics["solver"]
     for k, task in enumerate(("a", "b", "c")):

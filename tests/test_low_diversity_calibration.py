@@ -30,6 +30,7 @@ from mergekit_ext.methods.guard import NORM_RATIO_WARN
 from mergekit_ext.methods.layerwise import LinearGroup
 from mergekit_ext.methods.least_squares import (
     AUTO_RIDGE,
+    LeastSquaresSettings,
     merge_group_least_squares,
     regmean_solve,
 )
@@ -337,7 +338,7 @@ def test_bf16_error_is_measured_on_the_written_weights():
     base = torch.randn(10, 12, generator=gen)
     weights = [base + 1e-4 * torch.randn(10, 12, generator=gen) for _ in range(2)]
     rows = [torch.randn(80, 12, generator=gen) for _ in range(2)]
-    kwargs = dict(
+    settings = LeastSquaresSettings(
         method="regmean",
         reduce_non_diagonal=1.0,
         ridge="auto",
@@ -345,8 +346,8 @@ def test_bf16_error_is_measured_on_the_written_weights():
         use_merged_path=False,
         use_normalized_gram=False,
     )
-    merged, record = merge_group_least_squares(_group(weights, rows, torch.bfloat16), **kwargs)
-    _, unrounded = merge_group_least_squares(_group(weights, rows, torch.float32), **kwargs)
+    merged, record = merge_group_least_squares(_group(weights, rows, torch.bfloat16), settings)
+    _, unrounded = merge_group_least_squares(_group(weights, rows, torch.float32), settings)
     written = torch.cat([merged["l.q.weight"], merged["l.k.weight"]]).to(torch.bfloat16)
     for k, task in enumerate(["a", "b"]):
         x = rows[k].double()

@@ -466,7 +466,7 @@ def solve_only(experts: int, tokens: int, dense_max_inputs: int) -> list[dict[st
     import torch
 
     from mergekit_ext.methods.layerwise import LinearGroup, TaskStatistics
-    from mergekit_ext.methods.least_squares import merge_group_least_squares
+    from mergekit_ext.methods.least_squares import LeastSquaresSettings, merge_group_least_squares
 
     out = []
     for label, (rows_out, width) in GROUPS.items():
@@ -507,12 +507,14 @@ def solve_only(experts: int, tokens: int, dense_max_inputs: int) -> list[dict[st
             start = time.perf_counter()
             _, diagnostics = merge_group_least_squares(
                 group,
-                method="regmean",
-                reduce_non_diagonal=1.0,
-                ridge="auto",
-                solver="pinv",
-                use_merged_path=False,
-                use_normalized_gram=False,
+                LeastSquaresSettings(
+                    method="regmean",
+                    reduce_non_diagonal=1.0,
+                    ridge="auto",
+                    solver="pinv",
+                    use_merged_path=False,
+                    use_normalized_gram=False,
+                ),
             )
             seconds = time.perf_counter() - start
             out.append(

@@ -45,16 +45,14 @@ from pydantic import Field
 from mergekit_ext.methods.card_sections.least_squares import least_squares_report
 from mergekit_ext.methods.kinds import Layerwise
 from mergekit_ext.methods.layerwise import (
-    LinearGroup,
     StatisticsRequest,
     TaskStatistics,
 )
 from mergekit_ext.methods.least_squares import (
     FULL_COVARIANCE_W2_MAX_DIM,
     LeastSquaresMethod,
-    LeastSquaresReduction,
+    LeastSquaresSettings,
     RegMeanParameters,
-    merge_group_least_squares,
 )
 from mergekit_ext.methods.registry import (
     MethodInfo,
@@ -127,10 +125,10 @@ class ChainOfMergesMethod(LeastSquaresMethod):
             compute_dtype=p.compute_dtype,
         )
 
-    def _settings(self, parameters: Any) -> dict[str, Any]:
+    def settings(self, parameters: Any) -> LeastSquaresSettings:
         p = self.parse(parameters)
         correlation = p.task_weighting == "correlation"
-        return dict(
+        return LeastSquaresSettings(
             method=self.name,
             reduce_non_diagonal=p.reduce_non_diagonal,
             ridge=p.ridge,
@@ -142,15 +140,6 @@ class ChainOfMergesMethod(LeastSquaresMethod):
             task_weighting_label=p.task_weighting,
             max_norm_ratio=p.max_norm_ratio,
         )
-
-    def merge_linear_group(
-        self, group: LinearGroup, parameters: Any
-    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        return merge_group_least_squares(group, **self._settings(parameters))
-
-    def reduction(self, parameters: Any) -> LeastSquaresReduction:
-        # ω_k (correlation) reads only task k's own Gram: it is computed where task k lives.
-        return LeastSquaresReduction(**self._settings(parameters))
 
 
 INFO = MethodInfo(

@@ -14,12 +14,11 @@ import torch
 
 from mergekit_ext.methods.card_sections.least_squares import least_squares_report
 from mergekit_ext.methods.kinds import Layerwise
-from mergekit_ext.methods.layerwise import LinearGroup, StatisticsRequest
+from mergekit_ext.methods.layerwise import StatisticsRequest
 from mergekit_ext.methods.least_squares import (
     LeastSquaresMethod,
-    LeastSquaresReduction,
+    LeastSquaresSettings,
     RegMeanParameters,
-    merge_group_least_squares,
 )
 from mergekit_ext.methods.registry import (
     MethodInfo,
@@ -45,24 +44,9 @@ class RegMeanMethod(LeastSquaresMethod):
             compute_dtype=p.compute_dtype,
         )
 
-    def merge_linear_group(
-        self, group: LinearGroup, parameters: Any
-    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def settings(self, parameters: Any) -> LeastSquaresSettings:
         p = self.parse(parameters)
-        return merge_group_least_squares(
-            group,
-            method=self.name,
-            reduce_non_diagonal=p.reduce_non_diagonal,
-            ridge=p.ridge,
-            solver=p.solver,
-            use_merged_path=False,
-            use_normalized_gram=False,
-            max_norm_ratio=p.max_norm_ratio,
-        )
-
-    def reduction(self, parameters: Any) -> LeastSquaresReduction:
-        p = self.parse(parameters)
-        return LeastSquaresReduction(
+        return LeastSquaresSettings(
             method=self.name,
             reduce_non_diagonal=p.reduce_non_diagonal,
             ridge=p.ridge,

@@ -13,12 +13,13 @@ import os
 from collections.abc import Mapping
 from typing import Any, Optional
 
-from huggingface_hub import EvalResult, ModelCard
+from huggingface_hub import ModelCard
 
 from mergekit_ext.hub.card import tools
 from mergekit_ext.hub.card.render import (
     EVAL_FILENAME,
     CardContext,
+    CardOptions,
     MergeInMemory,
     _sign,
     build_merge_context,
@@ -31,46 +32,15 @@ from mergekit_ext.output import write_file
 LOG = logging.getLogger("mergekit_ext.hub.card.render")  # the writers' messages, as before
 
 
-def build_card_context(
-    out_dir: str,
-    *,
-    eval_results: Any = None,
-    name: Optional[str] = None,
-    repo_id: Optional[str] = None,
-    cwd: Optional[str] = None,
-    render_images: bool = True,
-    images_dir: Optional[str] = None,
-    card_eval_results: Optional[list[EvalResult]] = None,
-    diagnose: Optional[Mapping[str, Any]] = None,
-    merge: Optional[MergeInMemory] = None,
-) -> CardContext:
-    """The card's metadata and template variables for ``out_dir``: the merge's
-    (:func:`~.render.build_merge_context`, whose docstring gives the arguments) for a merge in
-    memory or a folder mergekit-ext wrote, else the tool's that wrote it
+def build_card_context(out_dir: str, options: CardOptions = CardOptions()) -> CardContext:
+    """The card's metadata and template variables for ``out_dir`` (``options``:
+    :class:`~.render.CardOptions`): the merge's (:func:`~.render.build_merge_context`) for a
+    merge in memory or a folder mergekit-ext wrote, else the tool's that wrote it
     (:func:`~.tools.build_tool_context`; a folder of none of them is refused there)."""
-    source = "merge" if merge is not None else tools.card_source(out_dir)
+    source = "merge" if options.merge is not None else tools.card_source(out_dir)
     if source != "merge":  # mergekit-moe's or mergekit-extract-lora's output (or none)
-        return tools.build_tool_context(
-            out_dir,
-            source,
-            name=name,
-            repo_id=repo_id,
-            cwd=cwd,
-            eval_results=eval_results,
-            card_eval_results=card_eval_results,
-        )
-    return build_merge_context(
-        out_dir,
-        eval_results=eval_results,
-        name=name,
-        repo_id=repo_id,
-        cwd=cwd,
-        render_images=render_images,
-        images_dir=images_dir,
-        card_eval_results=card_eval_results,
-        diagnose=diagnose,
-        merge=merge,
-    )
+        return tools.build_tool_context(out_dir, source, options)
+    return build_merge_context(out_dir, options)
 
 
 def render_card_for_repo(out_dir: str, repo_id: str, *, template_dir: Optional[str] = None) -> str:
@@ -94,7 +64,7 @@ def render_card_for_repo(out_dir: str, repo_id: str, *, template_dir: Optional[s
             LOG.warning("could not read the evaluation results of %s: %s", readme, e)
     with tempfile.TemporaryDirectory(prefix="mergekit-ext-card-") as images:
         context = build_card_context(
-            out_dir, repo_id=repo_id, images_dir=images, card_eval_results=card_eval
+            out_dir, CardOptions(repo_id=repo_id, images_dir=images, card_eval_results=card_eval)
         )
         text = str(render_model_card(context, template_dir))
     return text if text.endswith("\n") else text + "\n"
@@ -127,11 +97,9 @@ def write_model_card(
         keep_edited_card(out_dir, force=False)
     context = build_card_context(
         out_dir,
-        eval_results=eval_results,
-        name=name,
-        repo_id=repo_id,
-        diagnose=diagnose,
-        merge=merge,
+        CardOptions(
+            eval_results=eval_results, name=name, repo_id=repo_id, diagnose=diagnose, merge=merge
+        ),
     )
     card = render_model_card(context, template_dir)
     if eval_results:  # kept for the next `card` and for `publish`

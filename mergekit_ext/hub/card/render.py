@@ -614,36 +614,50 @@ def _copy_provenance(config_text: str, diag: Mapping[str, Any]) -> tuple[str, bo
     return recorded_sha or text_sha, shortened, modified
 
 
-def build_merge_context(
-    out_dir: str,
-    *,
-    eval_results: Any = None,
-    name: Optional[str] = None,
-    repo_id: Optional[str] = None,
-    cwd: Optional[str] = None,
-    render_images: bool = True,
-    images_dir: Optional[str] = None,
-    card_eval_results: Optional[list[EvalResult]] = None,
-    diagnose: Optional[Mapping[str, Any]] = None,
-    merge: Optional[MergeInMemory] = None,
-) -> CardContext:
-    """Read a finished output folder and assemble the card's metadata and template variables.
+@dataclass(frozen=True)
+class CardOptions:
+    """What a folder's card is built from besides the folder: the merge's card
+    (:func:`build_merge_context`) reads them all, the tools' cards ``name``, ``repo_id``,
+    ``cwd`` and the evaluation results.
 
-    ``merge``: the config and diagnostics of the merge being written (``mergekit-ext run``),
-    used instead of the folder's copies; the weights' files (``config.json``, tokenizer)
-    are read from ``out_dir`` either way.
-
-    ``images_dir`` draws the plots somewhere else than ``out_dir/images`` (the links stay
-    ``images/...``): :mod:`~mergekit_ext.hub.publish` renders the uploaded copy of the card
-    without touching the folder. ``card_eval_results`` passes evaluation results that are
-    already ``EvalResult`` objects (a card's model-index), instead of ``eval_results``.
-    ``eval_results`` is any shape :func:`~mergekit_ext.hub.card.evaluation.read_eval_results`
-    reads (``mergekit-ext eval``'s file, lm-eval's results, our list); without it the results
-    saved by an earlier ``card --eval`` (``mergekit_ext_eval.json``) are used.
+    - ``eval_results``: any shape :func:`~mergekit_ext.hub.card.evaluation.read_eval_results`
+      reads (``mergekit-ext eval``'s file, lm-eval's results, our list); without it the
+      results saved by an earlier ``card --eval`` (``mergekit_ext_eval.json``) are used.
+    - ``name``: the model's title (default: the folder name); ``repo_id``: the Hub
+      repository of the loading snippets; ``cwd``: where the config's relative paths
+      resolve (default: the current folder).
+    - ``render_images``: the methods' diagnostic sections and the plots (False: neither);
+      ``images_dir`` draws the plots somewhere else than ``out_dir/images`` (the links stay
+      ``images/...``): :mod:`~mergekit_ext.hub.publish` renders the uploaded copy of the
+      card without touching the folder.
+    - ``card_eval_results``: evaluation results that are already ``EvalResult`` objects (a
+      card's model-index), instead of ``eval_results``.
+    - ``diagnose``: a ``mergekit-ext diagnose`` result of the model (default: the one an
+      earlier ``card --diagnose`` saved).
+    - ``merge``: the config and diagnostics of the merge being written (``mergekit-ext
+      run``), used instead of the folder's copies; the weights' files (``config.json``,
+      tokenizer) are read from the folder either way.
     """
+
+    eval_results: Any = None
+    name: Optional[str] = None
+    repo_id: Optional[str] = None
+    cwd: Optional[str] = None
+    render_images: bool = True
+    images_dir: Optional[str] = None
+    card_eval_results: Optional[list[EvalResult]] = None
+    diagnose: Optional[Mapping[str, Any]] = None
+    merge: Optional[MergeInMemory] = None
+
+
+def build_merge_context(out_dir: str, options: CardOptions = CardOptions()) -> CardContext:
+    """Read a finished output folder and assemble the card's metadata and template variables
+    (``options``: :class:`CardOptions`)."""
+    diagnose = options.diagnose
     if diagnose is None:  # a result saved by an earlier `card --diagnose`
         diagnose = _read_json(os.path.join(out_dir, DIAGNOSE_FILENAME))
-    cwd = os.path.abspath(cwd or os.getcwd())
+    cwd = os.path.abspath(options.cwd or os.getcwd())
+    merge = options.merge
     if merge is None:
         config_text, cfg, diag = _read_merge(out_dir, cwd)
     else:
@@ -652,7 +666,7 @@ def build_merge_context(
     if model_config is None:
         raise ModelNotFoundError(f"{out_dir} has no readable config.json: re-run the merge")
     arch = architecture_info(model_config)
-    model_name = _model_name(out_dir, name, repo_id)
+    model_name = _model_name(out_dir, options.name, options.repo_id)
     method = _describe_method(cfg.method)
 
     inputs = collect_inputs(cfg, cwd, diag.get("inputs"))
@@ -665,6 +679,7 @@ def build_merge_context(
                 hub_ids.append(hub_id)
     datasets = _hub_datasets(cfg, cwd)
     where = "evaluation results"
+    eval_results = options.eval_results
     if eval_results is None:  # the results an earlier `card --eval` kept beside the card
         where = os.path.join(out_dir, EVAL_FILENAME)
         eval_results = _read_json(where)
@@ -672,8 +687,8 @@ def build_merge_context(
     if eval_results:
         report = read_eval_results(eval_results, model_name, where=where)
     card_eval = report.model_index if report else None
-    if card_eval_results and not report:
-        card_eval = list(card_eval_results)
+    if options.card_eval_results and not report:
+        card_eval = list(options.card_eval_results)
     extra: dict[str, Any] = {}
     if hub_ids:
         extra["base_model_relation"] = "merge"
@@ -695,8 +710,10 @@ def build_merge_context(
     )
 
     sections = (
-        _diagnostic_sections(diag, images_dir or os.path.join(out_dir, IMAGES_DIR), cfg.parameters)
-        if render_images
+        _diagnostic_sections(
+            diag, options.images_dir or os.path.join(out_dir, IMAGES_DIR), cfg.parameters
+        )
+        if options.render_images
         else []
     )
     shown_yaml, shortened = _shorten_yaml_paths(config_text.rstrip("\n"), cfg.raw, cwd)
@@ -750,7 +767,9 @@ def build_merge_context(
         "data_aware": bool(method.get("needs_calibration")),
         "sections": sections,
         "diagnose": _diagnose_section(
-            diagnose, images_dir or os.path.join(out_dir, IMAGES_DIR), render_images
+            diagnose,
+            options.images_dir or os.path.join(out_dir, IMAGES_DIR),
+            options.render_images,
         )
         if diagnose
         else None,
@@ -760,7 +779,7 @@ def build_merge_context(
         "versions": _versions(diag),
         "project_url": _project_url(),
         "usage": {
-            "model_id": repo_id or f"./{model_name}",
+            "model_id": options.repo_id or f"./{model_name}",
             "auto_class": arch.auto_class,
             "has_tokenizer": has_tokenizer,
             "has_processor": has_processor,

@@ -30,6 +30,7 @@ from mergekit_ext.errors import ModelNotFoundError
 from mergekit_ext.hub.card.render import (
     CONFIG_FILENAME,
     CardContext,
+    CardOptions,
     _model_name,
     _project_url,
     _versions,
@@ -318,28 +319,24 @@ def _lora_context(
 
 
 def build_tool_context(
-    out_dir: str,
-    source: Optional[str],
-    *,
-    name: Optional[str] = None,
-    repo_id: Optional[str] = None,
-    cwd: Optional[str] = None,
-    eval_results: Optional[list[dict[str, Any]]] = None,
-    card_eval_results: Optional[list[EvalResult]] = None,
+    out_dir: str, source: Optional[str], options: CardOptions = CardOptions()
 ) -> CardContext:
     """The :class:`~mergekit_ext.hub.card.render.CardContext` of a ``mergekit-moe`` or
-    ``mergekit-extract-lora`` output (``source`` from :func:`card_source`)."""
+    ``mergekit-extract-lora`` output (``source`` from :func:`card_source`); of ``options``
+    it reads ``name``, ``repo_id``, ``cwd`` and the evaluation results."""
     from mergekit_ext.hub.card.evaluation import eval_results_to_card
 
     if source not in ("moe", "lora"):
         raise ModelNotFoundError(no_card_source(out_dir))
-    cwd = os.path.abspath(cwd or os.getcwd())
-    model_name = _model_name(out_dir, name, repo_id)
-    card_eval = eval_results_to_card(eval_results, model_name) if eval_results else None
-    if card_eval_results:
-        card_eval = list(card_eval_results)
+    cwd = os.path.abspath(options.cwd or os.getcwd())
+    model_name = _model_name(out_dir, options.name, options.repo_id)
+    card_eval = (
+        eval_results_to_card(options.eval_results, model_name) if options.eval_results else None
+    )
+    if options.card_eval_results:
+        card_eval = list(options.card_eval_results)
     build = _moe_context if source == "moe" else _lora_context
-    return build(out_dir, model_name, repo_id, cwd, card_eval)
+    return build(out_dir, model_name, options.repo_id, cwd, card_eval)
 
 
 __all__ = [

@@ -20,6 +20,7 @@ runs models or registers a method.
 from __future__ import annotations
 
 from mergekit_ext.methods.least_squares.group import (
+    LeastSquaresSettings,
     merge_group_least_squares,
 )
 from mergekit_ext.methods.least_squares.in_range import (
@@ -83,6 +84,7 @@ __all__ = [
     "Fallback",
     "LeastSquaresMethod",
     "LeastSquaresReduction",
+    "LeastSquaresSettings",
     "NormRange",
     "RegMeanParameters",
     "RegMeanSolution",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -220,52 +221,69 @@ def norm_range(group: LinearGroup, rows: Sequence[int], reference: Sequence[floa
     return NormRange(tuple(int(r) for r in rows), tuple(float(r) for r in reference), ratios)
 
 
-def merge_group_least_squares(
-    group: LinearGroup,
-    *,
-    method: str,
-    reduce_non_diagonal: float,
-    ridge: Ridge,
-    solver: Solver,
-    use_merged_path: bool,
-    use_normalized_gram: bool,
-    task_weight: Optional[Callable[[TaskStatistics], float]] = None,
-    task_weight_needs_normalized_gram: bool = False,
-    task_weighting_label: str = "uniform",
-    full_covariance_max_dim: int = FULL_COVARIANCE_W2_MAX_DIM,
-    max_norm_ratio: float = math.inf,
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Merge one :class:`LinearGroup` by (weighted) RegMean; shared by RegMean and CoM.
+@dataclass(frozen=True, kw_only=True)
+class LeastSquaresSettings:
+    """How a linear group is merged by the least-squares solve: one set of settings for
+    :func:`merge_group_least_squares` and :class:`~.reduction.LeastSquaresReduction` (the
+    same merge split over processes); RegMean and CoM each build it from their parameters.
 
+    - ``method``: the method's name in messages and in the merge record.
     - ``use_merged_path``: Grams from ``group.merged_stats`` (CoM ``propagate``) instead of
       ``group.expert_stats`` (RegMean).
     - ``use_normalized_gram``: solve with ``gram_normalized`` (CoM ``normalize``).
     - ``task_weight``: ω_k from the task's statistics on the chosen path (None: ω_k = 1);
-      ``task_weight_needs_normalized_gram`` when it reads ``gram_normalized``.
+      ``task_weight_needs_normalized_gram`` when it reads ``gram_normalized``;
+      ``task_weighting_label`` is what the record calls it.
+    - ``max_norm_ratio``: the result guard's bound (:mod:`~mergekit_ext.methods.guard`).
+    """
+
+    method: str
+    reduce_non_diagonal: float
+    ridge: Ridge
+    solver: Solver
+    use_merged_path: bool
+    use_normalized_gram: bool
+    task_weight: Optional[Callable[[TaskStatistics], float]] = None
+    task_weight_needs_normalized_gram: bool = False
+    task_weighting_label: str = "uniform"
+    full_covariance_max_dim: int = FULL_COVARIANCE_W2_MAX_DIM
+    max_norm_ratio: float = math.inf
+
+
+def merge_group_least_squares(
+    group: LinearGroup, settings: LeastSquaresSettings
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Merge one :class:`LinearGroup` by (weighted) RegMean; shared by RegMean and CoM.
 
     The relative output error is measured on the merged weights as written (cast to
-    ``group.output_dtypes``), on the raw Gram of the chosen path (the inputs the objective
-    used); the covariate shift W2 whenever ``merged_stats`` are present. The result guard
-    (:mod:`~mergekit_ext.methods.guard`) then compares each merged linear's norm with the
-    experts' and stops the merge above ``max_norm_ratio`` (None: never).
+    ``group.output_dtypes``), on the raw Gram of the path the ``settings`` choose (the inputs
+    the objective used); the covariate shift W2 whenever ``merged_stats`` are present. The
+    result guard (:mod:`~mergekit_ext.methods.guard`) then compares each merged linear's norm
+    with the experts' and stops the merge above ``settings.max_norm_ratio``.
     """
-    stacked, rows, n_in = _stacked_weights(group, method)
-    path = "merged-path" if use_merged_path else "expert-path"
+    stacked, rows, n_in = _stacked_weights(group, settings.method)
+    path = "merged-path" if settings.use_merged_path else "expert-path"
     # Statistics the objective uses; the expert path is checked too when W2 needs it.
     chosen = _check_statistics(
-        group.merged_stats if use_merged_path else group.expert_stats,
+        group.merged_stats if settings.use_merged_path else group.expert_stats,
         group,
         n_in,
-        method,
+        settings.method,
         path,
-        need_normalized=use_normalized_gram or task_weight_needs_normalized_gram,
+        need_normalized=settings.use_normalized_gram or settings.task_weight_needs_normalized_gram,
     )
     # W2 compares the two paths of the same task; either may be absent (then no W2).
-    if use_merged_path:
+    if settings.use_merged_path:
         merged_path: Optional[list[TaskStatistics]] = chosen
         expert_path = (
             _check_statistics(
-                group.expert_stats, group, n_in, method, "expert-path", False, need_gram=False
+                group.expert_stats,
+                group,
+                n_in,
+                settings.method,
+                "expert-path",
+                False,
+                need_gram=False,
             )
             if group.expert_stats
             else None
@@ -274,31 +292,37 @@ def merge_group_least_squares(
         expert_path = chosen
         merged_path = (
             _check_statistics(
-                group.merged_stats, group, n_in, method, "merged-path", False, need_gram=False
+                group.merged_stats,
+                group,
+                n_in,
+                settings.method,
+                "merged-path",
+                False,
+                need_gram=False,
             )
             if group.merged_stats
             else None
         )
 
-    omegas = [float(task_weight(st)) if task_weight else 1.0 for st in chosen]
+    omegas = [float(settings.task_weight(st)) if settings.task_weight else 1.0 for st in chosen]
     if sum(omegas) <= 0.0:
         raise TensorError(
-            f"{method}: all task weights are zero for linear group {group.name} ({omegas}); "
-            "use task_weighting: uniform"
+            f"{settings.method}: all task weights are zero for linear group {group.name} "
+            f"({omegas}); use task_weighting: uniform"
         )
     # raw Grams may be None where the rows were kept instead (regmean_solve forms them if needed)
-    grams = [st.gram_normalized if use_normalized_gram else st.gram for st in chosen]
+    grams = [st.gram_normalized if settings.use_normalized_gram else st.gram for st in chosen]
     # The rank of Σ ω G̃ is at most the tokens behind it (tasks with ω > 0)
     tokens = sum(st.count for st, omega in zip(chosen, omegas) if omega > 0.0)
     raw_rows = _token_rows(chosen)
     span = raw_rows is not None and span_solve_applies(
-        reduce_non_diagonal, resolve_ridge(ridge, n_in, tokens), tokens, n_in
+        settings.reduce_non_diagonal, resolve_ridge(settings.ridge, n_in, tokens), tokens, n_in
     )
     if not span:
         # The n x n solve: the Gram of each task that kept rows, bit for bit as accumulated
         grams = [g if g is not None else st.gram_from_rows() for g, st in zip(grams, chosen)]
     solve_rows = raw_rows
-    if raw_rows is not None and use_normalized_gram:
+    if raw_rows is not None and settings.use_normalized_gram:
         solve_rows = [
             r / r.norm(dim=1, keepdim=True).clamp_min(torch.finfo(r.dtype).tiny) for r in raw_rows
         ]
@@ -306,16 +330,16 @@ def merge_group_least_squares(
     solution = regmean_solve(
         stacked,
         grams,  # type: ignore[arg-type]  # checked non-None above
-        reduce_non_diagonal,
+        settings.reduce_non_diagonal,
         task_weights=omegas,
-        ridge=ridge,
-        solver=solver,
+        ridge=settings.ridge,
+        solver=settings.solver,
         name=f"linear group {group.name}",
-        keep_references=not use_normalized_gram,  # W_k G_k of the diagnostic's own Gram
+        keep_references=not settings.use_normalized_gram,  # W_k G_k of the diagnostic's own Gram
         tokens=tokens,
         rows=solve_rows,
         compute_dtype=group.compute_dtype,
-        gram_rows=None if use_normalized_gram else [_kept_rows(st) for st in chosen],
+        gram_rows=None if settings.use_normalized_gram else [_kept_rows(st) for st in chosen],
         norm_range=norm_range(group, rows, [reference_norms[w] for w in group.weights]),
         written_dtype=_written_dtype(group),
     )
@@ -329,10 +353,10 @@ def merge_group_least_squares(
     written = {w: group.as_written(w, merged[w]) for w in group.weights}
     written_weight = torch.cat([written[w] for w in group.weights])
     guard = guard_group(
-        method,
+        settings.method,
         group.name,
         norm_ratios(written, reference_norms),
-        max_norm_ratio,
+        settings.max_norm_ratio,
     )
 
     tasks: dict[str, dict[str, Any]] = {}
@@ -341,13 +365,15 @@ def merge_group_least_squares(
         shift: Optional[float] = None
         if merged_path is not None and expert_path is not None:
             shift, shift_kind = covariate_shift_w2(
-                merged_path[k], expert_path[k], full_covariance_max_dim=full_covariance_max_dim
+                merged_path[k],
+                expert_path[k],
+                full_covariance_max_dim=settings.full_covariance_max_dim,
             )
         output_error = _task_output_error(
             written_weight,
             stacked[k],
             chosen[k],
-            None if use_normalized_gram else grams[k],
+            None if settings.use_normalized_gram else grams[k],
             solution.references[k] if solution.references is not None else None,
             group.compute_dtype,
         )
@@ -357,17 +383,17 @@ def merge_group_least_squares(
             "covariate_shift_w2": shift,
         }
     warn_output_errors(
-        method, group.name, {t: rec["relative_output_error"] for t, rec in tasks.items()}
+        settings.method, group.name, {t: rec["relative_output_error"] for t, rec in tasks.items()}
     )
     diagnostics: dict[str, Any] = {
         "layer": group.name,
-        **_solve_record(solution, ridge),
-        "reduce_non_diagonal": float(reduce_non_diagonal),
+        **_solve_record(solution, settings.ridge),
+        "reduce_non_diagonal": float(settings.reduce_non_diagonal),
         "tokens": tokens,
         "input_width": n_in,
-        "statistics": "merged_path" if use_merged_path else "expert_path",
-        "normalized_gram": bool(use_normalized_gram),
-        "task_weighting": task_weighting_label,
+        "statistics": "merged_path" if settings.use_merged_path else "expert_path",
+        "normalized_gram": bool(settings.use_normalized_gram),
+        "task_weighting": settings.task_weighting_label,
         "covariate_shift_covariance": shift_kind,
         **guard,
         "tasks": tasks,

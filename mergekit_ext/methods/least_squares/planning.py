@@ -1,5 +1,6 @@
 """What the plan asks of a least-squares method before anything loads: whether a group is
-solved in its tokens' span, the solve's working memory, and the rank warnings.
+solved in its tokens' span, the solve's working memory, and the rank warnings; and the merge
+itself, from the :class:`~.group.LeastSquaresSettings` each method builds of its parameters.
 
 RegMean and CoM (and block distillation, which is CoM with a refinement) derive from
 :class:`LeastSquaresMethod`; the executor's plan asks these through
@@ -9,15 +10,21 @@ The numbers follow the solves of ``solve.py`` (docs/methods.md, "The span solve"
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Sequence
 from typing import Any, Optional
+
+import torch
 
 from mergekit_ext.methods.layerwise import (
     GroupToSize,
     LayerwiseMethod,
+    LinearGroup,
     SpanSolve,
     dense_solve_bytes,
 )
+from mergekit_ext.methods.least_squares.group import LeastSquaresSettings, merge_group_least_squares
+from mergekit_ext.methods.least_squares.reduction import LeastSquaresReduction
 from mergekit_ext.methods.least_squares.solve import AUTO_RIDGE, span_solve_may_apply
 
 
@@ -48,6 +55,18 @@ class LeastSquaresMethod(LayerwiseMethod):
     """A layer-wise method that merges each group by the least-squares solve on input Grams
     (``least_squares/solve.py``), with a ``ridge`` and ``reduce_non_diagonal``: the dense
     solve, or, with fewer tokens than inputs and a ridge, the solve in the tokens' span."""
+
+    @abstractmethod
+    def settings(self, parameters: Any) -> LeastSquaresSettings:
+        """How this method merges a group: its parameters as the solve's settings."""
+
+    def merge_linear_group(
+        self, group: LinearGroup, parameters: Any
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        return merge_group_least_squares(group, self.settings(parameters))
+
+    def reduction(self, parameters: Any) -> LeastSquaresReduction:
+        return LeastSquaresReduction(self.settings(parameters))
 
     def solve_in_span(self, parameters: Any, group: GroupToSize) -> SpanSolve:
         ridge, alpha = _ridge(parameters), _alpha(parameters)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 import torch
@@ -18,6 +18,7 @@ from mergekit_ext.methods.guard import (
 )
 from mergekit_ext.methods.layerwise import LinearGroup, SumReduction, TaskStatistics
 from mergekit_ext.methods.least_squares.group import (
+    LeastSquaresSettings,
     _check_statistics,
     _kept_rows,
     _solve_record,
@@ -27,14 +28,11 @@ from mergekit_ext.methods.least_squares.group import (
     norm_range,
 )
 from mergekit_ext.methods.least_squares.measures import (
-    FULL_COVARIANCE_W2_MAX_DIM,
     covariate_shift_w2,
     shift_covariance,
 )
 from mergekit_ext.methods.least_squares.solve import (
     FactoredSystem,
-    Ridge,
-    Solver,
     factor_regmean_system,
     factored_solution,
     finish_in_range,
@@ -64,11 +62,11 @@ LOG = logging.getLogger(__name__)
 class LeastSquaresReduction(SumReduction):
     """:func:`merge_group_least_squares` split over processes (:class:`SumReduction`).
 
-    Takes the same settings. Each rank computes its tasks' products ``W_k G_k`` and adds
-    its tasks' terms of ``Σ ω_k W_k G̃_k``, ``Σ ω_k G̃_k``, ``Σ ω_k`` (and ``Σ ω_k W_k`` with
-    a ridge) when the sums reach it in task order, so they equal :func:`regmean_solve`'s
-    bit for bit; the correlation weight ω_k needs only task k's own normalized Gram, so it
-    is computed where the task lives. The
+    Takes the same :class:`~.group.LeastSquaresSettings`. Each rank computes its tasks'
+    products ``W_k G_k`` and adds its tasks' terms of ``Σ ω_k W_k G̃_k``, ``Σ ω_k G̃_k``,
+    ``Σ ω_k`` (and ``Σ ω_k W_k`` with a ridge) when the sums reach it in task order, so they
+    equal :func:`regmean_solve`'s bit for bit; the correlation weight ω_k needs only task k's
+    own normalized Gram, so it is computed where the task lives. The
     per-task diagnostics (relative output error, covariate shift) are computed by the
     task's rank once the merged weights are known; the group record is the one
     :func:`merge_group_least_squares` writes.
@@ -79,32 +77,8 @@ class LeastSquaresReduction(SumReduction):
     :func:`row_term` (the factor broadcast to every rank), whose sum is the merged weight.
     """
 
-    def __init__(
-        self,
-        *,
-        method: str,
-        reduce_non_diagonal: float,
-        ridge: Ridge,
-        solver: Solver,
-        use_merged_path: bool,
-        use_normalized_gram: bool,
-        task_weight: Optional[Callable[[TaskStatistics], float]] = None,
-        task_weight_needs_normalized_gram: bool = False,
-        task_weighting_label: str = "uniform",
-        full_covariance_max_dim: int = FULL_COVARIANCE_W2_MAX_DIM,
-        max_norm_ratio: float = math.inf,
-    ) -> None:
-        self.method = method
-        self.max_norm_ratio = max_norm_ratio
-        self.reduce_non_diagonal = reduce_non_diagonal
-        self.ridge = ridge
-        self.solver = solver
-        self.use_merged_path = use_merged_path
-        self.use_normalized_gram = use_normalized_gram
-        self.task_weight = task_weight
-        self.task_weight_needs_normalized_gram = task_weight_needs_normalized_gram
-        self.task_weighting_label = task_weighting_label
-        self.full_covariance_max_dim = full_covariance_max_dim
+    def __init__(self, settings: LeastSquaresSettings) -> None:
+        self.settings = settings
         self._stacked: list[torch.Tensor] = []
         self._rows: list[int] = []
         self._chosen: list[TaskStatistics] = []
@@ -115,28 +89,33 @@ class LeastSquaresReduction(SumReduction):
         self._references: list[float] = []
         self._norms: list[torch.Tensor] = []
         # α = 1 on plain Grams: the system first (class docstring); set alike on every rank
-        self.rounds = 2 if reduce_non_diagonal == 1.0 and not use_normalized_gram else 1
+        self.rounds = (
+            2 if settings.reduce_non_diagonal == 1.0 and not settings.use_normalized_gram else 1
+        )
         self._first: dict[str, torch.Tensor] = {}  # the first round's totals (solving rank)
         self._factored: Optional[FactoredSystem] = None
         self._by_rows = False
 
     def _paths(self, group: LinearGroup, n_in: int) -> None:
-        path = "merged-path" if self.use_merged_path else "expert-path"
+        path = "merged-path" if self.settings.use_merged_path else "expert-path"
         self._chosen = _check_statistics(
-            group.merged_stats if self.use_merged_path else group.expert_stats,
+            group.merged_stats if self.settings.use_merged_path else group.expert_stats,
             group,
             n_in,
-            self.method,
+            self.settings.method,
             path,
-            need_normalized=self.use_normalized_gram or self.task_weight_needs_normalized_gram,
+            need_normalized=self.settings.use_normalized_gram
+            or self.settings.task_weight_needs_normalized_gram,
         )
         other, other_path = (
             (group.expert_stats, "expert-path")
-            if self.use_merged_path
+            if self.settings.use_merged_path
             else (group.merged_stats, "merged-path")
         )
         self._other = (
-            _check_statistics(other, group, n_in, self.method, other_path, False, need_gram=False)
+            _check_statistics(
+                other, group, n_in, self.settings.method, other_path, False, need_gram=False
+            )
             if other
             else None
         )
@@ -145,15 +124,16 @@ class LeastSquaresReduction(SumReduction):
         """This rank's weights, checked statistics and task weights (once per group)."""
         if self._chosen:
             return
-        self._stacked, self._rows, n_in = _stacked_weights(group, self.method)
+        self._stacked, self._rows, n_in = _stacked_weights(group, self.settings.method)
         self._paths(group, n_in)
         self._omegas = [
-            float(self.task_weight(st)) if self.task_weight else 1.0 for st in self._chosen
+            float(self.settings.task_weight(st)) if self.settings.task_weight else 1.0
+            for st in self._chosen
         ]
         if any(not math.isfinite(w) or w < 0.0 for w in self._omegas):
             raise TensorError(
-                f"{self.method}: task weights must be finite and non-negative for linear group "
-                f"{group.name}; got {self._omegas}"
+                f"{self.settings.method}: task weights must be finite and non-negative for "
+                f"linear group {group.name}; got {self._omegas}"
             )
 
     def gather_vote(self, group: LinearGroup) -> dict[str, Any]:
@@ -177,11 +157,18 @@ class LeastSquaresReduction(SumReduction):
         if not all(v["rows"] for v in votes):
             return False
         if span_solve_applies(
-            self.reduce_non_diagonal, resolve_ridge(self.ridge, n_in, tokens), tokens, n_in
+            self.settings.reduce_non_diagonal,
+            resolve_ridge(self.settings.ridge, n_in, tokens),
+            tokens,
+            n_in,
         ):
             return True
         return self.rounds == 1 and span_solve_may_apply(
-            self.reduce_non_diagonal, self.ridge, votes[0]["outputs"], n_in, counts
+            self.settings.reduce_non_diagonal,
+            self.settings.ridge,
+            votes[0]["outputs"],
+            n_in,
+            counts,
         )
 
     def prepare(self, group: LinearGroup) -> dict[str, torch.Tensor]:
@@ -189,7 +176,7 @@ class LeastSquaresReduction(SumReduction):
         # A task that kept its rows gets its Gram formed from them, bit for bit as the
         # single process's dense path forms it
         self._grams = [
-            st.gram_normalized if self.use_normalized_gram else st.gram_from_rows()  # type: ignore[misc]
+            st.gram_normalized if self.settings.use_normalized_gram else st.gram_from_rows()  # type: ignore[misc]
             for st in self._chosen
         ]
         if self.rounds == 1:
@@ -209,7 +196,8 @@ class LeastSquaresReduction(SumReduction):
             sums = regmean_zero_sums(
                 self._stacked[0].shape,
                 # auto is resolved in solve from the tokens of every task
-                with_weighted_experts=isinstance(self.ridge, str) or float(self.ridge) > 0.0,
+                with_weighted_experts=isinstance(self.settings.ridge, str)
+                or float(self.settings.ridge) > 0.0,
                 device=device,
             )
         else:
@@ -225,7 +213,7 @@ class LeastSquaresReduction(SumReduction):
         the same operands as the single process's (the rows only behind a plain Gram), and
         the output errors' references: each product is dropped once added to the sums."""
         products: list[Optional[torch.Tensor]] = [
-            task_product(w, g, None if self.use_normalized_gram else _kept_rows(st))
+            task_product(w, g, None if self.settings.use_normalized_gram else _kept_rows(st))
             for w, g, st in zip(self._stacked, self._grams, self._chosen)
         ]
         self._references = [trace_product(p, w) for p, w in zip(products, self._stacked)]
@@ -233,13 +221,13 @@ class LeastSquaresReduction(SumReduction):
 
     def next_round(self, totals: Mapping[str, torch.Tensor], group: LinearGroup) -> Any:
         if not self._rows:  # as in solve: the group's output rows decide the path too
-            self._stacked, self._rows, _ = _stacked_weights(group, self.method)
+            self._stacked, self._rows, _ = _stacked_weights(group, self.settings.method)
         self._first = dict(totals)
         tokens = int(round(float(totals["tokens"].sum())))
         self._factored = factor_regmean_system(
             self._first,
-            ridge=self.ridge,
-            solver=self.solver,
+            ridge=self.settings.ridge,
+            solver=self.settings.solver,
             tokens=tokens,
             name=f"linear group {group.name}",
         )
@@ -250,11 +238,11 @@ class LeastSquaresReduction(SumReduction):
         gather = (
             without_rows == 0
             and self._factored.ridge > 0.0
-            and self.reduce_non_diagonal > 0.0
+            and self.settings.reduce_non_diagonal > 0.0
             and span_work_pays(out, n_in, tokens, int(weighted), int(product_rows))
         )
         by_rows = takes_row_terms(
-            self._factored, self.reduce_non_diagonal, out, tokens, with_rows == weighted
+            self._factored, self.settings.reduce_non_diagonal, out, tokens, with_rows == weighted
         )
         cholesky = self._factored.cholesky
         return {
@@ -278,7 +266,7 @@ class LeastSquaresReduction(SumReduction):
         else:
             self._products = self._task_products()
         # auto's range rule may need Σ ω W_k after the solve (finish_in_range), with no ridge too
-        weighted = bool(shared["ridge"]) or isinstance(self.ridge, str)
+        weighted = bool(shared["ridge"]) or isinstance(self.settings.ridge, str)
         return regmean_zero_numerator_sums(
             self._stacked[0].shape, with_weighted_experts=weighted, device=device
         )
@@ -286,18 +274,13 @@ class LeastSquaresReduction(SumReduction):
     def add_task(self, sums: dict[str, torch.Tensor], position: int) -> None:
         weight, gram = self._stacked[position], self._grams[position]
         omega, st = self._omegas[position], self._chosen[position]
+        alpha = self.settings.reduce_non_diagonal
         if self.rounds == 1:
             regmean_add_task(
-                sums,
-                weight,
-                gram,
-                self.reduce_non_diagonal,
-                omega,
-                self._products[position],
-                count=st.count,
+                sums, weight, gram, alpha, omega, self._products[position], count=st.count
             )
         elif "system" in sums:  # the first of two rounds
-            regmean_add_system(sums, gram, self.reduce_non_diagonal, omega, st.count)
+            regmean_add_system(sums, gram, alpha, omega, st.count)
             counts = sums["weighted_tasks"]
             rows = float(_kept_rows(st) is not None)
             n_in = int(self._stacked[0].shape[1])
@@ -312,9 +295,7 @@ class LeastSquaresReduction(SumReduction):
                 scratch = torch.empty(weight.shape, dtype=torch.float64, device=weight.device)
                 sums["weighted_experts"].add_(scratch.copy_(weight).mul_(omega))
         else:
-            regmean_add_numerator(
-                sums, weight, gram, self.reduce_non_diagonal, omega, self._products[position]
-            )
+            regmean_add_numerator(sums, weight, gram, alpha, omega, self._products[position])
         if "expert_norm_max" in sums:
             # a running max, not a sum: the largest expert's norm per weight
             torch.maximum(
@@ -327,7 +308,7 @@ class LeastSquaresReduction(SumReduction):
         self, sums: Mapping[str, torch.Tensor], group: LinearGroup
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         if not self._rows:
-            self._stacked, self._rows, _ = _stacked_weights(group, self.method)
+            self._stacked, self._rows, _ = _stacked_weights(group, self.settings.method)
         reference = group.experts[0]
         first = self._first if self.rounds == 2 else sums
         n_in = int(first["system"].shape[0])
@@ -340,9 +321,9 @@ class LeastSquaresReduction(SumReduction):
         if self.rounds == 1:
             solution = solve_regmean_sums(
                 {k: v for k, v in sums.items() if k != "expert_norm_max"},
-                ridge=self.ridge,
+                ridge=self.settings.ridge,
                 tokens=tokens,
-                solver=self.solver,
+                solver=self.settings.solver,
                 name=name,
                 out_dtype=out_dtype,
                 norm_range=target,
@@ -377,31 +358,33 @@ class LeastSquaresReduction(SumReduction):
             for weight_name, part in zip(group.weights, parts)
         }
         guard = guard_group(
-            self.method,
+            self.settings.method,
             group.name,
             norm_ratios(
                 {w: group.as_written(w, merged[w]) for w in group.weights},
                 dict(zip(group.weights, reference_norms)),
             ),
-            self.max_norm_ratio,
+            self.settings.max_norm_ratio,
         )
         shift_kind: Optional[str] = None
         if self._other is not None and self._chosen:
             merged_path, expert_path = (
                 (self._chosen[0], self._other[0])
-                if self.use_merged_path
+                if self.settings.use_merged_path
                 else (self._other[0], self._chosen[0])
             )
-            shift_kind = shift_covariance(merged_path, expert_path, self.full_covariance_max_dim)
+            shift_kind = shift_covariance(
+                merged_path, expert_path, self.settings.full_covariance_max_dim
+            )
         diagnostics: dict[str, Any] = {
             "layer": group.name,
-            **_solve_record(solution, self.ridge),
-            "reduce_non_diagonal": float(self.reduce_non_diagonal),
+            **_solve_record(solution, self.settings.ridge),
+            "reduce_non_diagonal": float(self.settings.reduce_non_diagonal),
             "tokens": tokens,
             "input_width": n_in,
-            "statistics": "merged_path" if self.use_merged_path else "expert_path",
-            "normalized_gram": bool(self.use_normalized_gram),
-            "task_weighting": self.task_weighting_label,
+            "statistics": "merged_path" if self.settings.use_merged_path else "expert_path",
+            "normalized_gram": bool(self.settings.use_normalized_gram),
+            "task_weighting": self.settings.task_weighting_label,
             "covariate_shift_covariance": shift_kind,
             **guard,
             "tasks": {},
@@ -423,18 +406,20 @@ class LeastSquaresReduction(SumReduction):
                 merged_weight,
                 self._stacked[k],
                 self._chosen[k],
-                None if self.use_normalized_gram else self._grams[k],
-                None if self.use_normalized_gram else self._references[k],
+                None if self.settings.use_normalized_gram else self._grams[k],
+                None if self.settings.use_normalized_gram else self._references[k],
                 group.compute_dtype,
             )
             if self._other is not None:
                 merged_path, expert_path = (
                     (self._chosen[k], self._other[k])
-                    if self.use_merged_path
+                    if self.settings.use_merged_path
                     else (self._other[k], self._chosen[k])
                 )
                 shift, _ = covariate_shift_w2(
-                    merged_path, expert_path, full_covariance_max_dim=self.full_covariance_max_dim
+                    merged_path,
+                    expert_path,
+                    full_covariance_max_dim=self.settings.full_covariance_max_dim,
                 )
             tasks[task] = {
                 "weight": self._omegas[k],
@@ -442,6 +427,8 @@ class LeastSquaresReduction(SumReduction):
                 "covariate_shift_w2": shift,
             }
         warn_output_errors(
-            self.method, group.name, {t: r["relative_output_error"] for t, r in tasks.items()}
+            self.settings.method,
+            group.name,
+            {t: r["relative_output_error"] for t, r in tasks.items()},
         )
         return tasks
