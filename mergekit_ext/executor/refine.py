@@ -276,6 +276,7 @@ class BlockDistillation:
                 grads, losses[k] = self._task_gradient(k, weights, step)
                 for n in self.names:
                     sums[n].add_(grads[n])
+                del grads  # not alive beside the next task's
         if ex.dist.enabled:
             sums = {
                 n: ex.dist.broadcast_tensor(

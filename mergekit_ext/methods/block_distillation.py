@@ -135,10 +135,11 @@ def _rms(t: torch.Tensor) -> float:
     return float(t.double().pow(2).mean().sqrt()) if t.numel() else 0.0
 
 
-# A refinement's float32 copies of one block's linears: the start, the trained correction,
-# two Adam moments, the weights of a step, the gradient sums and one task's gradient
-# (docs/methods.md, "Block-wise distillation").
-REFINE_LINEAR_COPIES = 7
+# A refinement's float32 copies of one block's linears: the start, the base (the step
+# sizes' reference), the trained correction, two Adam moments, the weights of a step, the
+# gradient sums and one task's gradient (docs/methods.md, "Block-wise distillation"). Seven,
+# without the base, fell 2.5 GB (19%) short of the peak at Llama-3-8B widths (issue #51).
+REFINE_LINEAR_COPIES = 8
 
 
 class BlockDistillation(BlockRefinement):
@@ -230,6 +231,8 @@ class BlockDistillation(BlockRefinement):
                         b.grad, a.grad = g @ a.detach().T, b.detach().T @ g
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+            # the last step's copies go before the refined weights are built (the peak)
+            del weights, grads
         refined = {
             n: (start[n] + self._correction([t.detach() for t in parts[n]])).contiguous()
             for n in start
