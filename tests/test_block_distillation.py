@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 
 import pytest
 import torch
@@ -30,8 +31,9 @@ from test_distributed import (
 )
 
 from mergekit_ext.cli import main
-from mergekit_ext.errors import ConfigError
+from mergekit_ext.errors import ConfigError, TensorError
 from mergekit_ext.methods import block_distillation as bd
+from mergekit_ext.methods.layerwise import BlockToRefine
 from mergekit_ext.methods.registry import ext_method_info
 from mergekit_ext.testing import WORDS
 
@@ -298,6 +300,8 @@ def test_bf16_compute_trains_float32_master_weights(tiny_llama_set, tmp_path, mo
         ({"distill_schedule": "linear"}, "distill_schedule"),
         ({"distill_min_gain": -0.1}, "distill_min_gain"),
         ({"distill_min_gain": 1.0}, "distill_min_gain"),
+        ({"distill_max_norm_ratio": 0.5}, "distill_max_norm_ratio"),
+        ({"distill_max_norm_ratio": "wide"}, "distill_max_norm_ratio"),
         ({"distill_embeddings": "some"}, "distill_embeddings"),
         ({"distill_embeddings": 2}, "distill_embeddings"),
         ({"distill_vectors": "norms"}, "distill_vectors"),
@@ -325,6 +329,7 @@ def test_good_values_are_accepted_and_listed():
             "distill_embeddings": False,
             "distill_vectors": True,
             "distill_first_block_factor": 1,
+            "distill_max_norm_ratio": float("inf"),
         }
     )
     assert (p.distill_steps, p.distill_train, p.propagate) == (0, "lowrank", True)
@@ -334,6 +339,7 @@ def test_good_values_are_accepted_and_listed():
     assert default.distill_embeddings and not p.distill_embeddings
     assert not default.distill_vectors and default.distill_first_block_factor == 3
     assert default.distill_min_gain == 0.02
+    assert default.distill_max_norm_ratio == 2.0 and p.distill_max_norm_ratio == float("inf")
     result = CliRunner().invoke(main, ["methods", "--json"])
     assert result.exit_code == 0, result.output
     listed = {m["name"]: m for m in json.loads(result.output)}
@@ -350,6 +356,7 @@ def test_good_values_are_accepted_and_listed():
         "distill_vectors",
         "distill_first_block_factor",
         "distill_min_gain",
+        "distill_max_norm_ratio",
     } <= names
     assert listed[METHOD]["needs_calibration"]
 
@@ -477,3 +484,99 @@ def test_block_vectors_are_trained_with_the_linears(request, set_name, tmp_path)
     assert not any("embed" in n for n in vectors)
     errors = [sum(b["error_after"] for b in _diagnostics(m, METHOD)["blocks"]) for m in (on, off)]
     assert errors[0] < errors[1], errors
+
+
+def _outward_block(train: str) -> tuple[BlockToRefine, dict[str, float]]:
+    """A block whose loss falls as its weights grow: ``Σ_n −⟨W_n, D_n⟩`` for a fixed
+    direction ``D_n``, the error ``1 / (1 + Σ ⟨W_n, D_n⟩⁺)``; the steps push every weight
+    out of the experts' range. One linear starts inside (0.5x), one beyond it (1.8x: a solve
+    with an explicit ridge); the reference norm of each is 1."""
+    generator = torch.Generator().manual_seed(0)
+    start, base, directions = {}, {}, {}
+    for n, shape, scale in (("a.weight", (6, 4), 0.5), ("b.weight", (5, 3), 1.8)):
+        w = torch.randn(shape, generator=generator)
+        start[n] = w * (scale / float(w.norm()))
+        base[n] = start[n] * 0.5  # CoM moved it: the step size is a fraction of that move
+        directions[n] = torch.randn(shape, generator=generator)
+
+    def gradient(weights, step):
+        return {n: -directions[n].clone() for n in weights}, [0.0]
+
+    def errors(weights):
+        gain = sum(float((weights[n] * directions[n]).sum()) for n in weights)
+        return {"task": 1.0 / (1.0 + max(gain, 0.0))}
+
+    block = BlockToRefine(
+        name="layers.0",
+        start=start,
+        base=base,
+        expert_norms={n: 1.0 for n in start},
+        task_names=["task"],
+        gradient=gradient,
+        errors=errors,
+    )
+    return block, {n: float(w.norm()) for n, w in start.items()}
+
+
+@pytest.mark.parametrize("train", ["weights", "lowrank"])
+def test_the_steps_keep_every_tensor_within_the_norm_limit(train):
+    """Steps that would take the weights out of the experts' range stop at the limit:
+    ``distill_max_norm_ratio`` x the largest expert's norm, or the start's norm where the
+    start is further out; ``.inf`` lets them go, until the result guard stops the merge
+    (issue #51: 2-3x on the tiny example, warned on every block)."""
+    block, start_norms = _outward_block(train)
+    common = {
+        "distill_steps": 40,
+        "distill_lr": 0.5,
+        "distill_train": train,
+        "distill_rank": 2,
+        "distill_max_norm_ratio": 1.5,
+    }
+    info = ext_method_info(METHOD)
+    limited = bd.BlockDistillation(info.parse_parameters(common), METHOD)
+    result, record = limited.refine(block)
+    assert record["kept"] == "refined"
+    norms = {n: float(w.double().norm()) for n, w in result.items()}
+    assert 1.497 < norms["a.weight"] <= 1.5  # 1.5 x its expert's norm, a hair inside
+    assert norms["b.weight"] == pytest.approx(start_norms["b.weight"], rel=1e-5)  # not further
+    assert set(record["norm_limited"]) == {"a.weight", "b.weight"}
+    assert record["guard"] == "ok" and record["max_norm_ratio"] < 1.8 + 1e-5
+
+    free = bd.BlockDistillation(
+        info.parse_parameters({**common, "distill_max_norm_ratio": float("inf")}), METHOD
+    )
+    with pytest.raises(TensorError, match="above max_norm_ratio = 10"):  # the guard's stop
+        free.refine(block)
+
+
+def test_the_progress_bar_counts_each_blocks_steps(tiny_llama_set, tmp_path):
+    """An 8B block's steps take hours on a CPU: the block's bar shows the step count and
+    the loss (at most once a second, and after the last step)."""
+    folder = tmp_path / "progress"
+    folder.mkdir()
+    params = {**FEW, "distill_steps": 3}
+    config = _write_config(
+        str(folder), METHOD, tiny_llama_set.base, list(tiny_llama_set.experts[:2]), params
+    )
+    result = CliRunner().invoke(main, ["run", config, str(folder / "merged")])
+    assert result.exit_code == 0, result.output
+    # the first block takes distill_first_block_factor (3) times the steps
+    assert re.search(r"block 1/\d+: refinement step 9/9, loss \d", result.output), result.output
+    assert re.search(r"block 2/\d+: refinement step 3/3, loss \d", result.output), result.output
+
+
+def test_a_merge_held_at_its_norm_limit_says_so(tiny_llama_set, tmp_path):
+    """Through the CLI: every written linear within the limit, the record names the tensors
+    it held back, and the card says so."""
+    params = {"distill_steps": 12, "distill_lr": 0.05, "distill_max_norm_ratio": 1.0}
+    out = _merge(tmp_path, tiny_llama_set, 2, METHOD, params, "limited")
+    section = _diagnostics(out, METHOD)
+    blocks = section["blocks"]
+    assert any(b["norm_limited"] for b in blocks if b["kept"] == "refined"), blocks
+    # CoM's ratios (the start); where one is above the limit the steps keep it there
+    start = {n: r for g in section["layers"] for n, r in g["norm_ratio"].items()}
+    for b in blocks:
+        for n, r in b["norm_ratio"].items():
+            assert r <= max(1.0, start[f"model.{n}"]) * (1 + 1e-6), (n, r, start[f"model.{n}"])
+    with open(os.path.join(out, "README.md"), encoding="utf-8") as fp:
+        assert "shortened to stay within\n`distill_max_norm_ratio`" in fp.read()

@@ -209,6 +209,13 @@ ROWS: tuple[MethodRow, ...] = (
         "Block distillation on CoM (cosine step)",
         {"distill_schedule": "cosine"},
     ),
+    # the steps before the norm limit (issue #51): every trained tensor free to leave the range
+    MethodRow(
+        "block_distillation_no_norm_limit",
+        "block_distillation",
+        "Block distillation on CoM (no norm limit)",
+        {"distill_max_norm_ratio": float("inf")},
+    ),
     MethodRow(
         "qp_diagonal", "qp_projection", "QP projection (diagonal basis)", {"basis": "diagonal"}
     ),

@@ -28,7 +28,8 @@ anyway; the method holds its optimizer state.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional, Protocol
 
 import torch
@@ -92,7 +93,7 @@ class RefiningExecutor(Protocol):
         keep: Optional[torch.dtype] = None,
         write: bool = True,
     ) -> torch.Tensor:
-        """Write a merged tensor; it as the saved model holds it."""
+        """Write a merged tensor; returns it as the saved model holds it."""
 
 
 def _squared_error(diff: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -117,8 +118,11 @@ class BlockDistillation:
         vectors: Sequence[str] = (),
         pre_block: Optional[dict[str, torch.Tensor]] = None,
         pre_trained: Sequence[str] = (),
+        show: Optional[Callable[[str], None]] = None,
     ) -> None:
         ex = self.ex = executor
+        self.show = show
+        self.shown_at = -float("inf")
         if any(ex.strategy.shares(k) for k in range(len(ex.experts))):
             raise ExecutionError(
                 f"{ex.method.name} refines each block with gradients summed task by task: run it "
@@ -202,7 +206,17 @@ class BlockDistillation:
             errors=self.errors,
             batches=max((len(t) for t in self.targets.values()), default=1),
             first=self.block is self.ex.plan.blocks[0],
+            progress=self.progress if self.show is not None else None,
         )
+
+    def progress(self, done: int, steps: int, loss: float) -> None:
+        """The step count and loss on the block's progress bar: an 8B block's steps take
+        hours on a CPU. At most one update a second (a redraw is a line in a log file),
+        and the last step's."""
+        now = time.monotonic()
+        if self.show is not None and (now - self.shown_at >= 1.0 or done == steps):
+            self.shown_at = now
+            self.show(f"refinement step {done}/{steps}, loss {loss:.3g}")
 
     def _params(self, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The block's tensors by local name: ``weights`` for the trained linears (cast to
@@ -333,10 +347,12 @@ def refine_block(
     vectors: Sequence[str] = (),
     pre_block: Optional[dict[str, torch.Tensor]] = None,
     pre_trained: Sequence[str] = (),
+    show: Optional[Callable[[str], None]] = None,
 ) -> dict[str, Any]:
     """Refine ``block``'s held linears in ``merged`` and write them; the block's record.
     ``pre_trained``: the tensors of ``pre_block`` (the merged tensors before the first
-    block, held unwritten) trained with this block; refined and written into ``pre_block``."""
+    block, held unwritten) trained with this block; refined and written into ``pre_block``.
+    ``show``: puts a short status (the step count) on the block's progress bar."""
     ex = executor
     distill = BlockDistillation(
         ex,
@@ -348,6 +364,7 @@ def refine_block(
         vectors,
         pre_block,
         pre_trained,
+        show,
     )
     name = block.prefix.rstrip(".") or f"block {block.index}"
     start = {n: distill.pre_block[n].clone() for n in distill.pre}

@@ -520,7 +520,7 @@ class SequentialExecutor:
                 _show(progress, block, len(self.plan.blocks), "refinement")
                 # the replayed outputs are the start's; the refined linears change them
                 replay.close()
-                self.block_records.append(self._refine(tensors))
+                self.block_records.append(self._refine(tensors, progress))
             if self.request.propagate:
                 self._propagate(tensors, replay)
         finally:
@@ -545,9 +545,10 @@ class SequentialExecutor:
         self._check_inputs(base, experts, f"layer {block.index}")
         return BlockTensors(block, base, experts)
 
-    def _refine(self, tensors: BlockTensors) -> dict[str, Any]:
+    def _refine(self, tensors: BlockTensors, progress: Any = None) -> dict[str, Any]:
         """The block's merged linears refined (:mod:`~mergekit_ext.executor.refine`), written."""
         assert self.refinement is not None
+        num_blocks = len(self.plan.blocks)
         # the first block trains the tensors before it too (the refinement's choice)
         pre = self.pre_trained if tensors.layout is self.plan.blocks[0] else []
         record = refine_block(
@@ -560,6 +561,7 @@ class SequentialExecutor:
             vectors=tensors.vectors,
             pre_block=self.pre_block if pre else None,
             pre_trained=pre,
+            show=lambda what: _show(progress, tensors.layout, num_blocks, what),
         )
         if pre:
             # the refined embeddings give the merged path's first inputs anew

@@ -22,9 +22,11 @@ block's biases and norms, ``distill_vectors``), the first block's extra steps
 ``docs/methods.md``, section "Block-wise distillation".
 
 The optimizer works on float32 master weights whatever ``compute_dtype`` the block passes
-run in; the result is kept only where it lowers the ω-weighted calibration error of the
-block (as written) by at least ``distill_min_gain`` of the start's, and the result guard
-(norm over the largest expert's) checks it as it checks CoM's groups.
+run in; after every step each trained tensor is kept within ``distill_max_norm_ratio`` of
+the largest expert's norm (the range the result guard accepts without a warning); the result is
+kept only where it lowers the ω-weighted calibration error of the block (as written) by at
+least ``distill_min_gain`` of the start's, and the result guard (norm over the largest
+expert's) checks it as it checks CoM's groups.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from pydantic import Field, model_validator
 
 from mergekit_ext.methods.card_sections.block_distillation import distillation_report
 from mergekit_ext.methods.chain_of_merges import ChainOfMergesMethod, ChainOfMergesParameters
-from mergekit_ext.methods.guard import guard_group, norm_ratios
+from mergekit_ext.methods.guard import NORM_RATIO_WARN, guard_group, norm_ratios
 from mergekit_ext.methods.kinds import Layerwise
 from mergekit_ext.methods.layerwise import BlockRefinement, BlockToRefine
 from mergekit_ext.methods.registry import MethodInfo, data_aware_method, register_method
@@ -120,6 +122,14 @@ class BlockDistillationParameters(ChainOfMergesParameters):
         "constant",
         description="step size over the steps: constant | cosine (from distill_lr down to 0)",
     )
+    distill_max_norm_ratio: float = Field(
+        NORM_RATIO_WARN,
+        ge=1.0,
+        description="after every step each trained tensor is kept within this multiple of "
+        "the largest expert's Frobenius norm (or of its start's, where CoM's solution is "
+        "further out), by shortening the step back toward the start: by default the range "
+        "the result guard accepts without a warning; .inf: no limit (docs/methods.md)",
+    )
 
     @model_validator(mode="after")
     def _needs_merged_path(self) -> BlockDistillationParameters:
@@ -133,6 +143,17 @@ class BlockDistillationParameters(ChainOfMergesParameters):
 
 def _rms(t: torch.Tensor) -> float:
     return float(t.double().pow(2).mean().sqrt()) if t.numel() else 0.0
+
+
+# The norm limit is met this far inside: the weights are rounded to float32 after the step
+# is shortened, and may be rounded again as written (bfloat16 lifts a norm by ~1e-6
+# relative), while the guard compares the written norm with its warning line exactly.
+_LIMIT_MARGIN = 1e-3
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``⟨a, b⟩`` summed in float64 (the product float32: no float64 copy of a linear)."""
+    return float(a.mul(b).sum(dtype=torch.float64))
 
 
 # A refinement's float32 copies of one block's linears: the start, the base (the step
@@ -179,6 +200,45 @@ class BlockDistillation(BlockRefinement):
     def _correction(parts: list[torch.Tensor]) -> torch.Tensor:
         return parts[0] if len(parts) == 1 else parts[0] @ parts[1]
 
+    def _norm_limits(
+        self, block: BlockToRefine, names: Sequence[str]
+    ) -> dict[str, tuple[float, float]]:
+        """Per trained tensor, ``(limit², ‖start‖²)``: the largest Frobenius norm the steps
+        may give it is ``distill_max_norm_ratio`` times its largest expert's, or its start's
+        where CoM's solution is further out (an explicit ridge): the steps never take a
+        tensor further out than they found it."""
+        limits = {}
+        for n in names:
+            reference = block.expert_norms.get(n, 0.0)
+            limit = self.p.distill_max_norm_ratio * reference * (1.0 - _LIMIT_MARGIN)
+            if reference > 0.0 and math.isfinite(limit):
+                s2 = _dot(block.start[n], block.start[n])
+                limits[n] = (max(limit * limit, s2), s2)
+        return limits
+
+    def _keep_in_range(
+        self,
+        start: dict[str, torch.Tensor],
+        parts: dict[str, list[torch.Tensor]],
+        limits: dict[str, tuple[float, float]],
+    ) -> list[str]:
+        """Shorten each correction ``C`` that took its weight past its limit back along
+        itself to the limit: ``start + α·C`` with ``‖start + α·C‖ = limit`` (``‖start‖ ≤
+        limit``, so ``0 ≤ α < 1``). One rule for both parametrizations (``B·A`` scales with
+        ``B``); the optimizer's moments stay as they are. Returns the tensors shortened."""
+        shortened = []
+        with torch.no_grad():
+            for n, (limit2, s2) in limits.items():
+                correction = self._correction(parts[n])
+                # ‖s + αc‖² = ‖s‖² + 2α⟨s, c⟩ + α²‖c‖², summed in float64 without a wide copy
+                sc, c2 = _dot(start[n], correction), _dot(correction, correction)
+                if s2 + 2.0 * sc + c2 <= limit2:
+                    continue
+                alpha = (-sc + math.sqrt(max(sc * sc - c2 * (s2 - limit2), 0.0))) / c2
+                parts[n][0].mul_(min(max(alpha, 0.0), 1.0))
+                shortened.append(n)
+        return shortened
+
     def memory_bytes(
         self,
         blocks: Sequence[Sequence[tuple[int, ...]]],
@@ -207,6 +267,9 @@ class BlockDistillation(BlockRefinement):
             {"params": [t.requires_grad_(True) for t in parts[n]], "lr": lrs[n]} for n in trained
         ]
         before = block.errors(start)
+        limits = self._norm_limits(block, trained)
+        # per tensor: the steps after which it was shortened back to its limit
+        shortened: dict[str, int] = {}
         losses: list[float] = []
         steps = p.distill_steps * (p.distill_first_block_factor if block.first else 1)
         if groups and steps:
@@ -231,6 +294,10 @@ class BlockDistillation(BlockRefinement):
                         b.grad, a.grad = g @ a.detach().T, b.detach().T @ g
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+                for n in self._keep_in_range(start, parts, limits):
+                    shortened[n] = shortened.get(n, 0) + 1
+                if block.progress is not None:
+                    block.progress(step + 1, steps, losses[-1])
             # the last step's copies go before the refined weights are built (the peak)
             del weights, grads
         refined = {
@@ -262,6 +329,8 @@ class BlockDistillation(BlockRefinement):
             "error_refined": mean_after if losses else None,
             "loss_first": losses[0] if losses else None,
             "loss_last": losses[-1] if losses else None,
+            # tensors the norm limit held back, with the number of steps it did
+            "norm_limited": dict(sorted(shortened.items())),
             "tasks": {
                 t: {"error_before": before[t], "error_after": after[t] if kept else before[t]}
                 for t in before

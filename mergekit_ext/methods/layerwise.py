@@ -349,6 +349,8 @@ class BlockToRefine:
     - ``batches``: the largest number of calibration batches of a task
     - ``first``: whether this is the model's first block (its inputs come from the
       embeddings, which it may train with it: see :attr:`BlockRefinement.trains_pre_block`)
+    - ``progress(done, steps, loss)``: reports the refinement's progress to the user (None:
+      nobody watches), after each of its steps
     The executor runs the block; the method only does tensor arithmetic with these.
     """
 
@@ -361,6 +363,7 @@ class BlockToRefine:
     errors: Callable[[Mapping[str, torch.Tensor]], dict[str, float]]
     batches: int = 1
     first: bool = False
+    progress: Optional[Callable[[int, int, float], None]] = None
 
 
 class BlockRefinement(ABC):
