@@ -216,6 +216,13 @@ ROWS: tuple[MethodRow, ...] = (
         "Block distillation on CoM (no norm limit)",
         {"distill_max_norm_ratio": float("inf")},
     ),
+    # held at ridge: auto's range instead of the guard's warning line (docs/methods.md)
+    MethodRow(
+        "block_distillation_norm_limit_1_5",
+        "block_distillation",
+        "Block distillation on CoM (norm limit 1.5x)",
+        {"distill_max_norm_ratio": 1.5},
+    ),
     MethodRow(
         "qp_diagonal", "qp_projection", "QP projection (diagonal basis)", {"basis": "diagonal"}
     ),
