@@ -814,6 +814,39 @@ def test_run_card_is_the_card_of_the_folder_and_names_no_local_path(
     assert readme.read_text(encoding="utf-8") == written
 
 
+def test_a_failing_card_costs_the_card_never_the_merge(
+    tiny_llama_set, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A card that cannot be rendered (a template error, say) after a merge that may have
+    taken hours: the merge is written without README.md and images/, the warning says how
+    to write the card later, and ``card OUT`` then writes it."""
+    from mergekit_ext.cli import main
+
+    def broken(*args, **kwargs):
+        os.makedirs(os.path.join(args[0], "images"), exist_ok=True)  # half-written plots
+        raise RuntimeError("'dict object' has no attribute 'limited'")
+
+    monkeypatch.chdir(tmp_path)
+    experts = "".join(f"  - model: {e}\n" for e in tiny_llama_set.experts)
+    config = tmp_path / "c.yml"
+    config.write_text(
+        f"merge_method: ace\nbase_model: {tiny_llama_set.base}\nmodels:\n{experts}dtype: float32\n",
+        encoding="utf-8",
+    )
+    monkeypatch.setattr(card_mod, "write_model_card", broken)
+    result = CliRunner().invoke(main, ["run", str(config), "merged"])
+    assert result.exit_code == 0, result.output
+    assert "writing the model card failed (RuntimeError" in result.output
+    assert "mergekit-ext card OUT" in result.output
+    out = tmp_path / "merged"
+    assert (out / "model.safetensors").is_file() and (out / "mergekit_config.yml").is_file()
+    assert not (out / "README.md").exists() and not (out / "images").exists()
+    monkeypatch.undo()
+    result = CliRunner().invoke(card_command, [str(out)])
+    assert result.exit_code == 0, result.output
+    assert "mergekit-ext" in (out / "README.md").read_text(encoding="utf-8")
+
+
 def test_runner_temporary_folder_name(llama_merge: Path, tmp_path: Path) -> None:
     out = tmp_path / ".final-name.partial-abc123"
     shutil.copytree(llama_merge, out)

@@ -8,7 +8,12 @@ runner's ``RunOptions`` (its ``push_to_hub`` and ``hub_*`` fields).
 
 from __future__ import annotations
 
+import logging
+import os
+import shutil
 from typing import Any, Optional
+
+LOG = logging.getLogger(__name__)
 
 
 class HubActions:
@@ -40,11 +45,25 @@ class HubActions:
         diagnostics: dict[str, Any],
     ) -> None:
         """README.md into the merge's temporary folder (nothing of the user's to keep),
-        rendered from the run's config, config copy and diagnostics in memory."""
+        rendered from the run's config, config copy and diagnostics in memory. A failure
+        costs the card, never the merge (it may have taken hours): the merge is written
+        without README.md and images/, and the warning says how to write them later."""
         from mergekit_ext.hub.card import MergeInMemory, write_model_card
 
         merge = MergeInMemory(config, config_text, diagnostics)
-        write_model_card(folder, name=name, repo_id=repo_id, force=True, merge=merge)
+        try:
+            write_model_card(folder, name=name, repo_id=repo_id, force=True, merge=merge)
+        except Exception as e:  # noqa: BLE001 (a template or plot error: keep the merge)
+            # no half-written card or plots beside the merge (its own temporary folder)
+            shutil.rmtree(os.path.join(folder, "images"), ignore_errors=True)
+            if os.path.isfile(os.path.join(folder, "README.md")):
+                os.remove(os.path.join(folder, "README.md"))
+            LOG.warning(
+                "writing the model card failed (%s: %s); the merge is written without one — "
+                "write it later with `mergekit-ext card OUT`",
+                type(e).__name__,
+                e,
+            )
 
     def publish(self, out_path: str, run: Any) -> str:
         """Upload ``out_path`` to ``run.push_to_hub`` in one commit; returns the line that
