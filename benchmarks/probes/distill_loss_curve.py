@@ -6,10 +6,12 @@ wrapped, so that every step's task losses are recorded; after each block it writ
 the calibration error before and after) and prints the mean loss of each pass over the
 calibration batches (``--pass-steps`` steps, the batches of a task). ``--blocks N`` stops the
 merge after N blocks (nothing is written to OUT then): the first blocks are what a schedule or
-step-size question needs, at a fraction of a whole merge's time.
+step-size question needs, at a fraction of a whole merge's time. ``--errors-every N`` also
+measures the block's calibration error (all batches, the weights as written: what
+``distill_min_gain`` and ``distill_stop_early`` decide on) after every N steps.
 
     python -m benchmarks.probes.distill_loss_curve CONFIG OUT --json curve.json \\
-        [--blocks 2] [--pass-steps 8]
+        [--blocks 2] [--pass-steps 8] [--errors-every 50]
 
 The schedule measurements of docs/methods.md ("The step-size schedule on an LM") are this
 probe on lm_full's block-distillation YAML with ``distill_schedule`` / ``distill_lr`` set.
@@ -44,6 +46,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--json", required=True, help="write the per-block records here")
     parser.add_argument("--blocks", type=int, default=None, help="stop after this many blocks")
     parser.add_argument("--pass-steps", type=int, default=8, help="steps per printed mean")
+    parser.add_argument(
+        "--errors-every", type=int, default=0, help="the calibration error every N steps (0: no)"
+    )
     args = parser.parse_args(argv)
 
     import mergekit_ext.methods.block_distillation as bd
@@ -54,9 +59,13 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     def recording(self: Any, block: Any) -> Any:
         losses: list[float] = []
+        errors: list[tuple[int, float]] = []  # (steps taken, mean calibration error)
         gradient = block.gradient
 
         def step(weights: Any, index: int) -> Any:
+            if args.errors_every and index and index % args.errors_every == 0:
+                measured = block.errors(weights)
+                errors.append((index, sum(measured.values()) / max(len(measured), 1)))
             grads, task_losses = gradient(weights, index)
             losses.append(sum(task_losses) / max(len(task_losses), 1))
             return grads, task_losses
@@ -68,12 +77,16 @@ def main(argv: Optional[list[str]] = None) -> None:
             "seconds": time.perf_counter() - start,
             "error_before": result[1]["error_before"],
             "error_refined": result[1].get("error_refined"),
+            "steps": result[1].get("steps"),
+            "errors": errors,
             "losses": losses,
         }
         records.append(record)
         with open(args.json, "w", encoding="utf-8") as fp:
             json.dump(records, fp)
         means = ", ".join(f"{m:.3g}" for m in pass_means(losses, args.pass_steps))
+        if errors:
+            means += "; errors: " + ", ".join(f"{i}: {e:.4g}" for i, e in errors)
         print(
             f"{block.name}: {len(losses)} steps in {record['seconds']:.1f}s, error "
             f"{record['error_before']:.4g} -> {record['error_refined']}; pass means: {means}",
