@@ -11,6 +11,7 @@ bfloat16 path on float32 master weights, clear errors for bad values.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -243,12 +244,57 @@ def test_same_bytes_twice_and_zero_steps_is_com(tiny_llama_set, tmp_path):
     assert all(torch.equal(a[n], b[n]) for n in a)
 
 
+def test_checkpoints_keep_the_lowest_measured_error(tiny_llama_set, tmp_path, monkeypatch):
+    one = {**FEW, "distill_first_block_factor": 1, "distill_min_gain": 0}  # 12 steps a block
+    plain = _merge(tmp_path, tiny_llama_set, 2, METHOD, one, "plain")
+    # every step measured: on the tiny models the error falls at every step, so the last
+    # step's weights stay the result and the measurements change nothing of the steps
+    every = {**one, "distill_checkpoints": 11}
+    measured = _merge(tmp_path, tiny_llama_set, 2, METHOD, every, "measured")
+    a = load_file(os.path.join(plain, "model.safetensors"))
+    b = load_file(os.path.join(measured, "model.safetensors"))
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert [x["best_step"] for x in _diagnostics(measured, METHOD)["blocks"]] == [12, 12]
+
+    # the first block's error after step 5 reported lowest: its weights after step 5 are
+    # the result, the bytes of a merge that stops there
+    refine = bd.BlockDistillation.refine
+    seen: list[int] = []
+
+    def spy(self, block):
+        errors = block.errors
+
+        def low_after_five(weights):
+            seen.append(1)
+            out = errors(weights)
+            # calls: the start's, steps 1-11 (the sixth call: after step 5), the end's
+            return {t: e * 0.01 for t, e in out.items()} if len(seen) == 6 else out
+
+        return refine(self, dataclasses.replace(block, errors=low_after_five))
+
+    monkeypatch.setattr(bd.BlockDistillation, "refine", spy)
+    fifth = _merge(tmp_path, tiny_llama_set, 2, METHOD, every, "fifth")
+    monkeypatch.setattr(bd.BlockDistillation, "refine", refine)
+    blocks = _diagnostics(fifth, METHOD)["blocks"]
+    assert (blocks[0]["best_step"], blocks[0]["kept"], blocks[0]["steps"]) == (5, "refined", 12)
+    five = _merge(tmp_path, tiny_llama_set, 2, METHOD, {**one, "distill_steps": 5}, "five")
+    c = load_file(os.path.join(fifth, "model.safetensors"))
+    d = load_file(os.path.join(five, "model.safetensors"))
+    layer0 = [n for n in c if ".layers.0." in n]
+    assert layer0 and all(torch.equal(c[n], d[n]) for n in layer0)
+    assert not all(torch.equal(c[n], a[n]) for n in layer0)
+    card = " ".join(open(os.path.join(fifth, "README.md"), encoding="utf-8").read().split())
+    assert "In 1 kept blocks the result is the lowest-error weights measured" in card, card
+    card = " ".join(open(os.path.join(measured, "README.md"), encoding="utf-8").read().split())
+    assert "the result is the lowest-error" not in card
+
+
 @pytest.mark.parametrize("set_name", ["tiny_llama_set", "tiny_bert_set"])
 def test_two_processes_write_the_bytes_of_one(request, set_name, tmp_path):
     # a few steps: every step passes the gradient sums between the ranks (BERT: the
     # embeddings' too, trained with the first block)
     tiny = request.getfixturevalue(set_name)
-    steps = {**FEW, "distill_steps": 4}
+    steps = {**FEW, "distill_steps": 4, "distill_checkpoints": 2}  # the errors measured too
     config = _write_config(str(tmp_path), METHOD, tiny.base, list(tiny.experts[:3]), steps)
     reference = str(tmp_path / "one" / "merged")
     _single_process(config, reference)
@@ -305,6 +351,7 @@ def test_bf16_compute_trains_float32_master_weights(tiny_llama_set, tmp_path, mo
         ({"distill_embeddings": "some"}, "distill_embeddings"),
         ({"distill_embeddings": 2}, "distill_embeddings"),
         ({"distill_vectors": "norms"}, "distill_vectors"),
+        ({"distill_checkpoints": -1}, "distill_checkpoints"),
         ({"distill_first_block_factor": 0}, "distill_first_block_factor"),
         ({"distill_first_block_factor": 101}, "distill_first_block_factor"),
         ({"distill_first_block_factor": 1.5}, "distill_first_block_factor"),
@@ -357,6 +404,7 @@ def test_good_values_are_accepted_and_listed():
         "distill_first_block_factor",
         "distill_min_gain",
         "distill_max_norm_ratio",
+        "distill_checkpoints",
     } <= names
     assert listed[METHOD]["needs_calibration"]
 

@@ -223,6 +223,13 @@ ROWS: tuple[MethodRow, ...] = (
         "Block distillation on CoM (norm limit 1.5x)",
         {"distill_max_norm_ratio": 1.5},
     ),
+    # the lowest-error weights of 7 measured points and the end (the constant step oscillates)
+    MethodRow(
+        "block_distillation_checkpoints_7",
+        "block_distillation",
+        "Block distillation on CoM (lowest error of 8 points)",
+        {"distill_checkpoints": 7},
+    ),
     MethodRow(
         "qp_diagonal", "qp_projection", "QP projection (diagonal basis)", {"basis": "diagonal"}
     ),

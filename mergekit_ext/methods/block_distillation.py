@@ -118,6 +118,16 @@ class BlockDistillationParameters(ChainOfMergesParameters):
         "a smaller gain is within what the steps change on inputs the calibration data does "
         "not cover (docs/methods.md)",
     )
+    distill_checkpoints: int = Field(
+        0,
+        ge=0,
+        le=10_000,
+        description="measure the block's calibration error (the weights as written) at this "
+        "many evenly spaced points of its steps and keep the lowest-error weights among "
+        "them and the end's: under the constant step the error oscillates (docs/methods.md); "
+        "costs one error pass per point and one more copy of the block's linears; 0: the "
+        "end's weights",
+    )
     distill_schedule: Schedule = Field(
         "constant",
         description="step size over the steps: constant | cosine (from distill_lr down to 0)",
@@ -196,6 +206,15 @@ class BlockDistillation(BlockRefinement):
                 parts[n] = [torch.zeros(w.shape[0], r), (a / math.sqrt(w.shape[1])).to(w.device)]
         return parts, lrs
 
+    def _weights(
+        self, start: dict[str, torch.Tensor], parts: dict[str, list[torch.Tensor]]
+    ) -> dict[str, torch.Tensor]:
+        """The trained tensors now: the start plus each correction (float32)."""
+        return {
+            n: (start[n] + self._correction([t.detach() for t in parts[n]])).contiguous()
+            for n in start
+        }
+
     @staticmethod
     def _correction(parts: list[torch.Tensor]) -> torch.Tensor:
         return parts[0] if len(parts) == 1 else parts[0] @ parts[1]
@@ -256,7 +275,9 @@ class BlockDistillation(BlockRefinement):
             linear = max(linear, sum(math.prod(int(d) for d in s) for s in shapes) * 4)
             graph = max(graph, sum(int(s[0]) + int(s[-1]) for s in shapes) * 4 * 2)
         targets = merged_hidden if self.target == "merged_path" else 0
-        return REFINE_LINEAR_COPIES * linear + targets + graph * batch_positions
+        # distill_checkpoints: the lowest-error weights measured so far, one more copy
+        copies = REFINE_LINEAR_COPIES + (1 if self.p.distill_checkpoints else 0)
+        return copies * linear + targets + graph * batch_positions
 
     def refine(self, block: BlockToRefine) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         p = self.p
@@ -272,6 +293,13 @@ class BlockDistillation(BlockRefinement):
         shortened: dict[str, int] = {}
         losses: list[float] = []
         steps = p.distill_steps * (p.distill_first_block_factor if block.first else 1)
+        # the steps after which the error is measured (distill_checkpoints), the end's apart
+        points = {
+            steps * i // (p.distill_checkpoints + 1) for i in range(1, p.distill_checkpoints + 1)
+        }
+        points.discard(0)
+        # the lowest-error weights measured so far: (mean error, step, errors, weights)
+        best: tuple[float, int, dict[str, float], dict[str, torch.Tensor]] | None = None
         if groups and steps:
             optimizer = torch.optim.Adam(groups)
             for step in range(steps):
@@ -281,9 +309,7 @@ class BlockDistillation(BlockRefinement):
                     factor = 0.5 * (1.0 + math.cos(math.pi * step / steps))
                     for group, n in zip(optimizer.param_groups, trained):
                         group["lr"] = lrs[n] * factor
-                weights = {
-                    n: start[n] + self._correction([t.detach() for t in parts[n]]) for n in start
-                }
+                weights = self._weights(start, parts)
                 grads, task_losses = block.gradient(weights, step)
                 losses.append(sum(task_losses) / max(len(task_losses), 1))
                 for n, g in grads.items():
@@ -298,15 +324,24 @@ class BlockDistillation(BlockRefinement):
                     shortened[n] = shortened.get(n, 0) + 1
                 if block.progress is not None:
                     block.progress(step + 1, steps, losses[-1])
+                if step + 1 in points and step + 1 < steps:
+                    del weights, grads  # as at the end: the measured copy is the peak
+                    now = self._weights(start, parts)
+                    errors = block.errors(now)
+                    mean = sum(errors.values()) / max(len(errors), 1)
+                    if best is None or mean < best[0]:
+                        best = (mean, step + 1, errors, now)
+                    del now
             # the last step's copies go before the refined weights are built (the peak)
             del weights, grads
-        refined = {
-            n: (start[n] + self._correction([t.detach() for t in parts[n]])).contiguous()
-            for n in start
-        }
+        refined = self._weights(start, parts)
         after = block.errors(refined) if losses else dict(before)
         mean_before = sum(before.values()) / max(len(before), 1)
         mean_after = sum(after.values()) / max(len(after), 1)
+        best_step = len(losses)
+        if best is not None and best[0] < mean_after:  # ties: the end's weights
+            mean_after, best_step, after, refined = best
+        best = None
         # kept only where it helps on the calibration data (as written) by a margin: on
         # low-diversity calibration the steps found no gain there (≤ 1%) yet moved the model
         # on held-out text away from CoM's solution (docs/methods.md)
@@ -320,6 +355,9 @@ class BlockDistillation(BlockRefinement):
         )
         diagnostics = {
             "steps": len(losses),
+            # the step whose weights the steps' result is (distill_checkpoints: the lowest
+            # measured error; else the last)
+            "best_step": best_step,
             "trained": p.distill_train,
             "target": p.distill_target,
             "kept": "refined" if kept else "start",

@@ -37,6 +37,13 @@ def summarize_distillation(section: Mapping[str, Any], parameters: Any = None) -
         "limited": sum(
             len(b.get("norm_limited") or {}) for b in blocks if b.get("kept") == "refined"
         ),
+        # kept blocks whose result is a measured point before the last step (distill_checkpoints)
+        "earlier": sum(
+            1
+            for b in blocks
+            if b.get("kept") == "refined"
+            and int(b.get("best_step", b.get("steps")) or 0) < int(b.get("steps") or 0)
+        ),
         "error_before": sum(before) / len(before) if before else math.nan,
         "error_after": sum(after) / len(after) if after else math.nan,
         "worst": (
