@@ -8,7 +8,7 @@ calibration batches (``--pass-steps`` steps, the batches of a task). ``--blocks 
 merge after N blocks (nothing is written to OUT then): the first blocks are what a schedule or
 step-size question needs, at a fraction of a whole merge's time. ``--errors-every N`` also
 measures the block's calibration error (all batches, the weights as written: what
-``distill_min_gain`` and ``distill_stop_early`` decide on) after every N steps.
+``distill_min_gain`` and ``distill_checkpoints`` decide on) after every N steps.
 
     python -m benchmarks.probes.distill_loss_curve CONFIG OUT --json curve.json \\
         [--blocks 2] [--pass-steps 8] [--errors-every 50]
