@@ -7,7 +7,10 @@ texts, each on its own path (the residual stream after block ``l``: transformers
 ``error_before`` / ``error_after`` measure it (expert-path targets), split into the first
 position (where causal LMs keep their "attention sink", a hidden state many times the norm
 of the others) and the rest: whether an error that a block's steps cannot lower is carried by
-one token or by all. Texts one at a time (no padding), float32.
+one token or by all. Texts one at a time (no padding), float32. It reads the first
+``--samples`` lines of each file, not the merge's seeded sample: the same texts where the file
+holds no more lines than the merge's ``samples`` (the benchmark suites' calibration files:
+64 lines, ``samples: 64``).
 
     python -m benchmarks.probes.block_error_by_position MERGED \\
         --expert TASK=DIR --texts TASK=FILE.jsonl [--field text] [--samples 64] \\
