@@ -16,6 +16,7 @@ import json
 import os
 import random
 import re
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -67,9 +68,18 @@ def _held_out_texts(seed: int) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 12))) for _ in range(6)]
 
 
-def _block_errors(merged_dir: str, expert_dirs: list[str], arch: str) -> list[float]:
-    """Per block and task: ‖f(X) − f_k(X)‖ / ‖f_k(X)‖ on held-out texts, X the merged
-    model's own block inputs (its merged path), f_k expert k's block on the same call."""
+def _block_errors(
+    merged_dir: str,
+    expert_dirs: list[str],
+    arch: str,
+    texts: Callable[[int], list[str]] = lambda k: _held_out_texts(k),
+    equal: bool = False,
+    max_length: int | None = None,
+) -> list[float]:
+    """Per task and block: ‖f(X) − f_k(X)‖ / ‖f_k(X)‖ on task k's ``texts`` (held-out by
+    default), X the merged model's own block inputs (its merged path), f_k expert k's block
+    on the same call; ``equal``: the square root of the mean over tokens of
+    ‖f(x_t) − f_k(x_t)‖² / ‖f_k(x_t)‖² instead (distill_token_weight: equal)."""
     cls = getattr(transformers, arch)
     merged = cls.from_pretrained(merged_dir).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(merged_dir)
@@ -84,7 +94,8 @@ def _block_errors(merged_dir: str, expert_dirs: list[str], arch: str) -> list[fl
 
         handles = [b.register_forward_hook(record, with_kwargs=True) for b in blocks]
         with torch.no_grad():
-            batch = tokenizer(_held_out_texts(k), return_tensors="pt", padding=True)
+            truncate = {"truncation": True, "max_length": max_length} if max_length else {}
+            batch = tokenizer(texts(k), return_tensors="pt", padding=True, **truncate)
             # no cache: the recorded calls are replayed through the experts' blocks
             merged(**batch, **({"use_cache": False} if "Llama" in arch else {}))
             for h in handles:
@@ -93,8 +104,11 @@ def _block_errors(merged_dir: str, expert_dirs: list[str], arch: str) -> list[fl
             for i, (args, kwargs, out) in enumerate(calls):
                 target = expert_blocks[i](*args, **kwargs)
                 target = target[0] if isinstance(target, tuple) else target
-                diff = (out - target).pow(2).sum(-1)[mask].sum()
-                errors.append(float((diff / target.pow(2).sum(-1)[mask].sum()).sqrt()))
+                diff, energy = (out - target).pow(2).sum(-1)[mask], target.pow(2).sum(-1)[mask]
+                if equal:
+                    errors.append(float((diff / energy).mean().sqrt()))
+                else:
+                    errors.append(float((diff.sum() / energy.sum()).sqrt()))
     return errors
 
 
@@ -146,6 +160,68 @@ def test_distillation_lowers_the_block_error_below_com(request, set_name, tmp_pa
     # distill_vectors is off by default)
     assert changed and all(n.endswith(".weight") and "norm" not in n.lower() for n in changed)
     assert not any("embed" in n for n in changed), changed
+
+
+@pytest.mark.parametrize("token_weight", ["energy", "equal"])
+def test_the_block_error_weighs_tokens_as_asked(tiny_llama_set, tmp_path, token_weight):
+    """The error each block reports (distill_min_gain's measure, the diagnostics) is the
+    one ``distill_token_weight`` names, recomputed here with transformers' own blocks on
+    the calibration texts: energy, the error's share of the targets' energy over all
+    tokens; equal, each token's relative error, averaged over the tokens."""
+    params = {"distill_steps": 0, "distill_target": "merged_path"}
+    out = _merge(
+        tmp_path, tiny_llama_set, 2, METHOD, {**params, "distill_token_weight": token_weight}, "m"
+    )
+    blocks = _diagnostics(out, METHOD)["blocks"]
+    assert [b["token_weight"] for b in blocks] == [token_weight] * len(blocks)
+
+    def calibration(k: int) -> list[str]:
+        path = tmp_path / "m" / f"t{k}.jsonl"
+        return [json.loads(line)["text"] for line in path.read_text().splitlines()]
+
+    experts = list(tiny_llama_set.experts[:2])
+    both = {
+        equal: _block_errors(
+            out, experts, tiny_llama_set.architecture, calibration, equal, max_length=16
+        )
+        for equal in (False, True)
+    }
+    mine, other = both[token_weight == "equal"], both[token_weight != "equal"]
+    reported = [b["tasks"][f"task{k}"]["error_before"] for k in range(2) for b in blocks]
+    assert reported == pytest.approx(mine, rel=1e-4)
+    # the two measures differ on these models: the recomputation tells them apart
+    assert reported != pytest.approx(other, rel=1e-2)
+
+
+def test_equal_token_weight_is_each_tokens_relative_error():
+    """``distill_token_weight: equal`` on a batch whose first token holds almost all of
+    the target's energy (an LLM's attention sink): its error no longer decides the loss."""
+    from mergekit_ext.executor import refine
+
+    gen = torch.Generator().manual_seed(0)
+    target = torch.randn(2, 5, 8, generator=gen)
+    target[:, 0] *= 100.0  # the sink: 10^4 times the other tokens' energy
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    mask[1, 3:] = False  # padding: never counted
+    diff = 0.1 * torch.randn(2, 5, 8, generator=gen)
+    diff[:, 0] *= 10.0
+    relative = [
+        float(diff[b, t].pow(2).sum() / target[b, t].pow(2).sum())
+        for b in range(2)
+        for t in range(5)
+        if mask[b, t]
+    ]
+    scale = refine._token_scale(target, mask)
+    equal = refine._squared_error(diff, mask, scale) / refine._token_count(target, mask)
+    assert float(equal) == pytest.approx(sum(relative) / len(relative), rel=1e-5)
+    energy = refine._squared_error(diff, mask) / refine._squared_error(target, mask)
+    # energy: the sink's relative error (about 10^-4 of its energy) and little else
+    sink = float(diff[:, 0].pow(2).sum() / target[:, 0].pow(2).sum())
+    assert float(energy) == pytest.approx(sink, rel=0.05)
+    assert float(equal) > 10 * float(energy)
+    # a zero target row weighs as a floor of the batch's mean energy, never infinitely
+    target[0, 2] = 0.0
+    assert torch.isfinite(refine._token_scale(target, mask)).all()
 
 
 def _feature_errors(merged_dir: str, expert_dirs: list[str], arch: str) -> list[float]:

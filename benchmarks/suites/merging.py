@@ -230,6 +230,13 @@ ROWS: tuple[MethodRow, ...] = (
         "Block distillation on CoM (lowest error of 8 points)",
         {"distill_checkpoints": 7},
     ),
+    # each token's relative error counts once: an LLM's attention sink no longer dominates
+    MethodRow(
+        "block_distillation_token_equal",
+        "block_distillation",
+        "Block distillation on CoM (tokens weighted equally)",
+        {"distill_token_weight": "equal"},
+    ),
     MethodRow(
         "qp_diagonal", "qp_projection", "QP projection (diagonal basis)", {"basis": "diagonal"}
     ),

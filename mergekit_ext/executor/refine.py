@@ -10,7 +10,8 @@ expert computes; the executor's expert pass of the block already holds them, Pro
 ``"merged_path"`` (the default) each expert block applied to the task's merged-path inputs
 (the same inputs the merged block sees: the block's own error alone). The loss of task k
 on one calibration batch is ``‖f(X) − Y_k‖² / ‖Y_k‖²`` over its non-padding tokens (``Y_k``
-the target), and the gradient of ``Σ_k ω_k L_k`` (``ω_k = 1/K``) reaches the method with
+the target; with the refinement's ``token_weight: equal`` the mean over those tokens of
+``‖f(x_t) − y_t‖² / ‖y_t‖²``), and the gradient of ``Σ_k ω_k L_k`` (``ω_k = 1/K``) reaches the method with
 the tasks' terms added in task order: the sum passes from the rank of task k to that of
 task k+1, as the executor's reductions pass their sums, and the last holder broadcasts it,
 so W processes compute the bits of one (docs/methods.md, "Block-wise distillation").
@@ -96,12 +97,39 @@ class RefiningExecutor(Protocol):
         """Write a merged tensor; returns it as the saved model holds it."""
 
 
-def _squared_error(diff: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """``Σ ‖row‖²`` over the non-padding tokens of ``diff`` (``[B, T, H]``)."""
+def _squared_error(
+    diff: torch.Tensor, mask: Optional[torch.Tensor], scale: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """``Σ_t s_t ‖row_t‖²`` over the non-padding tokens of ``diff`` (``[B, T, H]``);
+    ``scale`` (``[B, T]``): ``s_t``, 1 where not given."""
     per_token = diff.pow(2).sum(-1)
+    if scale is not None:
+        per_token = per_token * scale
     if mask is not None and mask.shape == per_token.shape:
         per_token = per_token[mask]
     return per_token.sum()
+
+
+#: A target token's energy below this fraction of the batch's mean per-token energy counts
+#: as this fraction (``token_weight: equal``): a near-zero row (none seen in the suites' models)
+#: would otherwise weigh without bound.
+_MIN_TOKEN_ENERGY = 1e-6
+
+
+def _token_scale(target: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """``1 / ‖y_t‖²`` per token of ``target`` (``[B, T, H]``), the padding's excluded from
+    the mean that bounds it: each token's error relative to its own target."""
+    energy = target.detach().float().pow(2).sum(-1)
+    real = energy[mask] if mask is not None and mask.shape == energy.shape else energy
+    floor = real.mean().clamp_min(1e-30) * _MIN_TOKEN_ENERGY
+    return 1.0 / energy.clamp_min(floor)
+
+
+def _token_count(target: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """The non-padding tokens of ``target`` (``[B, T, H]``), as a float32 scalar."""
+    if mask is not None and mask.shape == target.shape[:-1]:
+        return mask.sum().to(torch.float32)
+    return torch.tensor(float(target.shape[0] * target.shape[1]))
 
 
 class BlockDistillation:
@@ -115,6 +143,7 @@ class BlockDistillation:
         expert_blocks: list[dict[str, torch.Tensor]],
         merged: dict[str, torch.Tensor],
         target: str = "merged_path",
+        token_weight: str = "energy",
         vectors: Sequence[str] = (),
         pre_block: Optional[dict[str, torch.Tensor]] = None,
         pre_trained: Sequence[str] = (),
@@ -147,7 +176,10 @@ class BlockDistillation:
         self.held = {s.index: s for s in ex.held_states}
         self.target = target
         self.targets: dict[int, list[torch.Tensor]] = {}
+        # per batch, the error's denominator: ‖Y_k‖² (energy) or the token count (equal,
+        # each token's error scaled by 1/‖y_t‖², self.scales)
         self.energies: dict[int, list[torch.Tensor]] = {}
+        self.scales: dict[int, list[Optional[torch.Tensor]]] = {}
         for k, state in self.held.items():
             if target == "expert_path":
                 # expert k's block output on its own path: the executor's expert pass of
@@ -167,7 +199,12 @@ class BlockDistillation:
                     for b, hidden in enumerate(state.merged_hidden)
                 ]
             self.targets[k] = outs
-            self.energies[k] = [_squared_error(y, state.masks[b]) for b, y in enumerate(outs)]
+            if token_weight == "equal":
+                self.scales[k] = [_token_scale(y, state.masks[b]) for b, y in enumerate(outs)]
+                self.energies[k] = [_token_count(y, state.masks[b]) for b, y in enumerate(outs)]
+            else:
+                self.scales[k] = [None] * len(outs)
+                self.energies[k] = [_squared_error(y, state.masks[b]) for b, y in enumerate(outs)]
         # max_k ‖W_k‖_F per linear over every task (the max of the ranks' maxima: exact)
         # the trained tensors before the block: the base's, each held expert's (small)
         self.pre_base = {n: ex.base.load(n, ex.device) for n in self.pre}
@@ -261,7 +298,9 @@ class BlockDistillation:
         leaves = {n: weights[n].detach().requires_grad_(True) for n in self.names}
         with torch.enable_grad():
             out = self._forward(self._params(leaves), k, b, leaves)
-            error = _squared_error(out - self.targets[k][b], self.held[k].masks[b])
+            error = _squared_error(
+                out - self.targets[k][b], self.held[k].masks[b], self.scales[k][b]
+            )
             loss = error / self.energies[k][b].clamp_min(1e-30)
             # allow_unused: a tensor before the block that this input does not reach (a
             # token-type table of one type) gets a zero gradient
@@ -326,7 +365,11 @@ class BlockDistillation:
             energy = torch.zeros((), dtype=torch.float64)
             for b, target in enumerate(self.targets[k]):
                 out = self._forward(params, k, b, written)
-                error += _squared_error(out - target, self.held[k].masks[b]).double().cpu()
+                error += (
+                    _squared_error(out - target, self.held[k].masks[b], self.scales[k][b])
+                    .double()
+                    .cpu()
+                )
                 energy += self.energies[k][b].double().cpu()
             mine[k] = float((error / energy.clamp_min(1e-300)).sqrt())
         every = self._everyones(mine)
@@ -335,6 +378,7 @@ class BlockDistillation:
     def close(self) -> None:
         self.targets.clear()
         self.energies.clear()
+        self.scales.clear()
 
 
 def refine_block(
@@ -361,6 +405,7 @@ def refine_block(
         expert_blocks,
         merged,
         refinement.target,
+        refinement.token_weight,
         vectors,
         pre_block,
         pre_trained,

@@ -7,7 +7,10 @@ layer's output on the same inputs, with a few unlabeled samples per task. Here e
 starts from Chain of Merges' closed-form solution (``chain_of_merges.py``: the same
 statistics, solve and result guard), then takes ``distill_steps`` Adam steps on
 
-    Σ_k ω_k ‖f(X_k) − Y_k‖² / ‖Y_k‖²,   ω_k = 1/K,
+    Σ_k ω_k ‖f(X_k) − Y_k‖² / ‖Y_k‖²,   ω_k = 1/K
+
+(``distill_token_weight: equal``: each task's term the mean over tokens of
+``‖f(x_t) − y_t‖² / ‖y_t‖²`` instead),
 
 ``f`` the merged block, ``X_k`` task k's merged-path inputs (one calibration batch per task
 and step, in turn), ``Y_k`` the target: expert k's block on expert k's own-path inputs
@@ -51,6 +54,7 @@ LOG = logging.getLogger(__name__)
 Trained = Literal["weights", "lowrank"]
 Target = Literal["expert_path", "merged_path"]
 Schedule = Literal["constant", "cosine"]
+TokenWeight = Literal["energy", "equal"]
 
 
 class BlockDistillationParameters(ChainOfMergesParameters):
@@ -94,6 +98,14 @@ class BlockDistillationParameters(ChainOfMergesParameters):
         "path's inputs, the expert's real features: each block also corrects the drift of "
         "the merged blocks below it, ProDistill's dual inputs) | merged_path (expert k's "
         "block on the merged block's inputs: the block's own error only)",
+    )
+    distill_token_weight: TokenWeight = Field(
+        "energy",
+        description="how the block-output error (the loss, distill_min_gain's measure and the "
+        "diagnostics) weighs a batch's tokens: energy (‖f(X) − Y‖² / ‖Y‖², each token by "
+        "its share of ‖Y‖²: in an LLM's middle blocks the first position, the attention "
+        "sink, holds most of it) | equal (each token's ‖f(x_t) − y_t‖² / ‖y_t‖², averaged) "
+        "(docs/methods.md)",
     )
     distill_embeddings: bool = Field(
         True,
@@ -181,6 +193,7 @@ class BlockDistillation(BlockRefinement):
         self.method = method
         # read by the executor (executor/refine.py) when it builds each block's targets
         self.target: str = p.distill_target
+        self.token_weight: str = p.distill_token_weight
         # read by the executor: the first block also trains the embeddings before it
         self.trains_pre_block = p.distill_embeddings and p.distill_target == "expert_path"
         self.trains_vectors = p.distill_vectors
@@ -360,6 +373,7 @@ class BlockDistillation(BlockRefinement):
             "best_step": best_step,
             "trained": p.distill_train,
             "target": p.distill_target,
+            "token_weight": p.distill_token_weight,
             "kept": "refined" if kept else "start",
             "error_before": mean_before,
             "error_after": mean_after if kept else mean_before,

@@ -381,6 +381,13 @@ class BlockRefinement(ABC):
     #: on its own path (the expert's features: the block also corrects the drift below it).
     target: str = "merged_path"
 
+    #: How the block-output error weighs a batch's tokens: ``"energy"``,
+    #: ``‖f(X) − Y‖² / ‖Y‖²`` over them (each token by its share of ``‖Y‖²``); ``"equal"``,
+    #: the mean over tokens of ``‖f(x_t) − y_t‖² / ‖y_t‖²`` (each token once: in an LLM
+    #: the first position, the attention sink, holds most of ``‖Y‖²`` from the middle
+    #: blocks on, and under ``"energy"`` most of the loss).
+    token_weight: str = "energy"
+
     #: Whether the first block's refinement also trains the tensors before it (the
     #: executor's choice of which: the embeddings but an LM's token table); they then come
     #: in ``start``/``base``/``expert_norms``/``gradient`` beside the block's linears.
