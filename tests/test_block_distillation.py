@@ -191,6 +191,8 @@ def test_the_block_error_weighs_tokens_as_asked(tiny_llama_set, tmp_path, token_
     assert reported == pytest.approx(mine, rel=1e-4)
     # the two measures differ on these models: the recomputation tells them apart
     assert reported != pytest.approx(other, rel=1e-2)
+    card = " ".join(open(os.path.join(out, "README.md"), encoding="utf-8").read().split())
+    assert ("each token's own, averaged" in card) == (token_weight == "equal"), card
 
 
 def test_equal_token_weight_is_each_tokens_relative_error():

@@ -33,6 +33,10 @@ def summarize_distillation(section: Mapping[str, Any], parameters: Any = None) -
         "embeddings": sorted((blocks[0].get("pre_block") or {}) if blocks else []),
         # older records have no target: theirs was the merged path's
         "target": next((b.get("target") for b in blocks if b.get("target")), "merged_path"),
+        # older records have no token weight: theirs weighed tokens by their energy
+        "token_weight": next(
+            (b.get("token_weight") for b in blocks if b.get("token_weight")), "energy"
+        ),
         # tensors the norm limit (distill_max_norm_ratio) held back in a kept block
         "limited": sum(
             len(b.get("norm_limited") or {}) for b in blocks if b.get("kept") == "refined"
