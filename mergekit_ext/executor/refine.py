@@ -97,6 +97,12 @@ class RefiningExecutor(Protocol):
         """Write a merged tensor; returns it as the saved model holds it."""
 
 
+def _real_tokens(mask: Optional[torch.Tensor], per_token: torch.Tensor) -> Optional[torch.Tensor]:
+    """``mask`` where it marks ``per_token``'s (``[B, T]``) non-padding tokens, else None
+    (inputs without a padding mask, pixel batches: every position counts)."""
+    return mask if mask is not None and mask.shape == per_token.shape else None
+
+
 def _squared_error(
     diff: torch.Tensor, mask: Optional[torch.Tensor], scale: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
@@ -105,9 +111,8 @@ def _squared_error(
     per_token = diff.pow(2).sum(-1)
     if scale is not None:
         per_token = per_token * scale
-    if mask is not None and mask.shape == per_token.shape:
-        per_token = per_token[mask]
-    return per_token.sum()
+    real = _real_tokens(mask, per_token)
+    return (per_token[real] if real is not None else per_token).sum()
 
 
 #: A target token's energy below this fraction of the batch's mean per-token energy counts
@@ -120,15 +125,17 @@ def _token_scale(target: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Te
     """``1 / ‖y_t‖²`` per token of ``target`` (``[B, T, H]``), the padding's excluded from
     the mean that bounds it: each token's error relative to its own target."""
     energy = target.detach().float().pow(2).sum(-1)
-    real = energy[mask] if mask is not None and mask.shape == energy.shape else energy
-    floor = real.mean().clamp_min(1e-30) * _MIN_TOKEN_ENERGY
+    real = _real_tokens(mask, energy)
+    floor = (energy[real] if real is not None else energy).mean().clamp_min(1e-30)
+    floor = floor * _MIN_TOKEN_ENERGY
     return 1.0 / energy.clamp_min(floor)
 
 
 def _token_count(target: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
     """The non-padding tokens of ``target`` (``[B, T, H]``), as a float32 scalar."""
-    if mask is not None and mask.shape == target.shape[:-1]:
-        return mask.sum().to(torch.float32)
+    real = _real_tokens(mask, target[..., 0])
+    if real is not None:
+        return real.sum().to(torch.float32)
     return torch.tensor(float(target.shape[0] * target.shape[1]))
 
 
